@@ -1,0 +1,204 @@
+"""The worker's connection to the nodes: one I/O thread owning every socket.
+
+ZeroMQ sockets are not thread-safe, so one thread owns a DEALER per node. The
+training thread (and autograd threads running gradient hooks) hand it frames
+through a queue and wake it through a pipe; it sends without blocking (a full
+high-water mark leaves the message queued, and receiving goes on) and files
+every reply where a waiter finds it. Every wait has a deadline and its error
+names the node address, this worker's rank, the step and the bucket.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from luwu.protocol import messages as wire
+from luwu.protocol.errors import LuwuError, NodeTimeoutError, ProtocolError, error_for_code
+from luwu.protocol.messages import Op
+from luwu.gpu_workers.config import TransportConfig
+
+log = logging.getLogger(__name__)
+
+
+class WorkerClient:
+    def __init__(self, nodes: list[str], *, job: str, rank: int, cfg: TransportConfig):
+        if not nodes:
+            raise ValueError("no node addresses given")
+        self.nodes, self.job, self.rank, self.cfg = list(nodes), job, rank, cfg
+        self._out: list[collections.deque] = [collections.deque() for _ in nodes]
+        self._cv = threading.Condition()
+        self._inbox: dict[tuple, wire.Message] = {}  # (op, node, step, bucket) -> message
+        self._errors: list[tuple[int, LuwuError]] = []
+        self._handlers: dict[Op, Callable[[int, wire.Message], None]] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._running = True
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._last_heard = [time.monotonic()] * len(nodes)
+        self._thread = threading.Thread(target=self._run, name=f"luwu-io-r{rank}", daemon=True)
+        self._ctx = zmq.Context()
+        self._socks = [self._connect(a) for a in nodes]
+        self._thread.start()
+
+    def _connect(self, addr: str) -> zmq.Socket:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, self.cfg.sndhwm)
+        s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by what we asked for
+        s.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + wire.MAX_HEADER_BYTES)
+        if self.cfg.curve_server_key:
+            s.curve_serverkey = self.cfg.curve_server_key.encode()
+            s.curve_publickey = self.cfg.curve_public_key.encode()
+            s.curve_secretkey = self.cfg.curve_secret_key.encode()
+        s.connect(addr)
+        return s
+
+    # ----------------------------------------------------------------- API for the training thread
+    def on(self, op: Op, handler: Callable[[int, wire.Message], None]) -> None:
+        """Call ``handler(node, msg)`` on the I/O thread for every ``op`` message (instead of filing it)."""
+        self._handlers[op] = handler
+
+    def send(self, node: int, header: dict, payload=()) -> None:
+        """Queue a message to a node (thread-safe). The payload tensors must stay untouched until the
+        reply to this message has arrived."""
+        header.setdefault("job", self.job)
+        header.setdefault("worker", self.rank)
+        header.setdefault("step", 0)
+        frames = wire.encode(header, payload)
+        self._out[node].append(frames)
+        os.write(self._wake_w, b"x")
+
+    def wait(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply") -> list[wire.Message]:
+        """Wait for messages filed under ``keys`` = (op, node, step, bucket); pops and returns them."""
+        deadline = time.monotonic() + (timeout_s or self.cfg.timeout_s)
+        with self._cv:
+            while True:
+                self._raise_errors(keys)
+                missing = [k for k in keys if k not in self._inbox]
+                if not missing:
+                    return [self._inbox.pop(k) for k in keys]
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._running:
+                    k = missing[0]
+                    nodes = sorted({m[1] for m in missing})
+                    raise NodeTimeoutError(
+                        f"worker {self.rank}: no {what} from node {k[1]} at {self.nodes[k[1]]} for step {k[2]}, bucket {k[3]} "
+                        f"within {timeout_s or self.cfg.timeout_s:.1f} s ({len(missing)} of {len(keys)} replies missing, "
+                        f"from nodes {[self.nodes[n] for n in nodes]})"
+                    )
+                self._cv.wait(min(left, 1.0))
+
+    def _raise_errors(self, keys) -> None:
+        if self._errors:
+            node, err = self._errors.pop(0)
+            raise err
+
+    @staticmethod
+    def key_of(node: int, h: dict) -> tuple:
+        """Where a reply is filed: (op, node, step, bucket). WELCOME and STATS have no step; an UPDATE
+        answering a push carries the pushed step in ``seq`` (-1 for the answer to a PULL)."""
+        op = h["op"]
+        if op in (Op.WELCOME, Op.STATS):
+            return (op, node, None, -1)
+        if op == Op.UPDATE:
+            return (op, node, h.get("seq", -1), h["bucket"])
+        return (op, node, h["step"], h.get("bucket", -1))
+
+    def file(self, key: tuple, msg: wire.Message) -> None:
+        with self._cv:
+            self._inbox[key] = msg
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        self._running = False
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+        self._thread.join(5)
+        for s in self._socks:
+            s.close(0)
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ----------------------------------------------------------------- the I/O thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for s in self._socks:
+            poller.register(s, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        waiting_out: set[int] = set()
+        hb = self.cfg.heartbeat_s
+        last_sent = [time.monotonic()] * len(self._socks)
+        while self._running:
+            events = dict(poller.poll(200))
+            if self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            for i, s in enumerate(self._socks):
+                q = self._out[i]
+                while q:
+                    try:
+                        s.send_multipart(q[0], copy=False, flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        if i not in waiting_out:
+                            poller.modify(s, zmq.POLLIN | zmq.POLLOUT)
+                            waiting_out.add(i)
+                        break
+                    frames = q.popleft()
+                    self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames[1:])
+                    last_sent[i] = time.monotonic()
+                else:
+                    if i in waiting_out:
+                        poller.modify(s, zmq.POLLIN)
+                        waiting_out.discard(i)
+                if events.get(s, 0) & zmq.POLLIN:
+                    self._drain(i, s)
+                if hb and time.monotonic() - last_sent[i] > hb and not q:
+                    self.send(i, {"op": Op.HEARTBEAT})
+                    last_sent[i] = time.monotonic()
+
+    def _drain(self, node: int, s: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = s.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._last_heard[node] = time.monotonic()
+            try:
+                msg = wire.decode(frames, job=self.job, max_message_bytes=self.cfg.max_message_bytes)
+            except LuwuError as exc:
+                log.warning("undecodable message from node %s: %s", self.nodes[node], exc)
+                continue
+            self.bytes_received += sum(msg.header.get("nbytes", ()))
+            h = msg.header
+            op = h["op"]
+            if op == Op.ERROR:
+                err = error_for_code(h["code"], h["message"], node=self.nodes[node])
+                err.step, err.bucket = h["step"], h["bucket"]  # type: ignore[attr-defined]
+                with self._cv:
+                    self._errors.append((node, err))
+                    self._cv.notify_all()
+                continue
+            handler = self._handlers.get(op)
+            try:
+                if handler is not None:
+                    handler(node, msg)
+                elif op != Op.HEARTBEAT:
+                    self.file(self.key_of(node, h), msg)
+            except Exception as exc:  # a bad reply must not kill the I/O thread
+                with self._cv:
+                    self._errors.append((node, exc if isinstance(exc, LuwuError) else ProtocolError(f"node {self.nodes[node]}: {exc}")))
+                    self._cv.notify_all()

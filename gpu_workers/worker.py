@@ -1,0 +1,272 @@
+"""The step protocol on a worker: buckets of gradients out, weights back in.
+
+A :class:`Worker` knows the layout and the parameters. Gradient hooks call
+:meth:`grad_ready`; when every segment of a bucket is filled it is encoded and
+handed to the I/O thread at once, so pushes overlap the rest of backward.
+:meth:`finish` pushes what the hooks did not (parameters without a gradient are
+marked "no gradient" on the wire), runs the global norm / found-inf round when
+clipping or AMP asks for it, and :meth:`wait` writes the new weights into the
+parameters in forward order. Buffers are allocated once and reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from luwu.gpu_workers.client import WorkerClient
+from luwu.protocol.codecs import get_codec, has_nonfinite
+from luwu.protocol.errors import LayoutMismatchError
+from luwu.protocol.layout import Bucket, Layout
+from luwu.protocol.messages import Op
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one step found out globally (the same on every worker)."""
+
+    step: int
+    skipped: bool = False
+    grad_norm: float | None = None
+    push_wait_s: float = 0.0
+    update_wait_s: float = 0.0
+
+
+@dataclass(slots=True)
+class _BucketBuf:
+    bucket: Bucket
+    grads: list[torch.Tensor]  # flat fp32, one per parity in flight
+    staging: torch.Tensor | None  # for multi-segment buckets: decode target before scattering
+    filled: int = 0
+    pushed_step: int = -1
+    out: dict = field(default_factory=dict)  # (codec, parity) -> preallocated encode frames
+
+
+class Worker:
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        layout: Layout,
+        client: WorkerClient,
+        *,
+        rank: int,
+        world_size: int,
+        optimizer: str,
+        mode: str = "sync",
+        delayed_update: bool = False,
+        codec_for=None,
+        pull_codec_for=None,
+        feedback=None,
+        hyper_of=None,
+    ):
+        self.params, self.layout, self.client = params, layout, client
+        self.rank, self.world_size, self.optimizer, self.mode = rank, world_size, optimizer, mode
+        self.delayed = delayed_update
+        self._codec_for = codec_for or (lambda bucket, step: ("none", False))
+        self._pull_codec_for = pull_codec_for or (lambda bucket, step: "none")
+        self._feedback = feedback
+        self._hyper_of = hyper_of or (lambda group: {})
+        nbuf = 2 if delayed_update else 1
+        self.bufs: list[_BucketBuf] = []
+        for b in layout.buckets:
+            multi = len(b.segments) > 1 or not params[b.segments[0].param].is_contiguous()
+            self.bufs.append(_BucketBuf(b, [torch.zeros(b.numel) for _ in range(nbuf)], torch.zeros(b.numel) if multi else None))
+        self.where: dict[int, list[tuple[int, int]]] = {}  # param -> [(bucket, segment index)]
+        for b in layout.buckets:
+            for si, s in enumerate(b.segments):
+                self.where.setdefault(s.param, []).append((b.id, si))
+        self.node_buckets = [[b.id for b in layout.buckets_of(n)] for n in range(layout.num_nodes)]
+        self.step_num = 0
+        self.pending: int | None = None  # delayed update: the step whose weights are still to come
+        self._lock = threading.Lock()
+        self.two_phase = False
+        self.push_wait_s = 0.0
+
+    # ----------------------------------------------------------------- start-up
+    def connect(self, *, extends: bool = False) -> list[dict]:
+        """HELLO every node; rank 0 seeds uninitialized buckets; everyone pulls the current weights."""
+        for n in range(self.layout.num_nodes):
+            self.client.send(
+                n,
+                {
+                    "op": Op.HELLO,
+                    "world_size": self.world_size,
+                    "layout": self.layout.hash,
+                    "node_index": n,
+                    "buckets": [b.spec() for b in self.layout.buckets_of(n)],
+                    "optimizer": self.optimizer,
+                    "mode": self.mode,
+                },
+            )
+        welcomes = [m.header for m in self.client.wait([(Op.WELCOME, n, None, -1) for n in range(self.layout.num_nodes)], self.client.cfg.connect_timeout_s, what="WELCOME (is the node up?)")]
+        for n, w in enumerate(welcomes):
+            if w["layout"] != self.layout.hash:
+                raise LayoutMismatchError(f"node {self.client.nodes[n]} accepted layout {w['layout']}, this worker has {self.layout.hash}")
+        versions = {}
+        for n, w in enumerate(welcomes):
+            versions.update({int(k): v for k, v in w["versions"].items()})
+            if self.rank == 0:
+                done = set(w["initialized"])
+                for bid in self.node_buckets[n]:
+                    if bid not in done:
+                        buf = self.bufs[bid]
+                        self._gather(buf, buf.grads[0], lambda p: p.detach())
+                        enc = get_codec("none").encode(buf.grads[0])
+                        self.client.send(n, {"op": Op.INIT, "bucket": bid, "codec": "none", "cmeta": enc.meta}, enc.frames)
+        self.pull_all()
+        self.step_num = min(versions.values(), default=0)
+        return welcomes
+
+    def pull_all(self) -> None:
+        """Fetch every bucket's current weights (fp32) and write them into the parameters."""
+        for b in self.layout.buckets:
+            self.client.send(b.node, {"op": Op.PULL, "bucket": b.id, "codec": "none"})
+        keys = [(Op.UPDATE, b.node, -1, b.id) for b in self.layout.buckets]
+        msgs = self.client.wait(keys, what="initial weights")
+        for b, m in zip(self.layout.buckets, msgs):
+            self._write(self.bufs[b.id], m)
+
+    # ----------------------------------------------------------------- pushes
+    def grad_ready(self, param: int, grad: torch.Tensor) -> None:
+        """Gradient hook: copy the parameter's gradient into its buckets; push every bucket it completes."""
+        flat = grad.detach().reshape(-1)
+        parity = self.step_num & 1 if self.delayed else 0
+        full = []
+        with self._lock:
+            for bid, si in self.where.get(param, ()):
+                buf = self.bufs[bid]
+                if buf.pushed_step == self.step_num:
+                    continue
+                s = buf.bucket.segments[si]
+                buf.grads[parity].narrow(0, s.offset, s.numel).copy_(flat.narrow(0, s.param_offset, s.numel))
+                buf.filled += 1
+                if buf.filled == len(buf.bucket.segments):
+                    buf.pushed_step = self.step_num
+                    full.append(buf)
+        for buf in full:
+            self._push(buf, parity, ())
+
+    def finish(self) -> None:
+        """Push every bucket the hooks did not complete, from ``param.grad`` (None = no gradient)."""
+        parity = self.step_num & 1 if self.delayed else 0
+        todo = []
+        with self._lock:
+            for buf in self.bufs:
+                if buf.pushed_step != self.step_num:
+                    buf.pushed_step = self.step_num
+                    todo.append(buf)
+        for buf in todo:
+            nograd = []
+            g = buf.grads[parity]
+            for si, s in enumerate(buf.bucket.segments):
+                grad = self.params[s.param].grad
+                view = g.narrow(0, s.offset, s.numel)
+                if grad is None:
+                    view.zero_()
+                    nograd.append(si)
+                else:
+                    view.copy_(grad.detach().reshape(-1).narrow(0, s.param_offset, s.numel))
+            self._push(buf, parity, tuple(nograd))
+
+    def _push(self, buf: _BucketBuf, parity: int, nograd: tuple) -> None:
+        b, step = buf.bucket, self.step_num
+        x = buf.grads[parity]
+        name, ef = self._codec_for(b, step)
+        if name != "none" and has_nonfinite(x):
+            name, ef = "none", False  # let the node see the inf/nan and decide globally
+        codec = get_codec(name)
+        key = (name, parity)
+        out = buf.out.get(key)
+        if out is None:
+            out = buf.out[key] = codec.alloc(b.numel)
+        if ef and self._feedback is not None:
+            enc = self._feedback.encode(b.id, codec, x, out, num_summands=self.world_size)
+        else:
+            enc = codec.encode(x, out, num_summands=self.world_size)
+        self.client.send(
+            b.node,
+            {
+                "op": Op.PUSH,
+                "step": step,
+                "bucket": b.id,
+                "codec": name,
+                "cmeta": enc.meta,
+                "hyper": self._hyper_of(b.group),
+                "nograd": list(nograd),
+                "two_phase": self.two_phase,
+                "pull": self._pull_codec_for(b, step),
+            },
+            enc.frames,
+        )
+        buf.filled = 0
+
+    # ----------------------------------------------------------------- the end of a step
+    def global_round(self, step: int, inv_scale: float, max_norm: float | None) -> tuple[bool, float]:
+        """Two-phase step: gather the partial norms, decide skip / clip coefficient alike on every worker,
+        and COMMIT. Returns (skipped, grad norm of the unscaled averaged gradient)."""
+        keys = [(Op.NORM, b.node, step, b.id) for b in self.layout.buckets]
+        t0 = time.perf_counter()
+        msgs = self.client.wait(keys, what="gradient norm")
+        self.push_wait_s += time.perf_counter() - t0
+        sq = math.fsum(m.header["sqnorm"] for m in msgs)
+        nonfinite = any(m.header["nonfinite"] for m in msgs)
+        norm = math.sqrt(sq) * inv_scale if not nonfinite else float("inf")
+        coef = inv_scale
+        if max_norm is not None and not nonfinite:
+            # torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (norm + 1e-6), clamped to 1
+            t = torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6)
+            coef = inv_scale * float(torch.clamp(t, max=1.0))
+        for n, bids in enumerate(self.node_buckets):
+            if bids:
+                self.client.send(n, {"op": Op.COMMIT, "step": step, "coef": float(coef), "skip": nonfinite, "buckets": bids})
+        return nonfinite, norm
+
+    def wait(self, step: int) -> bool:
+        """Wait for the weights after ``step`` and write them into the parameters in forward order.
+        Returns whether the nodes skipped the step."""
+        keys = [(Op.UPDATE, b.node, step, b.id) for b in reversed(self.layout.buckets)]
+        t0 = time.perf_counter()
+        msgs = self.client.wait(keys, what=f"updated weights")
+        self.update_wait_s = time.perf_counter() - t0
+        skipped = False
+        for key, m in zip(keys, msgs):
+            skipped |= m.header["skipped"]
+            self._write(self.bufs[key[3]], m)
+        return skipped
+
+    def _write(self, buf: _BucketBuf, msg) -> None:
+        b = buf.bucket
+        h = msg.header
+        codec = get_codec(h["codec"])
+        codec.validate(b.numel, h.get("nbytes", []), h["cmeta"])
+        frames = msg.tensors()
+        with torch.no_grad():
+            if buf.staging is None:
+                s = b.segments[0]
+                target = self.params[s.param].data.view(-1).narrow(0, s.param_offset, s.numel)
+                codec.decode_(target, frames, h["cmeta"])
+            else:
+                codec.decode_(buf.staging, frames, h["cmeta"])
+                self._scatter(buf, buf.staging)
+
+    def _scatter(self, buf: _BucketBuf, flat: torch.Tensor) -> None:
+        for s in buf.bucket.segments:
+            p = self.params[s.param].data
+            src = flat.narrow(0, s.offset, s.numel)
+            if p.is_contiguous():
+                p.view(-1).narrow(0, s.param_offset, s.numel).copy_(src)
+            else:
+                tmp = p.reshape(-1).clone()
+                tmp.narrow(0, s.param_offset, s.numel).copy_(src)
+                p.copy_(tmp.view_as(p))
+
+    def _gather(self, buf: _BucketBuf, flat: torch.Tensor, get) -> None:
+        for s in buf.bucket.segments:
+            flat.narrow(0, s.offset, s.numel).copy_(get(self.params[s.param]).reshape(-1).narrow(0, s.param_offset, s.numel))

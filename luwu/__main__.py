@@ -1,0 +1,5 @@
+import sys
+
+from luwu.cli import main
+
+sys.exit(main())

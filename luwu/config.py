@@ -1,0 +1,215 @@
+"""The configuration tree and where each value came from.
+
+Sections: ``cluster``, ``optimizer``, ``transport``, ``compression``,
+``prefetch``, ``metrics``, ``node``; each is the ``Config`` dataclass of the
+part that owns it. Sources, lowest first: defaults, a TOML cluster file,
+environment ``LUWU_SECTION__FIELD``, command-line ``--section.field=value``.
+Unknown keys and bad values are :class:`ConfigError` naming key and value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+
+from luwu.gpu_workers.config import TransportConfig
+from luwu.protocol.errors import ConfigError
+from luwu.switch_nodes.config import NodeConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    job: str = "luwu"
+    """Job id: every message carries it; a node refuses messages of another job."""
+    nodes: list[str] = field(default_factory=list)
+    """Node addresses (tcp://host:port), in node-index order."""
+    capacities: list[float] = field(default_factory=list)
+    """Relative capacity of each node (bandwidth x memory); weights the layout. Empty = all equal."""
+    world_size: int = 0
+    """Number of workers; 0 = from the WORLD_SIZE variable that torchrun sets."""
+
+    def __post_init__(self) -> None:
+        if not self.job or len(self.job) > 128:
+            raise ConfigError(f"cluster.job must be a non-empty string of at most 128 chars, got {self.job!r}")
+        for a in self.nodes:
+            if not isinstance(a, str) or "://" not in a:
+                raise ConfigError(f"cluster.nodes entries must be addresses like tcp://host:port, got {a!r}")
+        if self.capacities and len(self.capacities) != len(self.nodes):
+            raise ConfigError(f"cluster.capacities has {len(self.capacities)} entries for {len(self.nodes)} nodes")
+        if any(not c > 0 for c in self.capacities):
+            raise ConfigError(f"cluster.capacities must be positive, got {self.capacities}")
+        if self.world_size < 0:
+            raise ConfigError(f"cluster.world_size must be >= 0, got {self.world_size}")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    name: str = "adamw"
+    """Optimizer the nodes run: adamw, adam or sgd."""
+    delayed_update: bool = False
+    """ZeRO-Offload's delayed parameter update: step t's forward runs on the weights of t-1."""
+    max_grad_norm: float = 0.0
+    """Clip by the global norm of the averaged gradient across all shards (0 = off)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "adam", "sgd"):
+            raise ConfigError(f"optimizer.name must be adamw, adam or sgd, got {self.name!r}")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsConfig:
+    host: str = "127.0.0.1"
+    """Address the /metrics (and, on nodes, /healthz) HTTP endpoint binds."""
+    port: int = -1
+    """Port of the endpoint: -1 = off, 0 = any free port (printed at start)."""
+
+    def __post_init__(self) -> None:
+        if not -1 <= self.port <= 65535:
+            raise ConfigError(f"metrics.port must be -1 (off) or 0..65535, got {self.port}")
+
+
+def _sections() -> dict[str, type]:
+    out = {"cluster": ClusterConfig, "optimizer": OptimizerConfig, "transport": TransportConfig, "metrics": MetricsConfig, "node": NodeConfig}
+    try:  # TEMP until the helpers land these
+        from luwu.protocol.policy import CompressionConfig
+        out["compression"] = CompressionConfig
+    except ImportError:
+        pass
+    try:
+        from luwu.gpu_workers.prefetch import PrefetchConfig
+        out["prefetch"] = PrefetchConfig
+    except ImportError:
+        pass
+    return out
+
+
+@dataclass(kw_only=True)
+class LuwuConfig:
+    cluster: ClusterConfig
+    optimizer: OptimizerConfig
+    transport: TransportConfig
+    compression: typing.Any = None
+    prefetch: typing.Any = None
+    metrics: MetricsConfig
+    node: NodeConfig
+    sources: dict[str, str] = field(default_factory=dict)
+    """'section.field' -> where its value came from (default, file path, env VAR, --flag)."""
+
+    def as_dict(self) -> dict:
+        return {name: _to_plain(getattr(self, name)) for name in _sections()}
+
+
+def _to_plain(obj):
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _coerce(section: str, name: str, typ, value, source: str):
+    """Turn a TOML / env / CLI value into the field's type; strings are parsed."""
+    key = f"{section}.{name}"
+    typ = typing.get_type_hints(_sections()[section]).get(name, typ)
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ in (int, float):
+            if isinstance(value, bool):
+                raise ValueError
+            if typ is int and isinstance(value, float):
+                raise ValueError
+            return typ(value)
+        if typ is str:
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if origin in (list, tuple):
+            (inner,) = typing.get_args(typ)[:1] or (str,)
+            items = value
+            if isinstance(value, str):
+                items = [v.strip() for v in value.split(",") if v.strip()]
+            if not isinstance(items, (list, tuple)):
+                raise ValueError
+            conv = []
+            for v in items:
+                if typing.get_origin(inner) in (list, tuple):
+                    conv.append(list(v))
+                else:
+                    conv.append(inner(v) if not isinstance(v, inner) else v)
+            return conv
+        return value
+    except (ValueError, TypeError):
+        raise ConfigError(f"{key} = {value!r} (from {source}) is not a valid {getattr(typ, '__name__', typ)}") from None
+
+
+def load_config(path: str | None = None, *, env: dict | None = None, argv: list[str] | None = None, overrides: dict | None = None) -> LuwuConfig:
+    """Resolve the configuration: defaults < TOML file < LUWU_SECTION__FIELD env < --section.field=value."""
+    sections = _sections()
+    values: dict[str, dict] = {s: {} for s in sections}
+    sources: dict[str, str] = {}
+
+    def put(section: str, name: str, value, source: str) -> None:
+        if section not in sections:
+            raise ConfigError(f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}")
+        fields = {f.name: f for f in dataclasses.fields(sections[section])}
+        if name not in fields:
+            raise ConfigError(f"unknown config key {section}.{name} (from {source}); {section} has {sorted(fields)}")
+        values[section][name] = _coerce(section, name, fields[name].type, value, source)
+        sources[f"{section}.{name}"] = source
+
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"cluster file {path!r} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"cluster file {path!r} is not valid TOML: {exc}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+            for name, value in table.items():
+                put(section, name, value, path)
+    for var, value in sorted((env if env is not None else os.environ).items()):
+        if var.startswith("LUWU_") and "__" in var:
+            section, _, name = var[5:].partition("__")
+            put(section.lower(), name.lower(), value, f"env {var}")
+    for name, value in (overrides or {}).items():
+        section, _, fld = name.partition(".")
+        put(section, fld, value, "argument")
+    args = list(argv or [])
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or "." not in a:
+            raise ConfigError(f"unexpected argument {a!r}: settings are --section.field=value")
+        key, eq, value = a[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{a} needs a value")
+            value = args[i + 1]
+            i += 1
+        section, _, fld = key.partition(".")
+        put(section, fld, value, f"--{key}")
+        i += 1
+    built = {}
+    for section, cls in sections.items():
+        try:
+            built[section] = cls(**values[section])
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"[{section}]: {exc}") from None
+    for section, cls in sections.items():
+        for f in dataclasses.fields(cls):
+            sources.setdefault(f"{section}.{f.name}", "default")
+    return LuwuConfig(**built, sources=sources)

@@ -1,0 +1,256 @@
+"""``RemoteOptimizer``: a ``torch.optim.Optimizer`` whose step runs on the nodes.
+
+Swap ``torch.optim.AdamW(model.parameters(), lr=...)`` for
+``luwu.RemoteOptimizer(model, lr=..., nodes=[...])``: the training loop,
+schedulers, GradScaler and checkpoints keep working. Gradients stream to the
+nodes during ``backward()`` from post-accumulate-grad hooks; ``step()``
+pushes what is left, waits for the new weights and writes them into the
+parameters. Hyperparameters are read from ``param_groups`` when each bucket is
+pushed, so every ``torch.optim.lr_scheduler`` works unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+
+import torch
+
+from luwu.gpu_workers.client import WorkerClient
+from luwu.gpu_workers.config import TransportConfig
+from luwu.gpu_workers.worker import Worker
+from luwu.protocol.errors import ConfigError
+from luwu.protocol.layout import ParamSpec, build_layout
+from luwu.switch_nodes.optimizers import get_kind
+
+log = logging.getLogger(__name__)
+
+# GradScaler hands itself to optimizers that take a ``grad_scaler`` argument and warns that this will
+# change; LuWu needs the scaler to make the overflow decision global, so the warning is expected.
+warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
+
+HYPER_KEYS = {
+    "adamw": ("lr", "betas", "eps", "weight_decay", "maximize"),
+    "adam": ("lr", "betas", "eps", "weight_decay", "maximize"),
+    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+}
+
+
+def _num(v):
+    return float(v.item()) if isinstance(v, torch.Tensor) else v
+
+
+class RemoteOptimizer(torch.optim.Optimizer):
+    """An optimizer that lives on LuWu nodes.
+
+    Args:
+        params: an ``nn.Module`` (parameter names come from it), an iterable of tensors, or param-group dicts.
+        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``; the hyperparameters are torch's.
+        nodes: node addresses (``tcp://host:port``), a comma-separated string, or None for ``LUWU_NODES``.
+        rank, world_size: this worker's identity; default torchrun's ``RANK`` / ``WORLD_SIZE``.
+        delayed_update: ZeRO-Offload's DPU: ``step()`` returns at once, the weights land at the next step.
+        max_grad_norm: clip by the global norm of the averaged gradient across all shards.
+        amp: set when a ``torch.amp.GradScaler`` drives this optimizer (the overflow decision is global).
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params,
+        optimizer: str = "adamw",
+        *,
+        nodes=None,
+        lr: float | torch.Tensor | None = None,
+        betas=None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        momentum: float | None = None,
+        dampening: float | None = None,
+        nesterov: bool | None = None,
+        maximize: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        job: str = "luwu",
+        mode: str = "sync",
+        delayed_update: bool = False,
+        max_grad_norm: float | None = None,
+        amp: bool = False,
+        transport: TransportConfig | None = None,
+        compression=None,
+        bucket_bytes: int | None = None,
+        timeout_s: float | None = None,
+        capacities=None,
+    ):
+        kind = get_kind(optimizer)
+        defaults = dict(kind.defaults)
+        for k, v in (("lr", lr), ("betas", betas), ("eps", eps), ("weight_decay", weight_decay), ("momentum", momentum), ("dampening", dampening), ("nesterov", nesterov)):
+            if v is not None:
+                if k not in defaults:
+                    raise ConfigError(f"{k}={v!r} does not apply to optimizer {kind.name!r}")
+                defaults[k] = v
+        defaults["maximize"] = maximize
+        defaults.pop("amsgrad", None)
+        names: dict[int, str] = {}
+        if isinstance(params, torch.nn.Module):
+            named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
+            names = {id(p): n for n, p in named}
+            params = [p for _, p in named]
+        super().__init__(params, defaults)
+        self.kind = kind
+        self._names = names
+        self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside world_size {self.world_size}")
+        if nodes is None:
+            nodes = os.environ.get("LUWU_NODES", "")
+        if isinstance(nodes, str):
+            nodes = [n.strip() for n in nodes.split(",") if n.strip()]
+        if not nodes:
+            raise ConfigError("no nodes: pass nodes=[...] (see luwu.local_cluster) or set LUWU_NODES")
+        self.nodes = list(nodes)
+        self.capacities = list(capacities) if capacities else [1.0] * len(self.nodes)
+        tc = transport or TransportConfig()
+        if bucket_bytes is not None or timeout_s is not None:
+            import dataclasses
+
+            tc = dataclasses.replace(tc, **{k: v for k, v in (("bucket_bytes", bucket_bytes), ("timeout_s", timeout_s)) if v is not None})
+        self.transport = tc
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        self.max_grad_norm = max_grad_norm
+        self.amp = amp
+        self.mode = mode
+        self.delayed_update = delayed_update
+        self.job = job
+        self.compression = compression
+        self._sync_grads = True
+        self._hooks: list = []
+        self.client = WorkerClient(self.nodes, job=job, rank=self.rank, cfg=tc)
+        self._build()
+        self.last_report: dict = {}
+
+    # ----------------------------------------------------------------- layout and connection
+    def _flat_params(self) -> tuple[list[torch.Tensor], list[ParamSpec]]:
+        params, specs = [], []
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                params.append(p)
+                specs.append(ParamSpec(self._names.get(id(p), f"param{len(specs)}"), tuple(p.shape), gi))
+        return params, specs
+
+    def _build(self) -> None:
+        params, specs = self._flat_params()
+        for p in params:
+            if p.dtype != torch.float32:
+                raise ConfigError(f"parameter {self._names.get(id(p), '?')} has dtype {p.dtype}: LuWu keeps fp32 master weights (use autocast for bf16 compute)")
+        self.layout = build_layout(specs, self.transport.bucket_bytes, self.capacities)
+        codec_for = pull_for = feedback = None
+        if self.compression is not None:
+            from luwu.protocol.feedback import ErrorFeedback
+            from luwu.protocol.policy import choose_codec, choose_pull_codec
+
+            cc = self.compression
+            codec_for = lambda b, step: choose_codec(b, step, cc)  # noqa: E731
+            pull_for = lambda b, step: choose_pull_codec(b, step, cc)  # noqa: E731
+            feedback = ErrorFeedback()
+        self.worker = Worker(
+            params,
+            self.layout,
+            self.client,
+            rank=self.rank,
+            world_size=self.world_size,
+            optimizer=self.kind.name,
+            mode=self.mode,
+            delayed_update=self.delayed_update,
+            codec_for=codec_for,
+            pull_codec_for=pull_for,
+            feedback=feedback,
+            hyper_of=self._hyper_of,
+        )
+        self.worker.two_phase = self.max_grad_norm is not None or self.amp
+        self.worker.connect()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+
+    def _make_hook(self, index: int):
+        def hook(p: torch.Tensor) -> None:
+            if self._sync_grads and p.grad is not None:
+                self.worker.grad_ready(index, p.grad)
+
+        return hook
+
+    def _hyper_of(self, group: int) -> dict:
+        g = self.param_groups[group]
+        return {k: (list(map(_num, g[k])) if k == "betas" else _num(g[k])) for k in HYPER_KEYS[self.kind.name]}
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside do not push; the next one outside pushes the sum."""
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "worker"):
+            self._build()
+
+    # ----------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        w = self.worker
+        step = w.step_num
+        inv_scale = 1.0
+        if grad_scaler is not None:
+            if not w.two_phase:
+                raise ConfigError("a GradScaler drives this optimizer: construct RemoteOptimizer(..., amp=True) so the overflow decision is made globally")
+            inv_scale = 1.0 / float(grad_scaler.get_scale())
+        w.finish()
+        skipped, norm = False, None
+        if w.two_phase:
+            skipped, norm = w.global_round(step, inv_scale, self.max_grad_norm)
+        if self.delayed_update:
+            if w.pending is not None:
+                w.wait(w.pending)
+            w.pending = step
+        else:
+            skipped |= w.wait(step)
+        w.step_num = step + 1
+        if grad_scaler is not None:
+            # Every worker's scaler backs off alike: the decision is the nodes', not this worker's grads.
+            state = grad_scaler._per_optimizer_states[id(self)]
+            state["found_inf_per_device"] = {torch.device("cpu"): torch.full((), float(skipped))}
+        self.last_report = {"step": step, "skipped": skipped, "grad_norm": norm}
+        return loss
+
+    def synchronize(self) -> None:
+        """Delayed update: wait for the last step's weights (call before eval, checkpoint or exit)."""
+        w = self.worker
+        if w.pending is not None:
+            w.wait(w.pending)
+            w.pending = None
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if getattr(self, "client", None) is not None:
+            self.client.close()
+            self.client = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

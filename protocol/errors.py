@@ -1,0 +1,106 @@
+"""The exception classes of LuWu, shared by every part.
+
+An ERROR message carries a ``code``; :func:`error_for_code` maps it back to the
+class, so a node's refusal is raised on the worker as the same type it was on
+the node. ``luwu`` re-exports all of these.
+"""
+
+from __future__ import annotations
+
+
+class LuwuError(Exception):
+    """Root of every error LuWu raises on purpose."""
+
+    code = "luwu"
+
+
+class ConfigError(LuwuError, ValueError):
+    """A setting has a bad value or an unknown key; the message names both."""
+
+    code = "config"
+
+
+class ProtocolError(LuwuError):
+    """A message broke the wire contract (bad header, size, dtype, op...)."""
+
+    code = "protocol"
+
+
+class LayoutMismatchError(LuwuError):
+    """Peers disagree on the layout of parameters into buckets (different model)."""
+
+    code = "layout_mismatch"
+
+
+class JobMismatchError(ProtocolError):
+    """A message belongs to another job id."""
+
+    code = "job_mismatch"
+
+
+class StepMismatchError(LuwuError):
+    """A message names a step the receiver cannot accept (too old, too far ahead,
+    or workers disagreeing on which parameters have a gradient)."""
+
+    code = "step_mismatch"
+
+
+class NodeTimeoutError(LuwuError, TimeoutError):
+    """A wait passed its deadline; the message names the node, worker, step and bucket."""
+
+    code = "timeout"
+
+
+class WorkerLostError(LuwuError):
+    """In strict mode, a worker died or stalled past the deadline (names the rank)."""
+
+    code = "worker_lost"
+
+
+class RollbackError(LuwuError):
+    """A node restarted from an older checkpoint; the job must roll back to ``step``."""
+
+    code = "rollback"
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+class RemoteError(LuwuError):
+    """A node answered ERROR with a code this side does not know."""
+
+    code = "remote"
+
+    def __init__(self, message: str, node: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.node = node
+        if code is not None:
+            self.code = code
+
+
+_BY_CODE: dict[str, type[LuwuError]] = {
+    cls.code: cls
+    for cls in (
+        LuwuError,
+        ConfigError,
+        ProtocolError,
+        LayoutMismatchError,
+        JobMismatchError,
+        StepMismatchError,
+        NodeTimeoutError,
+        WorkerLostError,
+        RollbackError,
+    )
+}
+
+
+def error_for_code(code: str, message: str, node: str | None = None) -> LuwuError:
+    """The exception a worker raises for an ERROR message from ``node``."""
+    cls = _BY_CODE.get(code)
+    text = f"node {node}: {message}" if node else message
+    if cls is None:
+        return RemoteError(text, node=node, code=code)
+    err = cls(text)
+    err.node = node  # type: ignore[attr-defined]
+    return err

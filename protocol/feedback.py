@@ -1,0 +1,206 @@
+"""Error feedback: what a lossy codec did not send is added to the next message.
+
+Two directions use it:
+
+* push (worker -> node): :class:`ErrorFeedback` keeps one fp32 residual per
+  bucket; each step sends ``codec(grad + residual)`` and keeps
+  ``(grad + residual) - decoded``. Compression error then only delays part of a
+  gradient instead of losing it, which is what keeps int8 / int4 / top-k
+  training on the uncompressed loss curve.
+* pull (node -> workers): :class:`DeltaEncoder` sends int8 deltas of the
+  weights against a *shadow* copy of what the workers hold. The node updates
+  its shadow with the very decode the workers run, so shadow and worker copy
+  stay bit-identical; ``weights - shadow`` is the error not yet sent and goes
+  out with the next delta (error feedback by construction). A full fp32
+  resync every ``resync_every`` steps bounds the damage of anything missed.
+  Workers apply a reply with :func:`apply_pull_`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Hashable, NamedTuple
+
+import torch
+
+from luwu.protocol.codecs import Codec, Encoded, get_codec, has_nonfinite
+from luwu.protocol.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class ErrorFeedback:
+    """Residuals per key (e.g. bucket id), allocated once and reused."""
+
+    def __init__(self) -> None:
+        self._res: dict[Hashable, torch.Tensor] = {}
+        self._dirty: set[Hashable] = set()
+
+    def residual(self, key: Hashable) -> torch.Tensor | None:
+        return self._res.get(key)
+
+    def _residual(self, key: Hashable, numel: int) -> torch.Tensor:
+        r = self._res.get(key)
+        if r is None or r.numel() != numel:
+            if r is not None:
+                log.warning("residual of %r resized from %d to %d elements: dropped", key, r.numel(), numel)
+            r = self._res[key] = torch.zeros(numel, dtype=torch.float32)
+        return r
+
+    def encode(
+        self,
+        key: Hashable,
+        codec: Codec,
+        x: torch.Tensor,
+        out: list[torch.Tensor] | None = None,
+        num_summands: int = 1,
+        *,
+        nonfinite: bool | None = None,
+    ) -> Encoded:
+        """Encode ``x + residual[key]`` and keep what was not sent.
+
+        ``nonfinite``: whether ``x`` holds NaN/inf, if the caller already
+        knows (else it is checked here, one cheap pass). A non-finite ``x`` is
+        encoded as is and the residual is left untouched: that step is skipped
+        by every node (found-inf), and a NaN residual would poison every later
+        step.
+        """
+        if nonfinite is None:
+            nonfinite = has_nonfinite(x)
+        if nonfinite:
+            return codec.encode(x, out, num_summands=num_summands)
+        if not codec.lossy:
+            if key not in self._dirty:
+                return codec.encode(x, out, num_summands=num_summands)
+            # flush the residual left by an earlier lossy codec
+            r = self._res[key]
+            r.add_(x)
+            if out is None:
+                out = codec.alloc(x.numel())  # the frame must not alias r
+            enc = codec.encode(r, out, num_summands=num_summands)
+            r.zero_()
+            self._dirty.discard(key)
+            return enc
+        r = self._residual(key, x.numel())
+        self._dirty.add(key)
+        return codec.encode_feedback_(x, r, out, num_summands=num_summands)
+
+    def reset(self, key: Hashable | None = None) -> None:
+        """Forget residuals (all, or one key): after a rollback, or a layout change."""
+        if key is None:
+            self._res.clear()
+            self._dirty.clear()
+        else:
+            self._res.pop(key, None)
+            self._dirty.discard(key)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.numel() * 4 for r in self._res.values())
+
+
+class PullEncoded(NamedTuple):
+    """A pull-direction payload: which codec, whether it is a delta, and the payload."""
+
+    codec: str
+    delta: bool
+    """True: add to the worker's copy; False: replace it (full resync)."""
+    encoded: Encoded
+
+
+class DeltaEncoder:
+    """Node side of the int8-delta pull direction (one shadow per key).
+
+    Every worker that receives the same replies holds the same copy, so one
+    shadow per bucket serves them all. A worker that missed a reply, or a
+    worker that just joined, needs :meth:`force_resync`.
+    """
+
+    def __init__(self, codec: str = "int8", *, resync_every: int = 50, full_codec: str = "none", **params) -> None:
+        if isinstance(resync_every, bool) or not isinstance(resync_every, int) or resync_every < 1:
+            raise ConfigError(f"resync_every must be an int >= 1, got {resync_every!r}")
+        self.codec = get_codec(codec, **params)
+        self.full = get_codec(full_codec)
+        if self.full.lossy:
+            raise ConfigError(f"full_codec must be lossless (a resync is exact), got {full_codec!r}")
+        self.resync_every = resync_every
+        self._shadow: dict[Hashable, torch.Tensor] = {}
+        self._out: dict[Hashable, list[torch.Tensor]] = {}
+        self._last_full: dict[Hashable, int] = {}
+        self._local = threading.local()
+
+    def force_resync(self, key: Hashable | None = None) -> None:
+        """Send full weights next time (one key, or all)."""
+        if key is None:
+            self._last_full.clear()
+        else:
+            self._last_full.pop(key, None)
+
+    def shadow(self, key: Hashable) -> torch.Tensor | None:
+        """What the workers hold for ``key`` (after the last encode)."""
+        return self._shadow.get(key)
+
+    def encode(
+        self,
+        key: Hashable,
+        weights: torch.Tensor,
+        step: int,
+        *,
+        out: list[torch.Tensor] | None = None,
+        full_out: list[torch.Tensor] | None = None,
+    ) -> PullEncoded:
+        """The reply payload for ``weights`` at ``step``.
+
+        ``out`` (from ``self.codec.alloc``) and ``full_out`` (from
+        ``self.full.alloc``) are where delta and full frames go, e.g. buffers
+        by step parity that the caller reuses once their send completed.
+        Without them the frames are this encoder's own (a full frame is the
+        shadow itself) and stay valid only until the next ``encode`` for the
+        same key.
+        """
+        n = weights.numel()
+        shadow = self._shadow.get(key)
+        last = self._last_full.get(key)
+        if shadow is None or shadow.numel() != n:
+            shadow = self._shadow[key] = torch.empty(n, dtype=torch.float32)
+            self._out.pop(key, None)
+            last = None
+        if last is None or step - last >= self.resync_every or step < last or has_nonfinite(weights):
+            shadow.copy_(weights)
+            self._last_full[key] = step
+            # without full_out the shadow is the frame: no second full-size buffer
+            return PullEncoded(self.full.name, False, self.full.encode(shadow, full_out))
+        delta = self._delta(n)
+        torch.sub(weights, shadow, out=delta)
+        if out is None:
+            out = self._out.get(key)
+            if out is None:
+                out = self._out[key] = self.codec.alloc(n)
+        enc = self.codec.encode(delta, out)
+        # the exact decode the workers run: shadow stays bit-identical to their copy
+        self.codec.decode_add_(shadow, enc.frames, enc.meta)
+        return PullEncoded(self.codec.name, True, enc)
+
+    def _delta(self, n: int) -> torch.Tensor:
+        buf = getattr(self._local, "delta", None)
+        if buf is None or buf.numel() < n:
+            buf = self._local.delta = torch.empty(n, dtype=torch.float32)
+        return buf[:n]
+
+    def reset(self) -> None:
+        self._shadow.clear()
+        self._out.clear()
+        self._last_full.clear()
+
+
+def apply_pull_(weights: torch.Tensor, codec: str, delta: bool, frames: list[torch.Tensor], meta: dict) -> None:
+    """Worker side: update the persistent fp32 copy ``weights`` from a reply.
+
+    Call ``get_codec(codec).validate(...)`` on the frame lengths first.
+    """
+    c = get_codec(codec)
+    if delta:
+        c.decode_add_(weights, frames, meta)
+    else:
+        c.decode_(weights, frames, meta)

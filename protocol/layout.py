@@ -1,0 +1,162 @@
+"""The layout: which parameter elements form which bucket, and which node owns it.
+
+A pure function of (parameter names, shapes and groups, bucket_bytes, node
+capacities): every worker and node computes it alike, and its hash travels in
+HELLO so that a worker with another model is refused.
+
+Buckets are built per parameter group (a bucket never mixes groups, so one
+set of hyperparameters applies to it) in reverse registration order, the order
+in which backward produces gradients. Small parameters are never split; a
+parameter larger than a bucket spans several. Buckets of later groups come
+after earlier ones, so ``add_param_group`` only appends buckets. Owners are
+chosen greedily, each bucket to the node with the least bytes per unit of
+capacity so far.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+from luwu.protocol.errors import ConfigError
+
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ParamSpec:
+    """What the layout needs to know of one parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    group: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A contiguous run of one parameter's (flattened) elements inside a bucket."""
+
+    param: int  # index of the parameter in the flat list of all parameters
+    name: str
+    shape: tuple[int, ...]  # shape of the whole parameter
+    param_offset: int  # first element of the parameter covered
+    offset: int  # where it starts inside the bucket
+    numel: int
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    id: int
+    node: int
+    group: int
+    numel: int
+    segments: tuple[Segment, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * FP32_BYTES
+
+    def spec(self) -> list:
+        """A msgpack-able description, compared by nodes when a layout is extended."""
+        return [self.id, self.group, self.numel, [[s.param, s.param_offset, s.offset, s.numel] for s in self.segments]]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    params: tuple[ParamSpec, ...]
+    buckets: tuple[Bucket, ...]
+    num_nodes: int
+    bucket_bytes: int
+    capacities: tuple[float, ...]
+    hash: str
+
+    def buckets_of(self, node: int) -> tuple[Bucket, ...]:
+        return tuple(b for b in self.buckets if b.node == node)
+
+    def node_bytes(self) -> list[int]:
+        out = [0] * self.num_nodes
+        for b in self.buckets:
+            out[b.node] += b.nbytes
+        return out
+
+    def param_buckets(self) -> dict[int, list[int]]:
+        """For each parameter index, the ids of the buckets holding part of it."""
+        out: dict[int, list[int]] = {}
+        for b in self.buckets:
+            for s in b.segments:
+                out.setdefault(s.param, []).append(b.id)
+        return out
+
+
+def _split_group(indices: list[int], params: tuple[ParamSpec, ...], cap: int) -> list[list[tuple[int, int, int]]]:
+    """Pack parameters (reverse order) into buckets of at most ``cap`` elements.
+
+    Returns, per bucket, (param index, param_offset, numel) triples.
+    """
+    buckets: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    used = 0
+    for idx in reversed(indices):
+        n = params[idx].numel
+        if n == 0:
+            continue
+        # A parameter that fits in one bucket is not split across two.
+        if used and n <= cap and used + n > cap:
+            buckets.append(cur)
+            cur, used = [], 0
+        start = 0
+        while start < n:
+            take = min(n - start, cap - used)
+            cur.append((idx, start, take))
+            used += take
+            start += take
+            if used == cap:
+                buckets.append(cur)
+                cur, used = [], 0
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: int, capacities: list[float] | tuple[float, ...]) -> Layout:
+    """Compute the layout; ``capacities`` has one positive weight per node."""
+    params = tuple(params)
+    if bucket_bytes < FP32_BYTES:
+        raise ConfigError(f"bucket_bytes must be >= {FP32_BYTES}, got {bucket_bytes}")
+    if not capacities:
+        raise ConfigError("the node list is empty: a layout needs at least one node")
+    if any(not (c > 0 and math.isfinite(c)) for c in capacities):
+        raise ConfigError(f"node capacities must be positive and finite, got {list(capacities)}")
+    cap = bucket_bytes // FP32_BYTES
+    groups = sorted({p.group for p in params})
+    loads = [0.0] * len(capacities)
+    buckets: list[Bucket] = []
+    for g in groups:
+        idxs = [i for i, p in enumerate(params) if p.group == g]
+        for parts in _split_group(idxs, params, cap):
+            segs, off = [], 0
+            for idx, poff, n in parts:
+                p = params[idx]
+                segs.append(Segment(idx, p.name, tuple(p.shape), poff, off, n))
+                off += n
+            # least loaded per unit of capacity after adding; ties go to the lower index
+            node = min(range(len(capacities)), key=lambda k: ((loads[k] + off) / capacities[k], k))
+            loads[node] += off
+            buckets.append(Bucket(len(buckets), node, g, off, tuple(segs)))
+    digest = hashlib.sha256(
+        json.dumps(
+            {
+                "params": [[p.name, list(p.shape), p.group] for p in params],
+                "bucket_bytes": bucket_bytes,
+                "capacities": [float(c) for c in capacities],
+            },
+            separators=(",", ":"),
+        ).encode()
+    ).hexdigest()[:16]
+    return Layout(params, tuple(buckets), len(capacities), bucket_bytes, tuple(float(c) for c in capacities), digest)

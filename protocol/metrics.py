@@ -1,0 +1,41 @@
+"""The one factory every Prometheus metric of LuWu is made with.
+
+Names are ``luwu_<part>_<what>_<unit>``; counters end in ``_total``. Each
+component takes a registry (tests pass a fresh ``CollectorRegistry``) and reads
+values back with ``registry.get_sample_value``. Recording is a cheap add.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Buckets for latencies from sub-millisecond pushes to multi-second steps.
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class MetricsFactory:
+    """Creates metrics named ``luwu_<part>_...`` in one registry."""
+
+    def __init__(self, part: str, registry: CollectorRegistry | None = None):
+        if not part.isidentifier():
+            raise ValueError(f"metrics part must be an identifier, got {part!r}")
+        self.part = part
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.names: list[str] = []
+
+    def _name(self, what: str) -> str:
+        name = f"luwu_{self.part}_{what}"
+        self.names.append(name)
+        return name
+
+    def counter(self, what: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        if not what.endswith("_total"):
+            raise ValueError(f"counter {what!r} must end in _total")
+        # prometheus_client appends _total itself; give it the bare name.
+        return Counter(self._name(what)[: -len("_total")], doc, labels, registry=self.registry)
+
+    def gauge(self, what: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(self._name(what), doc, labels, registry=self.registry)
+
+    def histogram(self, what: str, doc: str, labels: tuple[str, ...] = (), buckets=SECONDS_BUCKETS) -> Histogram:
+        return Histogram(self._name(what), doc, labels, registry=self.registry, buckets=buckets)

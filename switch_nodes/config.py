@@ -1,0 +1,59 @@
+"""Settings of a node daemon (the ``node`` section of the cluster file)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from luwu.protocol.errors import ConfigError
+
+MODES = ("sync", "async")
+WORKER_POLICIES = ("strict", "elastic")
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeConfig:
+    bind: str = "tcp://127.0.0.1:0"
+    """ZeroMQ address to bind; port 0 picks a free port (the node prints the bound address).
+    Loopback unless told otherwise: binding a public address without CURVE keys is refused."""
+    index: int = -1
+    """This node's position in the cluster's node list (its identity for checkpoints); -1 takes it
+    from the first worker's HELLO."""
+    mode: str = "sync"
+    """sync: aggregate all workers' pushes of (step, bucket), then step; async: apply each push on arrival."""
+    staleness: int = 0
+    """async mode: a worker may run at most this many steps ahead of the slowest (0 = lockstep replies)."""
+    worker_policy: str = "strict"
+    """strict: a missing worker fails the step for everyone with an error naming its rank;
+    elastic: after worker_timeout_s the step goes on with the workers present."""
+    worker_timeout_s: float = 60.0
+    """How long a (step, bucket) waits for the missing workers' pushes before the worker policy acts."""
+    max_message_bytes: int = 256 * 1024 * 1024
+    """Largest message accepted; larger ones are dropped by ZeroMQ before allocation."""
+    torch_threads: int = 1
+    """Threads for the optimizer kernel; the event loop needs a core of its own for communication."""
+    checkpoint_dir: str = ""
+    """Directory for shard checkpoints ('' = no checkpoints)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (0 = only on SIGTERM and on request)."""
+    log_every: int = 100
+    """One summary log line every this many steps."""
+    rcvhwm: int = 1000
+    """ZeroMQ receive high-water mark (messages); senders wait beyond it."""
+    inflight_bytes: int = 2 * 1024 * 1024 * 1024
+    """Memory budget for gradient accumulators in flight; pushes beyond it are refused with an error."""
+
+    def __post_init__(self) -> None:
+        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"node.bind must be a ZeroMQ address like tcp://127.0.0.1:0, got {self.bind!r}")
+        if self.mode not in MODES:
+            raise ConfigError(f"node.mode must be one of {MODES}, got {self.mode!r}")
+        if self.worker_policy not in WORKER_POLICIES:
+            raise ConfigError(f"node.worker_policy must be one of {WORKER_POLICIES}, got {self.worker_policy!r}")
+        for name in ("staleness", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"node.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("torch_threads", "log_every", "rcvhwm", "max_message_bytes", "inflight_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"node.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.worker_timeout_s > 0:
+            raise ConfigError(f"node.worker_timeout_s must be > 0, got {self.worker_timeout_s}")

@@ -1,0 +1,427 @@
+"""The node daemon: a ZeroMQ ROUTER on an asyncio (uvloop) event loop.
+
+The loop receives and validates every message, decodes pushes straight into
+the (step, bucket) accumulator, and hands complete buckets to one optimizer
+thread (torch releases the GIL), so receiving goes on while a bucket steps.
+The reply to the last push of a bucket is the new weights, sent to every
+worker: one round trip per bucket. A message that breaks the contract gets an
+ERROR reply naming what was wrong; the node never dies of a message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+
+import torch
+import zmq
+import zmq.asyncio
+
+from luwu.protocol import messages as wire
+from luwu.protocol.codecs import get_codec
+from luwu.protocol.errors import (
+    ConfigError,
+    LayoutMismatchError,
+    LuwuError,
+    ProtocolError,
+    StepMismatchError,
+)
+from luwu.protocol.messages import Op
+from luwu.switch_nodes.config import NodeConfig
+from luwu.switch_nodes.metrics import NodeMetrics
+from luwu.switch_nodes.optimizers import check_hyper, get_kind
+from luwu.switch_nodes.store import Accumulator, BucketState, parse_spec
+
+log = logging.getLogger(__name__)
+
+READY_LINE = "LUWU_NODE_READY"
+
+
+class ReplyBuffers:
+    """Preallocated encode buffers for a bucket's replies, two per codec (by step parity), each reused
+    only once ZeroMQ has finished sending what was encoded into it last time."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._trackers: dict[tuple[str, int], list] = {}
+
+    def take(self, codec, numel: int, parity: int) -> list[torch.Tensor]:
+        key = (codec.name, parity)
+        for t in self._trackers.pop(key, ()):
+            t.wait(60)
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = codec.alloc(numel)
+        return buf
+
+    def sent(self, codec_name: str, parity: int, trackers: list) -> None:
+        self._trackers.setdefault((codec_name, parity), []).extend(t for t in trackers if t is not None)
+
+
+class NodeServer:
+    def __init__(self, cfg: NodeConfig, *, job: str = "luwu", registry=None):
+        self.cfg = cfg
+        self.job = job
+        self.metrics = NodeMetrics(registry)
+        self.buckets: dict[int, BucketState] = {}
+        self.replies: dict[int, ReplyBuffers] = {}
+        self.layout_hash: str | None = None
+        self.world_size: int | None = None
+        self.kind = None
+        self.index = cfg.index
+        self.peers: dict[int, bytes] = {}  # worker rank -> ZeroMQ routing id
+        self.last_seen: dict[int, float] = {}
+        self.address: str | None = None
+        self.started = time.monotonic()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="luwu-opt")
+        self._stop: asyncio.Event | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._pending_pulls: dict[int, list[tuple[int, str]]] = {}
+        self._applied_since_log = 0
+
+    # ----------------------------------------------------------------- lifecycle
+    def bind(self) -> str:
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self.cfg.rcvhwm)
+        sock.setsockopt(zmq.SNDHWM, self.cfg.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + wire.MAX_HEADER_BYTES)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.bind(self.cfg.bind)
+        self._sock = sock
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.address
+
+    async def serve(self) -> None:
+        torch.set_num_threads(self.cfg.torch_threads)
+        if self._sock is None:
+            self.bind()
+        self._stop = asyncio.Event()
+        print(f"{READY_LINE} {self.address}", flush=True)
+        log.info("node %s serving job %r at %s (mode %s)", self.index, self.job, self.address, self.cfg.mode)
+        recv = asyncio.ensure_future(self._recv_loop())
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait([recv, stop], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            recv.cancel()
+            self._executor.shutdown(wait=True)
+            self._sock.close(0)
+            self._sock = None
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+
+    # ----------------------------------------------------------------- receive
+    async def _recv_loop(self) -> None:
+        sock = self._sock
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            ident, body = frames[0].bytes, frames[1:]
+            try:
+                msg = wire.decode(body, job=self.job, max_message_bytes=self.cfg.max_message_bytes)
+                await self._handle(ident, msg)
+            except LuwuError as exc:
+                self._refuse(ident, body, exc)
+            except Exception as exc:  # a node never dies of a message
+                log.exception("internal error handling a message")
+                self._refuse(ident, body, ProtocolError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    def _refuse(self, ident: bytes, body, exc: LuwuError) -> None:
+        code = getattr(exc, "code", "luwu")
+        self.metrics.errors.labels(code).inc()
+        hdr = {}
+        try:
+            import msgpack
+
+            h = msgpack.unpackb(getattr(body[0], "bytes", b""), raw=False) if body else {}
+            hdr = h if isinstance(h, dict) else {}
+        except Exception:
+            pass
+
+        def num(k, d):
+            v = hdr.get(k, d)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else d
+
+        self._send(ident, wire.error_message(self.job, code, str(exc), ref_op=num("op", 0), step=num("step", 0), worker=num("worker", 0), bucket=num("bucket", -1) if "bucket" in hdr else -1))
+
+    def _send(self, ident: bytes, frames: list, track: bool = False):
+        try:
+            fut = self._sock.send_multipart([ident, *frames], copy=False, track=track, flags=zmq.NOBLOCK)
+            # zmq.asyncio settles a NOBLOCK send at once; its result is the MessageTracker
+            return fut.result() if fut.done() else None
+        except zmq.Again:
+            self.metrics.errors.labels("send_queue_full").inc()
+            log.warning("send queue full for peer %r; reply dropped", ident)
+            return None
+
+    async def _handle(self, ident: bytes, msg: wire.Message) -> None:
+        h = msg.header
+        op = h["op"]
+        if op != Op.HELLO and op not in (Op.STATS, Op.HEARTBEAT) and self.layout_hash is None:
+            raise ProtocolError(f"{op.name} before HELLO: say HELLO first")
+        if op in (Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE):
+            self._check_worker(ident, h)
+        if op == Op.HELLO:
+            self._on_hello(ident, h)
+        elif op == Op.INIT:
+            self._on_init(h, msg)
+        elif op == Op.PULL:
+            self._on_pull(ident, h)
+        elif op == Op.PUSH:
+            await self._on_push(h, msg)
+        elif op == Op.COMMIT:
+            await self._on_commit(h)
+        elif op == Op.STATS:
+            self._send(ident, wire.encode({"op": Op.STATS, "job": self.job, "step": self.step, "worker": 0, "detail": self.stats()}))
+        elif op == Op.HEARTBEAT:
+            self.last_seen[h["worker"]] = time.monotonic()
+            self._send(ident, wire.encode({"op": Op.HEARTBEAT, "job": self.job, "step": self.step, "worker": h["worker"]}))
+        else:
+            raise ProtocolError(f"op {op.name} is not served by a node")
+
+    def _check_worker(self, ident: bytes, h: dict) -> None:
+        w = h["worker"]
+        if self.world_size is None or w >= self.world_size:
+            raise ProtocolError(f"worker rank {w} is outside world size {self.world_size}")
+        if self.peers.get(w) != ident:
+            raise ProtocolError(f"worker {w}: message from a peer that did not say HELLO as this rank")
+        self.last_seen[w] = time.monotonic()
+
+    def _bucket(self, h: dict) -> BucketState:
+        b = self.buckets.get(h["bucket"])
+        if b is None:
+            raise ProtocolError(f"bucket {h['bucket']} is not owned by node {self.index}")
+        return b
+
+    @property
+    def step(self) -> int:
+        return min((b.version for b in self.buckets.values()), default=0)
+
+    # ----------------------------------------------------------------- HELLO / INIT / PULL
+    def _on_hello(self, ident: bytes, h: dict) -> None:
+        if h["world_size"] < 1 or h["worker"] >= h["world_size"]:
+            raise ProtocolError(f"worker rank {h['worker']} is outside world size {h['world_size']}")
+        if self.index >= 0 and h["node_index"] != self.index:
+            raise LayoutMismatchError(f"this is node {self.index}, worker {h['worker']} addressed it as node {h['node_index']}")
+        kind = get_kind(h["optimizer"])
+        if h["mode"] != self.cfg.mode:
+            raise ConfigError(f"worker {h['worker']} runs mode {h['mode']!r}, this node runs {self.cfg.mode!r}")
+        specs = [parse_spec(s) for s in h["buckets"]]
+        if self.layout_hash is None:
+            self.index, self.world_size, self.kind = h["node_index"], h["world_size"], kind
+        else:
+            if h["world_size"] != self.world_size:
+                raise LayoutMismatchError(f"worker {h['worker']} says world size {h['world_size']}, the job has {self.world_size}")
+            if kind is not self.kind:
+                raise LayoutMismatchError(f"worker {h['worker']} uses optimizer {kind.name!r}, the job uses {self.kind.name!r}")
+            if h["layout"] != self.layout_hash:
+                # Accepted only as an extension (add_param_group): every known bucket unchanged.
+                new = {bid: (g, n, segs) for bid, g, n, segs in specs}
+                for b in self.buckets.values():
+                    got = new.get(b.id)
+                    if got is None or [b.group, b.numel, b.spec[3]] != [got[0], got[1], [[s.param, s.param_offset, s.offset, s.numel] for s in got[2]]]:
+                        raise LayoutMismatchError(
+                            f"layout hash mismatch: worker {h['worker']} has layout {h['layout']}, the job has {self.layout_hash} "
+                            f"(bucket {b.id} differs: a different model or bucket_bytes)"
+                        )
+        for bid, group, numel, segs in specs:
+            if bid not in self.buckets:
+                self.buckets[bid] = BucketState(bid, group, numel, segs, kind)
+                self.replies[bid] = ReplyBuffers()
+        self.layout_hash = h["layout"]
+        self.peers[h["worker"]] = ident
+        self.last_seen[h["worker"]] = time.monotonic()
+        self.metrics.workers.set(len(self.peers))
+        self._send(
+            ident,
+            wire.encode(
+                {
+                    "op": Op.WELCOME,
+                    "job": self.job,
+                    "step": self.step,
+                    "worker": h["worker"],
+                    "layout": self.layout_hash,
+                    "versions": {b.id: b.version for b in self.buckets.values()},
+                    "initialized": [b.id for b in self.buckets.values() if b.initialized],
+                }
+            ),
+        )
+
+    def _on_init(self, h: dict, msg: wire.Message) -> None:
+        b = self._bucket(h)
+        if b.initialized:
+            return  # idempotent: the first seed wins (a restarted rank 0 must not reset the weights)
+        codec = get_codec(h["codec"])
+        codec.validate(b.numel, h["nbytes"], h["cmeta"])
+        codec.decode_(b.params, msg.tensors(), h["cmeta"])
+        b.initialized = True
+        for w, pull_codec in self._pending_pulls.pop(b.id, []):
+            self._reply_weights(b, [w], pull_codec)
+
+    def _on_pull(self, ident: bytes, h: dict) -> None:
+        b = self._bucket(h)
+        get_codec(h["codec"])  # validate the name now
+        if not b.initialized:
+            self._pending_pulls.setdefault(b.id, []).append((h["worker"], h["codec"]))
+            return
+        self._reply_weights(b, [h["worker"]], h["codec"])
+
+    def _reply_weights(self, b: BucketState, workers, codec_name: str, skipped: bool = False, frames=None, seq: int | None = None) -> None:
+        """Send the bucket's current weights (encoded now unless ``frames`` are given)."""
+        codec = get_codec(codec_name)
+        parity = b.version & 1
+        if frames is None:
+            out = self.replies[b.id].take(codec, b.numel, parity)
+            enc = codec.encode(b.params, out)
+            frames = (enc.meta, enc.frames)
+        meta, payload = frames
+        header = {"op": Op.UPDATE, "job": self.job, "step": b.version, "worker": 0, "bucket": b.id, "codec": codec_name, "cmeta": meta, "skipped": skipped}
+        if seq is not None:
+            header["seq"] = seq
+        data = wire.encode(header, payload)
+        nbytes = sum(f.nbytes for f in data[1:])
+        trackers = []
+        for w in workers:
+            ident = self.peers.get(w)
+            if ident is None:
+                continue
+            trackers.append(self._send(ident, data, track=True))
+            self.metrics.bytes_out.labels("update").inc(nbytes)
+            self.metrics.raw_out.labels("update").inc(b.numel * 4)
+        self.replies[b.id].sent(codec_name, parity, trackers)
+
+    # ----------------------------------------------------------------- PUSH / COMMIT
+    async def _on_push(self, h: dict, msg: wire.Message) -> None:
+        b = self._bucket(h)
+        if not b.initialized:
+            raise StepMismatchError(f"bucket {b.id} has no weights yet: rank 0 must INIT it before pushes")
+        w, step = h["worker"], h["step"]
+        if step < b.version and step not in b.accs:
+            # A retried push of a step already applied: answer with the weights, count nothing.
+            self.metrics.duplicates.inc()
+            if step == b.version - 1:
+                self._reply_weights(b, [w], h["pull"], seq=step)
+                return
+            raise StepMismatchError(f"bucket {b.id}: push of worker {w} for step {step}, node is at step {b.version}")
+        acc = b.accumulator(step, max_ahead=2 + self.cfg.staleness)
+        if w in acc.workers:
+            self.metrics.duplicates.inc()
+            return
+        codec = get_codec(h["codec"])
+        codec.validate(b.numel, h["nbytes"], h["cmeta"])
+        nograd = tuple(h["nograd"])
+        if acc.workers:
+            if nograd != acc.nograd:
+                names = sorted(set(nograd) ^ set(acc.nograd))
+                raise StepMismatchError(
+                    f"bucket {b.id} step {step}: worker {w} disagrees with the other workers on which parameters have a "
+                    f"gradient (segments {names} of parameters {[b.segments[i].param for i in names if i < len(b.segments)]})"
+                )
+        else:
+            if any(not isinstance(i, int) or not 0 <= i < len(b.segments) for i in nograd):
+                raise ProtocolError(f"bucket {b.id}: nograd names segments outside 0..{len(b.segments) - 1}")
+            get_codec(h["pull"])
+            hyper = dict(b.kind.defaults) | h["hyper"]
+            check_hyper(b.kind, hyper)
+            acc.nograd, acc.hyper, acc.two_phase = nograd, hyper, h["two_phase"]
+        tensors = msg.tensors()
+        if acc.workers:
+            codec.decode_add_(acc.buf, tensors, h["cmeta"])
+        else:
+            codec.decode_(acc.buf, tensors, h["cmeta"])
+        acc.workers.add(w)
+        acc.pull = h["pull"]
+        self.metrics.pushes.inc()
+        self.metrics.bytes_in.labels("push").inc(sum(h["nbytes"]))
+        self.metrics.raw_in.labels("push").inc(b.numel * 4)
+        if len(acc.workers) == self.world_size:
+            self.metrics.agg_wait.observe(time.monotonic() - acc.first_at)
+            await self._complete(b, step, acc)
+
+    async def _complete(self, b: BucketState, step: int, acc: Accumulator) -> None:
+        """All expected pushes are in: step now, or (two-phase) report the norm and wait for COMMIT."""
+        if step != b.version:
+            return  # an earlier step of this bucket is still open; it will pick this one up
+        n = len(acc.workers)
+        if acc.two_phase:
+            if acc.norm_sent:
+                return
+            acc.norm_sent = True
+            loop = asyncio.get_running_loop()
+            sq, nonfinite = await loop.run_in_executor(self._executor, b.sqnorm, acc, float(n))
+            for w in acc.workers:
+                self._send(self.peers[w], wire.encode({"op": Op.NORM, "job": self.job, "step": step, "worker": w, "bucket": b.id, "sqnorm": sq, "nonfinite": nonfinite}))
+            return
+        await self._apply(b, step, acc, float(n), skip=False)
+
+    async def _on_commit(self, h: dict) -> None:
+        step = h["step"]
+        for bid in h["buckets"]:
+            b = self.buckets.get(bid) if isinstance(bid, int) else None
+            if b is None:
+                raise ProtocolError(f"COMMIT names bucket {bid!r}, not owned by node {self.index}")
+            acc = b.accs.get(step)
+            if acc is None or not acc.norm_sent or step != b.version:
+                continue  # already committed by another worker's COMMIT, or not yet complete
+            coef = h["coef"]
+            if not (coef > 0 and coef == coef and coef != float("inf")) and not h["skip"]:
+                raise ProtocolError(f"COMMIT coefficient must be positive and finite, got {coef}")
+            await self._apply(b, step, acc, len(acc.workers) / coef if not h["skip"] else 1.0, skip=h["skip"])
+
+    async def _apply(self, b: BucketState, step: int, acc: Accumulator, divisor: float, *, skip: bool) -> None:
+        loop = asyncio.get_running_loop()
+        codec = get_codec(acc.pull)
+        t0 = time.perf_counter()
+
+        def work():
+            if not skip:
+                b.apply(acc, divisor)
+            b.version = step + 1
+            out = self.replies[b.id].take(codec, b.numel, b.version & 1)
+            enc = codec.encode(b.params, out)
+            return enc.meta, enc.frames
+
+        frames = await loop.run_in_executor(self._executor, work)
+        self.metrics.opt_seconds.observe(time.perf_counter() - t0)
+        (self.metrics.skipped if skip else self.metrics.updates).inc()
+        workers = sorted(acc.workers)
+        b.release(step)
+        self._reply_weights(b, workers, acc.pull, skipped=skip, frames=frames, seq=step)
+        self.metrics.step.set(self.step)
+        self._applied_since_log += 1
+        if self._applied_since_log >= self.cfg.log_every * max(1, len(self.buckets)):
+            self._applied_since_log = 0
+            log.info("node %s at step %d: %d buckets, %d workers, %.0f pushes", self.index, self.step, len(self.buckets), len(self.peers), self.metrics.pushes._value.get())
+        # A later step of this bucket may have completed while this one was open.
+        nxt = b.accs.get(step + 1)
+        if nxt is not None and len(nxt.workers) == self.world_size:
+            await self._complete(b, step + 1, nxt)
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        reg = self.metrics.registry
+
+        def val(name, **labels):
+            v = reg.get_sample_value(name, labels or None)
+            return float(v or 0.0)
+
+        return {
+            "node": self.index,
+            "address": self.address or "",
+            "step": self.step,
+            "workers": len(self.peers),
+            "world_size": self.world_size or 0,
+            "buckets": len(self.buckets),
+            "params": sum(b.numel for b in self.buckets.values()),
+            "bytes_in": val("luwu_node_bytes_received_total", op="push"),
+            "bytes_out": val("luwu_node_bytes_sent_total", op="update"),
+            "pushes": val("luwu_node_pushes_total"),
+            "updates": val("luwu_node_updates_applied_total"),
+            "uptime_s": time.monotonic() - self.started,
+            "mode": self.cfg.mode,
+        }

@@ -1,0 +1,116 @@
+"""The shard store: a node's buckets as flat fp32 tensors with optimizer state.
+
+One :class:`BucketState` per owned bucket: the master weights, the optimizer
+state (same numel), one step counter per segment (torch keeps one per
+parameter), and the gradient accumulators of steps in flight, taken from a pool
+and reused, so nothing proportional to the model is allocated per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from luwu.protocol.errors import ProtocolError, StepMismatchError
+from luwu.switch_nodes.optimizers import OptimizerKind, apply_
+
+
+@dataclass(slots=True)
+class SegmentSpec:
+    param: int
+    param_offset: int
+    offset: int
+    numel: int
+
+
+def parse_spec(spec) -> tuple[int, int, int, list[SegmentSpec]]:
+    """Validate a bucket spec from HELLO: [id, group, numel, [[param, param_offset, offset, numel], ...]]."""
+    try:
+        bid, group, numel, segs = spec
+        segments = [SegmentSpec(*map(int, s)) for s in segs]
+    except (TypeError, ValueError):
+        raise ProtocolError(f"malformed bucket spec {spec!r:.200}") from None
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (bid, group, numel)) or numel <= 0 or bid < 0:
+        raise ProtocolError(f"bad bucket spec header {spec[:3]!r}")
+    off = 0
+    for s in segments:
+        if s.offset != off or s.numel <= 0 or s.param < 0 or s.param_offset < 0:
+            raise ProtocolError(f"bucket {bid}: segments are not contiguous and positive")
+        off += s.numel
+    if off != numel:
+        raise ProtocolError(f"bucket {bid}: segments cover {off} elements, spec says {numel}")
+    return bid, group, numel, segments
+
+
+@dataclass(slots=True)
+class Accumulator:
+    """Sum of the pushes of one (step, bucket) received so far."""
+
+    buf: torch.Tensor
+    workers: set = field(default_factory=set)
+    nograd: tuple = ()
+    hyper: dict | None = None
+    two_phase: bool = False
+    first_at: float = 0.0
+    norm_sent: bool = False
+    pull: str = "none"  # codec of the weights in the reply
+
+
+class BucketState:
+    def __init__(self, bid: int, group: int, numel: int, segments: list[SegmentSpec], kind: OptimizerKind):
+        self.id, self.group, self.numel, self.segments, self.kind = bid, group, numel, segments, kind
+        self.spec = [bid, group, numel, [[s.param, s.param_offset, s.offset, s.numel] for s in segments]]
+        self.params = torch.zeros(numel, dtype=torch.float32)
+        self.state = {name: torch.zeros(numel, dtype=torch.float32) for name in kind.state_names}
+        self.steps = [torch.zeros((), dtype=torch.float32) for _ in segments]
+        self.version = 0  # steps processed (applied or skipped)
+        self.initialized = False
+        self.accs: dict[int, Accumulator] = {}
+        self._pool: list[torch.Tensor] = []
+        self.pviews = self._views(self.params)
+        self.sviews = {n: self._views(t) for n, t in self.state.items()}
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat.narrow(0, s.offset, s.numel) for s in self.segments]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * 4 * (1 + len(self.state))
+
+    def accumulator(self, step: int, max_ahead: int) -> Accumulator:
+        acc = self.accs.get(step)
+        if acc is not None:
+            return acc
+        if step < self.version:
+            raise StepMismatchError(f"bucket {self.id}: push for step {step}, already applied (node is at step {self.version})")
+        if step > self.version + max_ahead:
+            raise StepMismatchError(f"bucket {self.id}: push for step {step} is too far ahead of step {self.version}")
+        buf = self._pool.pop() if self._pool else torch.empty(self.numel, dtype=torch.float32)
+        acc = self.accs[step] = Accumulator(buf, first_at=time.monotonic())
+        return acc
+
+    def release(self, step: int) -> Accumulator:
+        acc = self.accs.pop(step)
+        self._pool.append(acc.buf)
+        return acc
+
+    def grad_views(self, acc: Accumulator) -> tuple[list, list, dict, list]:
+        keep = [i for i in range(len(self.segments)) if i not in acc.nograd]
+        g = self._views(acc.buf)
+        return ([self.pviews[i] for i in keep], [g[i] for i in keep], {n: [v[i] for i in keep] for n, v in self.sviews.items()}, [self.steps[i] for i in keep])
+
+    def sqnorm(self, acc: Accumulator, divisor: float) -> tuple[float, bool]:
+        """Squared L2 norm of the averaged gradient (segments with a gradient) and whether any is non-finite."""
+        _, grads, _, _ = self.grad_views(acc)
+        total = 0.0
+        for g in grads:
+            total += float(torch.dot(g, g))
+        finite = total == total and total != float("inf")
+        return total / (divisor * divisor), not finite
+
+    def apply(self, acc: Accumulator, divisor: float) -> None:
+        """Optimizer step with grads = acc / divisor (division fused into the kernel)."""
+        params, grads, state, steps = self.grad_views(acc)
+        apply_(self.kind, params, grads, state, steps, acc.hyper or {}, grad_scale=torch.tensor(divisor, dtype=torch.float32))

@@ -1,0 +1,255 @@
+"""`luwu plan`: hand-computed cases of the step model, its recommendations, input checks and the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from luwu.plan import (
+    PlanSpec,
+    add_arguments,
+    codec_profile,
+    parse_count,
+    plan,
+    recommend,
+    run,
+    spec_with_codecs,
+)
+from luwu.protocol.errors import ConfigError
+
+P = 16_700_000  # the 1024 -> 2048 x4 -> 1000 MLP
+GBIT = 1e9 / 8  # bytes/s of 1 Gbit/s
+
+
+def spec(**kw) -> PlanSpec:
+    """1 Gbit/s everywhere at full line rate, fp32 both ways, no codec cost: numbers by hand."""
+    base = dict(num_params=P, workers=4, nodes=1, worker_gbps=1.0, node_gbps=1.0, push_bytes_per_elem=4.0,
+                pull_bytes_per_elem=4.0, compute_s=0.2, protocol_efficiency=1.0, opt_params_per_s=1e9)
+    base.update(kw)
+    return PlanSpec(**base)
+
+
+def test_one_node_incast_binds_at_one_gbit():
+    p = plan(spec())
+    assert p.node_down_bytes == pytest.approx((4 * 66.8e6,))  # 267.2 MB: every worker's whole model
+    assert p.node_down_s[0] == pytest.approx(267.2e6 / GBIT)  # 2.14 s
+    assert p.node_up_bytes[0] == pytest.approx(267.2e6)
+    assert p.worker_up_bytes == pytest.approx(66.8e6)
+    assert p.worker_up_s == pytest.approx(66.8e6 / GBIT)
+    assert p.worker_down_s == pytest.approx(66.8e6 / GBIT)
+    assert p.node_opt_s[0] == pytest.approx(P / 1e9)
+    assert p.bottleneck == "node 0 downlink"
+    assert p.node_link_binds
+
+    # pipeline: 16 buckets of 4 MiB, push and pull limited by the node link
+    k = math.ceil(4 * P / (4 << 20))
+    assert p.num_buckets == k == 16
+    link = 267.2e6 / GBIT
+    stages = (link, P / 1e9, link, 0.0)
+    path = max(stages) + (sum(stages) - max(stages)) / k
+    f = 2 / 3 * (1 - 1 / k)
+    assert p.overlap_fraction == pytest.approx(f)
+    assert p.path_s == pytest.approx(path)
+    assert p.sync_step_s == pytest.approx(0.2 + path - f * 0.2)
+    assert p.delayed_step_s == pytest.approx(max(0.2, link, ((1 - f) * 0.2 + path) / 2))
+
+
+def test_two_nodes_halve_each_node_link():
+    one, two = plan(spec()), plan(spec(nodes=2))
+    for j in range(2):
+        assert two.node_down_bytes[j] == pytest.approx(one.node_down_bytes[0] / 2)
+        assert two.node_up_s[j] == pytest.approx(one.node_up_s[0] / 2)
+        assert two.node_opt_s[j] == pytest.approx(one.node_opt_s[0] / 2)
+    assert two.worker_up_bytes == one.worker_up_bytes  # a worker still sends the whole model
+    assert two.sync_step_s < one.sync_step_s
+
+
+def test_compression_reduces_bytes_and_time():
+    fp32 = plan(spec())
+    bf16 = plan(spec(push_bytes_per_elem=2.0, pull_bytes_per_elem=2.0))
+    int8 = plan(spec_with_codecs(spec(), "int8", "int8", codec_costs=False))
+    assert bf16.worker_up_bytes == pytest.approx(fp32.worker_up_bytes / 2)
+    assert bf16.node_down_bytes[0] == pytest.approx(fp32.node_down_bytes[0] / 2)
+    assert int8.node_down_bytes[0] < bf16.node_down_bytes[0]
+    assert int8.sync_step_s < bf16.sync_step_s < fp32.sync_step_s
+
+
+def test_capacities_and_node_bandwidth_weight_the_shards():
+    p = plan(spec(nodes=2, capacities=(3.0, 1.0), node_gbps=(3.0, 1.0)))
+    assert p.shard_params == pytest.approx((0.75 * P, 0.25 * P))
+    assert p.node_down_bytes[0] == pytest.approx(3 * p.node_down_bytes[1])
+    assert p.node_down_s[0] == pytest.approx(p.node_down_s[1])  # weighted like the links: equal times
+
+
+def test_protocol_efficiency_scales_link_time():
+    assert plan(spec(protocol_efficiency=0.5)).worker_up_s == pytest.approx(2 * plan(spec()).worker_up_s)
+
+
+def test_codec_and_optimizer_time_on_the_node():
+    s = spec(push_decode_s_per_elem=2e-9, pull_encode_s_per_elem=1e-9, node_threads=2,
+             push_encode_s_per_elem=3e-9, pull_decode_s_per_elem=4e-9)
+    p = plan(s)
+    # W decodes of the pushes + 1 encode of the reply, over the shard, shared by the threads
+    assert p.node_cpu_s[0] == pytest.approx(P * (1 / 1e9 + 4 * 2e-9 + 1e-9) / 2)
+    assert p.node_opt_s[0] == pytest.approx(P / 1e9 / 2)
+    assert p.worker_codec_s == pytest.approx(P * (3e-9 + 4e-9))
+
+
+def test_one_bucket_cannot_overlap_backward():
+    p = plan(spec(bucket_bytes=1 << 40))
+    assert p.num_buckets == 1 and p.overlap_fraction == 0.0
+    stages = (p.push_s, p.node_s, p.pull_s, p.worker_codec_s)
+    assert p.sync_step_s == pytest.approx(0.2 + sum(stages))
+
+
+def test_compute_bound_when_links_are_fast():
+    p = plan(spec(worker_gbps=100.0, node_gbps=100.0, compute_s=1.0, batch_per_worker=64))
+    assert p.bottleneck == "compute"
+    assert p.delayed_step_s == pytest.approx(1.0)
+    assert p.sync_step_s == pytest.approx(1.0 + p.tail_s)  # only the last bucket is exposed
+    assert p.samples_per_s == pytest.approx(4 * 64 / p.sync_step_s)
+    assert plan(spec(delayed_update=True, batch_per_worker=64)).samples_per_s == pytest.approx(
+        4 * 64 / plan(spec()).delayed_step_s)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_params=st.integers(1, 10**11),
+    workers=st.integers(1, 256),
+    nodes=st.integers(1, 16),
+    worker_gbps=st.floats(0.1, 400),
+    node_gbps=st.floats(0.1, 400),
+    push=st.floats(0.01, 4),
+    pull=st.floats(0.01, 4),
+    compute_s=st.floats(0, 100),
+    overlap=st.one_of(st.none(), st.floats(0, 1)),
+    bucket_bytes=st.integers(1, 1 << 30),
+    decode=st.floats(0, 1e-8),
+)
+def test_delayed_update_never_slower_than_sync(num_params, workers, nodes, worker_gbps, node_gbps, push, pull,
+                                               compute_s, overlap, bucket_bytes, decode):
+    p = plan(PlanSpec(num_params=num_params, workers=workers, nodes=nodes, worker_gbps=worker_gbps,
+                      node_gbps=node_gbps, push_bytes_per_elem=push, pull_bytes_per_elem=pull, compute_s=compute_s,
+                      overlap_fraction=overlap, bucket_bytes=bucket_bytes, push_decode_s_per_elem=decode))
+    assert p.delayed_step_s <= p.sync_step_s * (1 + 1e-9)
+    assert p.sync_step_s >= max(p.resources.values()) * (1 - 1e-9)  # no step beats its busiest resource
+    assert p.delayed_step_s >= max(p.resources.values()) * (1 - 1e-9)
+
+
+def test_recommend_adds_nodes_while_node_links_bind():
+    rec = recommend(spec())
+    # fp32 at equal link rates: a node link carries W shards, so N = W nodes match one worker link
+    assert rec.nodes_unbind_links == 4
+    assert rec.nodes > 1
+    by_nodes = {o.nodes: o.sync_step_s for o in rec.node_options}
+    assert sorted(by_nodes) == list(range(1, 9))
+    assert by_nodes[2] < by_nodes[1]
+    assert rec.step_s < rec.current_step_s and rec.speedup > 1
+    assert rec.delayed_update  # 0.2 s of compute hides a lot of link time
+
+
+def test_recommend_keeps_one_node_and_no_compression_when_compute_binds():
+    rec = recommend(spec(worker_gbps=400.0, node_gbps=400.0, compute_s=2.0), codec_costs=False)
+    assert rec.nodes == 1
+    assert rec.nodes_unbind_links == 1
+    assert (rec.push_codec, rec.pull_codec) == ("none", "none")
+    assert not rec.delayed_update
+
+
+def test_recommend_compresses_when_links_bind_even_with_many_nodes():
+    rec = recommend(spec(compute_s=0.05, worker_gbps=1.0, node_gbps=1.0), codec_costs=False)
+    assert codec_profile(rec.push_codec).bytes_per_elem < 4.0
+    fp32 = next(o for o in rec.codec_options if (o.push_codec, o.pull_codec) == ("none", "none"))
+    assert rec.step_s < fp32.delayed_step_s
+
+
+def test_codec_table():
+    assert codec_profile("none").bytes_per_elem == 4.0
+    assert codec_profile("bf16").bytes_per_elem == 2.0
+    assert codec_profile("fp16").bytes_per_elem == 2.0
+    assert 1.0 < codec_profile("int8").bytes_per_elem < 1.1  # one int8 + a share of a block scale
+    assert 0.5 < codec_profile("int4").bytes_per_elem < 0.6
+    assert codec_profile("topk").bytes_per_elem < 0.2
+    assert codec_profile("topk:0.05").bytes_per_elem == pytest.approx(0.4)  # fp32 value + int32 index
+    for bad in ("zstd", "topk:0", "topk:2"):
+        with pytest.raises(ConfigError, match="codec|density"):
+            codec_profile(bad)
+
+
+@pytest.mark.parametrize("text,value", [("16.7M", 16_700_000), ("1.5B", 1_500_000_000), ("7e9", 7_000_000_000),
+                                        ("350k", 350_000), ("16_700_000", 16_700_000), ("2G", 2_000_000_000)])
+def test_parse_count(text, value):
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "M", "16.7Q", "-5", "0", "1.5 B B"])
+def test_parse_count_refuses(text):
+    with pytest.raises(ConfigError):
+        parse_count(text)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_params", 0), ("num_params", 1.5), ("workers", 0), ("workers", True), ("nodes", -1),
+    ("worker_gbps", 0.0), ("node_gbps", float("nan")), ("push_bytes_per_elem", -1.0),
+    ("pull_bytes_per_elem", float("inf")), ("opt_params_per_s", 0), ("compute_s", -0.1),
+    ("push_decode_s_per_elem", -1e-9), ("overlap_fraction", 1.5), ("protocol_efficiency", 0.0),
+    ("protocol_efficiency", 1.2), ("bucket_bytes", 0), ("batch_per_worker", 0), ("node_threads", 0),
+])
+def test_bad_values_are_refused_by_name(field, value):
+    with pytest.raises(ConfigError, match=field) as info:
+        spec(**{field: value})
+    assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(nodes=2, capacities=(1.0,)), "capacities"),
+    (dict(nodes=2, capacities=(1.0, -1.0)), r"capacities\[1\]"),
+    (dict(nodes=2, node_gbps=(1.0, 1.0, 1.0)), "node_gbps"),
+    (dict(nodes=2, node_gbps=(1.0, 0.0)), r"node_gbps\[1\]"),
+])
+def test_per_node_lists_are_checked(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        spec(**kw)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="luwu plan")
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_prints_table_and_returns_zero(capsys):
+    args = parse("--params", "16.7M", "--workers", "4", "--nodes", "1", "--worker-gbps", "1", "--node-gbps", "1",
+                 "--push-codec", "none", "--pull-codec", "none", "--compute-ms", "200", "--batch", "64")
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    assert "node 0 downlink" in out and "267.2 MB" in out
+    assert "bottleneck: node 0 downlink" in out
+    assert "recommended:" in out and "samples/s" in out
+
+
+def test_cli_json_matches_plan(capsys):
+    args = parse("--params", "1.5B", "--workers", "8", "--nodes", "2", "--worker-gbps", "10", "--node-gbps", "25,25",
+                 "--push-codec", "int8", "--pull-codec", "bf16", "--compute-ms", "500", "--delayed-update",
+                 "--no-codec-cost", "--json")
+    assert run(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    expected = plan(spec_with_codecs(PlanSpec(num_params=1_500_000_000, workers=8, nodes=2, worker_gbps=10.0,
+                                              node_gbps=(25.0, 25.0), compute_s=0.5, delayed_update=True),
+                                     "int8", "bf16", codec_costs=False))
+    assert data["plan"]["step_s"] == pytest.approx(expected.delayed_step_s)
+    assert data["plan"]["bottleneck"] == expected.bottleneck
+    assert data["plan"]["node_down_bytes"] == pytest.approx(list(expected.node_down_bytes))
+    assert data["recommendation"]["nodes"] >= 1
+
+
+def test_cli_bad_setting_returns_two(capsys):
+    assert run(parse("--params", "16.7M", "--workers", "0", "--compute-ms", "100")) == 2
+    assert "workers" in capsys.readouterr().err
+    assert run(parse("--params", "16.7M", "--compute-ms", "100", "--push-codec", "zstd")) == 2
+    assert "zstd" in capsys.readouterr().err

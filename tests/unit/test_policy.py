@@ -1,0 +1,192 @@
+"""The hybrid policy: which codec each kind of bucket gets, in both directions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from luwu.protocol.codecs import get_codec
+from luwu.protocol.errors import ConfigError
+from luwu.protocol.layout import Bucket, ParamSpec, build_layout
+from luwu.protocol.policy import (
+    CompressionConfig,
+    choose_codec,
+    choose_pull_codec,
+    codec_seconds,
+    pays_off,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+STEP = 100  # well past the warm-up
+
+
+def bucket_of(*params: tuple[str, tuple[int, ...]]) -> Bucket:
+    """One bucket holding all ``params`` (bucket_bytes large enough)."""
+    specs = [ParamSpec(n, s) for n, s in params]
+    layout = build_layout(specs, 1 << 30, [1.0])
+    assert len(layout.buckets) == 1
+    return layout.buckets[0]
+
+
+LARGE = bucket_of(("layers.0.weight", (1024, 1024)))
+CONV = bucket_of(("conv.weight", (256, 256, 3, 3)))
+SMALLS = bucket_of(*[(f"block{i}.weight", (200, 200)) for i in range(6)])
+MIXED = bucket_of(("layers.0.weight", (1024, 1024)), ("layers.0.bias", (1024,)))
+LONG_1D = bucket_of(("pos.scale", (2_000_000,)))
+TINY = bucket_of(("norm.weight", (64,)))
+
+
+def test_defaults_are_the_documented_ones():
+    cfg = CompressionConfig()
+    assert cfg.enabled and cfg.error_feedback
+    assert (cfg.warmup_steps, cfg.small_numel, cfg.large_codec) == (10, 65536, "int8")
+    assert (cfg.link_gbps, cfg.pull_codec, cfg.resync_every, cfg.topk_density) == (10.0, "bf16", 50, 0.01)
+    assert cfg.rules == []
+
+
+def test_warmup_steps_go_uncompressed():
+    cfg = CompressionConfig()
+    for b in (LARGE, SMALLS, MIXED):
+        assert choose_codec(b, 0, cfg) == ("none", False)
+        assert choose_codec(b, 9, cfg) == ("none", False)
+        assert choose_pull_codec(b, 9, cfg) == "none"
+    assert choose_codec(LARGE, 10, cfg) == ("int8", True)
+    assert choose_codec(LARGE, 0, CompressionConfig(warmup_steps=0)) == ("int8", True)
+
+
+def test_disabled_sends_fp32_both_ways():
+    cfg = CompressionConfig(enabled=False)
+    for b in (LARGE, SMALLS, MIXED, LONG_1D):
+        assert choose_codec(b, STEP, cfg) == ("none", False)
+        assert choose_pull_codec(b, STEP, cfg) == "none"
+
+
+def test_large_matrices_get_int8_with_error_feedback():
+    cfg = CompressionConfig()
+    assert choose_codec(LARGE, STEP, cfg) == ("int8", True)
+    assert choose_codec(CONV, STEP, cfg) == ("int8", True)
+    assert choose_codec(LARGE, STEP, CompressionConfig(error_feedback=False)) == ("int8", False)
+
+
+def test_small_and_1d_tensors_get_bf16_without_feedback():
+    cfg = CompressionConfig()
+    assert choose_codec(SMALLS, STEP, cfg) == ("bf16", False)
+    assert choose_codec(LONG_1D, STEP, cfg) == ("bf16", False), "a 1-D tensor is never int8, however long"
+    # a bucket mixing a large matrix with a bias: never int8
+    assert choose_codec(MIXED, STEP, cfg) == ("bf16", False)
+    # small_numel moves the line
+    assert choose_codec(SMALLS, STEP, CompressionConfig(small_numel=1000)) == ("int8", True)
+    assert choose_codec(LARGE, STEP, CompressionConfig(small_numel=2_000_000)) == ("bf16", False)
+
+
+def test_other_large_codecs():
+    assert choose_codec(LARGE, STEP, CompressionConfig(large_codec="int4")) == ("int4", True)
+    assert choose_codec(LARGE, STEP, CompressionConfig(large_codec="topk", link_gbps=1.0)) == ("topk", True)
+    name, ef = choose_codec(LARGE, STEP, CompressionConfig(large_codec="topk", topk_density=0.05, link_gbps=1.0))
+    assert (name, ef) == ("topk:0.05", True)
+    assert get_codec(name).density == 0.05
+    assert choose_codec(LARGE, STEP, CompressionConfig(large_codec="bf16")) == ("bf16", False)
+    assert choose_codec(SMALLS, STEP, CompressionConfig(large_codec="int4")) == ("bf16", False)
+
+
+def test_rules_override_first_match_wins_on_the_largest_segment():
+    cfg = CompressionConfig(rules=[("layers.0.weight", "int4"), ("layers.*", "none"), ("*.bias", "fp16")])
+    # the largest segment of MIXED is the weight: the rule forces int4 despite the bias
+    assert choose_codec(MIXED, STEP, cfg) == ("int4", True)
+    assert choose_codec(LARGE, STEP, cfg) == ("int4", True)
+    assert choose_codec(bucket_of(("layers.1.weight", (1024, 1024))), STEP, cfg) == ("none", False)
+    assert choose_codec(bucket_of(("head.bias", (4096,))), STEP, cfg) == ("fp16", False)
+    assert choose_codec(SMALLS, STEP, cfg) == ("bf16", False), "no rule matches: the default policy"
+    assert choose_codec(MIXED, 3, cfg) == ("none", False), "rules do not skip the warm-up"
+    cheap = CompressionConfig(rules=[("*", "int8")], link_gbps=1e6)
+    assert choose_codec(TINY, STEP, cheap) == ("int8", True), "rules skip the cost rule"
+
+
+def test_rules_from_a_string_and_bad_rules():
+    cfg = CompressionConfig(rules="*.bias=none, embed*=int4")
+    assert cfg.rules == [("*.bias", "none"), ("embed*", "int4")]
+    assert CompressionConfig(rules=[["a*", "bf16"]]).rules == [("a*", "bf16")]
+    with pytest.raises(ConfigError, match="zstd"):
+        CompressionConfig(rules=[("*.weight", "zstd")])
+    with pytest.raises(ConfigError, match=r"rules\[0\]"):
+        CompressionConfig(rules=[("*.weight",)])
+    with pytest.raises(ConfigError, match="pattern=codec"):
+        CompressionConfig(rules="*.weight")
+    with pytest.raises(ConfigError, match="pattern"):
+        CompressionConfig(rules=[("", "bf16")])
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("warmup_steps", -1),
+        ("small_numel", "big"),
+        ("large_codec", "zstd"),
+        ("link_gbps", 0.0),
+        ("link_gbps", float("inf")),
+        ("pull_codec", "int4"),
+        ("resync_every", 0),
+        ("topk_density", 0.0),
+        ("topk_density", 2.0),
+    ],
+)
+def test_bad_settings_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=field):
+        CompressionConfig(**{field: value})
+
+
+def test_cost_rule_slow_link_compresses_fast_link_does_not():
+    slow, fast = CompressionConfig(link_gbps=1.0), CompressionConfig(link_gbps=10_000.0)
+    assert choose_codec(LARGE, STEP, slow) == ("int8", True)
+    assert choose_codec(LARGE, STEP, fast) == ("none", False)
+    assert choose_codec(SMALLS, STEP, slow) == ("bf16", False)
+    assert choose_codec(SMALLS, STEP, fast) == ("none", False)
+    assert choose_pull_codec(LARGE, STEP, fast) == "none"
+    # a tiny bucket saves less wire time than a codec call costs
+    assert choose_codec(TINY, STEP, CompressionConfig()) == ("none", False)
+    assert choose_codec(TINY, STEP, CompressionConfig(link_gbps=0.001)) == ("bf16", False)
+    assert pays_off("int8", LARGE.numel, slow) and not pays_off("int8", LARGE.numel, fast)
+    assert codec_seconds("none", 1 << 20, 1.0) > codec_seconds("int8", 1 << 20, 1.0)
+
+
+def test_cost_rule_compresses_less_as_the_link_gets_faster():
+    """int8 on slow links, then (maybe) bf16, then none: never more compression on a faster link."""
+    seen = []
+    for gbps in [0.1 * 1.25**i for i in range(60)]:
+        name, _ = choose_codec(LARGE, STEP, CompressionConfig(link_gbps=gbps))
+        seen.append(get_codec(name).bytes_per_element())
+    assert seen == sorted(seen)
+    assert seen[0] < 1.1 and seen[-1] == 4.0
+
+
+def test_pull_codec():
+    cfg = CompressionConfig()
+    assert choose_pull_codec(LARGE, STEP, cfg) == "bf16"
+    delta = CompressionConfig(pull_codec="int8_delta")
+    assert choose_pull_codec(LARGE, STEP, delta) == "int8_delta"
+    assert choose_pull_codec(MIXED, STEP, delta) == "bf16", "never int8 deltas for small or 1-D tensors"
+    assert choose_pull_codec(SMALLS, STEP, delta) == "bf16"
+    assert choose_pull_codec(LARGE, 2, delta) == "none"
+    assert choose_pull_codec(LARGE, STEP, CompressionConfig(pull_codec="none")) == "none"
+    assert choose_pull_codec(LARGE, STEP, CompressionConfig(pull_codec="fp16")) == "fp16"
+
+
+def test_choice_is_the_same_in_another_process():
+    """Workers decide alone: the choice may depend only on bucket, step and config."""
+    cases = [(LARGE, 10), (SMALLS, 50), (MIXED, 11), (TINY, 99), (LONG_1D, 12)]
+    links = [0.5, 10.0, 25.0, 40.0, 1000.0]
+    here = [[choose_codec(b, s, CompressionConfig(link_gbps=g))[0] for b, s in cases] for g in links]
+    code = f"""
+import json, sys
+sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+from test_policy import LARGE, SMALLS, MIXED, TINY, LONG_1D
+from luwu.protocol.policy import CompressionConfig, choose_codec
+cases = [(LARGE, 10), (SMALLS, 50), (MIXED, 11), (TINY, 99), (LONG_1D, 12)]
+print(json.dumps([[choose_codec(b, s, CompressionConfig(link_gbps=g))[0] for b, s in cases] for g in {links!r}]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == here
