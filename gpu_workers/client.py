@@ -178,7 +178,10 @@ class WorkerClient:
                 return
             self._last_heard[node] = time.monotonic()
             try:
-                msg = wire.decode(frames, job=self.job, max_message_bytes=self.cfg.max_message_bytes)
+                # job checked below: an ERROR saying "wrong job" must reach the training loop
+                msg = wire.decode(frames, max_message_bytes=self.cfg.max_message_bytes)
+                if msg.header["job"] != self.job and msg.header["op"] != Op.ERROR:
+                    raise ProtocolError(f"reply of job {msg.header['job']!r}, this worker runs job {self.job!r}")
             except LuwuError as exc:
                 log.warning("undecodable message from node %s: %s", self.nodes[node], exc)
                 continue

@@ -32,8 +32,8 @@ class TransportConfig:
         for name in ("timeout_s", "connect_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"transport.{name} must be > 0, got {getattr(self, name)}")
-        if self.bucket_bytes < 1024:
-            raise ConfigError(f"transport.bucket_bytes must be >= 1024, got {self.bucket_bytes}")
+        if self.bucket_bytes < 16:
+            raise ConfigError(f"transport.bucket_bytes must be >= 16, got {self.bucket_bytes}")
         if self.sndhwm < 1 or self.max_message_bytes < self.bucket_bytes:
             raise ConfigError(f"transport.sndhwm must be >= 1 and max_message_bytes >= bucket_bytes, got {self.sndhwm}, {self.max_message_bytes}")
         if self.heartbeat_s < 0:

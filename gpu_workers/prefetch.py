@@ -36,7 +36,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -262,7 +262,6 @@ class _Item:
         self.batch, self.error, self.nbytes, self.event, self.source_state = batch, error, nbytes, event, source_state
 
 
-_END = object()
 _LIVE: weakref.WeakSet[_Pass] = weakref.WeakSet()
 
 
@@ -277,7 +276,16 @@ class _Pass:
     """
 
     def __init__(
-        self, it: Iterator, *, skip: int, owned: bool, stop_workers: bool, cfg: PrefetchConfig, transfer, snapshot, metrics
+        self,
+        it: Iterator,
+        *,
+        skip: int,
+        owned: bool,
+        stop_workers: bool,
+        cfg: PrefetchConfig,
+        transfer: _CudaCopy | _HostCopy | None,
+        snapshot: Callable[[], Any] | None,
+        metrics: types.SimpleNamespace,
     ):
         self._it: Iterator | None = it
         self._owned = owned  # we called iter() and got a new object: ours to close
@@ -455,7 +463,9 @@ class _Pass:
             # A thread is inside the source's next() (or close ran on one of ours,
             # from gc): it holds its own reference and exits once next() returns.
             if me not in self._threads:
-                log.warning("prefetch %s: threads %s still inside the source's next(); left to finish", self._cfg.name, busy)
+                log.warning(
+                    "prefetch %s: threads %s still inside the source's next(); left to finish", self._cfg.name, busy
+                )
         elif self._owned and isinstance(it, types.GeneratorType):
             it.close()  # run the generator's finally blocks now, not at some later gc
         elif self._stop_workers:

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import selectors
+import queue
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 from luwu.protocol.errors import NodeTimeoutError
+from luwu.switch_nodes.daemon import METRICS_LINE
 from luwu.switch_nodes.server import READY_LINE
 
 
@@ -25,6 +27,8 @@ class LocalCluster:
     procs: list[subprocess.Popen] = field(repr=False)
     job: str = "luwu"
     args: list[list[str]] = field(default_factory=list, repr=False)
+    metrics_urls: list[str] = field(default_factory=list)
+    """http://host:port of each node's /metrics endpoint (when started with --metrics.port)."""
 
     def stop(self, timeout_s: float = 10.0) -> None:
         for p in self.procs:
@@ -55,46 +59,50 @@ class LocalCluster:
         return addr
 
 
-def _start(args: list[str], timeout_s: float) -> tuple[subprocess.Popen, str]:
+def _start(args: list[str], timeout_s: float, metrics: list | None = None) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "luwu", "node", *args], stdout=subprocess.PIPE, stderr=None, env=env, text=True)
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
-    lines = []
-    while time.monotonic() < deadline:
-        if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-            break
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith(READY_LINE):
-            sel.close()
-            # keep draining stdout so the node never blocks on a full pipe
-            import threading
+    lines: queue.Queue = queue.Queue()
 
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    def pump() -> None:  # reads the node's stdout for its whole life, so the node never blocks on a full pipe
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, name="luwu-node-stdout", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            line = None
+        if line is None:
+            break
+        seen.append(line)
+        if line.startswith(METRICS_LINE) and metrics is not None:
+            metrics.append(line.split()[1])
+        if line.startswith(READY_LINE):
             return proc, line.split()[1]
     proc.kill()
     proc.wait(5)
-    raise NodeTimeoutError(f"node did not report its address within {timeout_s:.0f} s (args {args}); output: {''.join(lines)[-2000:]}")
+    raise NodeTimeoutError(f"node did not report its address within {timeout_s:.0f} s (args {args}); output: {''.join(seen)[-2000:]}")
 
 
 @contextlib.contextmanager
 def local_cluster(num_nodes: int = 2, *, job: str = "luwu", node_args: list[str] | None = None, per_node_args=None, start_timeout_s: float = 60.0):
     """Start ``num_nodes`` real node daemons on 127.0.0.1 and yield a :class:`LocalCluster`."""
-    procs, addrs, all_args = [], [], []
+    procs, addrs, all_args, murls = [], [], [], []
     try:
         for i in range(num_nodes):
             args = ["--node.bind", "tcp://127.0.0.1:0", "--node.index", str(i), "--cluster.job", job, *(node_args or [])]
             if per_node_args is not None:
                 args += per_node_args(i)
-            proc, addr = _start(args, start_timeout_s)
+            proc, addr = _start(args, start_timeout_s, murls)
             procs.append(proc)
             addrs.append(addr)
             all_args.append(args)
-        cluster = LocalCluster(addrs, procs, job, all_args)
+        cluster = LocalCluster(addrs, procs, job, all_args, murls)
         yield cluster
     finally:
         LocalCluster(addrs, procs).stop()

@@ -20,7 +20,9 @@ import torch
 
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
+from luwu.gpu_workers.metrics import WorkerMetrics
 from luwu.gpu_workers.worker import Worker
+from luwu.protocol.metrics import serve_metrics
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import ParamSpec, build_layout
 from luwu.switch_nodes.optimizers import get_kind
@@ -83,6 +85,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         bucket_bytes: int | None = None,
         timeout_s: float | None = None,
         capacities=None,
+        registry=None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ):
         kind = get_kind(optimizer)
         defaults = dict(kind.defaults)
@@ -129,6 +134,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.compression = compression
         self._sync_grads = True
         self._hooks: list = []
+        self.metrics = WorkerMetrics(registry, rank=self.rank)
+        self.metrics_url = None
+        self._http = None
+        if metrics_port is not None:
+            self._http, port = serve_metrics(self.metrics.registry, metrics_host, metrics_port)
+            self.metrics_url = f"http://{metrics_host}:{port}"
         self.client = WorkerClient(self.nodes, job=job, rank=self.rank, cfg=tc)
         self._build()
         self.last_report: dict = {}
@@ -248,6 +259,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if getattr(self, "client", None) is not None:
             self.client.close()
             self.client = None
+        if getattr(self, "_http", None) is not None:
+            self._http.shutdown()
+            self._http = None
 
     def __del__(self):
         try:

@@ -100,8 +100,7 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
 def encode(header: dict[str, Any], payload: Sequence[torch.Tensor] = ()) -> list:
     """Frames for ``header`` (op, job, step, worker... filled by the caller) and tensors."""
     frames = [tensor_frame(t) for t in payload]
-    if payload:
-        header["nbytes"] = [f.nbytes for f in frames]
+    header["nbytes"] = [f.nbytes for f in frames]
     header["v"] = VERSION
     return [msgpack.packb(header, use_bin_type=True), *frames]
 

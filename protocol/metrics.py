@@ -39,3 +39,40 @@ class MetricsFactory:
 
     def histogram(self, what: str, doc: str, labels: tuple[str, ...] = (), buckets=SECONDS_BUCKETS) -> Histogram:
         return Histogram(self._name(what), doc, labels, registry=self.registry, buckets=buckets)
+
+
+def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, health=None):
+    """Serve ``/metrics`` (Prometheus text format) and ``/healthz`` from a daemon thread.
+
+    ``health`` returns (ok, detail dict) for ``/healthz``. Returns (server, bound port); call
+    ``server.shutdown()`` to stop.
+    """
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            path = self.path.split("?")[0]
+            if path == "/metrics":
+                body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
+            elif path == "/healthz":
+                ok, detail = health() if health else (True, {})
+                body, ctype, code = json.dumps({"ok": ok, **detail}).encode(), "application/json", 200 if ok else 503
+            else:
+                body, ctype, code = b"not found: try /metrics or /healthz\n", "text/plain", 404
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # no per-request logging
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="luwu-metrics", daemon=True).start()
+    return server, server.server_address[1]

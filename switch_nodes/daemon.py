@@ -11,6 +11,8 @@ from luwu.switch_nodes.server import NodeServer
 
 log = logging.getLogger(__name__)
 
+METRICS_LINE = "LUWU_METRICS_READY"
+
 
 def run_node(cfg: NodeConfig, *, job: str, registry=None, metrics=None, on_start=None) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code."""
@@ -21,6 +23,16 @@ def run_node(cfg: NodeConfig, *, job: str, registry=None, metrics=None, on_start
     except ImportError:  # pragma: no cover - uvloop is a dependency; keep the node usable without it
         runner = asyncio.run
     server = NodeServer(cfg, job=job, registry=registry)
+    http = None
+    if metrics is not None and metrics.port >= 0:
+        from luwu.protocol.metrics import serve_metrics
+
+        def health():
+            st = server.stats()
+            return server.address is not None, {"step": st["step"], "workers": st["workers"], "node": st["node"]}
+
+        http, port = serve_metrics(server.metrics.registry, metrics.host, metrics.port, health)
+        print(f"{METRICS_LINE} http://{metrics.host}:{port}", flush=True)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
@@ -31,6 +43,10 @@ def run_node(cfg: NodeConfig, *, job: str, registry=None, metrics=None, on_start
             on_start(server)
         await server.serve()
 
-    runner(main())
+    try:
+        runner(main())
+    finally:
+        if http is not None:
+            http.shutdown()
     log.info("node %s stopped", server.index)
     return 0

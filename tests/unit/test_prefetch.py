@@ -6,6 +6,8 @@ import gc
 import logging
 import multiprocessing
 import random
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -254,6 +256,34 @@ def test_a_new_pass_closes_the_previous_one():
         next(first)
     assert int(next(second)[0]) == 0
     pf.close()
+
+
+EXIT_SCRIPT = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from luwu.gpu_workers.prefetch import Prefetcher
+
+class Endless:
+    def __iter__(self):
+        i = 0
+        while True:
+            yield torch.tensor(i)
+            i += 1
+
+running = iter(Prefetcher(Endless(), depth=2))
+next(running)
+loading = iter(Prefetcher(DataLoader(TensorDataset(torch.arange(64)), batch_size=4, num_workers=2)))
+next(loading)
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_interpreter_exits_cleanly_with_passes_still_running():
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=45)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "exiting\n"
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
 
 
 class Blocking:

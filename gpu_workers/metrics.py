@@ -1,0 +1,32 @@
+"""Prometheus metrics of a worker (``luwu_worker_*``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from luwu.protocol.metrics import MetricsFactory
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, rank: int = 0):
+        f = MetricsFactory("worker", registry)
+        self.registry = f.registry
+        self.bytes_pushed = f.counter("bytes_pushed_total", "Gradient payload bytes pushed (on the wire)")
+        self.raw_pushed = f.counter("raw_bytes_pushed_total", "fp32 bytes the pushed gradients stand for")
+        self.bytes_pulled = f.counter("bytes_pulled_total", "Weight payload bytes received (on the wire)")
+        self.raw_pulled = f.counter("raw_bytes_pulled_total", "fp32 bytes the received weights stand for")
+        self.pushes = f.counter("pushes_total", "Bucket pushes sent")
+        self.steps = f.counter("steps_total", "Optimizer steps completed")
+        self.skipped = f.counter("steps_skipped_total", "Steps the nodes skipped (non-finite gradient somewhere)")
+        self.encode_seconds = f.counter("encode_seconds_total", "Seconds spent compressing gradients")
+        self.decode_seconds = f.counter("decode_seconds_total", "Seconds spent decoding weights")
+        self.compression_ratio = f.gauge("compression_ratio", "raw / wire bytes of the pushes of the last step")
+        # per-step breakdown (seconds of the last step and histograms)
+        self.compute = f.histogram("compute_seconds", "Seconds of forward+backward per step (between step() calls, minus waits)")
+        self.push_wait = f.histogram("push_wait_seconds", "Seconds step() waited for pushes / global norms")
+        self.update_wait = f.histogram("update_wait_seconds", "Seconds step() waited for the new weights")
+        self.data_wait = f.histogram("data_wait_seconds", "Seconds the training loop waited for data (from the Prefetcher)")
+        self.step_seconds = f.histogram("step_seconds", "Wall seconds per training step")
+        self.staleness = f.gauge("staleness_steps", "Steps between the weights used and the newest (delayed update / async)")
+        self.errors = f.counter("errors_total", "Errors raised to the training loop, by code", ("code",))
+        self.names = list(f.names)

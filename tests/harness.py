@@ -1,0 +1,57 @@
+"""Starting real worker processes for the integration tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+TRAIN = ROOT / "workers" / "train.py"
+
+
+def start_workers(script: Path, spec: dict, world_size: int, tmp: Path, env: dict | None = None) -> list[subprocess.Popen]:
+    path = tmp / f"spec-{time.monotonic_ns()}.json"
+    path.write_text(json.dumps(spec))
+    procs = []
+    for r in range(world_size):
+        e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), PYTHONUNBUFFERED="1", **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, str(script), str(path)], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
+    """Wait for every process; on timeout kill them all. Returns their outputs; raises if one failed."""
+    deadline = time.monotonic() + timeout_s
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        if p.returncode != 0:
+            raise AssertionError(f"worker {i} exited with {p.returncode}:\n{out[-4000:]}")
+    return outs
+
+
+def run_training(spec: dict, nodes: list[str], tmp: Path, world_size: int = 2, timeout_s: float = 120) -> list[dict]:
+    """Train with RemoteOptimizer in ``world_size`` real processes; returns each rank's saved result."""
+    spec = dict(spec, nodes=nodes, world_size=world_size, out=str(tmp / f"result-{time.monotonic_ns()}"))
+    wait_all(start_workers(TRAIN, spec, world_size, tmp), timeout_s)
+    return [torch.load(f"{spec['out']}.rank{r}") for r in range(world_size)]
+
+
+def assert_params_close(got: list[torch.Tensor], want: list[torch.Tensor], rtol: float = 1e-6, atol: float = 1e-7) -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, i=i: f"parameter {i}: {m}")

@@ -1,0 +1,136 @@
+"""A real training worker process for the integration tests.
+
+Run as ``python tests/workers/train.py SPEC.json`` with torchrun's RANK and
+WORLD_SIZE set; it trains a small deterministic model with RemoteOptimizer as
+the spec says and saves the final parameters (and per-step losses) with
+torch.save to the spec's ``out`` path with ``.rank<r>`` appended. The same
+module computes the single-process reference (``reference(spec)``) so a test
+compares like with like.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+DEFAULTS = {
+    "optimizer": "adamw",
+    "hyper": {"lr": 0.01},
+    "steps": 20,
+    "batch": 8,
+    "seed": 0,
+    "bucket_bytes": 4096,
+    "timeout_s": 30.0,
+    "scheduler": None,
+    "max_grad_norm": None,
+    "delayed_update": False,
+    "mode": "sync",
+    "compression": None,
+    "model": "mlp",
+}
+
+
+def make_model(spec) -> torch.nn.Module:
+    torch.manual_seed(spec["seed"])
+    if spec["model"] == "mlp":
+        return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 5))
+    raise ValueError(spec["model"])
+
+
+def batch(spec, step: int, world_size: int):
+    """The global batch of a step: rows [r*b, (r+1)*b) belong to worker r."""
+    g = torch.Generator().manual_seed(1000 + step + 7919 * spec["seed"])
+    n = spec["batch"] * world_size
+    x = torch.randn(n, 20, generator=g)
+    y = torch.randint(0, 5, (n,), generator=g)
+    return x, y
+
+
+def make_scheduler(spec, opt):
+    s = spec["scheduler"]
+    if s is None:
+        return None
+    name, kw = s[0], s[1]
+    return getattr(torch.optim.lr_scheduler, name)(opt, **kw)
+
+
+def loss_fn(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def reference(spec) -> tuple[list[torch.Tensor], list[float]]:
+    """The same training in one process with the torch optimizer on the concatenated batch."""
+    spec = DEFAULTS | spec
+    ws = spec["world_size"]
+    model = make_model(spec)
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[spec["optimizer"]]
+    opt = cls(model.parameters(), **spec["hyper"])
+    sched = make_scheduler(spec, opt)
+    losses = []
+    for step in range(spec["steps"]):
+        x, y = batch(spec, step, ws)
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        if spec["max_grad_norm"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(float(loss.detach()))
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+def main(path: str) -> None:
+    import luwu
+
+    torch.set_num_threads(1)
+    with open(path) as fh:
+        spec = DEFAULTS | json.load(fh)
+    rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    model = make_model(spec)
+    if rank != 0:  # other workers start from different weights: rank 0 seeds the nodes
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    compression = None
+    if spec["compression"] is not None:
+        from luwu.protocol.policy import CompressionConfig
+
+        compression = CompressionConfig(**spec["compression"])
+    opt = luwu.RemoteOptimizer(
+        model,
+        spec["optimizer"],
+        nodes=spec["nodes"],
+        bucket_bytes=spec["bucket_bytes"],
+        timeout_s=spec["timeout_s"],
+        max_grad_norm=spec["max_grad_norm"],
+        delayed_update=spec["delayed_update"],
+        mode=spec["mode"],
+        compression=compression,
+        job=spec.get("job", "luwu"),
+        **spec["hyper"],
+    )
+    sched = make_scheduler(spec, opt)
+    losses = []
+    b = spec["batch"]
+    for step in range(spec["steps"]):
+        x, y = batch(spec, step, ws)
+        x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
+        opt.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(float(loss.detach()))
+    opt.synchronize()
+    torch.save({"params": [p.detach().clone() for p in model.parameters()], "losses": losses}, f"{spec['out']}.rank{rank}")
+    opt.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
