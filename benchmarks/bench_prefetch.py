@@ -239,8 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
     )
     n_batches = args.warmup + args.steps
-    dataset = AugmentedDigits(n_batches * args.batch_size, cal["decode_res"])
-    preloaded = list(DataLoader(dataset, batch_size=args.batch_size))
+    # Longer than a run reads: a DataLoader that reaches its end stops its workers,
+    # and their CPU would go missing from pipeline_cores (prefetch rows read ahead).
+    dataset = AugmentedDigits((n_batches + 2 * args.depth + 4) * args.batch_size, cal["decode_res"])
+    preloaded = [batch for _, batch in zip(range(n_batches), DataLoader(dataset, batch_size=args.batch_size))]
     trainer = Trainer(cal["width"])
 
     def loader(nw: int) -> DataLoader:

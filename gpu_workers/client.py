@@ -108,6 +108,8 @@ class WorkerClient:
         op = h["op"]
         if op in (Op.WELCOME, Op.STATS):
             return (op, node, None, -1)
+        if op == Op.STATE:
+            return (op, node, None, h["bucket"])
         if op == Op.UPDATE:
             return (op, node, h.get("seq", -1), h["bucket"])
         return (op, node, h["step"], h.get("bucket", -1))

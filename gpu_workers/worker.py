@@ -21,7 +21,7 @@ import torch
 
 from luwu.gpu_workers.client import WorkerClient
 from luwu.protocol.codecs import get_codec, has_nonfinite
-from luwu.protocol.errors import LayoutMismatchError
+from luwu.protocol.errors import LayoutMismatchError, ProtocolError
 from luwu.protocol.layout import Bucket, Layout
 from luwu.protocol.messages import Op
 
@@ -90,13 +90,17 @@ class Worker:
         self.push_wait_s = 0.0
 
     # ----------------------------------------------------------------- start-up
-    def connect(self, *, extends: bool = False) -> list[dict]:
-        """HELLO every node; rank 0 seeds uninitialized buckets; everyone pulls the current weights."""
+    def connect(self, step: int = 0) -> list[dict]:
+        """HELLO every node; rank 0 seeds uninitialized buckets; everyone pulls the current weights.
+        ``step``: the job's step when a layout is extended (add_param_group) mid-training."""
         for n in range(self.layout.num_nodes):
+            mine = self.layout.buckets_of(n)
             self.client.send(
                 n,
                 {
                     "op": Op.HELLO,
+                    "step": step,
+                    "param_names": {s.param: s.name for b in mine for s in b.segments},
                     "world_size": self.world_size,
                     "layout": self.layout.hash,
                     "node_index": n,
@@ -105,7 +109,8 @@ class Worker:
                     "mode": self.mode,
                 },
             )
-        welcomes = [m.header for m in self.client.wait([(Op.WELCOME, n, None, -1) for n in range(self.layout.num_nodes)], self.client.cfg.connect_timeout_s, what="WELCOME (is the node up?)")]
+        keys = [(Op.WELCOME, n, None, -1) for n in range(self.layout.num_nodes)]
+        welcomes = [m.header for m in self.client.wait(keys, self.client.cfg.connect_timeout_s, what="WELCOME (is the node up?)")]
         for n, w in enumerate(welcomes):
             if w["layout"] != self.layout.hash:
                 raise LayoutMismatchError(f"node {self.client.nodes[n]} accepted layout {w['layout']}, this worker has {self.layout.hash}")
@@ -247,14 +252,40 @@ class Worker:
         codec = get_codec(h["codec"])
         codec.validate(b.numel, h.get("nbytes", []), h["cmeta"])
         frames = msg.tensors()
+        delta = h.get("delta", False)  # int8 deltas against what this worker holds
         with torch.no_grad():
             if buf.staging is None:
                 s = b.segments[0]
                 target = self.params[s.param].data.view(-1).narrow(0, s.param_offset, s.numel)
-                codec.decode_(target, frames, h["cmeta"])
+                (codec.decode_add_ if delta else codec.decode_)(target, frames, h["cmeta"])
             else:
-                codec.decode_(buf.staging, frames, h["cmeta"])
+                if delta:
+                    self._gather(buf, buf.staging, lambda p: p.detach())
+                    codec.decode_add_(buf.staging, frames, h["cmeta"])
+                else:
+                    codec.decode_(buf.staging, frames, h["cmeta"])
                 self._scatter(buf, buf.staging)
+
+    def get_state(self) -> dict[int, list[torch.Tensor]]:
+        """Every bucket's [params, *optimizer state, per-segment steps] from its node."""
+        for b in self.layout.buckets:
+            self.client.send(b.node, {"op": Op.STATE, "step": self.step_num, "bucket": b.id, "action": "get", "names": []})
+        keys = [(Op.STATE, b.node, None, b.id) for b in self.layout.buckets]
+        msgs = self.client.wait(keys, what="optimizer state")
+        out = {}
+        for b, m in zip(self.layout.buckets, msgs):
+            frames = [t.view(torch.float32).clone() for t in m.tensors()]
+            if len(frames) != len(m.header["names"]) or frames[-1].numel() != len(b.segments) or any(f.numel() != b.numel for f in frames[:-1]):
+                raise ProtocolError(f"STATE reply for bucket {b.id} from node {self.client.nodes[b.node]} has wrong sizes")
+            out[b.id] = frames
+        return out
+
+    def set_state(self, flats: dict[int, list[torch.Tensor]], names: list[str]) -> None:
+        """Write [params, *state, steps] of every bucket to its node, then wait for every node's ack."""
+        for b in self.layout.buckets:
+            self.client.send(b.node, {"op": Op.STATE, "step": self.step_num, "bucket": b.id, "action": "set", "names": names}, flats[b.id])
+        keys = [(Op.STATE, b.node, None, b.id) for b in self.layout.buckets]
+        self.client.wait(keys, what="optimizer state ack")
 
     def _scatter(self, buf: _BucketBuf, flat: torch.Tensor) -> None:
         for s in buf.bucket.segments:

@@ -60,6 +60,10 @@ class LocalCluster:
 
 
 def _start(args: list[str], timeout_s: float, metrics: list | None = None) -> tuple[subprocess.Popen, str]:
+    return _await_ready(*_spawn(args), args, timeout_s, metrics)
+
+
+def _spawn(args: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "luwu", "node", *args], stdout=subprocess.PIPE, stderr=None, env=env, text=True)
     lines: queue.Queue = queue.Queue()
@@ -70,6 +74,10 @@ def _start(args: list[str], timeout_s: float, metrics: list | None = None) -> tu
         lines.put(None)
 
     threading.Thread(target=pump, name="luwu-node-stdout", daemon=True).start()
+    return proc, lines
+
+
+def _await_ready(proc: subprocess.Popen, lines: queue.Queue, args: list[str], timeout_s: float, metrics: list | None) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + timeout_s
     seen = []
     while True:
@@ -94,12 +102,16 @@ def local_cluster(num_nodes: int = 2, *, job: str = "luwu", node_args: list[str]
     """Start ``num_nodes`` real node daemons on 127.0.0.1 and yield a :class:`LocalCluster`."""
     procs, addrs, all_args, murls = [], [], [], []
     try:
-        for i in range(num_nodes):
+        spawned = []
+        for i in range(num_nodes):  # start them all, then wait: imports run in parallel
             args = ["--node.bind", "tcp://127.0.0.1:0", "--node.index", str(i), "--cluster.job", job, *(node_args or [])]
             if per_node_args is not None:
                 args += per_node_args(i)
-            proc, addr = _start(args, start_timeout_s, murls)
+            proc, lines = _spawn(args)
             procs.append(proc)
+            spawned.append((proc, lines, args))
+        for proc, lines, args in spawned:
+            _, addr = _await_ready(proc, lines, args, start_timeout_s, murls)
             addrs.append(addr)
             all_args.append(args)
         cluster = LocalCluster(addrs, procs, job, all_args, murls)

@@ -153,7 +153,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 specs.append(ParamSpec(self._names.get(id(p), f"param{len(specs)}"), tuple(p.shape), gi))
         return params, specs
 
-    def _build(self) -> None:
+    def _build(self, step: int = 0) -> None:
         params, specs = self._flat_params()
         for p in params:
             if p.dtype != torch.float32:
@@ -183,7 +183,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             hyper_of=self._hyper_of,
         )
         self.worker.two_phase = self.max_grad_norm is not None or self.amp
-        self.worker.connect()
+        self.worker.connect(step)
         for h in self._hooks:
             h.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
@@ -209,9 +209,79 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._sync_grads = True
 
     def add_param_group(self, param_group: dict) -> None:
+        """As torch's; every worker must add the same group (the layout grows by new buckets only)."""
+        if hasattr(self, "worker"):
+            self.synchronize()
         super().add_param_group(param_group)
         if hasattr(self, "worker"):
-            self._build()
+            self._build(step=self.worker.step_num)
+
+    # ----------------------------------------------------------------- checkpoints
+    def _state_names(self) -> list[str]:
+        return ["params", *self.kind.state_names, "steps"]
+
+    def state_dict(self) -> dict:
+        """The optimizer state gathered from the shards, in ``torch.optim``'s own format."""
+        self.synchronize()
+        flats = self.worker.get_state()
+        params, _ = self._flat_params()
+        per: dict[int, dict] = {}
+        for b in self.layout.buckets:
+            st = flats[b.id]
+            for si, seg in enumerate(b.segments):
+                p = params[seg.param]
+                d = per.setdefault(seg.param, {"step": float(st[-1][si]), **{n: torch.zeros(p.numel()) for n in self.kind.state_names}})
+                for n, t in zip(self.kind.state_names, st[1:-1]):
+                    d[n].narrow(0, seg.param_offset, seg.numel).copy_(t.narrow(0, seg.offset, seg.numel))
+        sd = super().state_dict()
+        state = {}
+        for i, d in per.items():
+            if d["step"] == 0:
+                continue  # torch creates state lazily: a parameter never stepped has none
+            shape = params[i].shape
+            if self.kind.name == "sgd":
+                if self.param_groups[self._group_of(i)]["momentum"] != 0:
+                    state[i] = {"momentum_buffer": d["momentum_buffer"].view(shape)}
+            else:
+                state[i] = {"step": torch.tensor(d["step"], dtype=torch.float32), **{n: d[n].view(shape) for n in self.kind.state_names}}
+        sd["state"] = state
+        return sd
+
+    def _group_of(self, index: int) -> int:
+        n = 0
+        for gi, g in enumerate(self.param_groups):
+            n += len(g["params"])
+            if index < n:
+                return gi
+        raise IndexError(index)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``torch.optim`` state dict (from RemoteOptimizer or a local optimizer) and scatter it to the
+        nodes, with this worker's current parameters as the master weights; any node count works."""
+        self.synchronize()
+        for g in state_dict.get("param_groups", []):
+            if g.get("amsgrad"):
+                raise ConfigError("the state dict uses amsgrad=True, which LuWu nodes do not support")
+        super().load_state_dict(state_dict)
+        params, _ = self._flat_params()
+        flats = {}
+        for b in self.layout.buckets:
+            out = [torch.zeros(b.numel) for _ in range(1 + len(self.kind.state_names))] + [torch.zeros(len(b.segments))]
+            for si, seg in enumerate(b.segments):
+                p = params[seg.param]
+                out[0].narrow(0, seg.offset, seg.numel).copy_(p.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel))
+                st = self.state.get(p, {})
+                for k, n in enumerate(self.kind.state_names, start=1):
+                    t = st.get(n)
+                    if t is not None:
+                        out[k].narrow(0, seg.offset, seg.numel).copy_(t.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel))
+                if "step" in st:
+                    out[-1][si] = float(st["step"])
+                elif st.get("momentum_buffer") is not None:
+                    out[-1][si] = 1.0
+            flats[b.id] = out
+        self.state.clear()
+        self.worker.set_state(flats, self._state_names())
 
     # ----------------------------------------------------------------- step
     @torch.no_grad()

@@ -61,7 +61,7 @@ SCHEMA: dict[Op, dict[str, tuple]] = {
     Op.ROLLBACK: {},
 }
 # Optional fields (checked when present).
-OPTIONAL: dict[str, tuple] = {"seq": (I,), "detail": (D,), "ahead": (I,)}
+OPTIONAL: dict[str, tuple] = {"seq": (I,), "detail": (D,), "ahead": (I,), "delta": (B,), "param_names": (D,)}
 
 
 @dataclass(slots=True)

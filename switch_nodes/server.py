@@ -56,6 +56,11 @@ class ReplyBuffers:
             buf = self._bufs[key] = codec.alloc(numel)
         return buf
 
+    def wait_all(self) -> None:
+        for key in list(self._trackers):
+            for t in self._trackers.pop(key, ()):
+                t.wait(60)
+
     def sent(self, codec_name: str, parity: int, trackers: list) -> None:
         self._trackers.setdefault((codec_name, parity), []).extend(t for t in trackers if t is not None)
 
@@ -80,6 +85,8 @@ class NodeServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._pending_pulls: dict[int, list[tuple[int, str]]] = {}
         self._applied_since_log = 0
+        self.param_names: dict[int, str] = {}
+        self._delta = None  # DeltaEncoder of the int8-delta pull direction, made on first use
 
     # ----------------------------------------------------------------- lifecycle
     def bind(self) -> str:
@@ -176,6 +183,8 @@ class NodeServer:
             await self._on_push(h, msg)
         elif op == Op.COMMIT:
             await self._on_commit(h)
+        elif op == Op.STATE:
+            await self._on_state(ident, h, msg)
         elif op == Op.STATS:
             self._send(ident, wire.encode({"op": Op.STATS, "job": self.job, "step": self.step, "worker": 0, "detail": self.stats()}))
         elif op == Op.HEARTBEAT:
@@ -232,7 +241,9 @@ class NodeServer:
         for bid, group, numel, segs in specs:
             if bid not in self.buckets:
                 self.buckets[bid] = BucketState(bid, group, numel, segs, kind)
+                self.buckets[bid].version = h["step"]  # a group added mid-training starts at the job's step
                 self.replies[bid] = ReplyBuffers()
+        self.param_names.update({int(k): str(v) for k, v in h.get("param_names", {}).items()})
         self.layout_hash = h["layout"]
         self.peers[h["worker"]] = ident
         self.last_seen[h["worker"]] = time.monotonic()
@@ -265,22 +276,39 @@ class NodeServer:
 
     def _on_pull(self, ident: bytes, h: dict) -> None:
         b = self._bucket(h)
-        get_codec(h["codec"])  # validate the name now
+        if h["codec"] != "int8_delta":
+            get_codec(h["codec"])  # validate the name now
         if not b.initialized:
             self._pending_pulls.setdefault(b.id, []).append((h["worker"], h["codec"]))
             return
         self._reply_weights(b, [h["worker"]], h["codec"])
 
+    def _encode_weights(self, b: BucketState, pull: str, full: bool = False) -> tuple[str, bool, dict, list]:
+        """Encode the bucket's weights for the pull direction: (codec, is_delta, meta, frames)."""
+        if pull == "int8_delta" and not full:
+            from luwu.protocol.feedback import DeltaEncoder
+
+            if self._delta is None:
+                self._delta = DeltaEncoder("int8")
+            self.replies[b.id].wait_all()  # the encoder reuses its buffers
+            enc = self._delta.encode(b.id, b.params, b.version)
+            return enc.codec, enc.delta, enc.encoded.meta, enc.encoded.frames
+        name = "none" if pull == "int8_delta" else pull
+        codec = get_codec(name)
+        out = self.replies[b.id].take(codec, b.numel, b.version & 1)
+        enc = codec.encode(b.params, out)
+        return name, False, enc.meta, enc.frames
+
     def _reply_weights(self, b: BucketState, workers, codec_name: str, skipped: bool = False, frames=None, seq: int | None = None) -> None:
-        """Send the bucket's current weights (encoded now unless ``frames`` are given)."""
-        codec = get_codec(codec_name)
+        """Send the bucket's current weights (encoded now unless ``frames`` are given). A PULL always gets
+        full weights (a joining worker has no copy to add a delta to)."""
         parity = b.version & 1
         if frames is None:
-            out = self.replies[b.id].take(codec, b.numel, parity)
-            enc = codec.encode(b.params, out)
-            frames = (enc.meta, enc.frames)
-        meta, payload = frames
+            frames = self._encode_weights(b, codec_name, full=seq is None)
+        codec_name, delta, meta, payload = frames
         header = {"op": Op.UPDATE, "job": self.job, "step": b.version, "worker": 0, "bucket": b.id, "codec": codec_name, "cmeta": meta, "skipped": skipped}
+        if delta:
+            header["delta"] = True
         if seq is not None:
             header["seq"] = seq
         data = wire.encode(header, payload)
@@ -300,12 +328,16 @@ class NodeServer:
         b = self._bucket(h)
         if not b.initialized:
             raise StepMismatchError(f"bucket {b.id} has no weights yet: rank 0 must INIT it before pushes")
+        if self.cfg.mode == "async":
+            await self._on_push_async(b, h, msg)
+            return
         w, step = h["worker"], h["step"]
         if step < b.version and step not in b.accs:
             # A retried push of a step already applied: answer with the weights, count nothing.
             self.metrics.duplicates.inc()
             if step == b.version - 1:
-                self._reply_weights(b, [w], h["pull"], seq=step)
+                pull = "none" if h["pull"] == "int8_delta" else h["pull"]
+                self._reply_weights(b, [w], pull, seq=step)
                 return
             raise StepMismatchError(f"bucket {b.id}: push of worker {w} for step {step}, node is at step {b.version}")
         acc = b.accumulator(step, max_ahead=2 + self.cfg.staleness)
@@ -318,14 +350,16 @@ class NodeServer:
         if acc.workers:
             if nograd != acc.nograd:
                 names = sorted(set(nograd) ^ set(acc.nograd))
+                params = [self.param_names.get(b.segments[i].param, f"#{b.segments[i].param}") for i in names if i < len(b.segments)]
                 raise StepMismatchError(
                     f"bucket {b.id} step {step}: worker {w} disagrees with the other workers on which parameters have a "
-                    f"gradient (segments {names} of parameters {[b.segments[i].param for i in names if i < len(b.segments)]})"
+                    f"gradient: {params} (None on some workers, a tensor on others)"
                 )
         else:
             if any(not isinstance(i, int) or not 0 <= i < len(b.segments) for i in nograd):
                 raise ProtocolError(f"bucket {b.id}: nograd names segments outside 0..{len(b.segments) - 1}")
-            get_codec(h["pull"])
+            if h["pull"] != "int8_delta":
+                get_codec(h["pull"])
             hyper = dict(b.kind.defaults) | h["hyper"]
             check_hyper(b.kind, hyper)
             acc.nograd, acc.hyper, acc.two_phase = nograd, hyper, h["two_phase"]
@@ -342,6 +376,65 @@ class NodeServer:
         if len(acc.workers) == self.world_size:
             self.metrics.agg_wait.observe(time.monotonic() - acc.first_at)
             await self._complete(b, step, acc)
+
+    async def _on_push_async(self, b: BucketState, h: dict, msg: wire.Message) -> None:
+        """Async mode: apply each push as it arrives; with ``staleness`` s, the reply to a worker at step t
+        is held until every worker has pushed step t - s of this bucket (bounded staleness)."""
+        w, step = h["worker"], h["step"]
+        last = b.worker_steps.get(w, -1)
+        if step <= last:
+            self.metrics.duplicates.inc()
+            if step == last:
+                self._reply_weights(b, [w], "none" if h["pull"] == "int8_delta" else h["pull"], seq=step)
+            return
+        if step != last + 1:
+            raise StepMismatchError(f"bucket {b.id}: worker {w} pushed step {step} after step {last}")
+        if h["two_phase"]:
+            raise ConfigError("global-norm clipping and AMP need sync mode: an async node applies each push alone")
+        codec = get_codec(h["codec"])
+        codec.validate(b.numel, h["nbytes"], h["cmeta"])
+        nograd = tuple(h["nograd"])
+        if any(not isinstance(i, int) or not 0 <= i < len(b.segments) for i in nograd):
+            raise ProtocolError(f"bucket {b.id}: nograd names segments outside 0..{len(b.segments) - 1}")
+        hyper = dict(b.kind.defaults) | h["hyper"]
+        check_hyper(b.kind, hyper)
+        acc = b.accumulator(b.version, max_ahead=0)
+        acc.nograd, acc.hyper, acc.pull = nograd, hyper, h["pull"]
+        codec.decode_(acc.buf, msg.tensors(), h["cmeta"])
+        acc.workers.add(w)
+        b.worker_steps[w] = step
+        self.metrics.pushes.inc()
+        self.metrics.bytes_in.labels("push").inc(sum(h["nbytes"]))
+        self.metrics.raw_in.labels("push").inc(b.numel * 4)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+
+        def work():
+            b.apply(acc, 1.0)
+            b.version += 1
+
+        version = b.version
+        await loop.run_in_executor(self._executor, work)
+        b.release(version)
+        self.metrics.opt_seconds.observe(time.perf_counter() - t0)
+        self.metrics.updates.inc()
+        b.held.append((w, step, h["pull"]))
+        self._release_held(b)
+
+    def _release_held(self, b: BucketState) -> None:
+        """Send the held async replies whose worker is at most ``staleness`` steps ahead of the slowest."""
+        if self.world_size is None:
+            return
+        steps = [b.worker_steps.get(r, -1) for r in range(self.world_size)]
+        slowest = min(steps)
+        self.metrics.staleness.set(max(steps) - slowest)
+        keep = []
+        for w, step, pull in b.held:
+            if step - slowest <= self.cfg.staleness:
+                self._reply_weights(b, [w], "none" if pull == "int8_delta" else pull, seq=step)
+            else:
+                keep.append((w, step, pull))
+        b.held = keep
 
     async def _complete(self, b: BucketState, step: int, acc: Accumulator) -> None:
         """All expected pushes are in: step now, or (two-phase) report the norm and wait for COMMIT."""
@@ -375,16 +468,13 @@ class NodeServer:
 
     async def _apply(self, b: BucketState, step: int, acc: Accumulator, divisor: float, *, skip: bool) -> None:
         loop = asyncio.get_running_loop()
-        codec = get_codec(acc.pull)
         t0 = time.perf_counter()
 
         def work():
             if not skip:
                 b.apply(acc, divisor)
             b.version = step + 1
-            out = self.replies[b.id].take(codec, b.numel, b.version & 1)
-            enc = codec.encode(b.params, out)
-            return enc.meta, enc.frames
+            return self._encode_weights(b, acc.pull)
 
         frames = await loop.run_in_executor(self._executor, work)
         self.metrics.opt_seconds.observe(time.perf_counter() - t0)
@@ -401,6 +491,40 @@ class NodeServer:
         nxt = b.accs.get(step + 1)
         if nxt is not None and len(nxt.workers) == self.world_size:
             await self._complete(b, step + 1, nxt)
+
+    async def _on_state(self, ident: bytes, h: dict, msg: wire.Message) -> None:
+        """Get or set a bucket's weights and optimizer state (``state_dict`` / ``load_state_dict``)."""
+        b = self._bucket(h)
+        names = ["params", *b.kind.state_names, "steps"]
+        reply = {"op": Op.STATE, "job": self.job, "step": b.version, "worker": h["worker"], "bucket": b.id, "action": h["action"], "names": names}
+        if h["action"] == "get":
+            steps = torch.stack(b.steps) if b.steps else torch.zeros(0)
+            self._send(ident, wire.encode(reply, [b.params.clone(), *(b.state[n].clone() for n in b.kind.state_names), steps]))
+        elif h["action"] == "set":
+            if h["names"] != names:
+                raise ProtocolError(f"STATE set of bucket {b.id} must carry {names}, got {h['names']}")
+            want = [b.numel * 4] * (len(names) - 1) + [len(b.segments) * 4]
+            if h["nbytes"] != want:
+                raise ProtocolError(f"STATE set of bucket {b.id}: frame sizes {h['nbytes']}, expected {want}")
+            if b.accs:
+                raise StepMismatchError(f"STATE set of bucket {b.id} while step {sorted(b.accs)} is being aggregated")
+            frames = [t.view(torch.float32) for t in msg.tensors()]
+            loop = asyncio.get_running_loop()
+
+            def work():
+                b.params.copy_(frames[0])
+                for n, t in zip(b.kind.state_names, frames[1:-1]):
+                    b.state[n].copy_(t)
+                for s, v in zip(b.steps, frames[-1]):
+                    s.fill_(v)
+                b.initialized = True
+                if self._delta is not None:
+                    self._delta.force_resync(b.id)
+
+            await loop.run_in_executor(self._executor, work)
+            self._send(ident, wire.encode(reply))
+        else:
+            raise ProtocolError(f"STATE action must be 'get' or 'set', got {h['action']!r}")
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:

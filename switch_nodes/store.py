@@ -68,6 +68,8 @@ class BucketState:
         self.version = 0  # steps processed (applied or skipped)
         self.initialized = False
         self.accs: dict[int, Accumulator] = {}
+        self.worker_steps: dict[int, int] = {}  # async mode: the last step each worker pushed
+        self.held: list[tuple[int, int, str]] = []  # async mode: replies waiting for the slowest worker
         self._pool: list[torch.Tensor] = []
         self.pviews = self._views(self.params)
         self.sviews = {n: self._views(t) for n, t in self.state.items()}

@@ -10,6 +10,7 @@ compares like with like.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -30,6 +31,9 @@ DEFAULTS = {
     "mode": "sync",
     "compression": None,
     "model": "mlp",
+    "accumulate": 1,
+    "amp": False,
+    "inject_inf": None,
 }
 
 
@@ -37,16 +41,35 @@ def make_model(spec) -> torch.nn.Module:
     torch.manual_seed(spec["seed"])
     if spec["model"] == "mlp":
         return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 5))
+    if spec["model"] == "digits":  # real data: scikit-learn's handwritten digits
+        from luwu.demo import make_model as digits_model
+
+        return digits_model()
     raise ValueError(spec["model"])
 
 
 def batch(spec, step: int, world_size: int):
     """The global batch of a step: rows [r*b, (r+1)*b) belong to worker r."""
-    g = torch.Generator().manual_seed(1000 + step + 7919 * spec["seed"])
     n = spec["batch"] * world_size
+    if spec["model"] == "digits":
+        from luwu.demo import global_batch, load_digits_split
+
+        xtr, ytr, _, _ = load_digits_split()
+        idx = global_batch(step, len(xtr), n)
+        return xtr[idx], ytr[idx]
+    g = torch.Generator().manual_seed(1000 + step + 7919 * spec["seed"])
     x = torch.randn(n, 20, generator=g)
     y = torch.randint(0, 5, (n,), generator=g)
     return x, y
+
+
+def eval_loss(spec, model) -> float | None:
+    if spec["model"] != "digits":
+        return None
+    from luwu.demo import evaluate, load_digits_split
+
+    _, _, xte, yte = load_digits_split()
+    return evaluate(model, xte, yte)[0]
 
 
 def make_scheduler(spec, opt):
@@ -69,19 +92,35 @@ def reference(spec) -> tuple[list[torch.Tensor], list[float]]:
     cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[spec["optimizer"]]
     opt = cls(model.parameters(), **spec["hyper"])
     sched = make_scheduler(spec, opt)
-    losses = []
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if spec["amp"] else None
+    losses, scales = [], []
+    k = spec["accumulate"]
     for step in range(spec["steps"]):
-        x, y = batch(spec, step, ws)
         opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        if spec["max_grad_norm"]:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
-        opt.step()
+        for micro in range(k):
+            x, y = batch(spec, step * k + micro, ws)
+            loss = loss_fn(model, x, y) / k
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if spec["inject_inf"] is not None and spec["inject_inf"][1] == step:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(float(scaler.get_scale()))
+        else:
+            if spec["max_grad_norm"]:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
+            opt.step()
         if sched is not None:
             sched.step()
         losses.append(float(loss.detach()))
-    return [p.detach().clone() for p in model.parameters()], losses
+    return [p.detach().clone() for p in model.parameters()], (scales if scaler is not None else losses)
+
+
+def _poison(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad.view(-1)[0] = float("inf")
+    return grad
 
 
 def main(path: str) -> None:
@@ -112,23 +151,39 @@ def main(path: str) -> None:
         mode=spec["mode"],
         compression=compression,
         job=spec.get("job", "luwu"),
+        amp=spec["amp"],
         **spec["hyper"],
     )
     sched = make_scheduler(spec, opt)
-    losses = []
-    b = spec["batch"]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if spec["amp"] else None
+    losses, scales = [], []
+    b, k = spec["batch"], spec["accumulate"]
     for step in range(spec["steps"]):
-        x, y = batch(spec, step, ws)
-        x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
         opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
+        for micro in range(k):
+            x, y = batch(spec, step * k + micro, ws)
+            x, y = x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
+            loss = loss_fn(model, x, y) / k
+            ctx = opt.no_sync() if micro < k - 1 else contextlib.nullcontext()
+            hook = None
+            if spec["inject_inf"] == [rank, step] and micro == k - 1:
+                hook = next(model.parameters()).register_hook(_poison)  # before the gradient hooks push
+            with ctx:
+                (scaler.scale(loss) if scaler else loss).backward()
+            if hook is not None:
+                hook.remove()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(float(scaler.get_scale()))
+        else:
+            opt.step()
         if sched is not None:
             sched.step()
         losses.append(float(loss.detach()))
     opt.synchronize()
-    torch.save({"params": [p.detach().clone() for p in model.parameters()], "losses": losses}, f"{spec['out']}.rank{rank}")
+    result = {"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "scales": scales, "eval_loss": eval_loss(spec, model)}
+    torch.save(result, f"{spec['out']}.rank{rank}")
     opt.close()
 
 

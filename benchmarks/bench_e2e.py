@@ -1,0 +1,313 @@
+"""End to end training throughput: LuWu vs DDP over gloo vs one process (issue 4, benchmark 4).
+
+An MLP of 16.7M parameters (1024 -> 2048 x4 -> 1000, ReLU), batch 64 per
+worker of random data, cross-entropy, AdamW (lr 1e-3, weight decay 0.01).
+Each configuration runs in fresh processes with 1 torch thread each, on
+loopback:
+
+- ``single``: one process, ``torch.optim.AdamW(fused=True)``, batch 64;
+- ``ddp``: 2 processes, ``DistributedDataParallel`` over gloo, AdamW(fused=True)
+  (the strongest plain-torch competitor), and ``ddp_default`` with torch's
+  default AdamW (what most scripts write);
+- ``luwu_sync`` and ``luwu_delayed``: 2 worker processes with
+  ``RemoteOptimizer`` (``delayed_update`` off / on) and 1 node daemon.
+
+Samples/s = global batch / median step time over the steps after warm-up (the
+slower rank's median); configurations alternate over repetitions and the
+ratios vs DDP are also given per repetition (``_paired``). LuWu's step is
+broken down into forward+backward (gradient hooks push buckets during it),
+pushing the rest (``Worker.finish``), waiting for the weights, writing them,
+and the node's optimizer seconds per step (its ``/metrics``). Targets: sync
+>= 1.0x DDP, delayed >= 1.3x DDP.
+
+    python3 benchmarks/bench_e2e.py [--quick] [--steps N] [--reps R]
+
+Writes benchmarks/results/bench_e2e.json and .md (``--quick``: .quick.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from common import RESULTS, LoadMonitor, machine_info, md_table, median, verdict, write_results
+
+BATCH = 64
+WORLD = 2
+LR = 1e-3
+WD = 0.01
+DIMS = (1024, 2048, 2048, 2048, 2048, 1000)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for i in range(len(DIMS) - 1):
+        layers.append(torch.nn.Linear(DIMS[i], DIMS[i + 1]))
+        if i < len(DIMS) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_opt_seconds(url: str) -> tuple[float, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    vals = {}
+    for ln in text.splitlines():
+        if ln.startswith("luwu_node_optimizer_step_seconds_"):
+            name, _, v = ln.rpartition(" ")
+            vals[name] = float(v)
+    return vals.get("luwu_node_optimizer_step_seconds_sum", 0.0), vals.get("luwu_node_optimizer_step_seconds_count", 0.0)
+
+
+def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
+    """One training process: ``cfg['warmup'] + cfg['steps']`` steps; reports per-step times on ``q``."""
+    try:
+        torch.set_num_threads(1)
+        model = make_model()
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(BATCH, DIMS[0], generator=g)
+        y = torch.randint(0, DIMS[-1], (BATCH,), generator=g)
+        opt = timed = None
+        if kind in ("ddp", "ddp_default"):
+            import torch.distributed as dist
+
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(cfg["port"])
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+            net = torch.nn.parallel.DistributedDataParallel(model)
+            opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=kind == "ddp")
+        elif kind == "single":
+            net = model
+            opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
+        else:
+            import luwu
+
+            net = model
+            opt = luwu.RemoteOptimizer(model, "adamw", nodes=cfg["nodes"], rank=rank, world_size=world, job=cfg["job"], lr=LR, weight_decay=WD, delayed_update=kind == "luwu_delayed")
+            timed = {"finish": 0.0}
+            inner = opt.worker.finish
+
+            def finish():
+                t0 = time.perf_counter()
+                try:
+                    inner()
+                finally:
+                    timed["finish"] = time.perf_counter() - t0
+
+            opt.worker.finish = finish
+        recs = []
+        node0 = None
+        t_start = 0.0
+        for i in range(cfg["warmup"] + cfg["steps"]):
+            if i == cfg["warmup"]:
+                if rank == 0 and cfg.get("metrics_url"):
+                    node0 = _node_opt_seconds(cfg["metrics_url"])
+                t_start = time.perf_counter()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            if i >= cfg["warmup"]:
+                r = {"step": t2 - t0, "fb": t1 - t0, "opt": t2 - t1}
+                if timed is not None:
+                    r["finish"] = timed["finish"]
+                    r["wait"] = opt.worker.update_wait_s
+                recs.append(r)
+        elapsed = time.perf_counter() - t_start
+        node = None
+        if node0 is not None:
+            s1, c1 = _node_opt_seconds(cfg["metrics_url"])
+            node = {"opt_s": s1 - node0[0], "buckets": c1 - node0[1]}
+        if kind.startswith("luwu"):
+            opt.synchronize()
+            opt.close()
+        elif kind.startswith("ddp"):
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+        q.put(("ok", rank, {"recs": recs, "elapsed": elapsed, "node": node, "loss": float(loss.detach())}))
+    except BaseException as exc:
+        q.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise
+
+
+def run_config(kind: str, cfg: dict, timeout_s: float = 600.0) -> dict:
+    world = 1 if kind == "single" else WORLD
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    cluster_cm = None
+    cfg = dict(cfg)
+    if kind.startswith("luwu"):
+        import luwu
+
+        cfg["job"] = f"bench-e2e-{kind}-{os.getpid()}-{time.monotonic_ns()}"
+        cluster_cm = luwu.local_cluster(1, job=cfg["job"], node_args=["--metrics.port", "0"])
+        cluster = cluster_cm.__enter__()
+        cfg["nodes"], cfg["metrics_url"] = cluster.addresses, cluster.metrics_urls[0]
+    elif kind.startswith("ddp"):
+        cfg["port"] = free_port()
+    procs = [ctx.Process(target=_train, args=(kind, r, world, cfg, q), daemon=True) for r in range(world)]
+    try:
+        for p in procs:
+            p.start()
+        out: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(out) < world:
+            try:
+                status, rank, payload = q.get(timeout=1.0)
+            except queue.Empty:
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{kind}: a process failed or timed out (exit codes {[p.exitcode for p in procs]})")
+                continue
+            if status == "error":
+                raise RuntimeError(f"{kind} rank {rank} failed: {payload}")
+            out[rank] = payload
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if cluster_cm is not None:
+            cluster_cm.__exit__(None, None, None)
+    return summarize(kind, world, out)
+
+
+def summarize(kind: str, world: int, out: dict[int, dict]) -> dict:
+    meds = {r: median([s["step"] for s in o["recs"]]) for r, o in out.items()}
+    slow = max(meds, key=meds.get)
+    recs = out[slow]["recs"]
+    t_step = meds[slow]
+    steps = len(recs)
+    res = {
+        "kind": kind,
+        "world": world,
+        "step_ms": t_step * 1e3,
+        "samples_per_s": world * BATCH / t_step,
+        "samples_per_s_wall": world * BATCH * steps / max(o["elapsed"] for o in out.values()),
+        "fb_ms": median([s["fb"] for s in recs]) * 1e3,
+        "opt_ms": median([s["opt"] for s in recs]) * 1e3,
+        "loss": out[0]["loss"],
+    }
+    if kind.startswith("luwu"):
+        res["finish_ms"] = median([s["finish"] for s in recs]) * 1e3
+        res["wait_weights_ms"] = median([s["wait"] for s in recs]) * 1e3
+        res["write_ms"] = median([s["opt"] - s["finish"] - s["wait"] for s in recs]) * 1e3
+        node = out[0]["node"]
+        res["node_opt_ms_per_step"] = node["opt_s"] / steps * 1e3 if node else float("nan")
+        res["node_buckets_per_step"] = node["buckets"] / steps if node else float("nan")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="1 repetition of a few steps, no ddp_default: a smoke run")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps per run")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps per run")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of every configuration (alternating)")
+    ap.add_argument("--configs", nargs="+", default=["single", "ddp", "ddp_default", "luwu_sync", "luwu_delayed"])
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.reps = 6, 2, 1
+        args.configs = [c for c in args.configs if c != "ddp_default"]
+    nparams = sum(p.numel() for p in make_model().parameters())
+    runs: dict[str, list[dict]] = {k: [] for k in args.configs}
+    with LoadMonitor() as load:
+        for rep in range(args.reps):
+            order = args.configs[rep % len(args.configs) :] + args.configs[: rep % len(args.configs)]
+            for kind in order:
+                r = run_config(kind, {"steps": args.steps, "warmup": args.warmup})
+                r["rep"] = rep
+                runs[kind].append(r)
+                print(f"rep {rep} {kind}: {r['samples_per_s']:.0f} samples/s, step {r['step_ms']:.0f} ms", flush=True)
+
+    ref = "ddp" if "ddp" in runs else None
+    rows = []
+    for kind, rs in runs.items():
+        row = {"config": kind}
+        for key in rs[0]:
+            if key in ("kind", "rep", "world", "loss"):
+                continue
+            row[key] = median([r[key] for r in rs])
+        if ref:
+            row["vs_ddp"] = row["samples_per_s"] / median([r["samples_per_s"] for r in runs[ref]])
+            row["vs_ddp_paired"] = median([a["samples_per_s"] / b["samples_per_s"] for a, b in zip(rs, runs[ref])])
+        if "single" in runs:
+            row["vs_single"] = row["samples_per_s"] / median([r["samples_per_s"] for r in runs["single"]])
+        rows.append(row)
+    by = {r["config"]: r for r in rows}
+    summary = []
+    for kind, target in (("luwu_sync", 1.0), ("luwu_delayed", 1.3)):
+        if kind in by and ref:
+            summary.append({"benchmark": f"4. e2e {kind} vs DDP (fused AdamW)", "ratio": by[kind]["vs_ddp"], "target": target, "verdict": verdict(by[kind]["vs_ddp"], target)})
+            if "ddp_default" in by:
+                v = by[kind]["samples_per_s"] / by["ddp_default"]["samples_per_s"]
+                summary.append({"benchmark": f"4. e2e {kind} vs DDP (default AdamW)", "ratio": v, "target": target, "verdict": verdict(v, target)})
+    result = {
+        "quick": args.quick,
+        "params": nparams,
+        "batch_per_worker": BATCH,
+        "world": WORLD,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "reps": args.reps,
+        "machine": machine_info(),
+        "load": load.info(),
+        "rows": rows,
+        "runs": runs,
+        "summary": summary,
+    }
+    md = [
+        f"# bench_e2e: MLP {' -> '.join(map(str, DIMS))} ({nparams / 1e6:.1f}M params), batch {BATCH}/worker, {WORLD} workers, "
+        f"1 torch thread per process, loopback; {args.steps} steps after {args.warmup}, median of {args.reps} run(s)" + (" (quick)" if args.quick else ""),
+        "",
+        load.line(),
+        "",
+        md_table(summary, ["benchmark", "ratio", "target", "verdict"]),
+        "",
+        "samples/s from the median step time (slower rank); _wall from the timed steps' total wall time. vs_ddp: against "
+        "DDP with fused AdamW; _paired: median of per-repetition ratios. Times in ms per step (medians).",
+        "",
+        md_table(rows, ["config", "samples_per_s", "samples_per_s_wall", "vs_ddp", "vs_ddp_paired", "vs_single", "step_ms", "fb_ms", "opt_ms"]),
+        "",
+        "## LuWu step breakdown (ms per step, medians)",
+        "",
+        md_table(
+            [r for r in rows if r["config"].startswith("luwu")],
+            ["config", "step_ms", "fb_ms", "finish_ms", "wait_weights_ms", "write_ms", "node_opt_ms_per_step", "node_buckets_per_step"],
+        ),
+        "",
+        "fb: forward + backward (the gradient hooks copy and push full buckets during it); finish: Worker.finish, pushing "
+        "what the hooks did not; wait_weights: waiting for the UPDATE replies (delayed: those of the previous step); "
+        "write: decoding the weights into the parameters; node_opt: the node's optimizer thread (AdamW + reply encode, "
+        "luwu_node_optimizer_step_seconds) per step, which overlaps the workers' time.",
+        "",
+    ]
+    write_results("bench_e2e", result, "\n".join(md), quick=args.quick, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,268 @@
+"""Push + weights-back throughput of a real node against a raw TCP socket (issue 4, benchmark 3).
+
+LuWu: one node daemon (``local_cluster(1)``) and a ``RemoteOptimizer`` over a
+model of 64M fp32 parameters (4 raw ``nn.Parameter`` of 4096 x 4096), world
+size 1; ``p.grad`` is set once and every ``step()`` pushes 256 MiB of
+gradients (buckets of ``bucket_bytes``, codec ``none``), the node applies
+AdamW and replies with 256 MiB of fp32 weights, written back into the
+parameters. Raw TCP: a server process receives 256 MiB into a preallocated
+buffer (``recv_into``), then sends it back; the client ``sendall``\\s its
+buffer and ``recv_into``\\s the echo. Throughput counts both directions
+(512 MiB per round); repetitions of the two alternate. Target: LuWu >= 0.8x.
+
+The node's optimizer work (AdamW + reply encode, ``luwu_node_optimizer_step_seconds``
+read from its /metrics before and after each step) is part of LuWu's round
+trip and is reported separately; so is the worker's side of ``step()``
+(pushing what the hooks did not, waiting for the weights, writing them).
+
+    python3 benchmarks/bench_transport.py [--quick] [--mib M] [--reps R]
+
+Writes benchmarks/results/bench_transport.json and .md (``--quick``: .quick.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from common import MIB, RESULTS, LoadMonitor, proc_cpu_s, machine_info, md_table, median, paired_ratio, verdict, write_results
+
+JOB = "bench-transport"
+
+
+# ---------------------------------------------------------------------------- raw TCP
+def _recv_exact(conn: socket.socket, mv: memoryview) -> None:
+    got, n = 0, len(mv)
+    while got < n:
+        k = conn.recv_into(mv[got:], n - got)
+        if k == 0:
+            raise ConnectionError("peer closed")
+        got += k
+
+
+def _tcp_server(nbytes: int, port_q) -> None:
+    """Echo server: receive ``nbytes`` into a reused buffer, send them back; until the client closes."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port_q.put(srv.getsockname()[1])
+    conn, _ = srv.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = torch.ones(nbytes, dtype=torch.uint8)  # touched: no page faults in the timed part
+    mv = memoryview(buf.numpy())
+    try:
+        while True:
+            _recv_exact(conn, mv)
+            conn.sendall(mv)
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        conn.close()
+        srv.close()
+
+
+class TcpEcho:
+    def __init__(self, nbytes: int):
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        self.proc = ctx.Process(target=_tcp_server, args=(nbytes, q), daemon=True)
+        self.proc.start()
+        port = q.get(timeout=60)
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.out = memoryview(torch.full((nbytes,), 7, dtype=torch.uint8).numpy())
+        self.back = memoryview(torch.zeros(nbytes, dtype=torch.uint8).numpy())
+
+    def round(self) -> None:
+        self.sock.sendall(self.out)
+        _recv_exact(self.sock, self.back)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# ---------------------------------------------------------------------------- LuWu
+def scrape(url: str) -> dict[str, float]:
+    """Sample name -> value of a node's /metrics (unlabelled samples and the optimizer histogram)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for ln in text.splitlines():
+        if ln.startswith("luwu_node_") and "{" not in ln:
+            name, _, val = ln.rpartition(" ")
+            out[name] = float(val)
+    return out
+
+
+class Model(torch.nn.Module):
+    """``numel`` parameters as 4 raw matrices of 4096 columns (4096 x 4096 each for 64M)."""
+
+    def __init__(self, numel: int, cols: int = 4096, count: int = 4):
+        super().__init__()
+        rows = numel // (count * cols)
+        self.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(rows, cols) * 0.02) for _ in range(count)])
+
+
+class TimedFinish:
+    """Times ``Worker.finish`` (pushing the buckets the hooks did not) on one worker instance."""
+
+    def __init__(self, worker):
+        self.seconds = 0.0
+        inner = worker.finish
+
+        def finish():
+            t0 = time.perf_counter()
+            try:
+                inner()
+            finally:
+                self.seconds = time.perf_counter() - t0
+
+        worker.finish = finish
+
+
+def run(args) -> dict:
+    import luwu
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    nbytes = args.mib * MIB
+    numel = nbytes // 4
+    model = Model(numel)
+    real_numel = sum(p.numel() for p in model.parameters())
+    assert real_numel == numel, f"model has {real_numel} params, wanted {numel}"
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    tcp = TcpEcho(nbytes)
+    luwu_s, tcp_s, opt_s, finish_s, wait_s, opt_count = [], [], [], [], [], []
+    cpu = {"tcp_client": [], "tcp_server": [], "luwu_worker": [], "luwu_node": []}
+    with luwu.local_cluster(1, job=JOB, node_args=["--metrics.port", "0"]) as cluster:
+        url = cluster.metrics_urls[0]
+        opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster.addresses, rank=0, world_size=1, job=JOB, lr=1e-4, bucket_bytes=args.bucket_mib * MIB)
+        timed = TimedFinish(opt.worker)
+        try:
+            node_pid, server_pid = cluster.procs[0].pid, tcp.proc.pid
+            for i in range(args.warmup + args.reps):
+                c0, s0 = time.process_time(), proc_cpu_s(server_pid)
+                t0 = time.perf_counter()
+                tcp.round()
+                t_tcp = time.perf_counter() - t0
+                c1, s1 = time.process_time(), proc_cpu_s(server_pid)
+                m0 = scrape(url)
+                n0, w0 = proc_cpu_s(node_pid), time.process_time()
+                t0 = time.perf_counter()
+                opt.step()
+                t_luwu = time.perf_counter() - t0
+                n1, w1 = proc_cpu_s(node_pid), time.process_time()
+                m1 = scrape(url)
+                if i >= args.warmup:
+                    for k, v in (("tcp_client", c1 - c0), ("tcp_server", s1 - s0), ("luwu_worker", w1 - w0), ("luwu_node", n1 - n0)):
+                        cpu[k].append(v)
+                    tcp_s.append(t_tcp)
+                    luwu_s.append(t_luwu)
+                    opt_s.append(m1["luwu_node_optimizer_step_seconds_sum"] - m0["luwu_node_optimizer_step_seconds_sum"])
+                    opt_count.append(m1["luwu_node_optimizer_step_seconds_count"] - m0["luwu_node_optimizer_step_seconds_count"])
+                    finish_s.append(timed.seconds)
+                    wait_s.append(opt.worker.update_wait_s)
+            buckets = len(opt.layout.buckets)
+        finally:
+            opt.close()
+            tcp.close()
+    gb = 2 * nbytes / 1e9
+    t_l, t_t = median(luwu_s), median(tcp_s)
+    transport_only = [a - b for a, b in zip(luwu_s, opt_s)]
+    rows = [
+        {"impl": "raw TCP echo (sendall / recv_into, reused buffers)", "ms": t_t * 1e3, "GB_per_s": gb / t_t, "ratio_vs_tcp": 1.0, "ratio_paired": 1.0},
+        {"impl": f"LuWu step(): push + AdamW on node + weights back ({buckets} buckets)", "ms": t_l * 1e3, "GB_per_s": gb / t_l, "ratio_vs_tcp": t_t / t_l, "ratio_paired": paired_ratio(tcp_s, luwu_s)},
+        {
+            "impl": "LuWu minus the node's optimizer seconds (transport estimate)",
+            "ms": median(transport_only) * 1e3,
+            "GB_per_s": gb / median(transport_only),
+            "ratio_vs_tcp": t_t / median(transport_only),
+            "ratio_paired": paired_ratio(tcp_s, transport_only),
+        },
+    ]
+    breakdown = {
+        "step_ms": t_l * 1e3,
+        "node_optimizer_ms": median(opt_s) * 1e3,
+        "node_optimizer_buckets_per_step": median(opt_count),
+        "worker_finish_ms": median(finish_s) * 1e3,
+        "worker_wait_weights_ms": median(wait_s) * 1e3,
+        "worker_write_weights_ms": median([a - b - c for a, b, c in zip(luwu_s, finish_s, wait_s)]) * 1e3,
+    }
+    cpu_rows = [
+        {"impl": "raw TCP", "client_cpu_s": median(cpu["tcp_client"]), "server_cpu_s": median(cpu["tcp_server"])},
+        {"impl": "LuWu", "client_cpu_s": median(cpu["luwu_worker"]), "server_cpu_s": median(cpu["luwu_node"])},
+    ]
+    for r in cpu_rows:
+        r["total_cpu_s"] = r["client_cpu_s"] + r["server_cpu_s"]
+    return {
+        "rows": rows,
+        "breakdown": breakdown,
+        "cpu_per_round": cpu_rows,
+        "buckets": buckets,
+        "bytes_each_way": nbytes,
+        "luwu_s": luwu_s,
+        "tcp_s": tcp_s,
+        "node_optimizer_s": opt_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="32 MiB, 3 repetitions: a smoke run")
+    ap.add_argument("--mib", type=int, default=256, help="MiB of gradients (and of weights back) per step")
+    ap.add_argument("--bucket-mib", type=int, default=4, help="bucket size (the frame size of a push)")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.mib, args.reps, args.warmup = 32, 3, 1
+    with LoadMonitor() as load:
+        res = run(args)
+    ratio = res["rows"][1]["ratio_vs_tcp"]
+    summary = [{"benchmark": f"3. push + weights back, {args.mib} MiB", "ratio": ratio, "target": 0.8, "verdict": verdict(ratio, 0.8)}]
+    result = {"quick": args.quick, "mib": args.mib, "bucket_mib": args.bucket_mib, "reps": args.reps, "machine": machine_info(), "load": load.info(), **res, "summary": summary}
+    b = res["breakdown"]
+    md = [
+        f"# bench_transport: {args.mib} MiB of gradients out, {args.mib} MiB of weights back, loopback, median of {args.reps}" + (" (quick)" if args.quick else ""),
+        "",
+        load.line(),
+        "",
+        md_table(summary, ["benchmark", "ratio", "target", "verdict"]),
+        "",
+        f"GB/s counts both directions ({2 * args.mib} MiB per round); ratio_vs_tcp = TCP ms / that row's ms; _paired: per repetition. "
+        f"LuWu: codec none both ways, buckets of {args.bucket_mib} MiB, world size 1, node with 1 torch thread.",
+        "",
+        md_table(res["rows"], ["impl", "ms", "GB_per_s", "ratio_vs_tcp", "ratio_paired"]),
+        "",
+        "## LuWu step() breakdown (ms, medians)",
+        "",
+        md_table([b], list(b)),
+        "",
+        "## CPU seconds per round (user + system, all threads; client = worker process, server = node process)",
+        "",
+        "On a 2-core box shared with other jobs the rounds are CPU-bound: this is the work each side does for the same bytes.",
+        "",
+        md_table(res["cpu_per_round"], ["impl", "client_cpu_s", "server_cpu_s", "total_cpu_s"]),
+        "",
+        "node_optimizer: sum of luwu_node_optimizer_step_seconds over the step's buckets (AdamW + reply encode, in the node's "
+        "optimizer thread); worker_finish: pushing from p.grad (copy into bucket buffers, encode, queue); wait_weights: "
+        "waiting for all UPDATE replies; write_weights: the rest of step() (decoding replies into the parameters).",
+        "",
+    ]
+    write_results("bench_transport", result, "\n".join(md), quick=args.quick, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""Shared helpers of the speed benchmarks: timing, machine load, results files.
+
+This machine is small and shared (other engineers' test runs come and go), so
+every benchmark times a competitor in the same run, interleaved with ours, and
+reports medians of repetitions and their ratio. :class:`LoadMonitor` records
+what else was running meanwhile, so a reader can tell a quiet run from a noisy
+one. A ``--quick`` run writes ``<name>.quick.*`` and leaves the real results
+alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+MIB = 1 << 20
+
+
+def median_time(fn: Callable[[], object], reps: int, *, warmup: int = 1, setup: Callable[[], object] | None = None) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` untimed ones (page faults, scratch
+    buffers); ``setup`` runs untimed before every call. Returns the sorted times: [len // 2] is the median."""
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    times = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)
+
+
+def interleaved(fns: dict[str, Callable[[], object]], reps: int, *, warmup: int = 1) -> dict[str, list[float]]:
+    """Time several competitors round-robin (A B C A B C ...), so a burst of load from elsewhere hits
+    all of them alike. Returns each one's list of seconds in repetition order."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median over repetitions of num[i] / den[i]: robust when the load changes between repetitions."""
+    return median([a / b for a, b in zip(num, den) if b > 0])
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) a live process has used so far; NaN if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+def _cpu_busy_jiffies() -> tuple[int, int] | None:
+    try:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return sum(vals) - idle, sum(vals)
+
+
+class LoadMonitor:
+    """What the machine did while a benchmark ran: load average at start and end, cores busy in total
+    and cores busy outside this process tree (children count once they have been waited for)."""
+
+    def __enter__(self) -> "LoadMonitor":
+        self.load_start = os.getloadavg()
+        self.t0 = time.monotonic()
+        self.busy0 = _cpu_busy_jiffies()
+        self.own0 = self._own()
+        return self
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.monotonic() - self.t0
+        self.load_end = os.getloadavg()
+        busy1 = _cpu_busy_jiffies()
+        own_s = self._own() - self.own0
+        self.busy_cores = self.own_cores = self.other_cores = float("nan")
+        if self.busy0 and busy1 and busy1[1] > self.busy0[1]:
+            ncpu = os.cpu_count() or 1
+            frac = (busy1[0] - self.busy0[0]) / (busy1[1] - self.busy0[1])
+            self.busy_cores = frac * ncpu
+            self.own_cores = own_s / max(self.wall_s, 1e-9)
+            self.other_cores = max(0.0, self.busy_cores - self.own_cores)
+
+    def info(self) -> dict:
+        return {
+            "loadavg_start": [round(x, 2) for x in self.load_start],
+            "loadavg_end": [round(x, 2) for x in self.load_end],
+            "wall_s": round(self.wall_s, 1),
+            "busy_cores": round(self.busy_cores, 2),
+            "own_cores": round(self.own_cores, 2),
+            "other_cores": round(self.other_cores, 2),
+        }
+
+    def line(self) -> str:
+        i = self.info()
+        return (
+            f"load: loadavg {i['loadavg_start'][0]} -> {i['loadavg_end'][0]} (1 min), over {i['wall_s']} s "
+            f"{i['busy_cores']} of {os.cpu_count()} cores busy, {i['other_cores']} of them by other processes"
+        )
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for ln in f:
+                if ln.startswith("model name"):
+                    cpu = ln.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30), 1)
+    except (ValueError, OSError):
+        pass
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "mem_gib": mem_gib,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def fmt(v) -> str:
+    if isinstance(v, bool) or v is None:
+        return "" if v is None else str(v)
+    if isinstance(v, float):
+        if v != v:
+            return "n/a"
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def md_table(rows: list[dict], cols: list[str]) -> str:
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def verdict(value: float, target: float) -> str:
+    """'met' or how far below the target a ratio is (in percent of the target)."""
+    if value != value:
+        return "n/a"
+    if value >= target:
+        return f"met (>= {target}x)"
+    return f"MISSED by {100 * (target - value) / target:.0f}% (target {target}x)"
+
+
+def write_results(name: str, result: dict, md: str, *, quick: bool, out: Path = RESULTS) -> Path:
+    """Write ``<name>.json`` and ``<name>.md`` (``<name>.quick.*`` for a smoke run) and print the table."""
+    print(md)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}.quick" if quick else name
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / f"{stem}.md").write_text(md if md.endswith("\n") else md + "\n")
+    return out / f"{stem}.json"

@@ -1,0 +1,69 @@
+"""Compressed training stays on the uncompressed loss curve (real data, 2 workers x 2 nodes, real processes).
+
+The short test trains the digits MLP for a few dozen steps with each variant
+on its own local cluster (all at once, to stay well under a minute) and checks
+that the large matrix really travelled as int8 and that the eval loss did not
+move, while top-k without error feedback, trained the same way, does miss the
+bound. The long study of benchmarks/convergence.py is marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_study():
+    name = "luwu_benchmarks_convergence"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "convergence.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+conv = _load_study()
+
+#: |final eval loss / uncompressed - 1| allowed after 30 compressed steps. int8 with error feedback
+#: lands ~0.1% away; top-k 1% without it ends tens of percent higher.
+BOUND = 0.02
+
+SHORT = conv.TaskRun(task="digits", steps=40, lr=1e-3, eval_every=10, task_args={"hidden": 256})
+
+
+@pytest.mark.timeout(170)
+def test_short_digits_hybrid_and_int8_keep_the_uncompressed_loss():
+    names = ("uncompressed", "hybrid", "int8+EF", "topk1% noEF")
+    rows = {r["variant"]: r for r in conv.run_variants(SHORT, [conv.VARIANT_BY_NAME[n] for n in names], parallel=len(names), timeout_s=150)}
+    base = rows["uncompressed"]
+    assert base["compressed_share"] == 0.0 and base["push_ratio"] == pytest.approx(1.0)
+    assert base["final_eval_loss"] < 0.5 * base["evals"][0][1], "uncompressed training did not learn"
+    for name in ("hybrid", "int8+EF"):
+        r = rows[name]
+        # the 256x256 matrix (77% of the bytes) went int8 after warm-up, the rest bf16
+        assert r["codec_share"].get("int8", 0.0) > 0.7, r["codec_share"]
+        assert set(r["codec_share"]) <= {"int8", "bf16", "none"}, r["codec_share"]
+        assert r["push_ratio"] > 2.5
+        assert abs(r["rel_diff"]) < BOUND, f"{name}: final eval loss {r['final_eval_loss']:.4f} vs {base['final_eval_loss']:.4f}"
+    # the bound is one that broken compression misses
+    assert rows["topk1% noEF"]["codec_share"].get("topk", 0.0) > 0.7
+    assert rows["topk1% noEF"]["rel_diff"] > BOUND
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_full_study_meets_the_targets():
+    """The study of benchmarks/convergence.py (both tasks, all variants): the issue's targets hold."""
+    failed = []
+    for task, run in conv.STUDY.items():
+        for r in conv.run_variants(run, conv.VARIANTS):
+            assert r["compressed_share"] > 0.8 or r["variant"] in ("uncompressed", "hybrid"), (task, r["variant"], r["codec_share"])
+            if r["ok"] is False:
+                failed.append(f"{task} / {r['variant']}: {r['rel_diff']:+.2%} (target {r['target']:.0%})")
+    assert not failed, failed

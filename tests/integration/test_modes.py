@@ -1,0 +1,33 @@
+"""Delayed update, async and bounded-staleness modes train a real model (digits) as well as sync mode."""
+
+import pytest
+from harness import run_training
+
+import luwu
+
+SPEC = {"model": "digits", "optimizer": "adamw", "hyper": {"lr": 3e-3, "weight_decay": 0.01}, "steps": 120, "batch": 32, "bucket_bytes": 64 * 1024}
+
+
+@pytest.fixture(scope="module")
+def sync_loss(tmp_path_factory):
+    with luwu.local_cluster(2) as c:
+        res = run_training(SPEC, c.addresses, tmp_path_factory.mktemp("sync"), timeout_s=240)
+    assert res[0]["eval_loss"] == res[1]["eval_loss"]
+    return res[0]["eval_loss"]
+
+
+@pytest.mark.timeout(300)
+def test_delayed_update_within_2_percent_of_sync(sync_loss, tmp_path):
+    with luwu.local_cluster(2) as c:
+        res = run_training(dict(SPEC, delayed_update=True), c.addresses, tmp_path, timeout_s=240)
+    assert res[0]["eval_loss"] == pytest.approx(sync_loss, rel=0.02)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_async_and_bounded_staleness_within_2_percent_of_sync(staleness, sync_loss, tmp_path):
+    args = ["--node.mode", "async", "--node.staleness", str(staleness)]
+    with luwu.local_cluster(2, node_args=args) as c:
+        res = run_training(dict(SPEC, mode="async"), c.addresses, tmp_path, timeout_s=240)
+    for r in res:
+        assert r["eval_loss"] == pytest.approx(sync_loss, rel=0.02), (r["eval_loss"], sync_loss)
