@@ -64,6 +64,7 @@ def batch(spec, step: int, world_size: int):
 
 
 def eval_loss(spec, model) -> float | None:
+    """Loss on the held-out digits (the tests average it over the last 50 steps: one eval is noisy)."""
     if spec["model"] != "digits":
         return None
     from luwu.demo import evaluate, load_digits_split
@@ -156,7 +157,7 @@ def main(path: str) -> None:
     )
     sched = make_scheduler(spec, opt)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if spec["amp"] else None
-    losses, scales = [], []
+    losses, scales, evals = [], [], []
     b, k = spec["batch"], spec["accumulate"]
     for step in range(spec["steps"]):
         opt.zero_grad()
@@ -181,8 +182,11 @@ def main(path: str) -> None:
         if sched is not None:
             sched.step()
         losses.append(float(loss.detach()))
+        if spec["model"] == "digits" and step >= spec["steps"] - 50 and step % 10 == 9:
+            opt.synchronize()
+            evals.append(eval_loss(spec, model))
     opt.synchronize()
-    result = {"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "scales": scales, "eval_loss": eval_loss(spec, model)}
+    result = {"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "scales": scales, "eval_loss": sum(evals) / len(evals) if evals else None}
     torch.save(result, f"{spec['out']}.rank{rank}")
     opt.close()
 
