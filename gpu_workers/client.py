@@ -76,12 +76,15 @@ class WorkerClient:
         self._out[node].append(frames)
         os.write(self._wake_w, b"x")
 
-    def wait(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply") -> list[wire.Message]:
-        """Wait for messages filed under ``keys`` = (op, node, step, bucket); pops and returns them."""
-        deadline = time.monotonic() + (timeout_s or self.cfg.timeout_s)
+    def wait(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply", errors_of: tuple | None = None) -> list[wire.Message]:
+        """Wait for messages filed under ``keys`` = (op, node, step, bucket); pops and returns them.
+        ``errors_of``: raise only ERRORs answering these ops (the others stay for later or are fenced off)."""
+        start = time.monotonic()
+        deadline = start + (timeout_s or self.cfg.timeout_s)
+        probed = start
         with self._cv:
             while True:
-                self._raise_errors(keys)
+                self._raise_errors(errors_of)
                 missing = [k for k in keys if k not in self._inbox]
                 if not missing:
                     return [self._inbox.pop(k) for k in keys]
@@ -94,19 +97,31 @@ class WorkerClient:
                         f"within {timeout_s or self.cfg.timeout_s:.1f} s ({len(missing)} of {len(keys)} replies missing, "
                         f"from nodes {[self.nodes[n] for n in nodes]})"
                     )
-                self._cv.wait(min(left, 1.0))
+                self._cv.wait(min(left, 0.5))
+                if time.monotonic() - probed >= 1.0:
+                    # a node that restarted answers a probe with ERROR (rollback) long before the deadline
+                    probed = time.monotonic()
+                    for n in sorted({m[1] for m in missing}):
+                        self.send(n, {"op": Op.HEARTBEAT})
 
-    def _raise_errors(self, keys) -> None:
-        if self._errors:
-            node, err = self._errors.pop(0)
-            raise err
+    def reset(self) -> None:
+        """Forget filed replies and errors (after a rollback or rejoin: they belong to abandoned steps)."""
+        with self._cv:
+            self._inbox.clear()
+            self._errors.clear()
+
+    def _raise_errors(self, errors_of) -> None:
+        for i, (node, err) in enumerate(self._errors):
+            if errors_of is None or getattr(err, "ref_op", None) in errors_of:
+                del self._errors[i]
+                raise err
 
     @staticmethod
     def key_of(node: int, h: dict) -> tuple:
         """Where a reply is filed: (op, node, step, bucket). WELCOME and STATS have no step; an UPDATE
         answering a push carries the pushed step in ``seq`` (-1 for the answer to a PULL)."""
         op = h["op"]
-        if op in (Op.WELCOME, Op.STATS):
+        if op in (Op.WELCOME, Op.STATS, Op.ROLLBACK, Op.CHECKPOINT):
             return (op, node, None, -1)
         if op == Op.STATE:
             return (op, node, None, h["bucket"])
@@ -116,6 +131,12 @@ class WorkerClient:
 
     def file(self, key: tuple, msg: wire.Message) -> None:
         with self._cv:
+            if key[0] == Op.WELCOME:
+                # a new session with this node: whatever it answered before belongs to abandoned steps
+                node = key[1]
+                self._errors = [(n, e) for n, e in self._errors if n != node]
+                for k in [k for k in self._inbox if k[1] == node]:
+                    del self._inbox[k]
             self._inbox[key] = msg
             self._cv.notify_all()
 
@@ -192,7 +213,7 @@ class WorkerClient:
             op = h["op"]
             if op == Op.ERROR:
                 err = error_for_code(h["code"], h["message"], node=self.nodes[node])
-                err.step, err.bucket = h["step"], h["bucket"]  # type: ignore[attr-defined]
+                err.step, err.bucket, err.detail, err.ref_op = h["step"], h["bucket"], h.get("detail") or {}, h["ref_op"]  # type: ignore[attr-defined]
                 with self._cv:
                     self._errors.append((node, err))
                     self._cv.notify_all()

@@ -492,6 +492,16 @@ class Prefetcher:
     early (``break``, an exception) or dropping the iterator stops the threads;
     so do ``close()`` and leaving a ``with`` block. A loader exception is raised
     in the training loop as the same object, with its original traceback.
+
+    The arguments are the fields of :class:`PrefetchConfig` (documented there);
+    ``registry`` receives the metrics (default: a private one, ``self.registry``)::
+
+        batches = Prefetcher(loader, device="cuda", registry=registry)
+        batches.load_state_dict(checkpoint["data"])      # on restart
+        for epoch in range(batches.epoch, num_epochs):
+            for batch in batches:
+                ...
+                checkpoint["data"] = batches.state_dict()
     """
 
     def __init__(

@@ -93,6 +93,43 @@ class Worker:
     def connect(self, step: int = 0) -> list[dict]:
         """HELLO every node; rank 0 seeds uninitialized buckets; everyone pulls the current weights.
         ``step``: the job's step when a layout is extended (add_param_group) mid-training."""
+        welcomes = self.hello(step)
+        versions = {}
+        for n, w in enumerate(welcomes):
+            versions.update({int(k): v for k, v in w["versions"].items()})
+            if self.rank == 0:
+                done = set(w["initialized"])
+                for bid in self.node_buckets[n]:
+                    if bid not in done:
+                        buf = self.bufs[bid]
+                        self._gather(buf, buf.grads[0], lambda p: p.detach())
+                        enc = get_codec("none").encode(buf.grads[0])
+                        self.client.send(n, {"op": Op.INIT, "bucket": bid, "codec": "none", "cmeta": enc.meta}, enc.frames)
+        self.pull_all()
+        self.step_num = min(versions.values(), default=0)
+        return welcomes
+
+    def recover(self, rollback_to: int | None, boot: str = "") -> int:
+        """Rejoin after a node restart (roll every node back to ``rollback_to``) or after being dropped
+        (elastic mode); returns the step to resume from."""
+        self.client.reset()
+        self.pending = None
+        for buf in self.bufs:
+            buf.filled, buf.pushed_step = 0, -1
+        if self._feedback is not None:
+            self._feedback.reset()
+        welcomes = self.hello(self.step_num)
+        if rollback_to is not None:
+            for n in range(self.layout.num_nodes):
+                self.client.send(n, {"op": Op.ROLLBACK, "step": rollback_to, "detail": {"boot": boot}})
+            self.client.wait([(Op.ROLLBACK, n, None, -1) for n in range(self.layout.num_nodes)], what="rollback acknowledgement")
+            self.step_num = rollback_to
+        else:
+            self.step_num = min((v for w in welcomes for v in w["versions"].values()), default=self.step_num)
+        self.pull_all()
+        return self.step_num
+
+    def hello(self, step: int) -> list[dict]:
         for n in range(self.layout.num_nodes):
             mine = self.layout.buckets_of(n)
             self.client.send(
@@ -110,23 +147,10 @@ class Worker:
                 },
             )
         keys = [(Op.WELCOME, n, None, -1) for n in range(self.layout.num_nodes)]
-        welcomes = [m.header for m in self.client.wait(keys, self.client.cfg.connect_timeout_s, what="WELCOME (is the node up?)")]
+        welcomes = [m.header for m in self.client.wait(keys, self.client.cfg.connect_timeout_s, what="WELCOME (is the node up?)", errors_of=(Op.HELLO,))]
         for n, w in enumerate(welcomes):
             if w["layout"] != self.layout.hash:
                 raise LayoutMismatchError(f"node {self.client.nodes[n]} accepted layout {w['layout']}, this worker has {self.layout.hash}")
-        versions = {}
-        for n, w in enumerate(welcomes):
-            versions.update({int(k): v for k, v in w["versions"].items()})
-            if self.rank == 0:
-                done = set(w["initialized"])
-                for bid in self.node_buckets[n]:
-                    if bid not in done:
-                        buf = self.bufs[bid]
-                        self._gather(buf, buf.grads[0], lambda p: p.detach())
-                        enc = get_codec("none").encode(buf.grads[0])
-                        self.client.send(n, {"op": Op.INIT, "bucket": bid, "codec": "none", "cmeta": enc.meta}, enc.frames)
-        self.pull_all()
-        self.step_num = min(versions.values(), default=0)
         return welcomes
 
     def pull_all(self) -> None:

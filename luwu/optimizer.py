@@ -23,7 +23,7 @@ from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers.metrics import WorkerMetrics
 from luwu.gpu_workers.worker import Worker
 from luwu.protocol.metrics import serve_metrics
-from luwu.protocol.errors import ConfigError
+from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
 from luwu.protocol.layout import ParamSpec, build_layout
 from luwu.switch_nodes.optimizers import get_kind
 
@@ -143,6 +143,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.client = WorkerClient(self.nodes, job=job, rank=self.rank, cfg=tc)
         self._build()
         self.last_report: dict = {}
+        self._last_error: LuwuError | None = None
 
     # ----------------------------------------------------------------- layout and connection
     def _flat_params(self) -> tuple[list[torch.Tensor], list[ParamSpec]]:
@@ -284,8 +285,29 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.worker.set_state(flats, self._state_names())
 
     # ----------------------------------------------------------------- step
+    def recover(self) -> int:
+        """Rejoin the cluster after a ``RollbackError`` (a node restarted from its checkpoint: every node
+        rolls back to that step and this worker takes its weights) or a ``WorkerLostError`` (dropped in
+        elastic mode: take the current weights). Returns the step to resume from: rewind the data to it
+        (e.g. ``Prefetcher.load_state_dict``, or a sampler indexed by step)."""
+        err = self._last_error
+        if isinstance(err, RollbackError):
+            step = self.worker.recover(err.step, (getattr(err, "detail", None) or {}).get("boot", ""))
+        else:
+            step = self.worker.recover(None)
+        self._last_error = None
+        return step
+
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
+        try:
+            return self._step(closure, grad_scaler)
+        except LuwuError as exc:
+            self._last_error = exc
+            self.metrics.errors.labels(getattr(exc, "code", "luwu")).inc()
+            raise
+
+    def _step(self, closure, grad_scaler):
         loss = None
         if closure is not None:
             with torch.enable_grad():

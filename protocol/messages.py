@@ -165,5 +165,8 @@ def decode(frames: Sequence, *, job: str | None = None, max_message_bytes: int =
     return Message(header, payload)
 
 
-def error_message(job: str, code: str, message: str, *, ref_op: int = 0, step: int = 0, worker: int = 0, bucket: int = -1) -> list:
-    return encode({"op": Op.ERROR, "job": job, "step": max(step, 0), "worker": max(worker, 0), "code": code, "message": message, "ref_op": int(ref_op), "bucket": bucket})
+def error_message(job: str, code: str, message: str, *, ref_op: int = 0, step: int = 0, worker: int = 0, bucket: int = -1, detail: dict | None = None) -> list:
+    header = {"op": Op.ERROR, "job": job, "step": max(step, 0), "worker": max(worker, 0), "code": code, "message": message, "ref_op": int(ref_op), "bucket": bucket}
+    if detail:
+        header["detail"] = detail
+    return encode(header)

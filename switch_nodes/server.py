@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+import uuid
 
 import torch
 import zmq
@@ -26,8 +27,11 @@ from luwu.protocol.errors import (
     LayoutMismatchError,
     LuwuError,
     ProtocolError,
+    RollbackError,
     StepMismatchError,
+    WorkerLostError,
 )
+from luwu.switch_nodes.checkpoint import CheckpointStore
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.metrics import NodeMetrics
@@ -87,6 +91,14 @@ class NodeServer:
         self._applied_since_log = 0
         self.param_names: dict[int, str] = {}
         self._delta = None  # DeltaEncoder of the int8-delta pull direction, made on first use
+        self.members: set[int] = set()  # ranks expected in each step (elastic mode drops the missing)
+        self.boot = uuid.uuid4().hex[:12]  # identifies this process: a rollback is done once per boot
+        self.restored_step: int | None = None
+        self._rollbacks_done: set[tuple[int, str]] = set()
+        self._parked: list[tuple[BucketState, int]] = []  # completions held for a periodic checkpoint
+        self._ckpt_due: int | None = None
+        self._lost_reported: set[tuple[int, int]] = set()
+        self.ckpt = CheckpointStore(cfg.checkpoint_dir, cfg.index) if cfg.checkpoint_dir and cfg.index >= 0 else None
 
     # ----------------------------------------------------------------- lifecycle
     def bind(self) -> str:
@@ -107,14 +119,27 @@ class NodeServer:
         if self._sock is None:
             self.bind()
         self._stop = asyncio.Event()
+        if self.ckpt is not None:
+            ckpt = self.ckpt.latest()
+            if ckpt is not None:
+                self._restore(ckpt)
+                self.restored_step = ckpt.meta["step"]
+                log.warning("node %s restored step %d from %s", self.index, self.restored_step, ckpt.path)
         print(f"{READY_LINE} {self.address}", flush=True)
         log.info("node %s serving job %r at %s (mode %s)", self.index, self.job, self.address, self.cfg.mode)
         recv = asyncio.ensure_future(self._recv_loop())
+        watch = asyncio.ensure_future(self._watchdog())
         stop = asyncio.ensure_future(self._stop.wait())
         try:
             await asyncio.wait([recv, stop], return_when=asyncio.FIRST_COMPLETED)
         finally:
             recv.cancel()
+            watch.cancel()
+            if self.ckpt is not None and self.buckets:
+                try:  # checkpoint on SIGTERM: whatever the versions, pushes are idempotent on restart
+                    self._executor.submit(self._write_checkpoint).result(120)
+                except Exception:
+                    log.exception("checkpoint on shutdown failed")
             self._executor.shutdown(wait=True)
             self._sock.close(0)
             self._sock = None
@@ -154,7 +179,9 @@ class NodeServer:
             v = hdr.get(k, d)
             return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else d
 
-        self._send(ident, wire.error_message(self.job, code, str(exc), ref_op=num("op", 0), step=num("step", 0), worker=num("worker", 0), bucket=num("bucket", -1) if "bucket" in hdr else -1))
+        step = exc.step if isinstance(exc, RollbackError) and exc.step is not None else num("step", 0)
+        detail = {"boot": exc.boot} if hasattr(exc, "boot") else None
+        self._send(ident, wire.error_message(self.job, code, str(exc), ref_op=num("op", 0), step=step, worker=num("worker", 0), bucket=num("bucket", -1) if "bucket" in hdr else -1, detail=detail))
 
     def _send(self, ident: bytes, frames: list, track: bool = False):
         try:
@@ -169,9 +196,18 @@ class NodeServer:
     async def _handle(self, ident: bytes, msg: wire.Message) -> None:
         h = msg.header
         op = h["op"]
-        if op != Op.HELLO and op not in (Op.STATS, Op.HEARTBEAT) and self.layout_hash is None:
-            raise ProtocolError(f"{op.name} before HELLO: say HELLO first")
-        if op in (Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE):
+        if op not in (Op.HELLO, Op.STATS) and ident not in self.peers.values():
+            if self.restored_step is not None and op != Op.ROLLBACK:
+                err = RollbackError(
+                    f"node {self.index} restarted from its checkpoint of step {self.restored_step} (boot {self.boot}): "
+                    f"roll back to step {self.restored_step} with optimizer.recover()",
+                    step=self.restored_step,
+                )
+                err.boot = self.boot  # type: ignore[attr-defined]
+                raise err
+            if op != Op.ROLLBACK:
+                raise ProtocolError(f"{op.name} from a peer that did not say HELLO: say HELLO first")
+        if op in (Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE, Op.CHECKPOINT):
             self._check_worker(ident, h)
         if op == Op.HELLO:
             self._on_hello(ident, h)
@@ -185,6 +221,13 @@ class NodeServer:
             await self._on_commit(h)
         elif op == Op.STATE:
             await self._on_state(ident, h, msg)
+        elif op == Op.CHECKPOINT:
+            if self.ckpt is None:
+                raise ConfigError(f"node {self.index} has no checkpoint_dir (and a node index) configured")
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._write_checkpoint)
+            self._send(ident, wire.encode({"op": Op.CHECKPOINT, "job": self.job, "step": self.step, "worker": h["worker"]}))
+        elif op == Op.ROLLBACK:
+            await self._on_rollback(ident, h)
         elif op == Op.STATS:
             self._send(ident, wire.encode({"op": Op.STATS, "job": self.job, "step": self.step, "worker": 0, "detail": self.stats()}))
         elif op == Op.HEARTBEAT:
@@ -199,6 +242,8 @@ class NodeServer:
             raise ProtocolError(f"worker rank {w} is outside world size {self.world_size}")
         if self.peers.get(w) != ident:
             raise ProtocolError(f"worker {w}: message from a peer that did not say HELLO as this rank")
+        if w not in self.members and h["op"] == Op.PUSH:
+            raise WorkerLostError(f"worker {w} was dropped from the job after {self.cfg.worker_timeout_s:.0f} s without pushes (elastic mode): call optimizer.recover() to rejoin")
         self.last_seen[w] = time.monotonic()
 
     def _bucket(self, h: dict) -> BucketState:
@@ -246,6 +291,9 @@ class NodeServer:
         self.param_names.update({int(k): str(v) for k, v in h.get("param_names", {}).items()})
         self.layout_hash = h["layout"]
         self.peers[h["worker"]] = ident
+        if not self.members:
+            self.members = set(range(self.world_size))
+        self.members.add(h["worker"])
         self.last_seen[h["worker"]] = time.monotonic()
         self.metrics.workers.set(len(self.peers))
         self._send(
@@ -373,7 +421,7 @@ class NodeServer:
         self.metrics.pushes.inc()
         self.metrics.bytes_in.labels("push").inc(sum(h["nbytes"]))
         self.metrics.raw_in.labels("push").inc(b.numel * 4)
-        if len(acc.workers) == self.world_size:
+        if acc.workers >= self.members:
             self.metrics.agg_wait.observe(time.monotonic() - acc.first_at)
             await self._complete(b, step, acc)
 
@@ -440,6 +488,18 @@ class NodeServer:
         """All expected pushes are in: step now, or (two-phase) report the norm and wait for COMMIT."""
         if step != b.version:
             return  # an earlier step of this bucket is still open; it will pick this one up
+        every = self.cfg.checkpoint_every
+        if self.ckpt is not None and every and step % every == 0 and step > 0 and (self.ckpt.last_step or 0) < step:
+            # a periodic checkpoint at `step`: hold this bucket until every bucket has reached it
+            self._parked.append((b, step))
+            if all(x.version >= step for x in self.buckets.values()):
+                await asyncio.get_running_loop().run_in_executor(self._executor, self._write_checkpoint)
+                parked, self._parked = self._parked, []
+                for pb, pstep in parked:
+                    pacc = pb.accs.get(pstep)
+                    if pacc is not None and pacc.workers >= self.members:
+                        await self._complete(pb, pstep, pacc)
+            return
         n = len(acc.workers)
         if acc.two_phase:
             if acc.norm_sent:
@@ -489,7 +549,7 @@ class NodeServer:
             log.info("node %s at step %d: %d buckets, %d workers, %.0f pushes", self.index, self.step, len(self.buckets), len(self.peers), self.metrics.pushes._value.get())
         # A later step of this bucket may have completed while this one was open.
         nxt = b.accs.get(step + 1)
-        if nxt is not None and len(nxt.workers) == self.world_size:
+        if nxt is not None and nxt.workers >= self.members:
             await self._complete(b, step + 1, nxt)
 
     async def _on_state(self, ident: bytes, h: dict, msg: wire.Message) -> None:
@@ -526,6 +586,93 @@ class NodeServer:
         else:
             raise ProtocolError(f"STATE action must be 'get' or 'set', got {h['action']!r}")
 
+    # ----------------------------------------------------------------- durability
+    def _write_checkpoint(self) -> None:
+        """Runs on the optimizer thread (nothing else touches the shard meanwhile)."""
+        meta = {
+            "job": self.job,
+            "node": self.index,
+            "layout": self.layout_hash,
+            "world_size": self.world_size,
+            "optimizer": self.kind.name if self.kind else None,
+            "step": self.step,
+            "param_names": {str(k): v for k, v in self.param_names.items()},
+            "buckets": [{"id": b.id, "spec": b.spec, "version": b.version, "initialized": b.initialized, "numels": [b.numel] * (1 + len(b.state)) + [len(b.steps)]} for b in self.buckets.values()],
+        }
+        tensors = {b.id: [b.params, *(b.state[n] for n in b.kind.state_names), torch.stack(b.steps) if b.steps else torch.zeros(0)] for b in self.buckets.values()}
+        path = self.ckpt.save(meta, tensors)
+        self.metrics.checkpoint_step.set(meta["step"])
+        log.info("node %s wrote checkpoint of step %d: %s", self.index, meta["step"], path)
+
+    def _restore(self, ckpt) -> None:
+        m = ckpt.meta
+        if m["job"] != self.job:
+            raise ConfigError(f"checkpoint {ckpt.path} belongs to job {m['job']!r}, this node serves {self.job!r}")
+        self.kind = get_kind(m["optimizer"])
+        self.layout_hash, self.world_size = m["layout"], m["world_size"]
+        self.param_names = {int(k): v for k, v in m.get("param_names", {}).items()}
+        self.members = set(range(self.world_size))
+        self.buckets, self.replies = {}, {}
+        for b in m["buckets"]:
+            bid, group, numel, segs = parse_spec(b["spec"])
+            st = BucketState(bid, group, numel, segs, self.kind)
+            ts = ckpt.tensors[bid]
+            st.params.copy_(ts[0])
+            for n, t in zip(st.kind.state_names, ts[1:-1]):
+                st.state[n].copy_(t)
+            for sv, v in zip(st.steps, ts[-1]):
+                sv.fill_(v)
+            st.version, st.initialized = b["version"], b["initialized"]
+            self.buckets[bid] = st
+            self.replies[bid] = ReplyBuffers()
+        if self._delta is not None:
+            self._delta.force_resync()
+        self.metrics.step.set(self.step)
+        self.metrics.checkpoint_step.set(m["step"])
+
+    async def _on_rollback(self, ident: bytes, h: dict) -> None:
+        """Roll this node back to its checkpoint of ``step`` (once per (step, boot of the restarted node))."""
+        step = h["step"]
+        boot = str((h.get("detail") or {}).get("boot", ""))
+        if (step, boot) not in self._rollbacks_done and not (self.restored_step == step and boot == self.boot):
+            if self.ckpt is None:
+                raise ConfigError(f"node {self.index} cannot roll back: no checkpoint_dir configured")
+            loop = asyncio.get_running_loop()
+            ckpt = await loop.run_in_executor(self._executor, self.ckpt.latest, step)
+            if ckpt is None:
+                raise RollbackError(f"node {self.index} has no valid checkpoint of step {step} to roll back to", step=step)
+            peers = dict(self.peers)
+            await loop.run_in_executor(self._executor, self._restore, ckpt)
+            self.peers = peers
+            self._parked, self._pending_pulls = [], {}
+            log.warning("node %s rolled back to step %d (restart of boot %s)", self.index, step, boot)
+        self._rollbacks_done.add((step, boot))
+        self._send(ident, wire.encode({"op": Op.ROLLBACK, "job": self.job, "step": self.step, "worker": h["worker"]}))
+
+    async def _watchdog(self) -> None:
+        """Missing workers: strict mode fails the step naming them; elastic mode drops them and goes on."""
+        while True:
+            await asyncio.sleep(min(1.0, self.cfg.worker_timeout_s / 4))
+            now = time.monotonic()
+            if self.ckpt is not None and self.ckpt.last_time is not None:
+                self.metrics.checkpoint_age.set(time.time() - self.ckpt.last_time)
+            for b in list(self.buckets.values()):
+                for step, acc in list(b.accs.items()):
+                    missing = self.members - acc.workers
+                    if not missing or not acc.workers or now - acc.first_at < self.cfg.worker_timeout_s:
+                        continue
+                    if self.cfg.worker_policy == "elastic":
+                        self.members -= missing
+                        self.metrics.dropped_workers.inc(len(missing))
+                        log.warning("node %s: dropped workers %s from step %d (elastic)", self.index, sorted(missing), step)
+                        if step == b.version:
+                            await self._complete(b, step, acc)
+                    elif (step, b.id) not in self._lost_reported:
+                        self._lost_reported.add((step, b.id))
+                        text = f"workers {sorted(missing)} sent nothing for step {step}, bucket {b.id} within {self.cfg.worker_timeout_s:.0f} s (strict mode)"
+                        for w in acc.workers:
+                            self._send(self.peers[w], wire.error_message(self.job, WorkerLostError.code, text, step=step, worker=w, bucket=b.id))
+
     # ----------------------------------------------------------------- stats
     def stats(self) -> dict:
         reg = self.metrics.registry
@@ -548,4 +695,7 @@ class NodeServer:
             "updates": val("luwu_node_updates_applied_total"),
             "uptime_s": time.monotonic() - self.started,
             "mode": self.cfg.mode,
+            "checkpoint_step": self.ckpt.last_step if self.ckpt and self.ckpt.last_step is not None else -1,
+            "checkpoint_age_s": time.time() - self.ckpt.last_time if self.ckpt and self.ckpt.last_time else -1.0,
+            "members": sorted(self.members),
         }

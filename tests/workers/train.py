@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -34,6 +35,8 @@ DEFAULTS = {
     "accumulate": 1,
     "amp": False,
     "inject_inf": None,
+    "resilient": False,
+    "step_sleep": 0.0,
 }
 
 
@@ -159,7 +162,8 @@ def main(path: str) -> None:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if spec["amp"] else None
     losses, scales, evals = [], [], []
     b, k = spec["batch"], spec["accumulate"]
-    for step in range(spec["steps"]):
+
+    def one_step(step: int) -> None:
         opt.zero_grad()
         for micro in range(k):
             x, y = batch(spec, step * k + micro, ws)
@@ -185,8 +189,25 @@ def main(path: str) -> None:
         if spec["model"] == "digits" and step >= spec["steps"] - 50 and step % 10 == 9:
             opt.synchronize()
             evals.append(eval_loss(spec, model))
+
+    step = 0
+    recoveries = 0
+    while step < spec["steps"]:
+        try:
+            one_step(step)
+        except (luwu.RollbackError, luwu.WorkerLostError) as exc:
+            if not spec["resilient"] or recoveries > 5:
+                raise
+            recoveries += 1
+            step = opt.recover()  # data is indexed by step: resuming at `step` rewinds it too
+            print(f"RECOVERED {step} after {type(exc).__name__}: {exc}", flush=True)
+            continue
+        print(f"STEP {step}", flush=True)
+        step += 1
+        if spec["step_sleep"]:
+            time.sleep(spec["step_sleep"])
     opt.synchronize()
-    result = {"params": [p.detach().clone() for p in model.parameters()], "losses": losses, "scales": scales, "eval_loss": sum(evals) / len(evals) if evals else None}
+    result = {"recoveries": recoveries, "params": [p.detach().clone() for p in model.parameters()], "losses": losses, "scales": scales, "eval_loss": sum(evals) / len(evals) if evals else None}
     torch.save(result, f"{spec['out']}.rank{rank}")
     opt.close()
 
