@@ -30,8 +30,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
-
-from common import MIB, RESULTS, LoadMonitor, proc_cpu_s, machine_info, md_table, median, paired_ratio, verdict, write_results
+from common import MIB, RESULTS, LoadMonitor, machine_info, md_table, median, node_threads_delta, paired_ratio, proc_usage, threads_cpu_s, verdict, write_results
 
 JOB = "bench-transport"
 
@@ -144,6 +143,8 @@ def run(args) -> dict:
     tcp = TcpEcho(nbytes)
     luwu_s, tcp_s, opt_s, finish_s, wait_s, opt_count = [], [], [], [], [], []
     cpu = {"tcp_client": [], "tcp_server": [], "luwu_worker": [], "luwu_node": []}
+    faults = {k: [] for k in cpu}
+    node_threads: dict[str, list[float]] = {}
     with luwu.local_cluster(1, job=JOB, node_args=["--metrics.port", "0"]) as cluster:
         url = cluster.metrics_urls[0]
         opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster.addresses, rank=0, world_size=1, job=JOB, lr=1e-4, bucket_bytes=args.bucket_mib * MIB)
@@ -151,21 +152,24 @@ def run(args) -> dict:
         try:
             node_pid, server_pid = cluster.procs[0].pid, tcp.proc.pid
             for i in range(args.warmup + args.reps):
-                c0, s0 = time.process_time(), proc_cpu_s(server_pid)
+                c0, s0 = proc_usage(), proc_usage(server_pid)
                 t0 = time.perf_counter()
                 tcp.round()
                 t_tcp = time.perf_counter() - t0
-                c1, s1 = time.process_time(), proc_cpu_s(server_pid)
+                c1, s1 = proc_usage(), proc_usage(server_pid)
                 m0 = scrape(url)
-                n0, w0 = proc_cpu_s(node_pid), time.process_time()
+                n0, w0, th0 = proc_usage(node_pid), proc_usage(), threads_cpu_s(node_pid)
                 t0 = time.perf_counter()
                 opt.step()
                 t_luwu = time.perf_counter() - t0
-                n1, w1 = proc_cpu_s(node_pid), time.process_time()
+                n1, w1, th1 = proc_usage(node_pid), proc_usage(), threads_cpu_s(node_pid)
                 m1 = scrape(url)
                 if i >= args.warmup:
-                    for k, v in (("tcp_client", c1 - c0), ("tcp_server", s1 - s0), ("luwu_worker", w1 - w0), ("luwu_node", n1 - n0)):
-                        cpu[k].append(v)
+                    for k, v in node_threads_delta(node_pid, th0, th1).items():
+                        node_threads.setdefault(k, []).append(v)
+                    for k, (a, b) in (("tcp_client", (c0, c1)), ("tcp_server", (s0, s1)), ("luwu_worker", (w0, w1)), ("luwu_node", (n0, n1))):
+                        cpu[k].append(b[0] - a[0])
+                        faults[k].append(b[1] - a[1])
                     tcp_s.append(t_tcp)
                     luwu_s.append(t_luwu)
                     opt_s.append(m1["luwu_node_optimizer_step_seconds_sum"] - m0["luwu_node_optimizer_step_seconds_sum"])
@@ -181,7 +185,13 @@ def run(args) -> dict:
     transport_only = [a - b for a, b in zip(luwu_s, opt_s)]
     rows = [
         {"impl": "raw TCP echo (sendall / recv_into, reused buffers)", "ms": t_t * 1e3, "GB_per_s": gb / t_t, "ratio_vs_tcp": 1.0, "ratio_paired": 1.0},
-        {"impl": f"LuWu step(): push + AdamW on node + weights back ({buckets} buckets)", "ms": t_l * 1e3, "GB_per_s": gb / t_l, "ratio_vs_tcp": t_t / t_l, "ratio_paired": paired_ratio(tcp_s, luwu_s)},
+        {
+            "impl": f"LuWu step(): push + AdamW on node + weights back ({buckets} buckets)",
+            "ms": t_l * 1e3,
+            "GB_per_s": gb / t_l,
+            "ratio_vs_tcp": t_t / t_l,
+            "ratio_paired": paired_ratio(tcp_s, luwu_s),
+        },
         {
             "impl": "LuWu minus the node's optimizer seconds (transport estimate)",
             "ms": median(transport_only) * 1e3,
@@ -199,14 +209,17 @@ def run(args) -> dict:
         "worker_write_weights_ms": median([a - b - c for a, b, c in zip(luwu_s, finish_s, wait_s)]) * 1e3,
     }
     cpu_rows = [
-        {"impl": "raw TCP", "client_cpu_s": median(cpu["tcp_client"]), "server_cpu_s": median(cpu["tcp_server"])},
-        {"impl": "LuWu", "client_cpu_s": median(cpu["luwu_worker"]), "server_cpu_s": median(cpu["luwu_node"])},
+        {"impl": impl, "client_cpu_s": median(cpu[c]), "server_cpu_s": median(cpu[sv]), "client_page_faults": median(faults[c]), "server_page_faults": median(faults[sv])}
+        for impl, c, sv in (("raw TCP", "tcp_client", "tcp_server"), ("LuWu", "luwu_worker", "luwu_node"))
     ]
     for r in cpu_rows:
         r["total_cpu_s"] = r["client_cpu_s"] + r["server_cpu_s"]
+    breakdown["node_optimizer_thread_cpu_ms"] = median(node_threads.get("optimizer_thread", [])) * 1e3
+    node_cpu = {k: median(v) * 1e3 for k, v in node_threads.items()}
     return {
         "rows": rows,
         "breakdown": breakdown,
+        "node_threads_cpu_ms": node_cpu,
         "cpu_per_round": cpu_rows,
         "buckets": buckets,
         "bytes_each_way": nbytes,
@@ -214,6 +227,26 @@ def run(args) -> dict:
         "tcp_s": tcp_s,
         "node_optimizer_s": opt_s,
     }
+
+
+def why_lines(res: dict, mib: int) -> list[str]:
+    """Where LuWu's round trip goes, from this run's numbers."""
+    b, rows, cpu = res["breakdown"], res["rows"], {r["impl"]: r for r in res["cpu_per_round"]}
+    t_tcp, t_est = rows[0]["ms"], rows[2]["ms"]
+    luwu, tcp = cpu["LuWu"], cpu["raw TCP"]
+    return [
+        "Where the time goes (this run):",
+        "",
+        f"- The node's optimizer wall time, {b['node_optimizer_ms']:.0f} ms per step ({b['node_optimizer_thread_cpu_ms']:.0f} ms of it CPU "
+        f"in its thread; the rest is waiting for a core and for the hand-offs between the event loop and that thread), is not overlapped with the "
+        f"transfer: LuWu minus it takes {t_est:.0f} ms, raw TCP {t_tcp:.0f} ms.",
+        f"- Worker: pushing from p.grad (copy into the bucket buffers, then codec encode into its frames) {b['worker_finish_ms']:.0f} ms; "
+        f"writing the weights {b['worker_write_weights_ms']:.0f} ms; {luwu['client_page_faults']:.0f} minor page faults per round on the "
+        f"worker ({mib * 256} pages are received), i.e. replies land in fresh memory.",
+        f"- CPU per round: LuWu {luwu['total_cpu_s']:.2f} s (worker {luwu['client_cpu_s']:.2f}, node {luwu['server_cpu_s']:.2f}) against "
+        f"raw TCP {tcp['total_cpu_s']:.2f} s: on a 2-core box shared with other jobs that extra work is wall time.",
+        "",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         md_table(summary, ["benchmark", "ratio", "target", "verdict"]),
         "",
+        *why_lines(res, args.mib),
         f"GB/s counts both directions ({2 * args.mib} MiB per round); ratio_vs_tcp = TCP ms / that row's ms; _paired: per repetition. "
         f"LuWu: codec none both ways, buckets of {args.bucket_mib} MiB, world size 1, node with 1 torch thread.",
         "",
@@ -249,14 +283,20 @@ def main(argv: list[str] | None = None) -> int:
         "",
         md_table([b], list(b)),
         "",
-        "## CPU seconds per round (user + system, all threads; client = worker process, server = node process)",
+        "## CPU seconds and minor page faults per round (all threads; client = worker process, server = node process)",
         "",
-        "On a 2-core box shared with other jobs the rounds are CPU-bound: this is the work each side does for the same bytes.",
+        f"On a 2-core box shared with other jobs the rounds are CPU-bound: this is the work each side does for the same bytes. "
+        f"A page fault is a first touch of fresh memory (4 KiB; {args.mib} MiB = {args.mib * 256} pages).",
         "",
-        md_table(res["cpu_per_round"], ["impl", "client_cpu_s", "server_cpu_s", "total_cpu_s"]),
+        md_table(res["cpu_per_round"], ["impl", "client_cpu_s", "server_cpu_s", "total_cpu_s", "client_page_faults", "server_page_faults"]),
         "",
-        "node_optimizer: sum of luwu_node_optimizer_step_seconds over the step's buckets (AdamW + reply encode, in the node's "
-        "optimizer thread); worker_finish: pushing from p.grad (copy into bucket buffers, encode, queue); wait_weights: "
+        "The node's CPU per step by thread (ms; loop = event loop / main thread, optimizer_thread = the busiest other Python thread, zmq_io = ZeroMQ's I/O threads; clock ticks of 10 ms, medians):",
+        "",
+        md_table([res["node_threads_cpu_ms"]], list(res["node_threads_cpu_ms"])),
+        "",
+        "node_optimizer: sum of luwu_node_optimizer_step_seconds over the step's buckets (wall time from handing a bucket to "
+        "the optimizer thread until the event loop resumes: AdamW + reply encode + the two thread hand-offs); "
+        "node_optimizer_thread_cpu: the CPU that thread actually used; worker_finish: pushing from p.grad (copy into bucket buffers, encode, queue); wait_weights: "
         "waiting for all UPDATE replies; write_weights: the rest of step() (decoding replies into the parameters).",
         "",
     ]

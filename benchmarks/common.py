@@ -11,6 +11,7 @@ alone.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -43,18 +44,25 @@ def median_time(fn: Callable[[], object], reps: int, *, warmup: int = 1, setup: 
     return sorted(times)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], reps: int, *, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(fns: dict[str, Callable[[], object]], reps: int, *, warmup: int = 1, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
     """Time several competitors round-robin (A B C A B C ...), so a burst of load from elsewhere hits
-    all of them alike. Returns each one's list of seconds in repetition order."""
+    all of them alike. Returns each one's list of wall seconds in repetition order; ``cpu``, when given,
+    receives the process CPU seconds of each call (all threads), which other processes' load inflates
+    far less than wall time (a descheduled process uses no CPU)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
+    if cpu is not None:
+        cpu.update({k: [] for k in fns})
     for _ in range(reps):
         for k, fn in fns.items():
+            c0 = time.process_time()
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
+            if cpu is not None:
+                cpu[k].append(time.process_time() - c0)
     return times
 
 
@@ -67,14 +75,49 @@ def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
     return median([a / b for a, b in zip(num, den) if b > 0])
 
 
-def proc_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a live process has used so far; NaN if unreadable."""
+def proc_usage(pid: int | None = None) -> tuple[float, int]:
+    """(CPU seconds, user + system, all threads; minor page faults) a live process has used so far
+    (``None``: this process). NaN / -1 if unreadable. Faults count touches of fresh memory."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), int(fields[7])
     except (OSError, ValueError, IndexError):
-        return float("nan")
+        return float("nan"), -1
+
+
+def threads_cpu_s(pid: int) -> dict[int, tuple[str, float]]:
+    """Thread id -> (OS thread name, CPU seconds so far) of a live process; {} if unreadable.
+    Python threads all show the process name; ZeroMQ's are ``ZMQbg/...``; the main thread's id is ``pid``."""
+    out = {}
+    tck = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                raw = f.read()
+            comm = raw[raw.index("(") + 1 : raw.rindex(")")]
+            fields = raw.rsplit(")", 1)[1].split()
+            out[int(tid)] = (comm, (int(fields[11]) + int(fields[12])) / tck)
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def node_threads_delta(pid: int, before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds per role between two :func:`threads_cpu_s` snapshots of a node process: the event
+    loop (main thread), the optimizer thread (the busiest other Python thread), ZeroMQ's I/O threads, the rest."""
+    d = {tid: (comm, cpu - before.get(tid, (comm, 0.0))[1]) for tid, (comm, cpu) in after.items()}
+    out = {"loop": d.pop(pid, ("", 0.0))[1], "optimizer_thread": 0.0, "zmq_io": 0.0, "other": 0.0}
+    py = sorted(((c, t) for t, (n, c) in d.items() if not n.startswith("ZMQ")), reverse=True)
+    if py:
+        out["optimizer_thread"] = py[0][0]
+        out["other"] = sum(c for c, _ in py[1:])
+    out["zmq_io"] = sum(c for n, c in d.values() if n.startswith("ZMQ"))
+    return out
 
 
 def _cpu_busy_jiffies() -> tuple[int, int] | None:
@@ -91,7 +134,7 @@ class LoadMonitor:
     """What the machine did while a benchmark ran: load average at start and end, cores busy in total
     and cores busy outside this process tree (children count once they have been waited for)."""
 
-    def __enter__(self) -> "LoadMonitor":
+    def __enter__(self) -> LoadMonitor:
         self.load_start = os.getloadavg()
         self.t0 = time.monotonic()
         self.busy0 = _cpu_busy_jiffies()
@@ -164,7 +207,7 @@ def fmt(v) -> str:
     if isinstance(v, bool) or v is None:
         return "" if v is None else str(v)
     if isinstance(v, float):
-        if v != v:
+        if math.isnan(v):
             return "n/a"
         return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
@@ -178,7 +221,7 @@ def md_table(rows: list[dict], cols: list[str]) -> str:
 
 def verdict(value: float, target: float) -> str:
     """'met' or how far below the target a ratio is (in percent of the target)."""
-    if value != value:
+    if math.isnan(value):
         return "n/a"
     if value >= target:
         return f"met (>= {target}x)"

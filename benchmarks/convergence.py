@@ -18,7 +18,9 @@ int8 / int4 / top-k 1% on the large matrices with and without error feedback
 cost rule told the link is 1 Gbit/s so it never vetoes the codec under test).
 The pull direction is bf16 in every compressed variant. The final eval loss
 of each is compared with the uncompressed run; the targets of issue 5 are
-hybrid and int8+EF within 2%, int4+EF within 3%, top-k 1%+EF within 5%.
+hybrid and int8+EF within 2%, int4+EF within 3%, top-k 1%+EF within 5%. On
+digits, a pair with SGD + momentum on the nodes (uncompressed, top-k 1% + EF)
+tells a top-k gap that comes from the codec from one that comes from AdamW.
 
 Parameters go in two groups (weight decay on matrices, none on biases and
 norms, as GPT-style training does); buckets never mix groups, so the large
@@ -27,7 +29,8 @@ records the codec the policy picked for every bucket (the share of gradient
 bytes compressed is in the table). Learning rate: linear warm-up then cosine
 decay to zero, so the final loss is not one noisy point of a constant-lr run.
 
-    python3 benchmarks/convergence.py [--quick] [--tasks digits,charlm] [--variants hybrid,int8+EF]
+    python3 benchmarks/convergence.py [--quick] [--tasks digits,charlm] [--variants hybrid,int8+EF] [--merge]
+    python3 benchmarks/convergence.py --replot     # table and plot again from the saved JSON
 
 Writes benchmarks/results/convergence.json, .md and .png (``--quick``:
 convergence.quick.*). Needs matplotlib for the plot.
@@ -40,7 +43,6 @@ import functools
 import json
 import math
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -50,7 +52,9 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when a test loads this file
+from common import RESULTS, machine_info, write_results  # noqa: E402
+
 WORLD_SIZE = 2
 NUM_NODES = 2
 #: Bytes are compared from this step on (the default policy's warm-up, sent uncompressed).
@@ -222,10 +226,22 @@ class Variant:
     compression: dict | None
     """Keyword arguments of ``CompressionConfig``."""
     target: float | None = None
-    """Largest allowed |relative difference| of the final eval loss against uncompressed."""
+    """Largest allowed |relative difference| of the final eval loss against the baseline."""
+    optimizer: str = "adamw"
+    """The nodes' optimizer."""
+    hyper: dict | None = None
+    """Its hyperparameters (``weight_decay``: of the matrices); None: the task's lr and weight decay."""
+    baseline: str = "uncompressed"
+    """The variant this one is compared with."""
+    tasks: tuple[str, ...] | None = None
+    """Only for these tasks (None: all)."""
 
 
 FORCED = {"link_gbps": 1.0}  # the cost rule must not veto the codec under test
+#: SGD with momentum on the nodes (digits only): top-k + error feedback is built for it (DGC), and the
+#: pair shows whether a top-k gap under AdamW comes from the codec or from Adam's reaction to sparse,
+#: bursty gradients.
+SGD = {"optimizer": "sgd", "hyper": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}, "tasks": ("digits",)}
 VARIANTS = [
     Variant("uncompressed", {"enabled": False}),
     Variant("hybrid", {}, 0.02),
@@ -235,6 +251,8 @@ VARIANTS = [
     Variant("int8 noEF", {"large_codec": "int8", "error_feedback": False, **FORCED}),
     Variant("int4 noEF", {"large_codec": "int4", "error_feedback": False, **FORCED}),
     Variant("topk1% noEF", {"large_codec": "topk", "topk_density": 0.01, "error_feedback": False, **FORCED}),
+    Variant("uncompressed SGD", {"enabled": False}, baseline="uncompressed SGD", **SGD),
+    Variant("topk1%+EF SGD", {"large_codec": "topk", "topk_density": 0.01, **FORCED}, baseline="uncompressed SGD", **SGD),
 ]
 VARIANT_BY_NAME = {v.name: v for v in VARIANTS}
 
@@ -284,31 +302,29 @@ class CodecRecorder:
         return out
 
 
-def train_worker(spec: dict) -> dict:
-    """One worker process of a variant (RANK / WORLD_SIZE from the environment)."""
+def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, world: int) -> dict:
+    """Train one variant in this worker process; returns what the parent needs of this rank."""
     import luwu
     from luwu.protocol.policy import CompressionConfig
 
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    run = TaskRun(**spec["run"])
     task = TASKS[run.task](**run.task_args)
     model = task.model()
-    groups, names = param_groups(model, run.weight_decay)
-    cc = CompressionConfig(**spec["compression"]) if spec["compression"] is not None else None
+    hyper = dict(variant["hyper"] or {"lr": run.lr})
+    groups, names = param_groups(model, hyper.pop("weight_decay", run.weight_decay))
+    cc = CompressionConfig(**variant["compression"]) if variant["compression"] is not None else None
     opt = luwu.RemoteOptimizer(
-        groups, "adamw", nodes=spec["nodes"], rank=rank, world_size=world, job=spec["job"], lr=run.lr, compression=cc, bucket_bytes=run.bucket_bytes, timeout_s=120.0
+        groups, variant["optimizer"], nodes=nodes, rank=rank, world_size=world, job=variant["job"], compression=cc, bucket_bytes=run.bucket_bytes, timeout_s=120.0, **hyper
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(run))
-    rec = CodecRecorder(opt.worker, names, MEASURE_FROM)
-    evals, train = [], []
-    if rank == 0:
-        evals.append((0, task.eval_loss(model)))
-    mark = (0, 0)
-    t0 = time.perf_counter()
     try:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(run))
+        rec = CodecRecorder(opt.worker, names, MEASURE_FROM)
+        evals, train = [], []
+        if rank == 0:
+            evals.append((0, task.eval_loss(model)))
+        mark = (0, 0)
+        t0 = time.perf_counter()
         for step in range(run.steps):
-            if step == MEASURE_FROM:
+            if step == MEASURE_FROM:  # every reply of the steps before has arrived: the counters are exact
                 mark = (opt.client.bytes_sent, opt.client.bytes_received)
             batch = task.batch(step, rank, world)
             opt.zero_grad(set_to_none=True)
@@ -322,16 +338,12 @@ def train_worker(spec: dict) -> dict:
                 evals.append((done, task.eval_loss(model)))
         wall = time.perf_counter() - t0
         measured = max(0, run.steps - MEASURE_FROM)
-        numel = sum(b.numel for b in opt.layout.buckets)
         return {
             "rank": rank,
             "evals": evals,
             "train": train,
             "wall_s": wall,
-            "numel": numel,
-            "bytes_sent": opt.client.bytes_sent,
-            "bytes_received": opt.client.bytes_received,
-            "measured_steps": measured,
+            "numel": sum(b.numel for b in opt.layout.buckets),
             "push_bytes_per_step": (opt.client.bytes_sent - mark[0]) / measured if measured else None,
             "pull_bytes_per_step": (opt.client.bytes_received - mark[1]) / measured if measured else None,
             "codec_raw_bytes": rec.raw_bytes,
@@ -360,45 +372,88 @@ def reference(run: TaskRun) -> list[tuple[int, float]]:
     return evals
 
 
-def run_variant(run: TaskRun, variant: Variant, *, timeout_s: float = 900.0, workdir: str | Path | None = None) -> dict:
-    """Train ``run`` with ``variant`` on a fresh 2-node local cluster and 2 worker processes."""
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.rename(path)
+
+
+def worker_main(spec_path: str) -> int:
+    """A worker process: trains the spec's variants one after the other, each on the cluster the parent
+    announces in ``nodes<i>.json``, and leaves ``result<i>.rank<r>.json`` (imports are paid once)."""
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    run, folder = TaskRun(**spec["run"]), Path(spec["dir"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    deadline = time.monotonic() + spec["timeout_s"]
+    for i, variant in enumerate(spec["variants"]):
+        nodes_file = folder / f"nodes{i}.json"
+        while not nodes_file.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {rank}: no cluster announced for variant {variant['name']!r} in {nodes_file}")
+            time.sleep(0.05)
+        result = train_variant(run, variant, json.loads(nodes_file.read_text()), rank, world)
+        _write_atomic(folder / f"result{i}.rank{rank}.json", json.dumps(result))
+    return 0
+
+
+def _serve_variant(run: TaskRun, i: int, variant: Variant, job: str, folder: Path, procs: list, deadline: float, stop) -> dict:
+    """Start variant ``i``'s cluster, announce it to the workers, wait for their results, stop it."""
     import luwu
 
-    job = f"conv-{run.task}-{''.join(c if c.isalnum() else '-' for c in variant.name)}"
-    with tempfile.TemporaryDirectory(dir=workdir) as tmp, luwu.local_cluster(NUM_NODES, job=job) as cluster:
-        spec_path = Path(tmp) / "spec.json"
-        spec = {"run": asdict(run), "compression": variant.compression, "nodes": cluster.addresses, "job": job, "out": str(Path(tmp) / "result")}
+    with luwu.local_cluster(NUM_NODES, job=job) as cluster:
+        _write_atomic(folder / f"nodes{i}.json", json.dumps(cluster.addresses))
+        paths = [folder / f"result{i}.rank{r}.json" for r in range(WORLD_SIZE)]
+        while not all(p.exists() for p in paths):
+            if stop.is_set():
+                raise RuntimeError(f"{run.task} / {variant.name}: stopped (another variant failed)")
+            for r, p in enumerate(procs):
+                if p.poll() is not None and not paths[r].exists():
+                    log = (folder / f"worker{r}.log").read_text()[-4000:]
+                    raise RuntimeError(f"{run.task} / {variant.name}: worker {r} exited with {p.returncode}:\n{log}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{run.task} / {variant.name}: no result within the deadline (ranks missing: {[r for r, p in enumerate(paths) if not p.exists()]})")
+            time.sleep(0.1)
+        ranks = [json.loads(p.read_text()) for p in paths]
+    return summarize(run, variant, ranks)
+
+
+def run_variants(run: TaskRun, variants: list[Variant], *, parallel: int = 1, timeout_s: float = 3600.0) -> list[dict]:
+    """Train ``run`` once per variant: 2 worker processes (started once, variants in order), a fresh 2-node
+    local cluster per variant, up to ``parallel`` clusters up at a time (the next one starts while the
+    workers train). Returns one summary row per variant, compared with the ``uncompressed`` one."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    deadline = time.monotonic() + timeout_s
+    jobs = [f"conv-{run.task}-{i}-{''.join(c if c.isalnum() else '-' for c in v.name)}" for i, v in enumerate(variants)]
+    with tempfile.TemporaryDirectory(prefix="luwu-convergence-") as tmp:
+        folder = Path(tmp)
+        spec = {"run": asdict(run), "dir": tmp, "timeout_s": timeout_s, "variants": [{"name": v.name, "compression": v.compression, "optimizer": v.optimizer, "hyper": v.hyper, "job": j} for v, j in zip(variants, jobs)]}
+        spec_path = folder / "spec.json"
         spec_path.write_text(json.dumps(spec))
         procs = []
-        for r in range(WORLD_SIZE):
-            env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(r), PYTHONUNBUFFERED="1")
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + timeout_s
-        outs = []
+        stop = threading.Event()
         try:
-            for p in procs:
-                out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-                outs.append(out)
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"{run.task} / {variant.name}: workers did not finish within {timeout_s:.0f} s") from None
+            for r in range(WORLD_SIZE):
+                env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(r), PYTHONUNBUFFERED="1")
+                with open(folder / f"worker{r}.log", "w") as out:
+                    procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path)], env=env, stdout=out, stderr=subprocess.STDOUT))
+            with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+                futures = [pool.submit(_serve_variant, run, i, v, jobs[i], folder, procs, deadline, stop) for i, v in enumerate(variants)]
+                try:
+                    rows = [f.result() for f in futures]
+                except BaseException:
+                    stop.set()
+                    raise
+            for r, p in enumerate(procs):
+                if p.wait(max(1.0, deadline - time.monotonic())) != 0:
+                    raise RuntimeError(f"worker {r} exited with {p.returncode}:\n{(folder / f'worker{r}.log').read_text()[-4000:]}")
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
                     p.wait(5)
-        for r, (p, out) in enumerate(zip(procs, outs)):
-            if p.returncode != 0:
-                raise RuntimeError(f"{run.task} / {variant.name}: worker {r} exited with {p.returncode}:\n{out[-4000:]}")
-        ranks = [json.loads(Path(f"{spec['out']}.rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
-    return summarize(run, variant, ranks)
-
-
-def run_variants(run: TaskRun, variants: list[Variant], *, parallel: int = 1, timeout_s: float = 900.0) -> list[dict]:
-    """:func:`run_variant` for each variant, ``parallel`` at a time (each on its own cluster), rows compared."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        rows = list(pool.map(lambda v: run_variant(run, v, timeout_s=timeout_s), variants))
     compare(rows)
     return rows
 
@@ -414,6 +469,9 @@ def summarize(run: TaskRun, variant: Variant, ranks: list[dict]) -> dict:
         "task": run.task,
         "variant": variant.name,
         "compression": variant.compression,
+        "optimizer": variant.optimizer,
+        "hyper": variant.hyper or {"lr": run.lr},
+        "baseline": variant.baseline,
         "target": variant.target,
         "evals": r0["evals"],
         "final_eval_loss": r0["evals"][-1][1],
@@ -430,10 +488,10 @@ def summarize(run: TaskRun, variant: Variant, ranks: list[dict]) -> dict:
 
 
 def compare(rows: list[dict]) -> None:
-    """Fill in each row's relative difference against its task's uncompressed run, and the verdict."""
-    base = {r["task"]: r["final_eval_loss"] for r in rows if r["variant"] == "uncompressed"}
+    """Fill in each row's relative difference against its baseline (same task), and the verdict."""
+    base = {(r["task"], r["variant"]): r["final_eval_loss"] for r in rows}
     for r in rows:
-        b = base.get(r["task"])
+        b = base.get((r["task"], r.get("baseline", "uncompressed")))
         r["rel_diff"] = r["final_eval_loss"] / b - 1.0 if b else None
         r["ok"] = None if r["target"] is None or r["rel_diff"] is None else abs(r["rel_diff"]) <= r["target"]
 
@@ -451,15 +509,15 @@ def fmt(v, spec: str = ".4g") -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| task | variant | final eval loss | vs uncompressed | target | within | compressed share | push x | pull x | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| task | variant | final eval loss | vs baseline | target | within | compressed share | push x | pull x |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rel = None if r.get("rel_diff") is None else f"{r['rel_diff']:+.2%}"
         tgt = None if r["target"] is None else f"{r['target']:.0%}"
         lines.append(
             f"| {r['task']} | {r['variant']} | {r['final_eval_loss']:.4f} | {fmt(rel, 's')} | {fmt(tgt, 's')} | {fmt(r.get('ok'))} "
-            f"| {r['compressed_share']:.0%} | {fmt(r['push_ratio'], '.2f')} | {fmt(r['pull_ratio'], '.2f')} | {r['wall_s']:.0f} |"
+            f"| {r['compressed_share']:.0%} | {fmt(r['push_ratio'], '.2f')} | {fmt(r['pull_ratio'], '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -475,13 +533,16 @@ def plot(rows: list[dict], path: Path) -> None:
     colors = {"uncompressed": "black", "hybrid": "tab:blue", "int8": "tab:green", "int4": "tab:orange", "topk1%": "tab:red"}
     for col, task in enumerate(tasks):
         mine = [r for r in rows if r["task"] == task]
-        base = {s: v for s, v in next((r["evals"] for r in mine if r["variant"] == "uncompressed"), [])}
+        evals = {r["variant"]: dict(r["evals"]) for r in mine}
         top, bottom = axes[0][col], axes[1][col]
         for r in mine:
-            key = r["variant"].replace("+EF", "").replace(" noEF", "")
-            style = dict(color=colors.get(key, "gray"), linestyle="--" if "noEF" in r["variant"] else "-", linewidth=1.8 if r["variant"] == "uncompressed" else 1.2)
+            sgd = r.get("optimizer", "adamw") == "sgd"
+            key = r["variant"].replace(" SGD", "").replace("+EF", "").replace(" noEF", "")
+            color = ("dimgray" if key == "uncompressed" else "tab:purple") if sgd else colors.get(key, "gray")
+            style = dict(color=color, linestyle="--" if "noEF" in r["variant"] else ":" if sgd else "-", linewidth=1.8 if key == "uncompressed" else 1.2)
             steps, losses = zip(*r["evals"])
             top.plot(steps, losses, label=r["variant"], **style)
+            base = evals.get(r.get("baseline", "uncompressed"), {})
             rel = [(s, 100.0 * (v / base[s] - 1.0)) for s, v in r["evals"] if base.get(s)]
             if rel:
                 bottom.plot(*zip(*rel), **style)
@@ -493,66 +554,33 @@ def plot(rows: list[dict], path: Path) -> None:
         bottom.axhline(0.0, color="black", linewidth=0.8)
         for t, c in ((2, "tab:green"), (5, "tab:red")):
             bottom.axhline(t, color=c, linewidth=0.6, linestyle=":")
-        bottom.set_ylim(-10, 40)
-        bottom.set_title("eval loss vs uncompressed (%, clipped to -10..40)")
+        bottom.set_yscale("symlog", linthresh=5.0, linscale=3.0)
+        bottom.set_ylim(-3, 200)
+        ticks = [-2, 0, 2, 5, 10, 20, 50, 100]
+        bottom.set_yticks(ticks, [f"{t:+d}" if t else "0" for t in ticks])
+        bottom.set_title("eval loss vs its uncompressed baseline")
         bottom.set_xlabel("step")
-        bottom.set_ylabel("relative difference, %")
+        bottom.set_ylabel("relative difference, % (log beyond +-5)")
         bottom.grid(alpha=0.3)
-    fig.suptitle(f"LuWu compression convergence: {WORLD_SIZE} workers x {NUM_NODES} nodes, AdamW, bf16 pull; dashed = no error feedback")
+    fig.suptitle(f"LuWu compression convergence: {WORLD_SIZE} workers x {NUM_NODES} nodes, AdamW (dotted: SGD momentum), bf16 pull; dashed = no error feedback")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a few steps per task: smoke run (writes convergence.quick.*)")
-    ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {sorted(TASKS)}")
-    ap.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated variant names")
-    ap.add_argument("--steps", type=int, default=None, help="override the steps of every task")
-    ap.add_argument("--no-reference", action="store_true", help="skip the torch.optim.AdamW single-process reference")
-    ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.worker:
-        spec = json.loads(Path(args.worker).read_text())
-        result = train_worker(spec)
-        Path(f"{spec['out']}.rank{result['rank']}.json").write_text(json.dumps(result))
-        return 0
-    torch.set_num_threads(1)
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [n for n in names if n not in VARIANT_BY_NAME]
-    if unknown:
-        ap.error(f"unknown variants {unknown}; known: {list(VARIANT_BY_NAME)}")
-    if "uncompressed" not in names:
-        names.insert(0, "uncompressed")
-    plans = QUICK if args.quick else STUDY
-    rows, refs = [], {}
-    for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
-        if task not in plans:
-            ap.error(f"unknown task {task!r}; known: {sorted(plans)}")
-        run = plans[task]
-        if args.steps:
-            run = TaskRun(**(asdict(run) | {"steps": args.steps}))
-        title = TASKS[task](**run.task_args).title
-        for name in names:
-            t0 = time.perf_counter()
-            row = run_variant(run, VARIANT_BY_NAME[name])
-            row["title"] = title
-            rows.append(row)
-            print(f"{task:7s} {name:14s} final eval loss {row['final_eval_loss']:.4f}  compressed {row['compressed_share']:.0%}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-        if not args.no_reference:
-            evals = reference(run)
-            refs[task] = {"evals": evals, "final_eval_loss": evals[-1][1]}
-            print(f"{task:7s} torch AdamW    final eval loss {evals[-1][1]:.4f}", flush=True)
-    compare(rows)
-    plan_txt = ", ".join(f"{t}: {plans[t].steps if not args.steps else args.steps} steps, lr {plans[t].lr}, bucket {plans[t].bucket_bytes // 1024} KiB" for t in dict.fromkeys(r["task"] for r in rows))
+def report(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) -> str:
+    """The markdown report of a study (``runs``: the TaskRun of each task, as dicts)."""
+    plan_txt = "; ".join(f"{t}: {r['steps']} steps, peak lr {r['lr']}, buckets {r['bucket_bytes'] // 1024} KiB" for t, r in runs.items())
     md = [
-        f"# convergence: {WORLD_SIZE} workers x {NUM_NODES} nodes, AdamW, real data{' (quick)' if args.quick else ''}",
+        f"# convergence: {WORLD_SIZE} workers x {NUM_NODES} nodes, AdamW on the nodes, real data{' (quick)' if quick else ''}",
         "",
-        f"{plan_txt}. Final eval loss vs the uncompressed run. Forced codecs on matrices >= 64K elements "
-        "(others bf16), cost rule at 1 Gbit/s; hybrid = `CompressionConfig()` defaults. Pull direction bf16 in every "
-        "compressed variant (`int8_delta` not used). compressed share = gradient bytes (after the 10 warm-up steps) "
-        "sent with int8/int4/top-k; push x / pull x = fp32 bytes / wire bytes per step after warm-up.",
+        f"{plan_txt}. Final eval loss against the uncompressed run (same seeds, same global batches). "
+        "Forced variants: the codec on matrices of >= 64K elements, bf16 on the rest, the cost rule told 1 Gbit/s "
+        "so it does not veto; hybrid = `CompressionConfig()` defaults. The first 10 steps go fp32 (the default "
+        "warm-up). Pull direction bf16 in every compressed variant (`int8_delta` not used). compressed share = "
+        "fraction of the gradient bytes after warm-up sent with int8 / int4 / top-k; push x / pull x = fp32 bytes / "
+        "wire bytes per worker per step after warm-up. The `SGD` rows run SGD + momentum (lr 0.05, 0.9, no weight decay) on the nodes "
+        "and compare with their own uncompressed SGD run.",
         "",
         table(rows),
     ]
@@ -562,17 +590,87 @@ def main(argv: list[str] | None = None) -> int:
             mine = next((r for r in rows if r["task"] == task and r["variant"] == "uncompressed"), None)
             diff = abs(ref["final_eval_loss"] - mine["final_eval_loss"]) if mine else float("nan")
             md.append(f"- {task}: {ref['final_eval_loss']:.6f} (|difference| {diff:.1e})")
-    text = "\n".join(md) + "\n"
-    print(text)
-    stem = "convergence.quick" if args.quick else "convergence"
-    RESULTS.mkdir(exist_ok=True)
-    meta = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count()}
-    (RESULTS / f"{stem}.json").write_text(json.dumps({"meta": meta, "plans": {t: asdict(p) for t, p in plans.items()}, "rows": rows, "reference": refs}, indent=1))
-    (RESULTS / f"{stem}.md").write_text(text)
+    return "\n".join(md) + "\n"
+
+
+def save(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) -> None:
+    """Write convergence(.quick).json, .md and .png."""
+    summary = [
+        {"benchmark": f"{r['task']} {r['variant']}", "rel_diff": r["rel_diff"], "target": r["target"], "verdict": "met" if r["ok"] else f"MISSED ({r['rel_diff']:+.1%} vs {r['target']:.0%})"}
+        for r in rows
+        if r["target"] is not None
+    ]
+    result = {"quick": quick, "machine": machine_info(), "plans": runs, "summary": summary, "rows": rows, "reference": refs}
+    path = write_results("convergence", result, report(rows, refs, runs, quick=quick), quick=quick)
     try:
-        plot(rows, RESULTS / f"{stem}.png")
+        plot(rows, path.with_suffix(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
+
+
+def variants_for(task: str, names: list[str]) -> list[Variant]:
+    """The named variants that apply to ``task``, with the baselines they are compared with, in study order."""
+    want = {n for n in names if VARIANT_BY_NAME[n].tasks is None or task in VARIANT_BY_NAME[n].tasks}
+    want |= {VARIANT_BY_NAME[n].baseline for n in want}
+    return [v for v in VARIANTS if v.name in want]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few steps per task: smoke run (writes convergence.quick.*)")
+    ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {sorted(TASKS)}")
+    ap.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated variant names (their baselines run too)")
+    ap.add_argument("--steps", type=int, default=None, help="override the steps of every task")
+    ap.add_argument("--no-reference", action="store_true", help="skip the torch.optim.AdamW single-process reference")
+    ap.add_argument("--merge", action="store_true", help="keep the saved rows of variants and tasks not run now")
+    ap.add_argument("--replot", action="store_true", help="only rewrite the table and plot from the saved JSON")
+    ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker)
+    saved_path = RESULTS / f"convergence{'.quick' if args.quick else ''}.json"
+    if args.replot:
+        saved = json.loads(saved_path.read_text())
+        compare(saved["rows"])
+        save(saved["rows"], saved["reference"], saved["plans"], quick=args.quick)
+        return 0
+    torch.set_num_threads(1)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [n for n in names if n not in VARIANT_BY_NAME]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {list(VARIANT_BY_NAME)}")
+    plans = QUICK if args.quick else STUDY
+    rows, refs, runs = [], {}, {}
+    for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
+        if task not in plans:
+            ap.error(f"unknown task {task!r}; known: {sorted(plans)}")
+        run = plans[task]
+        if args.steps:
+            run = TaskRun(**(asdict(run) | {"steps": args.steps}))
+        runs[task] = asdict(run)
+        title = TASKS[task](**run.task_args).title
+        t0 = time.perf_counter()
+        mine = run_variants(run, variants_for(task, names), parallel=2)
+        for row in mine:
+            row["title"] = title
+            print(f"{task:7s} {row['variant']:18s} final eval loss {row['final_eval_loss']:.4f} ({fmt(row['rel_diff'], '+.2%')})  compressed {row['compressed_share']:.0%}  train {row['wall_s']:.0f} s", flush=True)
+        print(f"{task}: {len(mine)} variants in {time.perf_counter() - t0:.0f} s", flush=True)
+        rows += mine
+        if not args.no_reference:
+            evals = reference(run)
+            refs[task] = {"evals": evals, "final_eval_loss": evals[-1][1]}
+            print(f"{task:7s} torch AdamW        final eval loss {evals[-1][1]:.4f}", flush=True)
+    if args.merge and saved_path.exists():
+        saved = json.loads(saved_path.read_text())
+        done = {(r["task"], r["variant"]) for r in rows}
+        rows += [r for r in saved["rows"] if (r["task"], r["variant"]) not in done]
+        refs = saved["reference"] | refs
+        runs = saved["plans"] | runs
+        order = {v.name: i for i, v in enumerate(VARIANTS)}
+        tasks = list(dict.fromkeys([*runs, *(r["task"] for r in rows)]))
+        rows.sort(key=lambda r: (tasks.index(r["task"]), order.get(r["variant"], len(order))))
+        compare(rows)
+    save(rows, refs, runs, quick=args.quick)
     return 0
 
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n=== {path.name} {'--quick' if args.quick else ''}", flush=True)
             t0 = time.monotonic()
             try:
-                rc = subprocess.run(cmd, cwd=HERE.parent, timeout=args.timeout_min * 60).returncode
+                rc = subprocess.run(cmd, check=False, cwd=HERE.parent, timeout=args.timeout_min * 60).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
             wall = time.monotonic() - t0
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     if targets:
-        md += ["## Targets", "", md_table(targets, ["script", "benchmark", "ratio", "target", "verdict"]), ""]
+        md += ["## Targets", "", md_table(targets, ["script", "benchmark", "ratio", "ratio_cpu", "target", "verdict"]), ""]
     write_results("run_all", {"quick": args.quick, "machine": machine_info(), "load": load.info(), "scripts": rows, "targets": targets}, "\n".join(md), quick=args.quick)
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 

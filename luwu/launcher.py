@@ -34,7 +34,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from luwu.protocol.errors import ConfigError, LuwuError
@@ -185,7 +185,6 @@ class _Daemon:
     log_offset: int = 0
     partial: bytes = b""
     last_exit: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 class Supervisor:
@@ -483,7 +482,12 @@ def cmd_up(args, rest: list[str]) -> int:
     with open(run_dir / "supervisor.log", "ab") as fh:
         launcher = subprocess.Popen([sys.executable, "-m", "luwu.launcher", "_supervise", str(run_dir)], stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=plan.cwd, start_new_session=True)
     launcher.wait(30)  # the intermediate exits at once; the supervisor lives on, detached
-    state, problem = _wait_ready(run_dir, len(plan.nodes), args.timeout, err)
+    try:
+        state, problem = _wait_ready(run_dir, len(plan.nodes), args.timeout, err)
+    except KeyboardInterrupt:
+        err.print("luwu up: interrupted: stopping what was started", highlight=False)
+        stop_run_dir(run_dir, timeout_s=args.stop_timeout, console=err)
+        raise
     if problem:
         head, _, body = problem.partition("\n")
         err.print(f"luwu up: {head}", style="bold red", markup=False, highlight=False, soft_wrap=True)

@@ -22,7 +22,6 @@ import zmq
 
 from rich.markup import escape
 
-from luwu.protocol import messages
 from luwu.protocol.errors import ConfigError, NodeTimeoutError, ProtocolError, error_for_code
 
 log = logging.getLogger(__name__)
@@ -45,10 +44,14 @@ class NodeStatus:
 
 
 def _stats_request(job: str) -> list:
+    from luwu.protocol import messages  # imported here: it brings in torch, which `luwu --help` does not need
+
     return messages.encode({"op": messages.Op.STATS, "job": job, "step": 0, "worker": 0})
 
 
 def _parse_reply(address: str, frames: list) -> dict:
+    from luwu.protocol import messages
+
     msg = messages.decode(frames)
     if msg.op == messages.Op.ERROR:
         raise error_for_code(msg.header["code"], msg.header["message"], node=address)
@@ -154,7 +157,7 @@ def checkpoint_text(detail: dict) -> str:
         return "-"
     step = detail["checkpoint_step"]
     if step is None or step < 0:
-        return "none yet"
+        return "none"
     age = detail.get("checkpoint_age_s")
     return f"step {step}" + (f", {human_seconds(age)} ago" if isinstance(age, (int, float)) else "")
 

@@ -649,6 +649,13 @@ class NodeServer:
         self._rollbacks_done.add((step, boot))
         self._send(ident, wire.encode({"op": Op.ROLLBACK, "job": self.job, "step": self.step, "worker": h["worker"]}))
 
+    async def _complete_ready(self) -> None:
+        """After the membership shrank: every open step that now has all its (remaining) workers goes on."""
+        for b in list(self.buckets.values()):
+            acc = b.accs.get(b.version)
+            if acc is not None and acc.workers and acc.workers >= self.members and not acc.norm_sent:
+                await self._complete(b, b.version, acc)
+
     async def _watchdog(self) -> None:
         """Missing workers: strict mode fails the step naming them; elastic mode drops them and goes on."""
         while True:
@@ -665,8 +672,11 @@ class NodeServer:
                         self.members -= missing
                         self.metrics.dropped_workers.inc(len(missing))
                         log.warning("node %s: dropped workers %s from step %d (elastic)", self.index, sorted(missing), step)
-                        if step == b.version:
-                            await self._complete(b, step, acc)
+                        text = f"dropped from step {step} after {self.cfg.worker_timeout_s:.0f} s without a push (elastic mode): call optimizer.recover() to rejoin"
+                        for w in missing:  # a stalled worker learns it when it wakes up
+                            if w in self.peers:
+                                self._send(self.peers[w], wire.error_message(self.job, WorkerLostError.code, f"worker {w} {text}", step=step, worker=w, bucket=b.id))
+                        await self._complete_ready()
                     elif (step, b.id) not in self._lost_reported:
                         self._lost_reported.add((step, b.id))
                         text = f"workers {sorted(missing)} sent nothing for step {step}, bucket {b.id} within {self.cfg.worker_timeout_s:.0f} s (strict mode)"

@@ -1,7 +1,8 @@
 """Compressed training stays on the uncompressed loss curve (real data, 2 workers x 2 nodes, real processes).
 
-The short test trains the digits MLP for a few dozen steps with each variant
-on its own local cluster (all at once, to stay well under a minute) and checks
+The short test trains the digits MLP for 40 steps per variant: two worker
+processes run the variants one after the other, each against its own 2-node
+cluster (all clusters started at once, to stay well under a minute). It checks
 that the large matrix really travelled as int8 and that the eval loss did not
 move, while top-k without error feedback, trained the same way, does miss the
 bound. The long study of benchmarks/convergence.py is marked slow.
@@ -34,7 +35,7 @@ conv = _load_study()
 #: lands ~0.1% away; top-k 1% without it ends tens of percent higher.
 BOUND = 0.02
 
-SHORT = conv.TaskRun(task="digits", steps=40, lr=1e-3, eval_every=10, task_args={"hidden": 256})
+SHORT = conv.TaskRun(task="digits", steps=40, lr=5e-3, lr_warmup=5, eval_every=10, task_args={"hidden": 256})
 
 
 @pytest.mark.timeout(170)
@@ -62,8 +63,9 @@ def test_full_study_meets_the_targets():
     """The study of benchmarks/convergence.py (both tasks, all variants): the issue's targets hold."""
     failed = []
     for task, run in conv.STUDY.items():
-        for r in conv.run_variants(run, conv.VARIANTS):
-            assert r["compressed_share"] > 0.8 or r["variant"] in ("uncompressed", "hybrid"), (task, r["variant"], r["codec_share"])
+        for r in conv.run_variants(run, conv.variants_for(task, list(conv.VARIANT_BY_NAME)), parallel=2):
+            if r["compression"].get("enabled", True):  # the large matrices really went int8 / int4 / top-k
+                assert r["compressed_share"] > 0.8, (task, r["variant"], r["codec_share"])
             if r["ok"] is False:
                 failed.append(f"{task} / {r['variant']}: {r['rel_diff']:+.2%} (target {r['target']:.0%})")
     assert not failed, failed

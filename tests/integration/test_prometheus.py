@@ -163,6 +163,18 @@ def test_prometheus_scrapes_nodes_and_workers(tmp_path):
             assert sorted(got["luwu_prefetch_batches_consumed_total"].values()) == [30.0, 30.0]
             up = query(base, "up")
             assert sorted((r["metric"]["job"], r["value"][1]) for r in up) == [("luwu-nodes", "1")] * 2 + [("luwu-workers", "1")] * 2
+
+            # Every query of the Grafana dashboard parses and runs on a real server.
+            dashboard = json.loads((ROOT / "deploy" / "grafana" / "luwu-dashboard.json").read_text())
+            exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+            assert len(exprs) > 20
+            for expr in exprs:
+                try:
+                    query(base, expr.replace("$__rate_interval", "1m"))
+                except urllib.error.HTTPError as exc:  # 400: the query does not parse
+                    raise AssertionError(f"dashboard query {expr!r}: {exc.read().decode()}") from None
+            step = query(base, "min(luwu_node_step)")
+            assert step and float(step[0]["value"][1]) == 30.0  # the dashboard's first stat: both nodes at step 30
     finally:
         stop(prom)
         for w in workers:

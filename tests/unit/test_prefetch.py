@@ -227,8 +227,7 @@ def test_dropping_the_iterator_stops_the_threads():
     it = iter(pf)
     next(it)
     assert wait_until(lambda: len(prefetch_threads()) == 1)
-    del it
-    gc.collect()
+    del it  # the last reference: collected at once, which closes the pass
     assert not prefetch_threads()
     assert source.finished == 1
 

@@ -190,7 +190,7 @@ def main(path: str) -> None:
             opt.synchronize()
             evals.append(eval_loss(spec, model))
 
-    step = 0
+    step = opt.worker.step_num  # a worker joining a running job starts at the cluster's step
     recoveries = 0
     while step < spec["steps"]:
         try:

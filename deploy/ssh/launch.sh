@@ -1,0 +1,194 @@
+#!/usr/bin/env bash
+# Start, stop or check LuWu node daemons on the hosts of a hosts file, over ssh.
+#
+#   deploy/ssh/launch.sh start  HOSTS_FILE [BASE_CLUSTER_FILE]   write the cluster file, copy it to every host,
+#                                                                start one node per line, wait until all answer
+#   deploy/ssh/launch.sh status HOSTS_FILE                       luwu status on the cluster file
+#   deploy/ssh/launch.sh stop   HOSTS_FILE                       SIGTERM every node (it checkpoints), SIGKILL after
+#                                                                LUWU_STOP_TIMEOUT seconds
+#
+# HOSTS_FILE: one node per line, "SSH_TARGET PORT [METRICS_PORT]" (see hosts.example); the node index is
+# the line's position. SSH_TARGET is [user@]address: the address (what follows @) is what the node binds
+# and what workers connect to, so it must be an address of that host that the workers can reach.
+# The cluster file (the base file's settings + [cluster] nodes from the hosts file) is written to
+# $LUWU_RUN_DIR/cluster.toml here and copied to $LUWU_REMOTE_DIR/cluster.toml on every host; give the
+# same file to the workers (RemoteOptimizer(nodes=load_config(FILE).cluster.nodes), train_example.py).
+#
+# Environment: LUWU_SSH (default "ssh -o BatchMode=yes"), LUWU_SCP (default "scp -q -o BatchMode=yes"),
+# LUWU_PYTHON (here, default python3), LUWU_REMOTE_PYTHON (on the hosts, default python3),
+# LUWU_RUN_DIR (here, default .luwu-run/ssh), LUWU_REMOTE_DIR (on the hosts, default .luwu-run/ssh,
+# relative to the remote home), LUWU_START_TIMEOUT (default 120), LUWU_STOP_TIMEOUT (default 60).
+# Nodes on non-loopback addresses should use CURVE keys (see deploy/README.md).
+set -euo pipefail
+
+read -r -a ssh_cmd <<<"${LUWU_SSH:-ssh -o BatchMode=yes}"
+read -r -a scp_cmd <<<"${LUWU_SCP:-scp -q -o BatchMode=yes}"
+py=${LUWU_PYTHON:-python3}
+remote_py=${LUWU_REMOTE_PYTHON:-python3}
+run_dir=${LUWU_RUN_DIR:-.luwu-run/ssh}
+remote_dir=${LUWU_REMOTE_DIR:-.luwu-run/ssh}
+start_timeout=${LUWU_START_TIMEOUT:-120}
+stop_timeout=${LUWU_STOP_TIMEOUT:-60}
+
+usage() {
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
+  exit "${1:-0}"
+}
+
+die() {
+  echo "launch.sh: $*" >&2
+  exit 1
+}
+
+targets=()
+addrs=()
+ports=()
+mports=()
+read_hosts() {
+  local file=$1 target port mport rest n=0
+  [ -f "$file" ] || die "no hosts file '$file'"
+  while read -r target port mport rest || [ -n "${target:-}" ]; do
+    n=$((n + 1))
+    case "$target" in '' | '#'*) continue ;; esac
+    case "${rest:-}" in '' | '#'*) ;; *) die "$file:$n: expected 'SSH_TARGET PORT [METRICS_PORT]', got extra '$rest'" ;; esac
+    if ! [[ ${port:-} =~ ^[0-9]+$ ]] || [ "$port" -lt 1 ] || [ "$port" -gt 65535 ]; then
+      die "$file:$n: port must be 1..65535, got '${port:-}'"
+    fi
+    case "${mport:-}" in '' | '#'*) mport=-1 ;; esac
+    [[ $mport =~ ^-?[0-9]+$ ]] || die "$file:$n: metrics port must be a number (or omitted), got '$mport'"
+    targets+=("$target")
+    addrs+=("${target##*@}")
+    ports+=("$port")
+    mports+=("$mport")
+  done <"$file"
+  [ ${#targets[@]} -gt 0 ] || die "$file lists no hosts"
+}
+
+# Run a command line on a host; arguments are quoted here, so the remote shell sees them as given.
+remote() {
+  local target=$1 line
+  shift
+  printf -v line '%q ' "$@"
+  "${ssh_cmd[@]}" "$target" "$line"
+}
+
+# Run a POSIX sh script (fed on stdin, so its newlines survive any login shell) with arguments.
+remote_sh() {
+  local target=$1 script=$2 line
+  shift 2
+  printf -v line '%q ' "$@"
+  "${ssh_cmd[@]}" "$target" "sh -s -- $line" <<<"$script"
+}
+
+node_list() {
+  local i out=""
+  for i in "${!targets[@]}"; do
+    out+="${out:+,}tcp://${addrs[$i]}:${ports[$i]}"
+  done
+  printf '%s' "$out"
+}
+
+write_cluster_file() {
+  local base=${1:-}
+  mkdir -p "$run_dir"
+  "$py" - "$run_dir/cluster.toml" "$(node_list)" "$base" <<'PY'
+import sys
+from luwu.config import load_config
+from luwu.launcher import cluster_file_text
+
+out, nodes, base = sys.argv[1], sys.argv[2], sys.argv[3] or None
+cfg = load_config(base, argv=[f"--cluster.nodes={nodes}"])  # validates the base file and the addresses
+text = cluster_file_text(cfg, nodes.split(","), header=f"Written by deploy/ssh/launch.sh from {base or 'defaults'} and the hosts file.")
+with open(out, "w") as fh:
+    fh.write(text)
+print(f"cluster file {out}: job {cfg.cluster.job!r}, {len(cfg.cluster.nodes)} nodes")
+PY
+}
+
+start_node() {
+  local i=$1 target=${targets[$1]} dir=$remote_dir
+  remote "$target" mkdir -p "$dir"
+  "${scp_cmd[@]}" "$run_dir/cluster.toml" "$target:$dir/cluster.toml"
+  # shellcheck disable=SC2016 # expanded by the remote shell
+  remote_sh "$target" '
+    cd "$1" || exit 1
+    if [ -f "node-$2.pid" ] && kill -0 "$(cat "node-$2.pid")" 2>/dev/null; then
+      echo "node $2 already running (pid $(cat "node-$2.pid"))"; exit 0
+    fi
+    shift
+    i=$1 py=$2; shift 2
+    nohup setsid "$py" -m luwu -v node --config cluster.toml --node.index "$i" "$@" >"node-$i.log" 2>&1 </dev/null &
+    echo $! >"node-$i.pid"
+    echo "node $i started (pid $!)"
+  ' "$dir" "$i" "$remote_py" --node.bind "tcp://${addrs[$i]}:${ports[$i]}" \
+    --metrics.host "${addrs[$i]}" --metrics.port "${mports[$i]}"
+}
+
+stop_node() {
+  local i=$1 target=${targets[$1]}
+  # shellcheck disable=SC2016 # expanded by the remote shell
+  remote_sh "$target" '
+    cd "$1" 2>/dev/null || { echo "node $2: no run dir"; exit 0; }
+    [ -f "node-$2.pid" ] || { echo "node $2: not running (no pid file)"; exit 0; }
+    pid=$(cat "node-$2.pid")
+    if kill -TERM "$pid" 2>/dev/null; then
+      t=0
+      while kill -0 "$pid" 2>/dev/null && [ "$t" -lt "$(($3 * 10))" ]; do sleep 0.1; t=$((t + 1)); done
+      if kill -0 "$pid" 2>/dev/null; then echo "node $2: SIGKILL after $3 s"; kill -KILL "$pid"; fi
+    fi
+    rm -f "node-$2.pid"
+    echo "node $2 stopped (pid $pid)"
+  ' "$remote_dir" "$i" "$stop_timeout"
+}
+
+# Until every node answers; prints the status table once they do.
+wait_ready() {
+  local deadline=$((SECONDS + start_timeout)) i out
+  until out=$("$py" -m luwu.status status --config "$run_dir/cluster.toml" --timeout 2 2>&1); do
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      echo "launch.sh: not every node answered within ${start_timeout}s (LUWU_START_TIMEOUT); their logs:" >&2
+      for i in "${!targets[@]}"; do
+        echo "--- node $i on ${targets[$i]}:" >&2
+        remote "${targets[$i]}" tail -n 15 "$remote_dir/node-$i.log" >&2 || true
+      done
+      "$py" -m luwu.status status --config "$run_dir/cluster.toml" --timeout 2 >&2 || true
+      return 1
+    fi
+    sleep 1
+  done
+  printf '%s\n' "$out"
+}
+
+cmd=${1:-}
+case "$cmd" in
+  start)
+    [ $# -ge 2 ] || usage 2
+    read_hosts "$2"
+    write_cluster_file "${3:-}"
+    for i in "${!targets[@]}"; do
+      start_node "$i"
+    done
+    wait_ready
+    ;;
+  stop)
+    [ $# -ge 2 ] || usage 2
+    read_hosts "$2"
+    pids=()
+    for i in "${!targets[@]}"; do
+      stop_node "$i" &
+      pids+=("$!")
+    done
+    status=0
+    for pid in "${pids[@]}"; do
+      wait "$pid" || status=1
+    done
+    exit "$status"
+    ;;
+  status)
+    [ $# -ge 2 ] || usage 2
+    [ -f "$run_dir/cluster.toml" ] || die "no $run_dir/cluster.toml: run '$0 start $2' first"
+    exec "$py" -m luwu.status status --config "$run_dir/cluster.toml" "${@:3}"
+    ;;
+  -h | --help | help) usage 0 ;;
+  *) usage 2 ;;
+esac

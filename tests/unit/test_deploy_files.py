@@ -1,0 +1,298 @@
+"""Checks of deploy/ that need none of the systems it targets (no Slurm, Kubernetes, Docker here).
+
+Scripts parse (bash -n) and pass shellcheck; YAML and JSON parse and hang together (selectors match
+labels, the ConfigMap's cluster file loads, node names match the StatefulSet); every metric the
+Grafana dashboard queries exists in the metric factories; the example cluster file loads and
+documents every setting; the systemd unit has what a node needs and passes systemd-analyze.
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from luwu.config import _sections, load_config
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+SCRIPTS = sorted([*DEPLOY.rglob("*.sh"), *DEPLOY.rglob("*.sbatch")])
+YAMLS = sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+JSONS = sorted(DEPLOY.rglob("*.json"))
+
+try:
+    import yaml
+except ImportError:  # PyYAML is a test dependency; without it the YAML checks skip and say so
+    yaml = None
+needs_yaml = pytest.mark.skipif(yaml is None, reason="PyYAML is not installed: pip install pyyaml (it is in luwu-runtime[test])")
+
+
+def test_deploy_tree_is_complete():
+    expected = [
+        "README.md", "cluster.example.toml", "local.sh", "train_example.py", "ssh/launch.sh", "ssh/hosts.example",
+        "slurm/luwu.sbatch", "systemd/luwu-node@.service", "k8s/luwu-nodes.yaml", "k8s/luwu-train-job.yaml",
+        "docker/Dockerfile", "prometheus/prometheus.yml", "grafana/luwu-dashboard.json",
+    ]
+    missing = [p for p in expected if not (DEPLOY / p).is_file()]
+    assert not missing, f"missing from deploy/: {missing}"
+    for script in SCRIPTS:
+        assert script.stat().st_mode & 0o111, f"{script} is not executable"
+        assert script.read_text().startswith("#!"), f"{script} has no #! line"
+
+
+# ----------------------------------------------------------------- shell
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_scripts_parse(script):
+    r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, f"bash -n {script}:\n{r.stderr}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_scripts_pass_shellcheck(script):
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed: apt-get install shellcheck (scripts/setup.sh does it)")
+    r = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"shellcheck {script}:\n{r.stdout}{r.stderr}"
+
+
+def test_scripts_explain_themselves():
+    """`help` prints the usage block of the script; a typo'd command is refused with it (exit 2)."""
+    for script in (DEPLOY / "local.sh", DEPLOY / "ssh" / "launch.sh"):
+        r = subprocess.run([str(script), "help"], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and ("down" in r.stdout or "stop" in r.stdout), (script, r)
+        bad = subprocess.run([str(script), "no-such-command"], capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 2, (script, bad)
+
+
+def test_sbatch_directives_precede_commands():
+    """sbatch stops reading #SBATCH lines at the first command: they must all come before it."""
+    lines = (DEPLOY / "slurm" / "luwu.sbatch").read_text().splitlines()
+    first_cmd = next(i for i, line in enumerate(lines[1:], 1) if line.strip() and not line.startswith("#"))
+    directives = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
+    assert directives and max(directives) < first_cmd
+    text = "\n".join(lines)
+    for needed in ("srun", "torch.distributed.run", "--rdzv-backend=c10d", "scontrol show hostnames", "luwu.status status", "--node.index"):
+        assert needed in text, needed
+
+
+# ----------------------------------------------------------------- YAML / JSON
+
+
+@needs_yaml
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_yaml_parses(path):
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    assert docs, f"{path} is empty"
+
+
+@pytest.mark.parametrize("path", JSONS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_json_parses(path):
+    assert json.loads(path.read_text())
+
+
+@needs_yaml
+def test_prometheus_config_shape():
+    cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert {"luwu-nodes", "luwu-workers"} <= set(jobs)
+    assert "targets.json" in jobs["luwu-nodes"]["file_sd_configs"][0]["files"][0]  # what `luwu up` writes
+
+
+def test_prometheus_config_passes_promtool(tmp_path):
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not installed: apt-get install prometheus (it ships promtool)")
+    r = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _k8s_docs() -> dict[tuple[str, str], dict]:
+    out = {}
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for d in yaml.safe_load_all(path.read_text()):
+            if d:
+                assert {"apiVersion", "kind", "metadata"} <= set(d), f"{path}: {d.get('kind')} lacks apiVersion/kind/metadata"
+                out[(d["kind"], d["metadata"]["name"])] = d
+    return out
+
+
+@needs_yaml
+def test_k8s_manifests_hang_together(tmp_path):
+    docs = _k8s_docs()
+    kinds = {k for k, _ in docs}
+    assert {"ConfigMap", "Service", "StatefulSet", "Job"} <= kinds, kinds
+    sts = next(d for (k, _), d in docs.items() if k == "StatefulSet")
+    svc = docs[("Service", sts["spec"]["serviceName"])]
+    assert svc["spec"]["clusterIP"] == "None", "the StatefulSet's service must be headless (per-pod DNS names)"
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert svc["spec"]["selector"].items() <= labels.items()
+    # The cluster file in the ConfigMap loads, and its nodes are exactly the StatefulSet's pods.
+    cm_name = next(v["configMap"]["name"] for v in sts["spec"]["template"]["spec"]["volumes"] if "configMap" in v)
+    (tmp_path / "cluster.toml").write_text(docs[("ConfigMap", cm_name)]["data"]["cluster.toml"])
+    cfg = load_config(str(tmp_path / "cluster.toml"), env={})
+    name, svc_name, replicas = sts["metadata"]["name"], svc["metadata"]["name"], sts["spec"]["replicas"]
+    assert [re.match(r"tcp://([^.:]+)\.([^.:]+)", a).groups() for a in cfg.cluster.nodes] == [(f"{name}-{i}", svc_name) for i in range(replicas)]
+    node_args = " ".join(sts["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "--node.index" in node_args and "--node.bind" in node_args and "terminationGracePeriodSeconds" in sts["spec"]["template"]["spec"]
+    # Workers: an Indexed Job whose torchrun --nnodes is its completion count, reachable through a headless Service.
+    job = next(d for (k, _), d in docs.items() if k == "Job")
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    worker_args = " ".join(spec["template"]["spec"]["containers"][0]["args"])
+    assert "torch.distributed.run" in worker_args and f"--nnodes={spec['completions']}" in worker_args
+    sub = spec["template"]["spec"]["subdomain"]
+    assert docs[("Service", sub)]["spec"]["clusterIP"] == "None"
+    assert f"--master-addr={job['metadata']['name']}-0.{sub}" in worker_args
+    assert any(v.get("configMap", {}).get("name") == cm_name for v in spec["template"]["spec"]["volumes"])
+
+
+# ----------------------------------------------------------------- Grafana vs the metric factories
+
+
+def exposed_series() -> set[str]:
+    """Every sample name the factories can expose, from fresh registries (counters as _total,
+    histograms as _bucket/_sum/_count, plus _created)."""
+    import torch
+
+    from luwu.gpu_workers.metrics import WorkerMetrics
+    from luwu.gpu_workers.prefetch import Prefetcher
+    from luwu.switch_nodes.metrics import NodeMetrics
+
+    registries = [NodeMetrics(CollectorRegistry()).registry, WorkerMetrics(CollectorRegistry()).registry]
+    reg = CollectorRegistry()
+    Prefetcher([torch.zeros(1)], registry=reg).close()  # the prefetch metrics are made by the Prefetcher
+    registries.append(reg)
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"), "gauge": ("",), "summary": ("", "_sum", "_count", "_created")}
+    out = set()
+    for r in registries:
+        for family in r.collect():
+            out.update(family.name + s for s in suffixes[family.type])
+    return out
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    dash = json.loads((DEPLOY / "grafana" / "luwu-dashboard.json").read_text())
+    out = []
+
+    def walk(panels):
+        for p in panels:
+            walk(p.get("panels", []))
+            for t in p.get("targets", []):
+                out.append((p["title"], t["expr"]))
+
+    walk(dash["panels"])
+    return out
+
+
+def test_dashboard_metrics_exist():
+    exposed = exposed_series()
+    assert any(n.startswith("luwu_prefetch_") for n in exposed)
+    exprs = dashboard_exprs()
+    used = {(name, title) for title, expr in exprs for name in re.findall(r"\bluwu_[a-z0-9_]+", expr)}
+    assert len({n for n, _ in used}) >= 20
+    unknown = sorted({f"{name} (panel {title!r})" for name, title in used if name not in exposed})
+    assert not unknown, f"the dashboard queries metrics no factory makes: {unknown}"
+
+
+def test_dashboard_covers_what_operators_need():
+    dash = json.loads((DEPLOY / "grafana" / "luwu-dashboard.json").read_text())
+    exprs = " ".join(e for _, e in dashboard_exprs())
+    for needed in (
+        "luwu_node_step", "luwu_worker_bytes_pushed_total", "luwu_worker_bytes_pulled_total", "luwu_worker_raw_bytes_pushed_total",
+        "luwu_node_optimizer_step_seconds_bucket", "luwu_node_aggregation_wait_seconds_bucket", "luwu_worker_compute_seconds_sum",
+        "luwu_worker_push_wait_seconds_sum", "luwu_worker_update_wait_seconds_sum", "luwu_worker_data_wait_seconds_sum",
+        "luwu_node_errors_total", "luwu_node_connected_workers", "luwu_node_checkpoint_age_seconds",
+    ):
+        assert needed in exprs, f"dashboard lacks {needed}"
+    assert "histogram_quantile(0.99" in exprs and "histogram_quantile(0.5" in exprs
+    assert "sum by (code)" in exprs
+    ids = []
+
+    def walk(panels):
+        for p in panels:
+            ids.append(p["id"])
+            assert {"h", "w", "x", "y"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24, p["title"]
+            if p["type"] != "row":
+                assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
+            walk(p.get("panels", []))
+
+    walk(dash["panels"])
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    assert any(v["type"] == "datasource" for v in dash["templating"]["list"])
+
+
+# ----------------------------------------------------------------- cluster file, systemd, Docker
+
+
+def test_example_cluster_file_loads_and_documents_every_setting():
+    path = DEPLOY / "cluster.example.toml"
+    cfg = load_config(str(path), env={})
+    assert len(cfg.cluster.nodes) == 2
+    present: dict[str, set[str]] = {}
+    section = None
+    for line in path.read_text().splitlines():
+        m = re.match(r"^\[(\w+)\]", line)
+        if m:
+            section = m.group(1)
+            continue
+        m = re.match(r"^#?\s*(\w+)\s*=", line)
+        if m and section:
+            present.setdefault(section, set()).add(m.group(1))
+    sections = _sections()
+    assert set(present) == set(sections), f"sections: file has {sorted(present)}, the config tree {sorted(sections)}"
+    missing = [f"{s}.{f.name}" for s, cls in sections.items() for f in dataclasses.fields(cls) if f.name not in present[s]]
+    assert not missing, f"deploy/cluster.example.toml does not mention {missing}"
+
+
+def _unit() -> configparser.ConfigParser:
+    cp = configparser.ConfigParser(strict=False, interpolation=None, delimiters=("=",))
+    cp.optionxform = str  # systemd keys are case-sensitive
+    cp.read_string((DEPLOY / "systemd" / "luwu-node@.service").read_text())
+    return cp
+
+
+def test_systemd_unit_keys():
+    u = _unit()
+    assert u["Unit"]["Description"] and "network-online.target" in u["Unit"]["After"]
+    s = u["Service"]
+    assert "-m luwu" in s["ExecStart"] and " node " in s["ExecStart"] and "--node.index %i" in s["ExecStart"]
+    assert "--config" in s["ExecStart"] and s["EnvironmentFile"].lstrip("-").endswith("node-%i.env")
+    assert s["Restart"] == "on-failure" and float(s["RestartSec"]) > 0
+    assert s["KillSignal"] == "SIGTERM"
+    assert int(s["TimeoutStopSec"]) >= 60, "the node writes a checkpoint on SIGTERM: give it time before SIGKILL"
+    assert s["User"] != "root"
+    assert u["Install"]["WantedBy"] == "multi-user.target"
+
+
+def test_systemd_unit_verifies(tmp_path):
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed (Debian package systemd)")
+    unit = tmp_path / "luwu-node@0.service"
+    shutil.copy(DEPLOY / "systemd" / "luwu-node@.service", unit)
+    r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    # The only complaint allowed here: the venv of ExecStart is not installed on this machine.
+    problems = [line for line in (r.stdout + r.stderr).splitlines() if line.strip() and "is not executable" not in line]
+    assert not problems, "\n".join(problems)
+
+
+def test_dockerfile_installs_cpu_torch_first_and_runs_unprivileged():
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert lines[0] == "FROM python:3.11-slim"
+    torch_line = next(i for i, line in enumerate(lines) if "torch==2.13.0" in line)
+    assert "--index-url https://download.pytorch.org/whl/cpu" in lines[torch_line]
+    package_line = next(i for i, line in enumerate(lines) if re.search(r"pip install \.(\s|$)", line))
+    assert torch_line < package_line, "torch must be installed before the package (else pip pulls a CUDA build)"
+    user = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert user and user[-1] not in ("root", "0")
+    # Every source folder the package maps (pyproject package-dir) is copied into the image.
+    for folder in ("luwu", "protocol", "switch_nodes", "gpu_workers"):
+        assert re.search(rf"^COPY {folder} ", text, re.M), folder
