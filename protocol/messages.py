@@ -128,7 +128,10 @@ def decode(frames: Sequence, *, job: str | None = None, max_message_bytes: int =
     if v != VERSION:
         raise ProtocolError(f"protocol version {v!r} not supported (this side speaks {VERSION})")
     try:
-        op = Op(header.get("op"))
+        raw_op = header.get("op")
+        if type(raw_op) is not int:  # a float or bool is not an op
+            raise TypeError
+        op = Op(raw_op)
     except (ValueError, TypeError):
         raise ProtocolError(f"unknown op {header.get('op')!r}") from None
     header["op"] = op

@@ -39,6 +39,8 @@ class NodeConfig:
     """One summary log line every this many steps."""
     rcvhwm: int = 1000
     """ZeroMQ receive high-water mark (messages); senders wait beyond it."""
+    max_shard_bytes: int = 64 * 1024**3
+    """Most bytes of weights + optimizer state this node agrees to hold; a HELLO asking for more is refused."""
     inflight_bytes: int = 2 * 1024 * 1024 * 1024
     """Memory budget for gradient accumulators in flight; pushes beyond it are refused with an error."""
 
@@ -52,7 +54,7 @@ class NodeConfig:
         for name in ("staleness", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"node.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("torch_threads", "log_every", "rcvhwm", "max_message_bytes", "inflight_bytes"):
+        for name in ("torch_threads", "log_every", "rcvhwm", "max_message_bytes", "inflight_bytes", "max_shard_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"node.{name} must be >= 1, got {getattr(self, name)}")
         if not self.worker_timeout_s > 0:

@@ -170,7 +170,7 @@ class NodeServer:
         try:
             import msgpack
 
-            h = msgpack.unpackb(getattr(body[0], "bytes", b""), raw=False) if body else {}
+            h = msgpack.unpackb(getattr(body[0], "bytes", b""), raw=False, strict_map_key=False) if body else {}
             hdr = h if isinstance(h, dict) else {}
         except Exception:
             pass
@@ -205,9 +205,8 @@ class NodeServer:
                 )
                 err.boot = self.boot  # type: ignore[attr-defined]
                 raise err
-            if op != Op.ROLLBACK:
-                raise ProtocolError(f"{op.name} from a peer that did not say HELLO: say HELLO first")
-        if op in (Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE, Op.CHECKPOINT):
+            raise ProtocolError(f"{op.name} from a peer that did not say HELLO: say HELLO first")
+        if op in (Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE, Op.CHECKPOINT, Op.ROLLBACK):
             self._check_worker(ident, h)
         if op == Op.HELLO:
             self._on_hello(ident, h)
@@ -266,6 +265,24 @@ class NodeServer:
         if h["mode"] != self.cfg.mode:
             raise ConfigError(f"worker {h['worker']} runs mode {h['mode']!r}, this node runs {self.cfg.mode!r}")
         specs = [parse_spec(s) for s in h["buckets"]]
+        names = h.get("param_names", {})
+        if not all(type(k) is int and isinstance(v, str) and len(v) < 1024 for k, v in names.items()):
+            raise ProtocolError("param_names must map parameter indices (ints) to names (short strings)")
+        w = h["worker"]
+        bound = self.peers.get(w)
+        if bound is not None and bound != ident and time.monotonic() - self.last_seen.get(w, 0.0) < self.cfg.worker_timeout_s:
+            # a rank is one connection: another peer claiming a live rank is refused (a restarted worker
+            # can take its rank back once the old connection has been silent for worker_timeout_s)
+            raise ProtocolError(f"worker rank {w} is held by a live connection (heard from {time.monotonic() - self.last_seen[w]:.1f} s ago)")
+        new_numel = sum(n for bid, _, n, _ in specs if bid not in self.buckets)
+        held = sum(b.numel for b in self.buckets.values())
+        if (held + new_numel) * 4 * (1 + len(kind.state_names)) > self.cfg.max_shard_bytes:
+            raise ConfigError(f"HELLO of worker {w} would make this node hold {(held + new_numel) * 4 * (1 + len(kind.state_names)) / 2**30:.1f} GiB, over node.max_shard_bytes")
+        if self.layout_hash is not None and h["layout"] != self.layout_hash and bound != ident:
+            raise LayoutMismatchError(
+                f"layout hash mismatch: worker {w} has layout {h['layout']}, the job has {self.layout_hash} (only a connected "
+                "worker can extend the layout with add_param_group)"
+            )
         if self.layout_hash is None:
             self.index, self.world_size, self.kind = h["node_index"], h["world_size"], kind
         else:
@@ -288,7 +305,7 @@ class NodeServer:
                 self.buckets[bid] = BucketState(bid, group, numel, segs, kind)
                 self.buckets[bid].version = h["step"]  # a group added mid-training starts at the job's step
                 self.replies[bid] = ReplyBuffers()
-        self.param_names.update({int(k): str(v) for k, v in h.get("param_names", {}).items()})
+        self.param_names.update(names)
         self.layout_hash = h["layout"]
         self.peers[h["worker"]] = ident
         if not self.members:

@@ -27,12 +27,17 @@ class SegmentSpec:
 
 def parse_spec(spec) -> tuple[int, int, int, list[SegmentSpec]]:
     """Validate a bucket spec from HELLO: [id, group, numel, [[param, param_offset, offset, numel], ...]]."""
-    try:
-        bid, group, numel, segs = spec
-        segments = [SegmentSpec(*map(int, s)) for s in segs]
-    except (TypeError, ValueError):
-        raise ProtocolError(f"malformed bucket spec {spec!r:.200}") from None
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (bid, group, numel)) or numel <= 0 or bid < 0:
+
+    def ints(xs, n) -> bool:
+        return isinstance(xs, list) and len(xs) == n and all(type(x) is int for x in xs)
+
+    if not isinstance(spec, list) or len(spec) != 4 or not ints(spec[:3], 3) or not isinstance(spec[3], list):
+        raise ProtocolError(f"malformed bucket spec {str(spec)[:200]}: expected [id, group, numel, [[param, param_offset, offset, numel], ...]]")
+    bid, group, numel, segs = spec
+    if not all(ints(x, 4) for x in segs):
+        raise ProtocolError(f"bucket {bid}: each segment must be 4 ints [param, param_offset, offset, numel]")
+    segments = [SegmentSpec(*x) for x in segs]
+    if numel <= 0 or bid < 0 or group < 0 or not segments:
         raise ProtocolError(f"bad bucket spec header {spec[:3]!r}")
     off = 0
     for s in segments:
