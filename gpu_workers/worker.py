@@ -88,6 +88,7 @@ class Worker:
         self._lock = threading.Lock()
         self.two_phase = False
         self.push_wait_s = 0.0
+        self.update_wait_s = 0.0
 
     # ----------------------------------------------------------------- start-up
     def connect(self, step: int = 0) -> list[dict]:

@@ -5,6 +5,7 @@ starts node daemons on loopback; ``Prefetcher`` keeps workers fed.
 """
 
 from luwu.cluster import LocalCluster, local_cluster
+from luwu.gpu_workers.prefetch import Prefetcher
 from luwu.optimizer import RemoteOptimizer
 from luwu.protocol.errors import (
     ConfigError,
@@ -21,6 +22,7 @@ from luwu.protocol.errors import (
 
 __all__ = [
     "RemoteOptimizer",
+    "Prefetcher",
     "local_cluster",
     "LocalCluster",
     "LuwuError",

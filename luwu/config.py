@@ -75,16 +75,11 @@ class MetricsConfig:
 
 def _sections() -> dict[str, type]:
     out = {"cluster": ClusterConfig, "optimizer": OptimizerConfig, "transport": TransportConfig, "metrics": MetricsConfig, "node": NodeConfig}
-    try:  # TEMP until the helpers land these
-        from luwu.protocol.policy import CompressionConfig
-        out["compression"] = CompressionConfig
-    except ImportError:
-        pass
-    try:
-        from luwu.gpu_workers.prefetch import PrefetchConfig
-        out["prefetch"] = PrefetchConfig
-    except ImportError:
-        pass
+    from luwu.gpu_workers.prefetch import PrefetchConfig
+    from luwu.protocol.policy import CompressionConfig
+
+    out["compression"] = CompressionConfig
+    out["prefetch"] = PrefetchConfig
     return out
 
 

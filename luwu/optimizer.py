@@ -335,7 +335,36 @@ class RemoteOptimizer(torch.optim.Optimizer):
             state = grad_scaler._per_optimizer_states[id(self)]
             state["found_inf_per_device"] = {torch.device("cpu"): torch.full((), float(skipped))}
         self.last_report = {"step": step, "skipped": skipped, "grad_norm": norm}
+        self._record(skipped)
         return loss
+
+    def _record(self, skipped: bool) -> None:
+        """Per-step metrics: counters from the I/O thread's totals, the step-time breakdown from the waits."""
+        import time
+
+        m, c, w = self.metrics, self.client, self.worker
+        now = time.perf_counter()
+        sent, recv = c.bytes_sent, c.bytes_received
+        prev = getattr(self, "_last_totals", (0, 0, None))
+        m.bytes_pushed.inc(sent - prev[0])
+        m.bytes_pulled.inc(recv - prev[1])
+        raw = sum(b.numel for b in self.layout.buckets) * 4
+        m.raw_pushed.inc(raw)
+        m.raw_pulled.inc(raw)
+        if sent > prev[0]:
+            m.compression_ratio.set(raw / (sent - prev[0]))
+        m.steps.inc()
+        if skipped:
+            m.skipped.inc()
+        m.push_wait.observe(w.push_wait_s)
+        m.update_wait.observe(w.update_wait_s)
+        m.staleness.set(1 if self.delayed_update else 0)
+        if prev[2] is not None:
+            step_s = now - prev[2]
+            m.step_seconds.observe(step_s)
+            m.compute.observe(max(0.0, step_s - w.push_wait_s - w.update_wait_s))
+        w.push_wait_s = w.update_wait_s = 0.0
+        self._last_totals = (sent, recv, now)
 
     def synchronize(self) -> None:
         """Delayed update: wait for the last step's weights (call before eval, checkpoint or exit)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from luwu.protocol.errors import ConfigError
 
@@ -41,6 +41,14 @@ class NodeConfig:
     """ZeroMQ receive high-water mark (messages); senders wait beyond it."""
     max_shard_bytes: int = 64 * 1024**3
     """Most bytes of weights + optimizer state this node agrees to hold; a HELLO asking for more is refused."""
+    curve_public_key: str = ""
+    """Z85 CURVE public key of the node (``luwu keys``); with the secret key, all traffic is encrypted."""
+    curve_secret_key: str = ""
+    """Z85 CURVE secret key of the node."""
+    curve_authorized_keys: list[str] = field(default_factory=list)
+    """Z85 public keys of the workers allowed in; any other client is refused at the handshake."""
+    insecure_public_bind: bool = False
+    """Allow binding a non-loopback address without CURVE keys (trusted networks only)."""
     inflight_bytes: int = 2 * 1024 * 1024 * 1024
     """Memory budget for gradient accumulators in flight; pushes beyond it are refused with an error."""
 
@@ -57,5 +65,12 @@ class NodeConfig:
         for name in ("torch_threads", "log_every", "rcvhwm", "max_message_bytes", "inflight_bytes", "max_shard_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"node.{name} must be >= 1, got {getattr(self, name)}")
+        if bool(self.curve_public_key) != bool(self.curve_secret_key):
+            raise ConfigError("node.curve_public_key and node.curve_secret_key must be given together")
+        if self.curve_secret_key and not self.curve_authorized_keys:
+            raise ConfigError("node.curve_authorized_keys is empty: with CURVE on, list the workers' public keys (luwu keys)")
+        host = self.bind.split("://", 1)[1].rsplit(":", 1)[0] if self.bind.startswith("tcp://") else "127.0.0.1"
+        if host not in ("127.0.0.1", "localhost", "[::1]", "::1") and not host.startswith("127.") and not self.curve_secret_key and not self.insecure_public_bind:
+            raise ConfigError(f"node.bind={self.bind!r} is not loopback: configure CURVE keys (luwu keys) or set node.insecure_public_bind = true on a trusted network")
         if not self.worker_timeout_s > 0:
             raise ConfigError(f"node.worker_timeout_s must be > 0, got {self.worker_timeout_s}")

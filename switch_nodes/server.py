@@ -69,6 +69,18 @@ class ReplyBuffers:
         self._trackers.setdefault((codec_name, parity), []).extend(t for t in trackers if t is not None)
 
 
+class _KeyList:
+    """CURVE credentials provider: only the listed worker public keys get in."""
+
+    def __init__(self, allowed: set[bytes]):
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        import zmq.utils.z85
+
+        return zmq.utils.z85.encode(key) in self.allowed or key in self.allowed
+
+
 class NodeServer:
     def __init__(self, cfg: NodeConfig, *, job: str = "luwu", registry=None):
         self.cfg = cfg
@@ -109,6 +121,16 @@ class NodeServer:
         sock.setsockopt(zmq.SNDHWM, self.cfg.rcvhwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + wire.MAX_HEADER_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if self.cfg.curve_secret_key:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+
+            allowed = {k.encode() for k in self.cfg.curve_authorized_keys}
+            self._auth = AsyncioAuthenticator(ctx)
+            self._auth.start()
+            self._auth.configure_curve_callback(domain="*", credentials_provider=_KeyList(allowed))
+            sock.curve_server = True
+            sock.curve_secretkey = self.cfg.curve_secret_key.encode()
+            sock.curve_publickey = self.cfg.curve_public_key.encode()
         sock.bind(self.cfg.bind)
         self._sock = sock
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
