@@ -697,9 +697,17 @@ class NodeServer:
 
     async def _watchdog(self) -> None:
         """Missing workers: strict mode fails the step naming them; elastic mode drops them and goes on."""
+        last_said = 0.0
         while True:
             await asyncio.sleep(min(1.0, self.cfg.worker_timeout_s / 4))
             now = time.monotonic()
+            if now - last_said >= 5.0 and self.world_size:
+                # start-up without silent hangs: say which ranks this node is still waiting for
+                absent = sorted(set(range(self.world_size)) - set(self.peers))
+                waiting = sorted({w for b in self.buckets.values() for acc in b.accs.values() if now - acc.first_at > 5.0 for w in self.members - acc.workers})
+                if absent or waiting:
+                    last_said = now
+                    log.warning("node %s at %s: waiting for worker ranks %s (not connected: %s)", self.index, self.address, waiting or absent, absent)
             if self.ckpt is not None and self.ckpt.last_time is not None:
                 self.metrics.checkpoint_age.set(time.time() - self.ckpt.last_time)
             for b in list(self.buckets.values()):

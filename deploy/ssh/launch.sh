@@ -120,7 +120,7 @@ start_node() {
     nohup setsid "$py" -m luwu -v node --config cluster.toml --node.index "$i" "$@" >"node-$i.log" 2>&1 </dev/null &
     echo $! >"node-$i.pid"
     echo "node $i started (pid $!)"
-  ' "$dir" "$i" "$remote_py" --node.bind "tcp://${addrs[$i]}:${ports[$i]}" \
+  ' "$dir" "$i" "$remote_py" --node.bind "tcp://${addrs[$i]}:${ports[$i]}" --node.insecure_public_bind true \
     --metrics.host "${addrs[$i]}" --metrics.port "${mports[$i]}"
 }
 
