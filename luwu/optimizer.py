@@ -356,15 +356,23 @@ class RemoteOptimizer(torch.optim.Optimizer):
         m.steps.inc()
         if skipped:
             m.skipped.inc()
+        pf = getattr(self, "_prefetcher", None)
+        data_wait = pf.last_wait_s if pf is not None else 0.0
+        if pf is not None:
+            m.data_wait.observe(data_wait)
         m.push_wait.observe(w.push_wait_s)
         m.update_wait.observe(w.update_wait_s)
         m.staleness.set(1 if self.delayed_update else 0)
         if prev[2] is not None:
             step_s = now - prev[2]
             m.step_seconds.observe(step_s)
-            m.compute.observe(max(0.0, step_s - w.push_wait_s - w.update_wait_s))
+            m.compute.observe(max(0.0, step_s - w.push_wait_s - w.update_wait_s - data_wait))
         w.push_wait_s = w.update_wait_s = 0.0
         self._last_totals = (sent, recv, now)
+
+    def attach_prefetcher(self, prefetcher) -> None:
+        """Report the seconds each step waited for data (``luwu_worker_data_wait_seconds``) from a Prefetcher."""
+        self._prefetcher = prefetcher
 
     def synchronize(self) -> None:
         """Delayed update: wait for the last step's weights (call before eval, checkpoint or exit)."""

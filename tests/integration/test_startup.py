@@ -28,3 +28,26 @@ def test_node_says_which_ranks_it_waits_for():
     finally:
         node.terminate()
         node.wait(20)
+
+
+@pytest.mark.timeout(90)
+def test_worker_metrics_break_down_the_step(cluster1):
+    model = torch.nn.Linear(4, 2)
+    data = [torch.randn(3, 4) for _ in range(5)]
+    pf = luwu.Prefetcher(data, depth=2)
+    opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.1)
+    opt.attach_prefetcher(pf)
+    try:
+        for x in pf:
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        reg = opt.metrics.registry
+        assert reg.get_sample_value("luwu_worker_steps_total") == 5
+        assert reg.get_sample_value("luwu_worker_bytes_pushed_total") >= 5 * 10 * 4
+        assert reg.get_sample_value("luwu_worker_update_wait_seconds_count") == 5
+        assert reg.get_sample_value("luwu_worker_data_wait_seconds_count") == 5
+        assert reg.get_sample_value("luwu_worker_compute_seconds_count") == 4
+    finally:
+        opt.close()
+        pf.close()
