@@ -365,7 +365,7 @@ class Fp16Codec(Codec):
         _check_meta(self.name, meta, {"scale": (float, int)})
         sc = float(meta["scale"])
         if not (math.isfinite(sc) and 2.0**-126 <= sc <= 2.0**126):
-            raise ProtocolError(f"codec 'fp16': meta 'scale' must lie in [2**-126, 2**126] (what an encoder produces), got {meta['scale']!r}")
+            raise ProtocolError(f"codec 'fp16': meta 'scale' must be positive and finite, in [2**-126, 2**126] (what an encoder produces), got {meta['scale']!r}")
         _check_frames(self.name, frames, [2 * numel])
 
     def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
