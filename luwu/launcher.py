@@ -25,7 +25,6 @@ Run directory layout (default ``./.luwu-run/<job>/``)::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -657,14 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_supervise"]:
         return _supervise_main(argv[1])
-    parser = argparse.ArgumentParser(prog="luwu")
-    add_arguments(parser.add_subparsers(dest="command", required=True))
-    args, rest = parser.parse_known_args(argv)
-    try:
-        return args.func(args, rest)
-    except LuwuError as exc:
-        print(f"luwu {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    from luwu.cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -367,17 +367,10 @@ def add_arguments(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m luwu.status status|top ...`` (the same as ``luwu status|top``)."""
-    from luwu.protocol.errors import LuwuError
+    """``python -m luwu.status status|top ...``: the same as ``luwu status|top``."""
+    from luwu.cli import main as cli_main
 
-    parser = argparse.ArgumentParser(prog="luwu")
-    add_arguments(parser.add_subparsers(dest="command", required=True))
-    args, rest = parser.parse_known_args(argv)
-    try:
-        return args.func(args, rest)
-    except LuwuError as exc:
-        print(f"luwu {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    return cli_main(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

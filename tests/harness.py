@@ -55,3 +55,14 @@ def assert_params_close(got: list[torch.Tensor], want: list[torch.Tensor], rtol:
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, i=i: f"parameter {i}: {m}")
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak RSS) of a process, in bytes."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out

@@ -24,7 +24,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from harness import assert_params_close, run_training
+from harness import assert_params_close, run_training, proc_status
 from workers.train import DEFAULTS, make_model, reference
 
 import luwu
@@ -40,17 +40,6 @@ SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 60, "batch": 8, "b
 CHECKPOINT_EVERY = 10  # nodes checkpoint as in production, so ROLLBACK and CHECKPOINT have something to act on
 
 # -- node process and socket helpers ---------------------------------------------------------------
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM (peak RSS) of a process, in bytes."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
 
 
 def dealer(ctx: zmq.Context, addr: str, timeout_ms: int = 5000) -> zmq.Socket:

@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from harness import assert_params_close, run_training
+from harness import assert_params_close, run_training, proc_status
 from workers.train import reference
 
 import luwu
@@ -20,28 +20,18 @@ SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01, "weight_decay": 0.01}, "step
 RSS_MARGIN = 64 << 20
 
 
-def rss(pid: int) -> dict[str, int]:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
 @pytest.mark.timeout(300)
 def test_sixteen_workers_on_one_node_train_exactly(tmp_path):
     with luwu.local_cluster(1) as cluster:
         pid = cluster.procs[0].pid
-        base = rss(pid)
+        base = proc_status(pid)
         samples: list[int] = []
         done = threading.Event()
 
         def sample():  # the node's RSS while the 16 workers connect and train
             while not done.wait(0.1):
                 try:
-                    samples.append(rss(pid)["VmRSS"])
+                    samples.append(proc_status(pid)["VmRSS"])
                 except OSError:
                     return
 
@@ -55,7 +45,7 @@ def test_sixteen_workers_on_one_node_train_exactly(tmp_path):
             th.join(5)
         seconds = time.monotonic() - t0
         assert cluster.procs[0].poll() is None, "the node died under 16 workers"
-        peak = rss(pid)["VmHWM"]
+        peak = proc_status(pid)["VmHWM"]
     want, _ = reference(dict(SPEC, world_size=WORKERS))
     assert len(results) == WORKERS
     for r in results:
