@@ -160,10 +160,10 @@ class Codec:
         """``acc += alpha * decoded``; frames are (possibly read-only) uint8 views, never written."""
         raise NotImplementedError
 
-    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict) -> None:
-        """``out = decoded``."""
+    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+        """``out = alpha * decoded`` (a node folds the 1/n of the average into its decode)."""
         out.zero_()
-        self.decode_add_(out, frames, meta)
+        self.decode_add_(out, frames, meta, alpha)
 
     # -- error feedback ----------------------------------------------------
     def encode_feedback_(
@@ -251,8 +251,16 @@ class _DenseCodec(Codec):
             tmp.copy_(src[s:e])
             acc[s:e].add_(tmp, alpha=alpha)
 
-    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict) -> None:
-        out.copy_(_as(frames[0], self.dtype))
+    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+        src = _as(frames[0], self.dtype)
+        if alpha == 1.0:
+            out.copy_(src)
+        elif self.dtype == torch.float32:
+            torch.mul(src, alpha, out=out)
+        else:  # convert and scale a cache-sized chunk at a time: one pass over memory
+            for s, e in _chunks(out.numel()):
+                out[s:e].copy_(src[s:e])
+                out[s:e].mul_(alpha)
 
     def encode_feedback_(self, x, residual, out=None, *, num_summands: int = 1) -> Encoded:
         self._check_input(x)
@@ -376,11 +384,11 @@ class Fp16Codec(Codec):
             tmp.copy_(src[s:e])
             acc[s:e].add_(tmp, alpha=k)
 
-    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict) -> None:
+    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
         out.copy_(_as(frames[0], torch.float16))
-        sc = float(meta["scale"])
-        if sc != 1.0:
-            out.mul_(1.0 / sc)
+        k = alpha / float(meta["scale"])
+        if k != 1.0:
+            out.mul_(k)
 
 
 class _BlockCodec(Codec):
