@@ -1,10 +1,14 @@
 """The node daemon: a ZeroMQ ROUTER on an asyncio (uvloop) event loop.
 
-The loop receives and validates every message, decodes pushes straight into
-the (step, bucket) accumulator, and hands complete buckets to one optimizer
-thread (torch releases the GIL), so receiving goes on while a bucket steps.
+The loop receives and validates every message and decodes pushes straight into
+the (step, bucket) accumulator, scaled by 1/n on the way (the average costs no
+pass of its own). A complete bucket goes into a job queue: one consumer hands
+the jobs, in order, to one optimizer thread (torch releases the GIL) and sends
+the replies, while the loop goes on receiving. Everything that reads or writes
+the shard runs on that thread, so a reply never sees a half-stepped bucket.
 The reply to the last push of a bucket is the new weights, sent to every
-worker: one round trip per bucket. A message that breaks the contract gets an
+worker: one round trip per bucket; fp32 weights leave zero-copy from the shard
+(the next step of that bucket waits until ZeroMQ has sent them). A message that breaks the contract gets an
 ERROR reply naming what was wrong; the node never dies of a message.
 """
 
@@ -110,6 +114,8 @@ class NodeServer:
         self._parked: list[tuple[BucketState, int]] = []  # completions held for a periodic checkpoint
         self._ckpt_due: int | None = None
         self._lost_reported: set[tuple[int, int]] = set()
+        self._jobs: asyncio.Queue | None = None  # coroutine factories run in order by _job_loop
+        self._gen = 0  # bumped by a rollback: queued jobs of the abandoned timeline are dropped
         self.ckpt = CheckpointStore(cfg.checkpoint_dir, cfg.index) if cfg.checkpoint_dir and cfg.index >= 0 else None
 
     # ----------------------------------------------------------------- lifecycle
@@ -149,13 +155,19 @@ class NodeServer:
                 log.warning("node %s restored step %d from %s", self.index, self.restored_step, ckpt.path)
         print(f"{READY_LINE} {self.address}", flush=True)
         log.info("node %s serving job %r at %s (mode %s)", self.index, self.job, self.address, self.cfg.mode)
+        self._jobs = asyncio.Queue()
         recv = asyncio.ensure_future(self._recv_loop())
+        jobs = asyncio.ensure_future(self._job_loop())
         watch = asyncio.ensure_future(self._watchdog())
         stop = asyncio.ensure_future(self._stop.wait())
         try:
-            await asyncio.wait([recv, stop], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([recv, jobs, stop], return_when=asyncio.FIRST_COMPLETED)
+            for t in (recv, jobs):
+                if t.done() and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()
         finally:
             recv.cancel()
+            jobs.cancel()
             watch.cancel()
             if self.ckpt is not None and self.buckets:
                 try:  # checkpoint on SIGTERM: whatever the versions, pushes are idempotent on restart
@@ -184,6 +196,24 @@ class NodeServer:
             except Exception as exc:  # a node never dies of a message
                 log.exception("internal error handling a message")
                 self._refuse(ident, body, ProtocolError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    def _submit(self, job) -> None:
+        """Queue ``job`` (a coroutine function) behind the optimizer work already queued."""
+        self._jobs.put_nowait((self._gen, job))
+
+    async def _job_loop(self) -> None:
+        """Run the queued jobs one at a time: their shard work goes to the optimizer thread in queue
+        order while the receive loop keeps reading. A failing job is logged and counted; the node goes on."""
+        while True:
+            gen, job = await self._jobs.get()
+            if gen != self._gen:
+                continue  # queued before a rollback: that timeline is gone
+            try:
+                await job()
+            except Exception as exc:
+                code = getattr(exc, "code", "internal")
+                self.metrics.errors.labels(code).inc()
+                log.exception("node %s: optimizer job failed", self.index)
 
     def _refuse(self, ident: bytes, body, exc: LuwuError) -> None:
         code = getattr(exc, "code", "luwu")
@@ -368,7 +398,14 @@ class NodeServer:
         if not b.initialized:
             self._pending_pulls.setdefault(b.id, []).append((h["worker"], h["codec"]))
             return
-        self._reply_weights(b, [h["worker"]], h["codec"])
+        self._submit(lambda: self._reply_current(b, [h["worker"]], h["codec"]))
+
+    async def _reply_current(self, b: BucketState, workers, codec_name: str, seq: int | None = None) -> None:
+        """Encode the bucket's weights on the optimizer thread (behind the queued steps) and send them."""
+        gen = self._gen
+        frames = await asyncio.get_running_loop().run_in_executor(self._executor, self._encode_weights, b, codec_name, seq is None)
+        if gen == self._gen:
+            self._reply_weights(b, workers, codec_name, frames=frames, seq=seq)
 
     def _encode_weights(self, b: BucketState, pull: str, full: bool = False) -> tuple[str, bool, dict, list]:
         """Encode the bucket's weights for the pull direction: (codec, is_delta, meta, frames)."""
@@ -382,6 +419,9 @@ class NodeServer:
             return enc.codec, enc.delta, enc.encoded.meta, enc.encoded.frames
         name = "none" if pull == "int8_delta" else pull
         codec = get_codec(name)
+        if name == "none":
+            # zero-copy: the frames are the shard itself; whatever changes it next calls wait_all() first
+            return name, False, {}, [b.params]
         out = self.replies[b.id].take(codec, b.numel, b.version & 1)
         enc = codec.encode(b.params, out)
         return name, False, enc.meta, enc.frames
@@ -424,7 +464,7 @@ class NodeServer:
             self.metrics.duplicates.inc()
             if step == b.version - 1:
                 pull = "none" if h["pull"] == "int8_delta" else h["pull"]
-                self._reply_weights(b, [w], pull, seq=step)
+                self._submit(lambda: self._reply_current(b, [w], pull, seq=step))
                 return
             raise StepMismatchError(f"bucket {b.id}: push of worker {w} for step {step}, node is at step {b.version}")
         acc = b.accumulator(step, max_ahead=2 + self.cfg.staleness)
@@ -452,9 +492,10 @@ class NodeServer:
             acc.nograd, acc.hyper, acc.two_phase = nograd, hyper, h["two_phase"]
         tensors = msg.tensors()
         if acc.workers:
-            codec.decode_add_(acc.buf, tensors, h["cmeta"])
+            codec.decode_add_(acc.buf, tensors, h["cmeta"], 1.0 / acc.prescale)
         else:
-            codec.decode_(acc.buf, tensors, h["cmeta"])
+            acc.prescale = float(len(self.members))
+            codec.decode_(acc.buf, tensors, h["cmeta"], 1.0 / acc.prescale)
         acc.workers.add(w)
         acc.pull = h["pull"]
         self.metrics.pushes.inc()
@@ -497,6 +538,7 @@ class NodeServer:
         t0 = time.perf_counter()
 
         def work():
+            self.replies[b.id].wait_all()
             b.apply(acc, 1.0)
             b.version += 1
 
@@ -524,9 +566,9 @@ class NodeServer:
         b.held = keep
 
     async def _complete(self, b: BucketState, step: int, acc: Accumulator) -> None:
-        """All expected pushes are in: step now, or (two-phase) report the norm and wait for COMMIT."""
-        if step != b.version:
-            return  # an earlier step of this bucket is still open; it will pick this one up
+        """All expected pushes are in: queue the step, or (two-phase) report the norm and wait for COMMIT."""
+        if step != b.version or acc.started:
+            return  # an earlier step of this bucket is still open (it picks this one up), or queued already
         every = self.cfg.checkpoint_every
         if self.ckpt is not None and every and step % every == 0 and step > 0 and (self.ckpt.last_step or 0) < step:
             # a periodic checkpoint at `step`: hold this bucket until every bucket has reached it
@@ -544,12 +586,19 @@ class NodeServer:
             if acc.norm_sent:
                 return
             acc.norm_sent = True
-            loop = asyncio.get_running_loop()
-            sq, nonfinite = await loop.run_in_executor(self._executor, b.sqnorm, acc, float(n))
-            for w in acc.workers:
-                self._send(self.peers[w], wire.encode({"op": Op.NORM, "job": self.job, "step": step, "worker": w, "bucket": b.id, "sqnorm": sq, "nonfinite": nonfinite}))
+            self._submit(lambda: self._send_norm(b, step, acc, float(n)))
             return
-        await self._apply(b, step, acc, float(n), skip=False)
+        self._queue_apply(b, step, acc, float(n), skip=False)
+
+    async def _send_norm(self, b: BucketState, step: int, acc: Accumulator, n: float) -> None:
+        sq, nonfinite = await asyncio.get_running_loop().run_in_executor(self._executor, b.sqnorm, acc, n)
+        for w in acc.workers:
+            if w in self.peers:
+                self._send(self.peers[w], wire.encode({"op": Op.NORM, "job": self.job, "step": step, "worker": w, "bucket": b.id, "sqnorm": sq, "nonfinite": nonfinite}))
+
+    def _queue_apply(self, b: BucketState, step: int, acc: Accumulator, divisor: float, *, skip: bool) -> None:
+        acc.started = True
+        self._submit(lambda: self._apply(b, step, acc, divisor, skip=skip))
 
     async def _on_commit(self, h: dict) -> None:
         step = h["step"]
@@ -558,24 +607,36 @@ class NodeServer:
             if b is None:
                 raise ProtocolError(f"COMMIT names bucket {bid!r}, not owned by node {self.index}")
             acc = b.accs.get(step)
-            if acc is None or not acc.norm_sent or step != b.version:
+            if acc is None or not acc.norm_sent or acc.started or step != b.version:
                 continue  # already committed by another worker's COMMIT, or not yet complete
             coef = h["coef"]
             if not (coef > 0 and coef == coef and coef != float("inf")) and not h["skip"]:
                 raise ProtocolError(f"COMMIT coefficient must be positive and finite, got {coef}")
-            await self._apply(b, step, acc, len(acc.workers) / coef if not h["skip"] else 1.0, skip=h["skip"])
+            self._queue_apply(b, step, acc, len(acc.workers) / coef if not h["skip"] else 1.0, skip=h["skip"])
 
     async def _apply(self, b: BucketState, step: int, acc: Accumulator, divisor: float, *, skip: bool) -> None:
+        """A queued job: the optimizer step of (bucket, step) on the optimizer thread, then the replies."""
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        gen = self._gen
 
         def work():
             if not skip:
+                self.replies[b.id].wait_all()  # the last fp32 reply may still be leaving from the shard
                 b.apply(acc, divisor)
             b.version = step + 1
             return self._encode_weights(b, acc.pull)
 
-        frames = await loop.run_in_executor(self._executor, work)
+        try:
+            frames = await loop.run_in_executor(self._executor, work)
+        except Exception as exc:  # a bug, not an input: say so to the workers waiting for this bucket
+            log.exception("node %s: optimizer step of bucket %d, step %d failed", self.index, b.id, step)
+            for w in acc.workers:
+                if w in self.peers:
+                    self._send(self.peers[w], wire.error_message(self.job, "internal", f"node {self.index}: optimizer step of bucket {b.id}, step {step} failed: {type(exc).__name__}: {exc}", step=step, worker=w, bucket=b.id))
+            raise
+        if gen != self._gen:
+            return  # a rollback came in meanwhile: these weights belong to the abandoned timeline
         self.metrics.opt_seconds.observe(time.perf_counter() - t0)
         (self.metrics.skipped if skip else self.metrics.updates).inc()
         workers = sorted(acc.workers)
@@ -588,7 +649,7 @@ class NodeServer:
             log.info("node %s at step %d: %d buckets, %d workers, %.0f pushes", self.index, self.step, len(self.buckets), len(self.peers), self.metrics.pushes._value.get())
         # A later step of this bucket may have completed while this one was open.
         nxt = b.accs.get(step + 1)
-        if nxt is not None and nxt.workers >= self.members:
+        if nxt is not None and nxt.workers and nxt.workers >= self.members:
             await self._complete(b, step + 1, nxt)
 
     async def _on_state(self, ident: bytes, h: dict, msg: wire.Message) -> None:
@@ -597,8 +658,15 @@ class NodeServer:
         names = ["params", *b.kind.state_names, "steps"]
         reply = {"op": Op.STATE, "job": self.job, "step": b.version, "worker": h["worker"], "bucket": b.id, "action": h["action"], "names": names}
         if h["action"] == "get":
-            steps = torch.stack(b.steps) if b.steps else torch.zeros(0)
-            self._send(ident, wire.encode(reply, [b.params.clone(), *(b.state[n].clone() for n in b.kind.state_names), steps]))
+
+            def snapshot():
+                steps = torch.stack(b.steps) if b.steps else torch.zeros(0)
+                return [b.params.clone(), *(b.state[n].clone() for n in b.kind.state_names), steps]
+
+            async def get():
+                self._send(ident, wire.encode(reply, await asyncio.get_running_loop().run_in_executor(self._executor, snapshot)))
+
+            self._submit(get)
         elif h["action"] == "set":
             if h["names"] != names:
                 raise ProtocolError(f"STATE set of bucket {b.id} must carry {names}, got {h['names']}")
@@ -611,6 +679,7 @@ class NodeServer:
             loop = asyncio.get_running_loop()
 
             def work():
+                self.replies[b.id].wait_all()
                 b.params.copy_(frames[0])
                 for n, t in zip(b.kind.state_names, frames[1:-1]):
                     b.state[n].copy_(t)
@@ -674,6 +743,7 @@ class NodeServer:
         step = h["step"]
         boot = str((h.get("detail") or {}).get("boot", ""))
         if (step, boot) not in self._rollbacks_done and not (self.restored_step == step and boot == self.boot):
+            self._gen += 1  # queued steps and replies of the abandoned timeline are dropped
             if self.ckpt is None:
                 raise ConfigError(f"node {self.index} cannot roll back: no checkpoint_dir configured")
             loop = asyncio.get_running_loop()
