@@ -20,6 +20,7 @@ from typing import Callable
 import zmq
 
 from luwu.protocol import messages as wire
+from luwu.protocol.memory import retain_freed_memory
 from luwu.protocol.errors import LuwuError, NodeTimeoutError, ProtocolError, error_for_code
 from luwu.protocol.messages import Op
 from luwu.gpu_workers.config import TransportConfig
@@ -32,6 +33,8 @@ class WorkerClient:
         if not nodes:
             raise ValueError("no node addresses given")
         self.nodes, self.job, self.rank, self.cfg = list(nodes), job, rank, cfg
+        if cfg.retain_freed_memory:
+            retain_freed_memory()
         self._out: list[collections.deque] = [collections.deque() for _ in nodes]
         self._cv = threading.Condition()
         self._inbox: dict[tuple, wire.Message] = {}  # (op, node, step, bucket) -> message

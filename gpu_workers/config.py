@@ -27,6 +27,10 @@ class TransportConfig:
     """This worker's Z85 CURVE public key (must be authorized on the nodes)."""
     curve_secret_key: str = ""
     """This worker's Z85 CURVE secret key."""
+    retain_freed_memory: bool = True
+    """Keep freed memory in the training process (glibc mallopt) so gradients, received weights and
+    activations reuse already touched memory instead of fresh pages (~10x slower to fill); costs
+    resident memory up to the peak the process ever held."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "connect_timeout_s"):

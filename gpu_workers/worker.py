@@ -214,9 +214,13 @@ class Worker:
         codec = get_codec(name)
         key = (name, parity)
         out = buf.out.get(key)
-        if out is None:
+        if out is None and name != "none":
             out = buf.out[key] = codec.alloc(b.numel)
-        if ef and self._feedback is not None:
+        if name == "none":
+            # zero-copy: the frame is the bucket buffer, next written a step (delayed: two) later, after
+            # the node's reply to this push has come back
+            enc = codec.encode(x)
+        elif ef and self._feedback is not None:
             enc = self._feedback.encode(b.id, codec, x, out, num_summands=self.world_size)
         else:
             enc = codec.encode(x, out, num_summands=self.world_size)

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
+from luwu.protocol.memory import retain_freed_memory
 from luwu.protocol.errors import (
     ConfigError,
     LayoutMismatchError,
@@ -144,6 +145,8 @@ class NodeServer:
 
     async def serve(self) -> None:
         torch.set_num_threads(self.cfg.torch_threads)
+        if self.cfg.retain_freed_memory:
+            retain_freed_memory()
         if self._sock is None:
             self.bind()
         self._stop = asyncio.Event()
