@@ -9,8 +9,14 @@ loopback:
 - ``ddp``: 2 processes, ``DistributedDataParallel`` over gloo, AdamW(fused=True)
   (the strongest plain-torch competitor), and ``ddp_default`` with torch's
   default AdamW (what most scripts write);
+- ``ddp_bf16``: DDP with torch's ``bf16_compress_hook`` (the competitor's own
+  gradient compression, halving its all-reduce bytes);
 - ``luwu_sync`` and ``luwu_delayed``: 2 worker processes with
-  ``RemoteOptimizer`` (``delayed_update`` off / on) and 1 node daemon.
+  ``RemoteOptimizer`` (``delayed_update`` off / on) and 1 node daemon, fp32
+  both ways; ``luwu_hybrid_sync`` / ``luwu_hybrid_delayed``: the same with
+  ``compression=CompressionConfig()`` (the hybrid policy's defaults: int8 + error
+  feedback for the large matrices, bf16 for the rest, bf16 weights back, after
+  10 uncompressed warm-up steps, which the default ``--warmup 12`` skips).
 
 Samples/s = global batch / median step time over the steps after warm-up (the
 slower rank's median); configurations alternate over repetitions and the
@@ -37,7 +43,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from common import RESULTS, LoadMonitor, machine_info, md_table, median, node_threads_delta, proc_usage, threads_cpu_s, verdict, write_results
+from common import RESULTS, LoadMonitor, bf16_allreduce_hook, machine_info, md_table, median, node_threads_delta, proc_usage, threads_cpu_s, verdict, write_results
 
 BATCH = 64
 WORLD = 2
@@ -84,13 +90,15 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
         x = torch.randn(BATCH, DIMS[0], generator=g)
         y = torch.randint(0, DIMS[-1], (BATCH,), generator=g)
         opt = timed = None
-        if kind in ("ddp", "ddp_default"):
+        if kind.startswith("ddp"):
             import torch.distributed as dist
 
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(cfg["port"])
             dist.init_process_group("gloo", rank=rank, world_size=world)
             net = torch.nn.parallel.DistributedDataParallel(model)
-            opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=kind == "ddp")
+            if kind == "ddp_bf16":
+                net.register_comm_hook(None, bf16_allreduce_hook)
+            opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=kind != "ddp_default")
         elif kind == "single":
             net = model
             opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
@@ -98,18 +106,29 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
             import luwu
 
             net = model
-            opt = luwu.RemoteOptimizer(model, "adamw", nodes=cfg["nodes"], rank=rank, world_size=world, job=cfg["job"], lr=LR, weight_decay=WD, delayed_update=kind == "luwu_delayed")
-            timed = {"finish": 0.0}
-            inner = opt.worker.finish
+            compression = None
+            if "hybrid" in kind:
+                from luwu.protocol.policy import CompressionConfig
 
-            def finish():
-                t0 = time.perf_counter()
-                try:
-                    inner()
-                finally:
-                    timed["finish"] = time.perf_counter() - t0
+                compression = CompressionConfig()
+            opt = luwu.RemoteOptimizer(
+                model, "adamw", nodes=cfg["nodes"], rank=rank, world_size=world, job=cfg["job"], lr=LR, weight_decay=WD, delayed_update=kind.endswith("delayed"), compression=compression
+            )
+            timed = {"finish": 0.0, "wait": 0.0}
 
-            opt.worker.finish = finish
+            def timing(name, inner):
+                def call(*args):
+                    t0 = time.perf_counter()
+                    try:
+                        return inner(*args)
+                    finally:
+                        timed[name] += time.perf_counter() - t0
+
+                return call
+
+            opt.worker.finish = timing("finish", opt.worker.finish)
+            # the whole of Worker.wait: waiting for the replies, then writing the weights into the parameters
+            opt.worker.wait = timing("wait", opt.worker.wait)
         recs = []
         node0 = None
         t_start = 0.0
@@ -120,6 +139,8 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
                 t_start = time.perf_counter()
                 c_start = time.process_time()
             t0 = time.perf_counter()
+            if timed is not None:
+                timed["finish"] = timed["wait"] = 0.0
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(net(x), y)
             loss.backward()
@@ -130,7 +151,8 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
                 r = {"step": t2 - t0, "fb": t1 - t0, "opt": t2 - t1}
                 if timed is not None:
                     r["finish"] = timed["finish"]
-                    r["wait"] = opt.worker.update_wait_s
+                    r["wait_all"] = timed["wait"]
+                    r["wait"] = opt.last_report["update_wait_s"]
                 recs.append(r)
         elapsed = time.perf_counter() - t_start
         cpu_s = time.process_time() - c_start
@@ -225,7 +247,7 @@ def summarize(kind: str, world: int, out: dict[int, dict]) -> dict:
     if kind.startswith("luwu"):
         res["finish_ms"] = median([s["finish"] for s in recs]) * 1e3
         res["wait_weights_ms"] = median([s["wait"] for s in recs]) * 1e3
-        res["write_ms"] = median([s["opt"] - s["finish"] - s["wait"] for s in recs]) * 1e3
+        res["write_ms"] = median([s["wait_all"] - s["wait"] for s in recs]) * 1e3
         node = out[0]["node"]
         res["node_opt_ms_per_step"] = node["opt_s"] / steps * 1e3 if node else float("nan")
         res["node_buckets_per_step"] = node["buckets"] / steps if node else float("nan")
@@ -240,7 +262,7 @@ def why_lines(by: dict[str, dict]) -> list[str]:
         return []
     d = by["ddp"]
     out = ["Where the time goes (this run):", ""]
-    for kind in ("luwu_sync", "luwu_delayed"):
+    for kind in ("luwu_sync", "luwu_delayed", "luwu_hybrid_sync", "luwu_hybrid_delayed"):
         r = by.get(kind)
         if r is None:
             continue
@@ -264,13 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 repetition of a few steps, no ddp_default: a smoke run")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=5, help="untimed steps per run")
+    ap.add_argument("--warmup", type=int, default=12, help="untimed steps per run (> the hybrid policy's 10 fp32 warm-up steps)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every configuration (alternating)")
-    ap.add_argument("--configs", nargs="+", default=["single", "ddp", "ddp_default", "luwu_sync", "luwu_delayed"])
+    ap.add_argument("--configs", nargs="+", default=["single", "ddp", "ddp_default", "ddp_bf16", "luwu_sync", "luwu_delayed", "luwu_hybrid_sync", "luwu_hybrid_delayed"])
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = ap.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup, args.reps = 6, 2, 1
+        args.steps, args.warmup, args.reps = 6, 12, 1
         args.configs = [c for c in args.configs if c != "ddp_default"]
     nparams = sum(p.numel() for p in make_model().parameters())
     runs: dict[str, list[dict]] = {k: [] for k in args.configs}
@@ -309,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         per_rep.append(row)
     by = {r["config"]: r for r in rows}
     summary = []
-    for kind, target in (("luwu_sync", 1.0), ("luwu_delayed", 1.3)):
+    for kind, target in (("luwu_sync", 1.0), ("luwu_delayed", 1.3), ("luwu_hybrid_sync", 1.0), ("luwu_hybrid_delayed", 1.3)):
         if kind in by and ref:
             summary.append(
                 {
@@ -320,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                     "verdict": verdict(by[kind]["vs_ddp_paired"], target),
                 }
             )
+            if "ddp_bf16" in by:
+                v = median([a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs[kind], runs["ddp_bf16"])])
+                vc = by[kind]["samples_per_cpu_s"] / by["ddp_bf16"]["samples_per_cpu_s"]
+                summary.append({"benchmark": f"4. e2e {kind} vs DDP (bf16 compress hook)", "ratio": v, "ratio_cpu": vc, "target": target, "verdict": verdict(v, target)})
             if "ddp_default" in by:
                 v = median([a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs[kind], runs["ddp_default"])])
                 vc = by[kind]["samples_per_cpu_s"] / by["ddp_default"]["samples_per_cpu_s"]

@@ -2,14 +2,17 @@
 
 1. **Optimizer step**: a 64M-parameter shard held the node's way (one
    ``BucketState`` per bucket of 1M parameters, ``BucketState.apply`` = torch's
-   fused AdamW over the flat segment views, the average over workers folded in
-   as ``grad_scale``) against ``torch.optim.AdamW(fused=True)`` stepping one
+   fused AdamW over the flat segment views; the average over workers was folded
+   into the decode, ``BucketState.add_push``, so the kernel runs without
+   ``grad_scale``) against ``torch.optim.AdamW(fused=True)`` stepping one
    64M parameter. Also with 8 segments per bucket (a model of many small
    tensors). Target: >= 0.95x, with 1 torch thread (the node's default) and 2.
 2. **Whole step for 2 workers**: per bucket, the node decodes the first push
-   into the accumulator (``decode_``) and adds the second (``decode_add_``),
-   applies AdamW, and encodes the reply from the new weights into its reused
-   reply buffer, exactly the calls of ``NodeServer._on_push`` / ``_apply``
+   into the accumulator times 1/2 (``decode_``) and adds the second times 1/2
+   (``decode_add_``), applies AdamW, and encodes the reply from the new weights
+   into its reused reply buffer (fp32 replies are the weights themselves,
+   zero-copy), exactly the calls of ``NodeServer._on_push`` / ``_apply``
+   (``BucketState.add_push``, ``BucketState.apply``, ``ReplyBuffers.encode``)
    without the socket. Against the same work as plain torch calls in the
    allocate-and-convert style (``frombuffer -> .float() -> add -> /2 ->
    optimizer.step() -> .to(bfloat16)``), per bucket with fused AdamW (same
@@ -77,7 +80,8 @@ def check_same_update(bucket_numel: int, num_buckets: int = 4, steps: int = 3) -
     for _ in range(steps):
         for b, (s, e) in zip(buckets, slices(numel, bucket_numel)):
             acc = b.accumulator(b.version, 0)
-            acc.buf.copy_(grad[s:e]).mul_(NUM_WORKERS)
+            acc.buf.copy_(grad[s:e])  # the pushes decoded times 1/n (BucketState.add_push)
+            acc.prescale = float(NUM_WORKERS)
             acc.hyper = HYPER
             b.apply(acc, float(NUM_WORKERS))
             b.release(b.version)
@@ -98,7 +102,8 @@ def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> d
         accs = []
         for b, (s, e) in zip(buckets, slices(numel, bucket_numel)):
             acc = b.accumulator(0, 0)
-            acc.buf.copy_(grad[s:e]).mul_(NUM_WORKERS)  # the sum of the workers' pushes
+            acc.buf.copy_(grad[s:e])  # the workers' pushes, decoded times 1/n (BucketState.add_push)
+            acc.prescale = float(NUM_WORKERS)
             acc.hyper = HYPER
             accs.append(acc)
 
@@ -110,18 +115,20 @@ def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> d
 
     _, node1 = node_shard(1)
     _, node8 = node_shard(8)
-    # diagnostic: the same views and kernel without grad_scale (the accumulator pre-divided), to price
-    # the grad_scale path (with it, the fused CPU kernel also writes the unscaled gradient back)
+    # diagnostic: the same views and kernel with the average as grad_scale (the accumulator holding the
+    # sum), the way before the 1/n went into the decode: the fused CPU kernel then divides and writes the
+    # unscaled gradient back, a pass more
     bn, _ = node_shard(1)
     views = []
     for b, (s, e) in zip(bn, slices(numel, bucket_numel)):
         acc = b.accumulator(0, 0)
-        acc.buf.copy_(grad[s:e])
+        acc.buf.copy_(grad[s:e]).mul_(NUM_WORKERS)
         views.append(b.grad_views(acc))
+    n_workers = torch.tensor(float(NUM_WORKERS))
 
     def node_noscale():
         for params, grads, state, steps in views:
-            apply_(ADAMW, params, grads, state, steps, HYPER, grad_scale=None)
+            apply_(ADAMW, params, grads, state, steps, HYPER, grad_scale=n_workers)
 
     p = torch.nn.Parameter(init.clone())
     p.grad = grad.clone()
@@ -141,7 +148,7 @@ def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> d
         ("node", "node: BucketState.apply, 1 segment/bucket"),
         ("node8", "node: BucketState.apply, 8 segments/bucket"),
         ("torch_buckets", "control: torch AdamW(fused=True), one tensor per bucket"),
-        ("node_noscale", "diagnostic: node's apply_ per bucket, grad_scale=None"),
+        ("node_noscale", "diagnostic: node's apply_ per bucket with grad_scale=n (the sum in the accumulator)"),
     )
     for key, label in labels:
         t = median(times[key])
@@ -201,8 +208,8 @@ def bytes_per_element(push: str, pull: str) -> tuple[float, float]:
     bp, br = get_codec(push).bytes_per_element(), get_codec(pull).bytes_per_element()
     floor = NUM_WORKERS * bp + 3 * 8 + br  # read the pushes; read+write weights, exp_avg, exp_avg_sq; write the reply
     # decode_ (read push, write acc), decode_add_ (read push, read+write acc), AdamW (+ read acc),
-    # encode (read weights again, write reply)
-    implemented = (bp + 4) + (bp + 8) + (4 + 24) + (4 + br)
+    # encode (read weights again, write reply; fp32 replies are the weights themselves: nothing)
+    implemented = (bp + 4) + (bp + 8) + (4 + 24) + (0 if pull == "none" else 4 + br)
     return floor, implemented
 
 
@@ -239,20 +246,16 @@ def bench_whole_step(numel: int, bucket_numel: int, push: str, pull: str, thread
                 frames, meta = pushes[w][i]
                 pc.validate(b.numel, [f.numel() for f in frames], meta)
                 t0 = clock()
-                if acc.workers:
-                    pc.decode_add_(acc.buf, frames, meta)
-                    acc_t["decode_add_"] += clock() - t0
-                else:
-                    pc.decode_(acc.buf, frames, meta)
-                    acc_t["decode_"] += clock() - t0
+                first = not acc.workers
+                b.add_push(acc, pc, frames, meta, NUM_WORKERS)
+                acc_t["decode_" if first else "decode_add_"] += clock() - t0
                 acc.workers.add(w)
             acc.hyper = HYPER
             t0 = clock()
             b.apply(acc, float(len(acc.workers)))
             t1 = clock()
             b.version = step + 1
-            out = replies[i].take(rc, b.numel, b.version & 1)
-            rc.encode(b.params, out)
+            replies[i].encode(rc, b.params, b.version)  # fp32: zero-copy, nothing to do
             acc_t["apply"] += t1 - t0
             acc_t["encode"] += clock() - t1
             b.release(step)
@@ -383,9 +386,9 @@ def why_lines(opt_runs: list[dict], step_runs: list[dict]) -> list[str]:
         t_torch, t_node = ms["torch.optim.AdamW(fused=True)"], ms["node"]
         t_ctrl, t_diag = ms["control"], ms["diagnostic"]
         out.append(
-            f"- optimizer, {run['threads']} thread(s): node {t_node:.0f} ms vs torch {t_torch:.0f} ms. Without grad_scale the node's calls "
-            f"take {t_diag:.0f} ms (grad_scale costs {100 * (t_node - t_diag) / t_node:.0f}% of the node's time: torch's fused CPU kernel "
-            f"then divides and writes the unscaled gradient back into the accumulator); torch itself on one tensor per bucket takes "
+            f"- optimizer, {run['threads']} thread(s): node {t_node:.0f} ms vs torch {t_torch:.0f} ms. With the average as grad_scale "
+            f"instead of folded into the decode, the node's calls would take {t_diag:.0f} ms ({100 * (t_diag - t_node) / t_node:+.0f}%: torch's "
+            f"fused CPU kernel then divides and writes the unscaled gradient back into the accumulator); torch itself on one tensor per bucket takes "
             f"{t_ctrl:.0f} ms (bucket granularity: {100 * (t_ctrl - t_torch) / t_torch:+.0f}% vs one tensor)."
             + (
                 " With more threads than free cores, each of the many short parallel regions (one per bucket and segment) waits "

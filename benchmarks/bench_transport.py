@@ -175,7 +175,7 @@ def run(args) -> dict:
                     opt_s.append(m1["luwu_node_optimizer_step_seconds_sum"] - m0["luwu_node_optimizer_step_seconds_sum"])
                     opt_count.append(m1["luwu_node_optimizer_step_seconds_count"] - m0["luwu_node_optimizer_step_seconds_count"])
                     finish_s.append(timed.seconds)
-                    wait_s.append(opt.worker.update_wait_s)
+                    wait_s.append(opt.last_report["update_wait_s"])
             buckets = len(opt.layout.buckets)
         finally:
             opt.close()

@@ -236,3 +236,24 @@ def write_results(name: str, result: dict, md: str, *, quick: bool, out: Path = 
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (out / f"{stem}.md").write_text(md if md.endswith("\n") else md + "\n")
     return out / f"{stem}.json"
+
+
+def bf16_allreduce_hook(process_group, bucket):
+    """DDP communication hook: all-reduce the bucket as bf16 (half the bytes), then back to fp32.
+
+    torch's own ``default_hooks.bf16_compress_hook`` refuses anything but NCCL (DDP checks the hook's
+    name); gloo all-reduces bf16 fine, so this is the same hook under another name (the competitor's
+    gradient compression on CPU).
+    """
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    buf = bucket.buffer()
+    compressed = buf.to(torch.bfloat16).div_(group.size())
+    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(f):
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(decompress)

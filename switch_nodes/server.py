@@ -65,6 +65,13 @@ class ReplyBuffers:
             buf = self._bufs[key] = codec.alloc(numel)
         return buf
 
+    def encode(self, codec, params: torch.Tensor, version: int):
+        """The bucket's weights encoded for the reply of ``version``. fp32 goes zero-copy: the frame is
+        ``params`` itself, so whatever changes them next calls :meth:`wait_all` first."""
+        if codec.name == "none":
+            return codec.encode(params)
+        return codec.encode(params, self.take(codec, params.numel(), version & 1))
+
     def wait_all(self) -> None:
         for key in list(self._trackers):
             for t in self._trackers.pop(key, ()):
@@ -421,12 +428,7 @@ class NodeServer:
             enc = self._delta.encode(b.id, b.params, b.version)
             return enc.codec, enc.delta, enc.encoded.meta, enc.encoded.frames
         name = "none" if pull == "int8_delta" else pull
-        codec = get_codec(name)
-        if name == "none":
-            # zero-copy: the frames are the shard itself; whatever changes it next calls wait_all() first
-            return name, False, {}, [b.params]
-        out = self.replies[b.id].take(codec, b.numel, b.version & 1)
-        enc = codec.encode(b.params, out)
+        enc = self.replies[b.id].encode(get_codec(name), b.params, b.version)
         return name, False, enc.meta, enc.frames
 
     def _reply_weights(self, b: BucketState, workers, codec_name: str, skipped: bool = False, frames=None, seq: int | None = None) -> None:
@@ -493,12 +495,7 @@ class NodeServer:
             hyper = dict(b.kind.defaults) | h["hyper"]
             check_hyper(b.kind, hyper)
             acc.nograd, acc.hyper, acc.two_phase = nograd, hyper, h["two_phase"]
-        tensors = msg.tensors()
-        if acc.workers:
-            codec.decode_add_(acc.buf, tensors, h["cmeta"], 1.0 / acc.prescale)
-        else:
-            acc.prescale = float(len(self.members))
-            codec.decode_(acc.buf, tensors, h["cmeta"], 1.0 / acc.prescale)
+        b.add_push(acc, codec, msg.tensors(), h["cmeta"], len(self.members))
         acc.workers.add(w)
         acc.pull = h["pull"]
         self.metrics.pushes.inc()

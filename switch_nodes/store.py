@@ -100,6 +100,15 @@ class BucketState:
         acc = self.accs[step] = Accumulator(buf, first_at=time.monotonic())
         return acc
 
+    def add_push(self, acc: Accumulator, codec, frames: list[torch.Tensor], meta: dict, expected: int) -> None:
+        """Decode one worker's push into the accumulator, times 1/``expected`` (the number of workers the
+        step waits for): the average costs no pass of its own, and :meth:`apply` needs no ``grad_scale``."""
+        if acc.workers:
+            codec.decode_add_(acc.buf, frames, meta, 1.0 / acc.prescale)
+        else:
+            acc.prescale = float(expected)
+            codec.decode_(acc.buf, frames, meta, 1.0 / acc.prescale)
+
     def release(self, step: int) -> Accumulator:
         acc = self.accs.pop(step)
         self._pool.append(acc.buf)
