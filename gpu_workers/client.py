@@ -42,6 +42,7 @@ class WorkerClient:
         self._handlers: dict[Op, Callable[[int, wire.Message], None]] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self._woken = False  # a wake-up is on its way: later sends until the I/O thread takes it need none
         self._running = True
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -77,7 +78,9 @@ class WorkerClient:
         header.setdefault("step", 0)
         frames = wire.encode(header, payload)
         self._out[node].append(frames)
-        os.write(self._wake_w, b"x")
+        if not self._woken:
+            self._woken = True
+            os.write(self._wake_w, b"x")
 
     def wait(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply", errors_of: tuple | None = None) -> list[wire.Message]:
         """Wait for messages filed under ``keys`` = (op, node, step, bucket); pops and returns them.
@@ -168,6 +171,7 @@ class WorkerClient:
         while self._running:
             events = dict(poller.poll(200))
             if self._wake_r in events:
+                self._woken = False  # before the queues are read: a send after this wakes us again
                 try:
                     while os.read(self._wake_r, 4096):
                         pass
