@@ -165,6 +165,12 @@ class Codec:
         out.zero_()
         self.decode_add_(out, frames, meta, alpha)
 
+    def decode_pair_(self, out: torch.Tensor, first: tuple[list[torch.Tensor], dict], second: tuple[list[torch.Tensor], dict], alpha: float) -> None:
+        """``out = alpha * (decoded first + decoded second)``: two pushes of this codec, (frames, meta) each.
+        Dense codecs do it in one pass over ``out`` instead of a write and a read-modify-write."""
+        self.decode_(out, *first, alpha)
+        self.decode_add_(out, *second, alpha)
+
     # -- error feedback ----------------------------------------------------
     def encode_feedback_(
         self, x: torch.Tensor, residual: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1
@@ -261,6 +267,23 @@ class _DenseCodec(Codec):
             for s, e in _chunks(out.numel()):
                 out[s:e].copy_(src[s:e])
                 out[s:e].mul_(alpha)
+
+    def decode_pair_(self, out, first, second, alpha: float) -> None:
+        a, b = _as(first[0][0], self.dtype), _as(second[0][0], self.dtype)
+        if self.dtype == torch.float32:
+            if alpha == 0.5:
+                torch.lerp(a, b, 0.5, out=out)  # (a + b) / 2 in one pass
+            else:
+                torch.add(a, b, out=out).mul_(alpha)
+            return
+        for s, e in _chunks(out.numel()):  # convert both in cache-sized chunks, one pass over out
+            ta, tb = self._scratch("dec", e - s), self._scratch("dec2", e - s)
+            ta.copy_(a[s:e])
+            tb.copy_(b[s:e])
+            if alpha == 0.5:
+                torch.lerp(ta, tb, 0.5, out=out[s:e])
+            else:
+                torch.add(ta, tb, out=out[s:e]).mul_(alpha)
 
     def encode_feedback_(self, x, residual, out=None, *, num_summands: int = 1) -> Encoded:
         self._check_input(x)

@@ -63,6 +63,7 @@ class Accumulator:
     started: bool = False  # handed to the optimizer queue (or its norm round): never twice
     pull: str = "none"  # codec of the weights in the reply
     prescale: float = 1.0  # the pushes were decoded times 1 / prescale (the 1/n of the average, folded in)
+    held: tuple | None = None  # (codec, frames, meta) of the first push, not decoded yet (see add_push)
 
 
 class BucketState:
@@ -102,11 +103,30 @@ class BucketState:
 
     def add_push(self, acc: Accumulator, codec, frames: list[torch.Tensor], meta: dict, expected: int) -> None:
         """Decode one worker's push into the accumulator, times 1/``expected`` (the number of workers the
-        step waits for): the average costs no pass of its own, and :meth:`apply` needs no ``grad_scale``."""
-        if acc.workers:
-            codec.decode_add_(acc.buf, frames, meta, 1.0 / acc.prescale)
-        else:
+        step waits for): the average costs no pass of its own, and :meth:`apply` needs no ``grad_scale``.
+
+        The first push of a step is kept as received (its frames stay alive) and decoded together with
+        the second, in one pass over the accumulator (``Codec.decode_pair_``) instead of two."""
+        if not acc.workers:
             acc.prescale = float(expected)
+            if expected > 1:
+                acc.held = (codec, frames, meta)
+                return
+            codec.decode_(acc.buf, frames, meta, 1.0 / acc.prescale)
+        elif acc.held is not None:
+            first, acc.held = acc.held, None
+            if first[0] is codec:
+                codec.decode_pair_(acc.buf, (first[1], first[2]), (frames, meta), 1.0 / acc.prescale)
+            else:  # another codec (a worker fell back to fp32 on a non-finite gradient)
+                first[0].decode_(acc.buf, first[1], first[2], 1.0 / acc.prescale)
+                codec.decode_add_(acc.buf, frames, meta, 1.0 / acc.prescale)
+        else:
+            codec.decode_add_(acc.buf, frames, meta, 1.0 / acc.prescale)
+
+    def settle(self, acc: Accumulator) -> None:
+        """Decode a push still held (the step goes on with one push: a worker was dropped)."""
+        if acc.held is not None:
+            (codec, frames, meta), acc.held = acc.held, None
             codec.decode_(acc.buf, frames, meta, 1.0 / acc.prescale)
 
     def release(self, step: int) -> Accumulator:
@@ -122,6 +142,7 @@ class BucketState:
     def sqnorm(self, acc: Accumulator, divisor: float) -> tuple[float, bool]:
         """Squared L2 norm of the gradient sum / ``divisor`` (segments with a gradient) and whether any
         is non-finite."""
+        self.settle(acc)
         _, grads, _, _ = self.grad_views(acc)
         total = 0.0
         for g in grads:
@@ -134,6 +155,7 @@ class BucketState:
         """Optimizer step with grads = (sum of the pushes) / ``divisor``. The pushes were decoded times
         1 / ``acc.prescale`` already (the expected worker count): when that is the divisor, the kernel
         runs without ``grad_scale``, which would cost it a write of the gradient back (10-16%)."""
+        self.settle(acc)
         params, grads, state, steps = self.grad_views(acc)
         scale = divisor / acc.prescale
         grad_scale = None if scale == 1.0 else torch.tensor(scale, dtype=torch.float32)

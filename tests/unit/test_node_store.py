@@ -1,0 +1,108 @@
+"""The node's accumulation of pushes: the average folded into the decode, the first push held and decoded
+with the second in one pass, and the optimizer step without grad_scale, all against plain torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from luwu.protocol.codecs import get_codec
+from luwu.switch_nodes.optimizers import ADAMW
+from luwu.switch_nodes.store import BucketState, SegmentSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+def _bucket(numel: int) -> BucketState:
+    return BucketState(0, 0, numel, [SegmentSpec(0, 0, 0, numel)], ADAMW)
+
+
+def _push(codec_name: str, x: torch.Tensor):
+    codec = get_codec(codec_name)
+    enc = codec.encode(x.clone(), codec.alloc(x.numel()))
+    # as received: read-only-able uint8 frames, copies of what was sent
+    return codec, [f.contiguous().view(torch.uint8).clone() for f in enc.frames], enc.meta
+
+
+def _decoded(codec, frames, meta, numel: int) -> torch.Tensor:
+    out = torch.empty(numel)
+    codec.decode_(out, frames, meta)
+    return out
+
+
+@pytest.mark.parametrize("codec_name", ["none", "bf16", "fp16", "int8", "int4", "topk"])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_accumulator_holds_the_average(codec_name, n):
+    numel = 3000
+    g = torch.Generator().manual_seed(n)
+    pushes = [_push(codec_name, torch.randn(numel, generator=g)) for _ in range(n)]
+    want = sum(_decoded(c, f, m, numel) for c, f, m in pushes) / n
+    b = _bucket(numel)
+    acc = b.accumulator(0, 0)
+    for w, (c, f, m) in enumerate(pushes):
+        b.add_push(acc, c, f, m, expected=n)
+        acc.workers.add(w)
+    b.settle(acc)
+    assert acc.held is None
+    torch.testing.assert_close(acc.buf, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_held_push_is_decoded_when_the_step_goes_on_without_the_others():
+    """Elastic mode: 2 workers expected, one dropped; the step applies the one push at full weight."""
+    numel = 1000
+    x = torch.randn(numel)
+    b = _bucket(numel)
+    b.params.copy_(torch.randn(numel))
+    p = torch.nn.Parameter(b.params.clone())
+    acc = b.accumulator(0, 0)
+    c, f, m = _push("none", x)
+    b.add_push(acc, c, f, m, expected=2)
+    acc.workers.add(0)
+    assert acc.held is not None
+    acc.hyper = HYPER
+    b.apply(acc, 1.0)  # one push, divisor 1: the held push at weight 1/2, rescaled by grad_scale
+    opt = torch.optim.AdamW([p], lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
+    p.grad = x.clone()
+    opt.step()
+    torch.testing.assert_close(b.params, p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_mixed_codecs_in_one_step():
+    """A worker that found a non-finite value sends fp32 while the other sends bf16."""
+    numel = 2048
+    a, bx = torch.randn(numel), torch.randn(numel)
+    pa, pb = _push("bf16", a), _push("none", bx)
+    b = _bucket(numel)
+    acc = b.accumulator(0, 0)
+    for w, (c, f, m) in enumerate((pa, pb)):
+        b.add_push(acc, c, f, m, expected=2)
+        acc.workers.add(w)
+    want = (_decoded(*pa, numel) + bx) / 2
+    torch.testing.assert_close(acc.buf, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_node_step_equals_torch_adamw_on_the_averaged_gradient(n):
+    numel = 4096
+    g = torch.Generator().manual_seed(7)
+    b = _bucket(numel)
+    b.params.copy_(torch.randn(numel, generator=g))
+    p = torch.nn.Parameter(b.params.clone())
+    opt = torch.optim.AdamW([p], lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], fused=True)
+    for step in range(3):
+        grads = [torch.randn(numel, generator=g) for _ in range(n)]
+        acc = b.accumulator(step, 0)
+        for w, x in enumerate(grads):
+            c, f, m = _push("none", x)
+            b.add_push(acc, c, f, m, expected=n)
+            acc.workers.add(w)
+        acc.hyper = HYPER
+        b.apply(acc, float(n))
+        b.release(step)
+        b.version += 1
+        p.grad = torch.stack(grads).sum(0) / n
+        opt.step()
+    torch.testing.assert_close(b.params, p.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(b.state["exp_avg_sq"], opt.state[p]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
