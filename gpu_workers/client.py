@@ -85,30 +85,47 @@ class WorkerClient:
     def wait(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply", errors_of: tuple | None = None) -> list[wire.Message]:
         """Wait for messages filed under ``keys`` = (op, node, step, bucket); pops and returns them.
         ``errors_of``: raise only ERRORs answering these ops (the others stay for later or are fenced off)."""
-        start = time.monotonic()
-        deadline = start + (timeout_s or self.cfg.timeout_s)
-        probed = start
-        with self._cv:
-            while True:
-                self._raise_errors(errors_of)
-                missing = [k for k in keys if k not in self._inbox]
-                if not missing:
-                    return [self._inbox.pop(k) for k in keys]
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._running:
-                    k = missing[0]
-                    nodes = sorted({m[1] for m in missing})
-                    raise NodeTimeoutError(
-                        f"worker {self.rank}: no {what} from node {k[1]} at {self.nodes[k[1]]} for step {k[2]}, bucket {k[3]} "
-                        f"within {timeout_s or self.cfg.timeout_s:.1f} s ({len(missing)} of {len(keys)} replies missing, "
-                        f"from nodes {[self.nodes[n] for n in nodes]})"
-                    )
-                self._cv.wait(min(left, 0.5))
-                if time.monotonic() - probed >= 1.0:
-                    # a node that restarted answers a probe with ERROR (rollback) long before the deadline
-                    probed = time.monotonic()
-                    for n in sorted({m[1] for m in missing}):
-                        self.send(n, {"op": Op.HEARTBEAT})
+        got = dict(self.arrivals(keys, timeout_s, what, errors_of))
+        return [got[k] for k in keys]
+
+    def arrivals(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply", errors_of: tuple | None = None):
+        """Yield ``(key, message)`` for every key as soon as it is filed, in arrival order, so the caller
+        consumes each reply (and frees its buffer) while the others are still coming. One deadline for
+        all; the error names the node, step and bucket still missing."""
+        timeout_s = timeout_s or self.cfg.timeout_s
+        deadline = time.monotonic() + timeout_s
+        pending = list(keys)
+        while pending:
+            with self._cv:
+                ready = self._await_any(pending, deadline, timeout_s, what, errors_of, len(keys))
+                got = [(k, self._inbox.pop(k)) for k in ready]
+            done = set(ready)
+            pending = [k for k in pending if k not in done]
+            yield from got
+
+    def _await_any(self, missing: list[tuple], deadline: float, timeout_s: float, what: str, errors_of, total: int) -> list[tuple]:
+        """With the lock held: wait until some of ``missing`` is filed and return those keys."""
+        probed = time.monotonic()
+        while True:
+            self._raise_errors(errors_of)
+            ready = [k for k in missing if k in self._inbox]
+            if ready:
+                return ready
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._running:
+                k = missing[0]
+                nodes = sorted({m[1] for m in missing})
+                raise NodeTimeoutError(
+                    f"worker {self.rank}: no {what} from node {k[1]} at {self.nodes[k[1]]} for step {k[2]}, bucket {k[3]} "
+                    f"within {timeout_s:.1f} s ({len(missing)} of {total} replies missing, "
+                    f"from nodes {[self.nodes[n] for n in nodes]})"
+                )
+            self._cv.wait(min(left, 0.5))
+            if time.monotonic() - probed >= 1.0:
+                # a node that restarted answers a probe with ERROR (rollback) long before the deadline
+                probed = time.monotonic()
+                for n in sorted({m[1] for m in missing}):
+                    self.send(n, {"op": Op.HEARTBEAT})
 
     def reset(self) -> None:
         """Forget filed replies and errors (after a rollback or rejoin: they belong to abandoned steps)."""

@@ -263,16 +263,20 @@ class Worker:
         return nonfinite, norm
 
     def wait(self, step: int) -> bool:
-        """Wait for the weights after ``step`` and write them into the parameters in forward order.
-        Returns whether the nodes skipped the step."""
+        """Wait for the weights after ``step`` and write each bucket into the parameters as it arrives
+        (asked for in forward order), so writing overlaps receiving and each reply's buffer is freed
+        for reuse at once. Returns whether the nodes skipped the step."""
         keys = [(Op.UPDATE, b.node, step, b.id) for b in reversed(self.layout.buckets)]
-        t0 = time.perf_counter()
-        msgs = self.client.wait(keys, what=f"updated weights")
-        self.update_wait_s = time.perf_counter() - t0
+        waited = 0.0
         skipped = False
-        for key, m in zip(keys, msgs):
+        t0 = time.perf_counter()
+        for key, m in self.client.arrivals(keys, what="updated weights"):
+            t1 = time.perf_counter()
+            waited += t1 - t0
             skipped |= m.header["skipped"]
             self._write(self.bufs[key[3]], m)
+            t0 = time.perf_counter()
+        self.update_wait_s = waited
         return skipped
 
     def _write(self, buf: _BucketBuf, msg) -> None:
