@@ -14,9 +14,11 @@ loopback:
 - ``luwu_sync`` and ``luwu_delayed``: 2 worker processes with
   ``RemoteOptimizer`` (``delayed_update`` off / on) and 1 node daemon, fp32
   both ways; ``luwu_hybrid_sync`` / ``luwu_hybrid_delayed``: the same with
-  ``compression=CompressionConfig()`` (the hybrid policy's defaults: int8 + error
-  feedback for the large matrices, bf16 for the rest, bf16 weights back, after
-  10 uncompressed warm-up steps, which the default ``--warmup 12`` skips).
+  ``compression=CompressionConfig(link_gbps=...)``: the hybrid policy told the
+  link's speed (``--link-gbps``, default 40: loopback moves ~44 Gbit/s between
+  two processes here, see bench_links), so its cost rule picks what pays on it
+  (on loopback: bf16 both ways, int8's encode costs more than the wire time it
+  saves); after 10 uncompressed warm-up steps, which ``--warmup 12`` skips.
 
 Samples/s = global batch / median step time over the steps after warm-up (the
 slower rank's median); configurations alternate over repetitions and the
@@ -110,7 +112,7 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
             if "hybrid" in kind:
                 from luwu.protocol.policy import CompressionConfig
 
-                compression = CompressionConfig()
+                compression = CompressionConfig(link_gbps=cfg["link_gbps"])
             opt = luwu.RemoteOptimizer(
                 model, "adamw", nodes=cfg["nodes"], rank=rank, world_size=world, job=cfg["job"], lr=LR, weight_decay=WD, delayed_update=kind.endswith("delayed"), compression=compression
             )
@@ -138,6 +140,8 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
                     node0 = _node_opt_seconds(cfg["metrics_url"]) + (proc_usage(cfg["node_pid"])[0], threads_cpu_s(cfg["node_pid"]))
                 t_start = time.perf_counter()
                 c_start = time.process_time()
+                if timed is not None:
+                    bytes0 = (opt.client.bytes_sent, opt.client.bytes_received)
             t0 = time.perf_counter()
             if timed is not None:
                 timed["finish"] = timed["wait"] = 0.0
@@ -156,6 +160,9 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
                 recs.append(r)
         elapsed = time.perf_counter() - t_start
         cpu_s = time.process_time() - c_start
+        wire = None
+        if timed is not None:
+            wire = ((opt.client.bytes_sent - bytes0[0]) / cfg["steps"], (opt.client.bytes_received - bytes0[1]) / cfg["steps"])
         node = None
         if node0 is not None:
             cpu1, th1 = proc_usage(cfg["node_pid"])[0], threads_cpu_s(cfg["node_pid"])
@@ -169,7 +176,7 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
 
             dist.barrier()
             dist.destroy_process_group()
-        q.put(("ok", rank, {"recs": recs, "elapsed": elapsed, "cpu_s": cpu_s, "node": node, "loss": float(loss.detach())}))
+        q.put(("ok", rank, {"recs": recs, "elapsed": elapsed, "cpu_s": cpu_s, "node": node, "loss": float(loss.detach()), "wire": wire}))
     except BaseException as exc:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
@@ -245,6 +252,7 @@ def summarize(kind: str, world: int, out: dict[int, dict]) -> dict:
     res["cpu_ms_per_step"] = cpu / steps * 1e3
     res["samples_per_cpu_s"] = world * BATCH * steps / cpu
     if kind.startswith("luwu"):
+        res["push_MB_per_step"], res["pull_MB_per_step"] = (x / 1e6 for x in out[0]["wire"])
         res["finish_ms"] = median([s["finish"] for s in recs]) * 1e3
         res["wait_weights_ms"] = median([s["wait"] for s in recs]) * 1e3
         res["write_ms"] = median([s["wait_all"] - s["wait"] for s in recs]) * 1e3
@@ -289,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=12, help="untimed steps per run (> the hybrid policy's 10 fp32 warm-up steps)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every configuration (alternating)")
     ap.add_argument("--configs", nargs="+", default=["single", "ddp", "ddp_default", "ddp_bf16", "luwu_sync", "luwu_delayed", "luwu_hybrid_sync", "luwu_hybrid_delayed"])
+    ap.add_argument("--link-gbps", type=float, default=40.0, help="link speed the hybrid configs tell their policy (loopback ~40)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = ap.parse_args(argv)
     if args.quick:
@@ -301,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             order = args.configs[rep % len(args.configs) :] + args.configs[: rep % len(args.configs)]
             for kind in order:
                 with LoadMonitor() as run_load:
-                    r = run_config(kind, {"steps": args.steps, "warmup": args.warmup})
+                    r = run_config(kind, {"steps": args.steps, "warmup": args.warmup, "link_gbps": args.link_gbps})
                 r["rep"] = rep
                 r["other_cores"] = run_load.info()["other_cores"]
                 runs[kind].append(r)
@@ -395,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         md_table(
             [r for r in rows if r["config"].startswith("luwu")],
-            ["config", "step_ms", "fb_ms", "finish_ms", "wait_weights_ms", "write_ms", "node_opt_ms_per_step", "node_buckets_per_step"],
+            ["config", "step_ms", "fb_ms", "finish_ms", "wait_weights_ms", "write_ms", "node_opt_ms_per_step", "node_buckets_per_step", "push_MB_per_step", "pull_MB_per_step"],
         ),
         "",
         "The node's CPU per step by thread (ms): loop = event loop (receiving, decoding pushes into the accumulators, "
@@ -408,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "fb: forward + backward (the gradient hooks copy and push full buckets during it); finish: Worker.finish, pushing "
         "what the hooks did not; wait_weights: waiting for the UPDATE replies (delayed: those of the previous step); "
-        "write: decoding the weights into the parameters; node_opt: luwu_node_optimizer_step_seconds summed per step (wall "
+        "write: decoding the weights into the parameters (as each reply arrives); push/pull MB: payload bytes per step of worker 0; node_opt: luwu_node_optimizer_step_seconds summed per step (wall "
         "time from handing a bucket to the optimizer thread until the event loop resumes, hand-offs included).",
         "",
     ]
