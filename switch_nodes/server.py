@@ -8,8 +8,9 @@ the replies, while the loop goes on receiving. Everything that reads or writes
 the shard runs on that thread, so a reply never sees a half-stepped bucket.
 The reply to the last push of a bucket is the new weights, sent to every
 worker: one round trip per bucket; fp32 weights leave zero-copy from the shard
-(the next step of that bucket waits until ZeroMQ has sent them). A message that breaks the contract gets an
-ERROR reply naming what was wrong; the node never dies of a message.
+(the next step of that bucket waits until ZeroMQ has sent them). A message
+that breaks the contract gets an ERROR reply naming what was wrong; the node
+never dies of a message.
 """
 
 from __future__ import annotations
@@ -660,6 +661,7 @@ class NodeServer:
         if h["action"] == "get":
 
             def snapshot():
+                reply["step"] = b.version  # as of the snapshot, behind the steps queued before it
                 steps = torch.stack(b.steps) if b.steps else torch.zeros(0)
                 return [b.params.clone(), *(b.state[n].clone() for n in b.kind.state_names), steps]
 
