@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-all bench
+.PHONY: setup demo test test-all bench bench-cluster bench-cluster-quick
 setup:
 	@bash scripts/setup.sh
 
@@ -20,3 +20,15 @@ test-all: setup
 
 bench: setup
 	$(PY) benchmarks/run_all.py
+
+# The emulated-cluster head-to-head (issue 9; root: network namespaces + tbf): LuWu vs DDP at 1 and
+# 10 Gbit/s, 2 and 4 workers, 1/2/4 nodes, then the plan validation and the heterogeneous-node study.
+# Writes benchmarks/results/cluster.*, plan_validation.*, hetero.* (40-50 minutes on 2 quiet cores).
+bench-cluster: setup
+	$(PY) benchmarks/cluster_study.py
+	$(PY) benchmarks/cluster_study.py --hetero
+
+# Smoke run of the same (1 Gbit/s, 4 workers, 2 nodes, 16 steps; writes *.quick.*): about 6 minutes.
+bench-cluster-quick: setup
+	$(PY) benchmarks/cluster_study.py --quick
+	$(PY) benchmarks/cluster_study.py --hetero --quick

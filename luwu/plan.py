@@ -23,15 +23,22 @@ Terms, per step::
     node j down  = W * P_j * b_push          bytes  / B_n,j   (incast: every worker's shard)
     node j up    = W * P_j * b_pull          bytes  / B_n,j   (a reply to every worker)
     node j cpu   = P_j * (1/R + W * d_push + e_pull) / T      (sum + optimizer + reply)
-    worker codec = P * (e_push + d_pull)
+    worker codec = P * (e_push + d_pull)                      (on the training thread, see below)
 
-A bucket crosses four stages in series; links are full duplex, and a transfer
+Where the worker's codec time goes (DESIGN.md's data path): a bucket is
+encoded in the gradient hook that completes it, on the training thread, so
+encoding lengthens backward; ``step()`` waits for every reply and then writes
+the weights into the parameters, so decoding follows the last reply::
+
+    C'    = C + P * e_push                      compute with the hooks' encoding
+    write = P * d_pull                          after the last reply (delayed update: after the next backward)
+
+A bucket crosses three stages in series; links are full duplex, and a transfer
 through a worker link and a node link in series runs at the slower one::
 
     push  = max(worker up, max_j node j down)
     node  = max_j node j cpu
     pull  = max(max_j node j up, worker down)
-    codec = worker codec
 
 Buckets (``K = ceil(4 P / bucket_bytes)``) pipeline through the stages::
 
@@ -39,26 +46,48 @@ Buckets (``K = ceil(4 P / bucket_bytes)``) pipeline through the stages::
     tail = sum(stages) / K                                  # the last bucket alone
 
 Streaming: pushes start once the first bucket of backward is ready, so up to
-``f * C`` of the path hides behind backward (default ``f = 2/3 * (1 - 1/K)``:
+``f * C'`` of the path hides behind backward (default ``f = 2/3 * (1 - 1/K)``:
 backward is 2/3 of compute at fwd:bwd = 1:2, less its first bucket). The last
 bucket cannot leave before backward ends, hence the ``tail`` floor::
 
-    sync step    = C + max(path - f * C, tail)
+    sync step    = C' + max(path - f * C', tail) + write
 
 Delayed update (ZeRO-Offload's DPU, staleness 1): forward t+1 runs on weights
-not yet updated by step t, and step t's weights must land before forward t+2.
-Each resource is busy once per step (throughput), and step t's path, which
-starts at ``(1 - f) * C`` into step t, must end two periods later::
+not yet updated by step t, which are written after backward t+1. Each resource
+is busy once per step (throughput), and step t's path, which starts at
+``(1 - f) * C'`` into step t, must end before backward t+1 does, one period
+later, or the training thread waits::
 
-    delayed step = max(C, max(stages), ((1 - f) * C + path) / 2)
+    delayed step = max(C' + write, max(stages), ((1 - f) * C' + path + write) / 2)
 
 which is never more than the sync step. ``samples/s = W * batch / step``.
+
+Shared cores (``shared_cores = S``: every worker and node process runs on the
+same S cores, as in the emulated cluster of benchmarks/cluster_study.py, or
+processes packed on one host). The network stack costs CPU too: ``n`` seconds
+per payload byte moved (sender and receiver together: kernel, ZeroMQ, the
+worker's I/O thread; bench_links measures ~0.8 ns/B for bare sockets). Then::
+
+    worker cpu   = C' + write                               (each worker's training thread)
+    net cpu      = n * W * (P * b_push + P * b_pull)        (every byte crosses once)
+    shared cpu   = (W * worker cpu + sum_j node j cpu + net cpu) / S
+    C', write   -> C' * max(1, W / S), write * max(1, W / S)  (the W workers do them at once on S cores)
+
+and both step formulas above take ``max(step, shared cpu)``: the cores must do
+all the step's work once per step. Streaming needs a core the workers leave
+free (the I/O threads, the kernel's network work and the nodes' decoding run
+there while backward goes on): with ``W >= S`` the default overlap is ``f = 0``
+(measured on the emulated cluster: 4 workers on 2 cores push after backward).
+Without ``shared_cores`` every host has its own CPU and none of this applies.
+
 The bottleneck is the resource busiest per step among compute, each worker link
-direction, each node link direction, each node's CPU and the worker codec.
+direction, each node link direction, each node's CPU, the worker codec and (with
+``shared_cores``) the shared cores.
 
 Not modelled: link latency and per-message overheads (frames are 1-4 MiB),
 unfair incast sharing, CPU contention between compute, codecs and the I/O
-thread on one host, the uncompressed warm-up steps of the hybrid policy.
+thread on one host (except through ``shared_cores``), the uncompressed warm-up
+steps of the hybrid policy.
 """
 
 from __future__ import annotations
@@ -117,29 +146,32 @@ class CodecProfile:
     """0 = exact; higher loses more. The recommendation prefers the least lossy codec that is fast enough."""
 
 
-# Encode/decode costs: naive torch implementations measured on the dev machine
-# (1 thread, 16M elements; ns per element): fp32 add 0.23, bf16 encode 0.2 and
-# decode-add 2.1, int8 blockwise encode 6.1 and decode-add 1.9, int4 encode 9.6
-# and decode 6.7, threshold top-k 1% encode 5.8 and scatter-add 0.2. Real
-# codecs will differ; pass measured numbers where it matters.
+# Encode/decode costs, one thread, 16M elements, from benchmarks/results/bench_codecs.md
+# (ns per element = 4 / GB/s of fp32 input): fp32 decode-add 0.33; bf16 encode 0.22 and
+# decode-add 0.35; int8 blockwise encode with error feedback 1.0 and decode-add 0.32; int4
+# encode with error feedback 1.8 and decode-add 0.9; top-k 1% encode with error feedback 4.2 and
+# scatter-add 0.13. int8 deltas of the weights (the pull direction): encode against the shadow
+# 1.33, decode-add 0.36 (luwu.protocol.policy.CODEC_GBPS). Pass measured numbers where it matters.
 _NS = 1e-9
 _CODECS: dict[str, CodecProfile] = {
-    "none": CodecProfile("none", 4.0, 0.0, 0.25 * _NS, 0),
-    "fp32": CodecProfile("fp32", 4.0, 0.0, 0.25 * _NS, 0),
-    "bf16": CodecProfile("bf16", 2.0, 0.2 * _NS, 2.0 * _NS, 1),
-    "fp16": CodecProfile("fp16", 2.0, 0.3 * _NS, 2.0 * _NS, 1),
-    "int8": CodecProfile("int8", 1.0 + 4.0 / _INT8_BLOCK, 6.0 * _NS, 1.9 * _NS, 2),
+    "none": CodecProfile("none", 4.0, 0.0, 0.33 * _NS, 0),
+    "fp32": CodecProfile("fp32", 4.0, 0.0, 0.33 * _NS, 0),
+    "bf16": CodecProfile("bf16", 2.0, 0.22 * _NS, 0.35 * _NS, 1),
+    "fp16": CodecProfile("fp16", 2.0, 0.52 * _NS, 0.32 * _NS, 1),
+    "int8": CodecProfile("int8", 1.0 + 4.0 / _INT8_BLOCK, 1.0 * _NS, 0.32 * _NS, 2),
+    # the pull direction's int8: deltas against a shadow of the workers' weights
+    "int8_delta": CodecProfile("int8_delta", 1.0 + 4.0 / _INT8_BLOCK, 1.33 * _NS, 0.36 * _NS, 2),
     # the hybrid policy: large matrices (nearly all bytes of a big model) go int8
-    "hybrid": CodecProfile("hybrid", 1.0 + 4.0 / _INT8_BLOCK, 6.0 * _NS, 1.9 * _NS, 2),
-    "int4": CodecProfile("int4", 0.5 + 4.0 / _INT8_BLOCK, 9.6 * _NS, 6.7 * _NS, 3),
+    "hybrid": CodecProfile("hybrid", 1.0 + 4.0 / _INT8_BLOCK, 1.0 * _NS, 0.32 * _NS, 2),
+    "int4": CodecProfile("int4", 0.5 + 4.0 / _INT8_BLOCK, 1.8 * _NS, 0.9 * _NS, 3),
 }
 _TOPK_DENSITY = 0.01
-_TOPK_ENCODE_S = 6.0 * _NS
-_TOPK_DECODE_S = 0.25 * _NS  # zeroing is shared with the accumulator; the scatter is 1% of it
+_TOPK_ENCODE_S = 4.2 * _NS
+_TOPK_DECODE_S = 0.13 * _NS
 _TOPK_RE = re.compile(r"^topk(?::(?P<density>[0-9.eE+-]+))?$")
 
 PUSH_CODECS = ("none", "bf16", "int8", "int4", "topk")
-PULL_CODECS = ("none", "bf16", "int8")
+PULL_CODECS = ("none", "bf16", "int8_delta")
 
 
 def _codecs_module_bytes(name: str) -> float | None:
@@ -147,7 +179,7 @@ def _codecs_module_bytes(name: str) -> float | None:
     try:
         from luwu.protocol import codecs  # type: ignore[attr-defined]
 
-        value = float(codecs.get_codec(name).bytes_per_element())
+        value = float(codecs.get_codec("int8" if name == "int8_delta" else name).bytes_per_element())
     except Exception as exc:  # absent, unfinished, or a name it does not know
         logger.debug("codec %r not taken from luwu.protocol.codecs: %s", name, exc)
         return None
@@ -157,8 +189,8 @@ def _codecs_module_bytes(name: str) -> float | None:
 
 
 def codec_profile(name: str) -> CodecProfile:
-    """The profile of a codec by name (``none``, ``bf16``, ``fp16``, ``int8``, ``hybrid``,
-    ``int4``, ``topk`` or ``topk:<density>``). Bytes per element come from
+    """The profile of a codec by name (``none``, ``bf16``, ``fp16``, ``int8``, ``int8_delta``,
+    ``hybrid``, ``int4``, ``topk`` or ``topk:<density>``). Bytes per element come from
     ``luwu.protocol.codecs`` when that module knows the codec, else from the table here."""
     key = name.strip().lower()
     match = _TOPK_RE.match(key)
@@ -238,6 +270,12 @@ class PlanSpec:
     """fp32 bytes per bucket, the unit that pipelines through the stages."""
     batch_per_worker: int | None = None
     """Samples per worker per step, for samples/s; None = not reported."""
+    shared_cores: float | None = None
+    """Cores that every worker and node process share (an emulated cluster on one machine, or processes
+    packed on one host); None = every host has its own CPU."""
+    net_cpu_s_per_byte: float = 0.0
+    """CPU seconds the network stack spends per byte moved, sender and receiver together (kernel +
+    ZeroMQ); counts only against ``shared_cores``."""
 
     def __post_init__(self) -> None:
         _positive_int("num_params", self.num_params)
@@ -250,7 +288,7 @@ class PlanSpec:
         for name in ("worker_gbps", "push_bytes_per_elem", "pull_bytes_per_elem", "opt_params_per_s"):
             _positive(name, getattr(self, name))
         for name in ("compute_s", "push_encode_s_per_elem", "push_decode_s_per_elem",
-                     "pull_encode_s_per_elem", "pull_decode_s_per_elem"):
+                     "pull_encode_s_per_elem", "pull_decode_s_per_elem", "net_cpu_s_per_byte"):
             _non_negative(name, getattr(self, name))
         if self.capacities is not None:
             self.capacities = tuple(self.capacities)
@@ -268,6 +306,8 @@ class PlanSpec:
                 _positive(f"node_gbps[{i}]", g)
         else:
             _positive("node_gbps", self.node_gbps)
+        if self.shared_cores is not None:
+            _positive("shared_cores", self.shared_cores)
         if self.overlap_fraction is not None and not (
             isinstance(self.overlap_fraction, (int, float)) and 0.0 <= self.overlap_fraction <= 1.0
         ):
@@ -314,6 +354,14 @@ class Plan:
     node_cpu_s: tuple[float, ...]
     """Optimizer + decoding pushes + encoding the reply, per node."""
     worker_codec_s: float
+    compute_eff_s: float
+    """C': forward + backward with the hooks' encoding, slowed by sharing ``shared_cores``."""
+    write_s: float
+    """Writing the weights into the parameters after the last reply (slowed by sharing cores)."""
+    net_cpu_s: float
+    """CPU the network stack spends on one step's bytes (all hosts)."""
+    shared_cpu_s: float
+    """All the step's CPU work over ``shared_cores`` (0 without)."""
     num_buckets: int
     overlap_fraction: float
     push_s: float
@@ -371,20 +419,30 @@ def plan(spec: PlanSpec) -> Plan:
     node_cpu_s = tuple(o + s * per_elem_codec / spec.node_threads for o, s in zip(node_opt_s, shards))
     worker_codec_s = P * (spec.push_encode_s_per_elem + spec.pull_decode_s_per_elem)
 
+    C = spec.compute_s + P * spec.push_encode_s_per_elem  # the hooks encode on the training thread
+    write_s = P * spec.pull_decode_s_per_elem  # after the last reply
+    net_cpu_s = spec.net_cpu_s_per_byte * W * (worker_up_bytes + worker_down_bytes)
+    shared_cpu_s = 0.0
+    if spec.shared_cores is not None:
+        shared_cpu_s = (W * (C + write_s) + sum(node_cpu_s) + net_cpu_s) / spec.shared_cores
+        slow = max(1.0, W / spec.shared_cores)
+        C, write_s = C * slow, write_s * slow
+
     num_buckets = max(1, math.ceil(4 * P / spec.bucket_bytes))
     f = spec.overlap_fraction
     if f is None:
         f = BACKWARD_FRACTION * (1.0 - 1.0 / num_buckets)
+        if spec.shared_cores is not None and W >= spec.shared_cores:
+            f = 0.0  # no core left over while the workers compute: the pushes move after backward
     push_s = max(worker_up_s, *node_down_s)
     node_s = max(node_cpu_s)
     pull_s = max(worker_down_s, *node_up_s)
-    stages = (push_s, node_s, pull_s, worker_codec_s)
+    stages = (push_s, node_s, pull_s)
     longest = max(stages)
     path_s = longest + (sum(stages) - longest) / num_buckets
     tail_s = sum(stages) / num_buckets
-    C = spec.compute_s
-    sync_step_s = C + max(path_s - f * C, tail_s)
-    delayed_step_s = max(C, longest, ((1.0 - f) * C + path_s) / 2.0)
+    sync_step_s = max(C + max(path_s - f * C, tail_s) + write_s, shared_cpu_s)
+    delayed_step_s = max(C + write_s, longest, ((1.0 - f) * C + path_s + write_s) / 2.0, shared_cpu_s)
     assert delayed_step_s <= sync_step_s * (1 + 1e-12), (delayed_step_s, sync_step_s)
 
     resources = {"compute": C, "worker uplink": worker_up_s, "worker downlink": worker_down_s}
@@ -393,6 +451,8 @@ def plan(spec: PlanSpec) -> Plan:
         resources[f"node {j} uplink"] = node_up_s[j]
         resources[f"node {j} cpu"] = node_cpu_s[j]
     resources["worker codec"] = worker_codec_s
+    if spec.shared_cores is not None:
+        resources["shared cores"] = shared_cpu_s
     bottleneck = max(resources, key=resources.__getitem__)  # first of equals: compute wins ties
 
     return Plan(
@@ -402,6 +462,7 @@ def plan(spec: PlanSpec) -> Plan:
         node_down_bytes=node_down_bytes, node_up_bytes=node_up_bytes,
         node_down_s=node_down_s, node_up_s=node_up_s,
         node_opt_s=node_opt_s, node_cpu_s=node_cpu_s, worker_codec_s=worker_codec_s,
+        compute_eff_s=C, write_s=write_s, net_cpu_s=net_cpu_s, shared_cpu_s=shared_cpu_s,
         num_buckets=num_buckets, overlap_fraction=f,
         push_s=push_s, node_s=node_s, pull_s=pull_s, path_s=path_s, tail_s=tail_s,
         sync_step_s=sync_step_s, delayed_step_s=delayed_step_s,
@@ -558,7 +619,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacities", type=_floats, default=None, help="relative node capacities, comma-separated")
     parser.add_argument("--push-codec", default="hybrid", help="gradient codec: none, bf16, fp16, int8, hybrid, "
                         "int4, topk, topk:<density> (default hybrid, ~int8 for large models)")
-    parser.add_argument("--pull-codec", default="bf16", help="weights codec: none, bf16, int8 (deltas) (default bf16)")
+    parser.add_argument("--pull-codec", default="bf16", help="weights codec: none, bf16, int8_delta (default bf16)")
     parser.add_argument("--no-codec-cost", action="store_true", help="ignore encode/decode time")
     parser.add_argument("--compute-ms", type=float, required=True, help="forward+backward ms per step on a worker")
     parser.add_argument("--batch", type=int, default=None, help="samples per worker per step, for samples/s")
@@ -571,6 +632,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fraction of compute pushes overlap (default 2/3 * (1 - 1/buckets))")
     parser.add_argument("--efficiency", type=float, default=0.9, help="fraction of line rate achieved (default 0.9)")
     parser.add_argument("--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20, help="bucket MiB (default 4)")
+    parser.add_argument("--shared-cores", type=float, default=None,
+                        help="cores every worker and node share (an emulated cluster on one machine)")
+    parser.add_argument("--net-cpu-ns", type=float, default=0.0,
+                        help="with --shared-cores: CPU ns the network stack spends per byte moved (default 0)")
     parser.add_argument("--max-nodes", type=int, default=8, help="largest node count explored (default 8)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -589,6 +654,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         node_threads=args.node_threads, compute_s=args.compute_ms / 1e3, delayed_update=args.delayed_update,
         overlap_fraction=args.overlap, protocol_efficiency=args.efficiency,
         bucket_bytes=max(1, round(args.bucket_mb * 2**20)), batch_per_worker=args.batch,
+        shared_cores=args.shared_cores, net_cpu_s_per_byte=args.net_cpu_ns * 1e-9,
     )
     return spec_with_codecs(spec, args.push_codec, args.pull_codec, codec_costs=not args.no_codec_cost)
 
@@ -602,14 +668,20 @@ def _ms(x: float) -> str:
 
 
 def _rows(p: Plan) -> list[tuple[str, str, str]]:
-    rows = [("compute (fwd+bwd)", "", _ms(p.spec.compute_s)),
+    label = "compute (fwd+bwd)"
+    if abs(p.compute_eff_s - p.spec.compute_s) > 1e-12:
+        label = f"compute (fwd+bwd {_ms(p.spec.compute_s)}, with encoding and sharing cores)"
+    rows = [(label, "", _ms(p.compute_eff_s)),
             ("worker uplink (push)", _mb(p.worker_up_bytes), _ms(p.worker_up_s)),
             ("worker downlink (pull)", _mb(p.worker_down_bytes), _ms(p.worker_down_s))]
     for j in range(p.spec.nodes):
         rows += [(f"node {j} downlink (incast)", _mb(p.node_down_bytes[j]), _ms(p.node_down_s[j])),
                  (f"node {j} uplink (replies)", _mb(p.node_up_bytes[j]), _ms(p.node_up_s[j])),
                  (f"node {j} cpu (opt {_ms(p.node_opt_s[j])})", "", _ms(p.node_cpu_s[j]))]
-    rows.append(("worker codec", "", _ms(p.worker_codec_s)))
+    rows.append((f"worker codec (in backward {_ms(p.worker_codec_s - p.spec.num_params * p.spec.pull_decode_s_per_elem)})",
+                 "", _ms(p.worker_codec_s)))
+    if p.spec.shared_cores is not None:
+        rows.append((f"shared cores (network {_ms(p.net_cpu_s)})", "", _ms(p.shared_cpu_s)))
     return rows
 
 

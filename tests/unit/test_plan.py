@@ -100,6 +100,20 @@ def test_codec_and_optimizer_time_on_the_node():
     assert p.worker_codec_s == pytest.approx(P * (3e-9 + 4e-9))
 
 
+def test_encoding_lengthens_backward_and_writing_follows_the_last_reply():
+    # worker codec work sits on the training thread: encode inside backward, decode after the wait
+    base = spec(worker_gbps=100.0, node_gbps=100.0)
+    p = plan(spec(worker_gbps=100.0, node_gbps=100.0, push_encode_s_per_elem=3e-9, pull_decode_s_per_elem=1e-9))
+    q = plan(base)
+    assert p.compute_eff_s == pytest.approx(0.2 + P * 3e-9)
+    assert p.write_s == pytest.approx(P * 1e-9)
+    assert p.sync_step_s == pytest.approx(p.compute_eff_s + max(q.path_s - p.overlap_fraction * p.compute_eff_s,
+                                                                q.tail_s) + p.write_s)
+    assert p.delayed_step_s == pytest.approx(max(p.compute_eff_s + p.write_s, max(q.push_s, q.node_s, q.pull_s),
+                                                 ((1 - p.overlap_fraction) * p.compute_eff_s + q.path_s
+                                                  + p.write_s) / 2))
+
+
 def test_one_bucket_cannot_overlap_backward():
     p = plan(spec(bucket_bytes=1 << 40))
     assert p.num_buckets == 1 and p.overlap_fraction == 0.0
@@ -199,6 +213,7 @@ def test_parse_count_refuses(text):
     ("pull_bytes_per_elem", float("inf")), ("opt_params_per_s", 0), ("compute_s", -0.1),
     ("push_decode_s_per_elem", -1e-9), ("overlap_fraction", 1.5), ("protocol_efficiency", 0.0),
     ("protocol_efficiency", 1.2), ("bucket_bytes", 0), ("batch_per_worker", 0), ("node_threads", 0),
+    ("shared_cores", 0.0), ("shared_cores", float("inf")), ("net_cpu_s_per_byte", -1e-9),
 ])
 def test_bad_values_are_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=field) as info:
@@ -253,3 +268,49 @@ def test_cli_bad_setting_returns_two(capsys):
     assert "workers" in capsys.readouterr().err
     assert run(parse("--params", "16.7M", "--compute-ms", "100", "--push-codec", "zstd")) == 2
     assert "zstd" in capsys.readouterr().err
+
+
+def test_shared_cores_add_a_cpu_floor_and_slow_compute():
+    # 4 workers and 1 node on 2 shared cores: compute runs 2x slower, and the step can never beat all
+    # the step's CPU work (compute, codecs, node, network stack) spread over the cores
+    s = spec(worker_gbps=100.0, node_gbps=100.0, shared_cores=2.0, net_cpu_s_per_byte=1e-9,
+             push_decode_s_per_elem=1e-9, push_encode_s_per_elem=2e-9)
+    p, alone = plan(s), plan(spec(worker_gbps=100.0, node_gbps=100.0, push_decode_s_per_elem=1e-9,
+                                  push_encode_s_per_elem=2e-9))
+    assert p.compute_eff_s == pytest.approx((0.2 + P * 2e-9) * 4 / 2)  # the hooks encode on the training thread
+    assert p.net_cpu_s == pytest.approx(1e-9 * 4 * (P * 4.0 + P * 4.0))
+    work = 4 * (0.2 + p.worker_codec_s) + p.node_cpu_s[0] + p.net_cpu_s
+    assert p.shared_cpu_s == pytest.approx(work / 2)
+    assert p.resources["shared cores"] == pytest.approx(p.shared_cpu_s)
+    assert p.bottleneck == "shared cores"
+    assert p.sync_step_s >= p.shared_cpu_s and p.delayed_step_s == pytest.approx(p.shared_cpu_s)
+    assert p.sync_step_s > alone.sync_step_s
+    assert alone.shared_cpu_s == 0.0 and "shared cores" not in alone.resources
+    assert alone.compute_eff_s == pytest.approx(0.2 + P * 2e-9)
+
+
+def test_shared_cores_do_not_slow_compute_when_each_worker_has_a_core():
+    p = plan(spec(workers=2, shared_cores=4.0))
+    assert p.compute_eff_s == pytest.approx(0.2)
+    assert p.overlap_fraction == pytest.approx(2 / 3 * (1 - 1 / p.num_buckets))  # a core is left for the pushes
+
+
+def test_no_streaming_overlap_when_workers_take_every_shared_core():
+    p = plan(spec(shared_cores=2.0))
+    assert p.overlap_fraction == 0.0
+    assert plan(spec(shared_cores=2.0, overlap_fraction=0.5)).overlap_fraction == 0.5  # an explicit value stands
+    assert p.sync_step_s == pytest.approx(max(p.compute_eff_s + max(p.path_s, p.tail_s) + p.write_s, p.shared_cpu_s))
+
+
+def test_int8_delta_pull_codec_and_cli_shared_cores(capsys):
+    q = codec_profile("int8_delta")
+    assert q.bytes_per_elem == pytest.approx(codec_profile("int8").bytes_per_elem)
+    assert q.encode_s_per_elem > codec_profile("int8").encode_s_per_elem  # the shadow and the feedback
+    args = parse("--params", "16.7M", "--workers", "4", "--nodes", "2", "--worker-gbps", "1", "--compute-ms", "100",
+                 "--pull-codec", "int8_delta", "--shared-cores", "2", "--net-cpu-ns", "0.8", "--json")
+    assert run(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["spec"]["shared_cores"] == 2.0
+    assert data["plan"]["shared_cpu_s"] > 0
+    assert run(parse("--params", "16.7M", "--compute-ms", "100", "--shared-cores", "0")) == 2
+    assert "shared_cores" in capsys.readouterr().err

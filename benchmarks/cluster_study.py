@@ -1,0 +1,972 @@
+"""LuWu against DDP on an emulated cluster: network-namespace hosts, tbf links, one task (issue 9).
+
+On loopback the network is almost free; here every worker and every node is
+its own host (a network namespace from ``netns_cluster.py``) behind a bridge,
+each link limited to 1 or 10 Gbit/s both ways by tbf. The task is
+teacher-student classification (``cluster_task.py``): a student MLP 1024 ->
+2048 x4 -> 1000 (16.7M parameters), batch 64 per worker, 1 torch thread per
+process, the same global batches, initial weights and steps for everyone.
+
+Competitors, per link rate and worker count:
+
+- ``ddp_fp32``, ``ddp_bf16`` (the bf16 compression hook), ``ddp_powersgd``
+  (rank 4, error feedback, after the same 10 uncompressed steps as LuWu's
+  hybrid policy): DDP over gloo with fused AdamW, workers only;
+- ``luwu_sync`` and ``luwu_delayed``: ``RemoteOptimizer`` with the hybrid
+  compression policy and int8-delta weights (``pull_codec = "int8_delta"``,
+  ``link_gbps`` = the link), on 1, 2 and 4 node hosts separate from the
+  worker hosts. Every setting comes from a cluster file, as a real job's would.
+
+Measured (see ``cluster_task.py``): samples/s from the median step time after
+warm-up (slowest rank), eval loss at the final step, wall time (the training
+clock) to reach a target eval loss (DDP fp32's loss at ``target_frac`` of its
+run, interpolated), wire bytes per host per step from the kernel counters of
+each host (headers included), CPU per process and busy cores of the machine.
+Everything shares the machine's cores, so each row says what bound it: the
+links (a host's link busy most of the step) or the cores.
+
+The plan validation feeds each LuWu configuration (compute time per step and
+node optimizer rate measured here at the start, link rates, codec bytes per
+element measured on the wire, link efficiency and network CPU per byte from
+``results/bench_links.json``) to ``luwu.plan`` and sets the predicted step
+next to the measured one. ``--hetero`` runs the heterogeneous-node study: one
+node host at half the bandwidth of the other, capacity-weighted layout (from
+the cluster file) against the uniform one.
+
+Root is needed (skips with the reason otherwise). Traffic only goes to the
+addresses of the namespaces built here.
+
+    python3 benchmarks/cluster_study.py              # head-to-head + plan validation (30-40 min)
+    python3 benchmarks/cluster_study.py --hetero     # heterogeneous nodes, 30 steps, 2 repetitions (~10 min)
+    python3 benchmarks/cluster_study.py --quick      # smoke: 1 Gbit/s, 4 workers, 2 nodes, 16 steps (~3 min)
+    python3 benchmarks/cluster_study.py --replot     # tables and plan validation again from the JSON
+
+Writes benchmarks/results/cluster.{json,md} and plan_validation.{json,md}
+(``--hetero``: hetero.*; ``--quick``: *.quick.*).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import queue
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from netns_cluster import Cluster, ClusterConfig, netns_available, parse_rate  # noqa: E402
+from netns_cluster import list_namespaces  # noqa: E402,F401  (for the system test: what teardown left)
+
+log = logging.getLogger(__name__)
+
+RESULTS = HERE / "results"
+TASK = HERE / "cluster_task.py"
+NODE_PORT = 5555
+DDP_PORT = 29500
+DDP_VARIANTS = ("fp32", "bf16", "powersgd")
+LUWU_VARIANTS = ("sync", "delayed")
+READY_LINE = "LUWU_NODE_READY"  # luwu.switch_nodes.server.READY_LINE (importing it would load torch at start)
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@dataclass(kw_only=True, slots=True)
+class Settings:
+    """What every run of a study shares: model, task, steps, optimizer."""
+
+    dims: tuple[int, ...] = (1024, 2048, 2048, 2048, 2048, 1000)
+    """Student MLP layer widths."""
+    batch: int = 64
+    """Samples per worker per step."""
+    steps: int = 60
+    """Steps of every run."""
+    warmup: int = 12
+    """Steps before the timed window (past the hybrid policy's 10 uncompressed steps and the first resync)."""
+    eval_every: int = 5
+    """Rank 0 keeps the weights every this many steps for the loss curve."""
+    eval_samples: int = 1024
+    subspace: int = 16
+    """Dimension of the input subspace of the teacher-student task."""
+    task_seed: int = 1234
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    powersgd_rank: int = 4
+    powersgd_start: int = 10
+    """PowerSGD's uncompressed steps, as many as LuWu's hybrid warm-up."""
+    compression_warmup: int = 10
+    """LuWu's hybrid policy: uncompressed steps (``compression.warmup_steps``)."""
+    bucket_bytes: int = 4 << 20
+    target_frac: float = 0.75
+    """Time-to-loss target: DDP fp32's eval loss at this fraction of its steps."""
+    timeout_s: float = 120.0
+    """Deadline of every wait inside a run (gloo, LuWu transport)."""
+
+    def __post_init__(self) -> None:
+        if len(self.dims) < 2 or any(d < 1 for d in self.dims):
+            raise ValueError(f"dims must be >= 2 positive widths, got {self.dims!r}")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError(f"warmup must be in [0, steps), got warmup={self.warmup}, steps={self.steps}")
+        if not 1 <= self.eval_every <= self.steps:
+            raise ValueError(f"eval_every must be in [1, steps], got {self.eval_every}")
+        if not 0 < self.target_frac <= 1:
+            raise ValueError(f"target_frac must be in (0, 1], got {self.target_frac}")
+
+    @property
+    def num_params(self) -> int:
+        return sum(a * b + b for a, b in zip(self.dims, self.dims[1:]))
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """One competitor on one cluster shape."""
+
+    kind: str
+    """``ddp`` or ``luwu``."""
+    variant: str
+    """ddp: fp32 / bf16 / powersgd; luwu: sync / delayed."""
+    workers: int
+    nodes: int = 0
+    rate: str = "1gbit"
+    compression: bool = True
+    capacities: tuple[float, ...] | None = None
+    """LuWu node capacities written to the cluster file (None = equal)."""
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        base = f"{self.kind}_{self.variant}" + (f"_n{self.nodes}" if self.kind == "luwu" else "")
+        base += "" if self.compression or self.kind != "luwu" else "_fp32"
+        return base + (f"_{self.label}" if self.label else "")
+
+
+@dataclass(slots=True)
+class Hosts:
+    """Which cluster host plays which role: workers h0.., nodes after the largest worker count."""
+
+    cluster: Cluster
+    max_workers: int
+
+    def worker(self, rank: int) -> str:
+        return f"h{rank}"
+
+    def node(self, j: int) -> str:
+        return f"h{self.max_workers + j}"
+
+
+# ----------------------------------------------------------------------------- running one configuration
+
+
+def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str) -> list[str]:
+    nodes = [f"tcp://{hosts.cluster.addr(hosts.node(j))}:{NODE_PORT}" for j in range(rc.nodes)]
+    rate_gbps = (parse_rate(rc.rate) or 10**11) / 1e9
+    lines = ["[cluster]", f'job = "{job}"', "nodes = [" + ", ".join(f'"{n}"' for n in nodes) + "]",
+             f"world_size = {rc.workers}"]
+    if rc.capacities:
+        lines.append("capacities = [" + ", ".join(f"{c:g}" for c in rc.capacities) + "]")
+    lines += ["", "[optimizer]", 'name = "adamw"', f"delayed_update = {str(rc.variant == 'delayed').lower()}",
+              "", "[compression]", f"enabled = {str(rc.compression).lower()}", 'pull_codec = "int8_delta"',
+              f"warmup_steps = {s.compression_warmup}", f"link_gbps = {rate_gbps:g}",
+              "", "[transport]", f"timeout_s = {s.timeout_s:g}", f"bucket_bytes = {s.bucket_bytes}",
+              "", "[node]", "insecure_public_bind = true  # the bridge of the emulated cluster", ""]
+    path.write_text("\n".join(lines))
+    return nodes
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
+
+
+def _start_nodes(hosts: Hosts, rc: RunConfig, cluster_file: Path, run_dir: Path, timeout_s: float = 90.0) -> list:
+    """Start the node daemons on their hosts; return their Popen objects once every one printed READY."""
+    procs, lines = [], queue.Queue()
+    for j in range(rc.nodes):
+        addr = hosts.cluster.addr(hosts.node(j))
+        argv = [sys.executable, "-m", "luwu", "node", "--config", str(cluster_file),
+                f"--node.bind=tcp://{addr}:{NODE_PORT}", f"--node.index={j}"]
+        err = open(run_dir / f"node{j}.err", "w")
+        p = hosts.cluster.popen(hosts.node(j), argv, stdout=subprocess.PIPE, stderr=err, text=True, env=_env())
+        err.close()
+        procs.append(p)
+
+        def pump(p=p, j=j) -> None:  # drain stdout for the node's whole life
+            for line in p.stdout:
+                lines.put((j, line))
+            lines.put((j, None))
+
+        threading.Thread(target=pump, daemon=True).start()
+    ready: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(ready) < rc.nodes:
+        try:
+            j, line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            raise RuntimeError(f"nodes {sorted(set(range(rc.nodes)) - ready)} not ready in {timeout_s:.0f} s") from None
+        if line is None:
+            tail = (run_dir / f"node{j}.err").read_text()[-2000:]
+            raise RuntimeError(f"node {j} exited before it was ready: {tail}")
+        if line.startswith(READY_LINE):
+            ready.add(j)
+    return procs
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+
+def run_config(hosts: Hosts, rc: RunConfig, s: Settings, tmp: Path) -> dict:
+    """Run one configuration to the end; return the summary row (raises with the processes' errors)."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{rc.name}-", dir=tmp))
+    job = f"study-{rc.name}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    nodes, node_procs, workers = [], [], []
+    base = {"kind": rc.kind, "variant": rc.variant, "world": rc.workers, "steps": s.steps, "warmup": s.warmup,
+            "batch": s.batch, "dims": list(s.dims), "subspace": s.subspace, "task_seed": s.task_seed,
+            "eval_every": s.eval_every, "eval_samples": s.eval_samples, "lr": s.lr, "weight_decay": s.weight_decay,
+            "powersgd_rank": s.powersgd_rank, "powersgd_start": s.powersgd_start, "timeout_s": s.timeout_s,
+            "run_dir": str(run_dir), "study_pid": os.getpid(), "master_addr": hosts.cluster.addr(hosts.worker(0)), "master_port": DDP_PORT}
+    deadline_s = 90 + s.steps * 8.0
+    t0 = time.monotonic()
+    try:
+        if rc.kind == "luwu":
+            cluster_file = run_dir / "cluster.toml"
+            nodes = _cluster_file(cluster_file, rc, hosts, s, job)
+            node_procs = _start_nodes(hosts, rc, cluster_file, run_dir)
+            base["cluster_file"] = str(cluster_file)
+            base["node_pids"] = [p.pid for p in node_procs]
+        for r in range(rc.workers):
+            spec = dict(base, rank=r, result_path=str(run_dir / f"result{r}.json"))
+            path = run_dir / f"spec{r}.json"
+            path.write_text(json.dumps(spec))
+            with open(run_dir / f"worker{r}.log", "w") as logf:
+                workers.append(hosts.cluster.popen(hosts.worker(r), [sys.executable, str(TASK), str(path)],
+                                                   stdout=logf, stderr=subprocess.STDOUT, env=_env()))
+        while any(p.poll() is None for p in workers):
+            if time.monotonic() - t0 > deadline_s:
+                raise RuntimeError(f"{rc.name}: workers still running after {deadline_s:.0f} s")
+            if any(p.poll() not in (None, 0) for p in workers):
+                break
+            time.sleep(0.2)
+        results = []
+        for r, p in enumerate(workers):
+            path = run_dir / f"result{r}.json"
+            res = json.loads(path.read_text()) if path.exists() else None
+            if p.poll() != 0 or res is None or "error" in res:
+                logs = "\n".join(f"--- worker {k} (exit {q.poll()}):\n" + (run_dir / f"worker{k}.log").read_text()[-2000:]
+                                  for k, q in enumerate(workers))
+                raise RuntimeError(f"{rc.name}: worker {r} failed (exit {p.poll()})\n{logs}")
+            results.append(res)
+    finally:
+        _stop(workers)
+        _stop(node_procs)
+    row = summarize(rc, s, results, hosts)
+    row["run_wall_s"] = time.monotonic() - t0
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return row
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+def median(xs) -> float:
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def time_to_loss(curve: list[dict], target: float) -> float:
+    """Training-clock seconds at which the eval loss first reaches ``target`` (linear between points); inf if never."""
+    prev = None
+    for pt in curve:
+        if pt["eval_loss"] <= target:
+            if prev is None or prev["eval_loss"] == pt["eval_loss"]:
+                return pt["clock_s"]
+            frac = (prev["eval_loss"] - target) / (prev["eval_loss"] - pt["eval_loss"])
+            return prev["clock_s"] + frac * (pt["clock_s"] - prev["clock_s"])
+        prev = pt
+    return math.inf
+
+
+def loss_at(curve: list[dict], step: float) -> float:
+    """Eval loss at ``step``, linear between the curve's points."""
+    for a, b in zip(curve, curve[1:]):
+        if a["step"] <= step <= b["step"]:
+            w = (step - a["step"]) / max(1e-9, b["step"] - a["step"])
+            return a["eval_loss"] + w * (b["eval_loss"] - a["eval_loss"])
+    return curve[-1]["eval_loss"]
+
+
+def summarize(rc: RunConfig, s: Settings, results: list[dict], hosts: Hosts) -> dict:
+    timed = [r["recs"][s.warmup:] for r in results]
+    meds = [median([x["step_s"] for x in recs]) for recs in timed]
+    slow = max(range(len(meds)), key=meds.__getitem__)
+    step_s = meds[slow]
+    rate_bps = hosts.cluster.rate_bps(hosts.worker(0))
+    win = [r["window"] for r in results]
+    row: dict = {
+        "config": rc.name, "kind": rc.kind, "variant": rc.variant, "workers": rc.workers, "nodes": rc.nodes,
+        "rate": rc.rate, "compression": rc.compression, "capacities": list(rc.capacities) if rc.capacities else None,
+        "step_ms": step_s * 1e3, "samples_per_s": rc.workers * s.batch / step_s,
+        "fb_ms": median([x["fb_s"] for x in timed[slow]]) * 1e3,
+        "opt_ms": median([x["opt_s"] for x in timed[slow]]) * 1e3,
+        # training thread CPU per step, mean over ranks and timed steps: forward+backward with the gradient
+        # hooks, and step() (waiting uses none; writing the weights does)
+        "fb_cpu_ms": statistics.fmean(x["fb_cpu_s"] for recs in timed for x in recs) * 1e3,
+        "opt_cpu_ms": statistics.fmean(x["opt_cpu_s"] for recs in timed for x in recs) * 1e3,
+        "step_ms_per_rank": [m * 1e3 for m in meds],
+        "curve": results[0]["curve"], "eval_loss": results[0]["curve"][-1]["eval_loss"],
+        "train_clock_s": results[0]["train_clock_s"],
+        "worker_tx_bytes": [w["tx_bytes_per_step"] for w in win], "worker_rx_bytes": [w["rx_bytes_per_step"] for w in win],
+        "worker_cpu_share": [w["cpu_share"] for w in win],
+        "node_rx_bytes": [n["rx_bytes_per_step"] for n in win[0]["nodes"]],
+        "node_tx_bytes": [n["tx_bytes_per_step"] for n in win[0]["nodes"]],
+        "node_cpu_share": [n["cpu_share"] for n in win[0]["nodes"]],
+        "node_cpu_ms_by_role": [{k: v * 1e3 for k, v in n["cpu_s_per_step_by_role"].items()} for n in win[0]["nodes"]],
+        "busy_cores": win[0]["machine_busy_cores"], "cores": os.cpu_count(),
+        # TCP retransmitted segments and retransmission timeouts per step, all hosts of the run
+        "tcp_retrans_per_step": sum(w["tcp_retrans_per_step"] for w in win)
+                                + sum(n["tcp_retrans_per_step"] for n in win[0]["nodes"]),
+        "tcp_timeouts_per_step": sum(w["tcp_timeouts_per_step"] for w in win)
+                                 + sum(n["tcp_timeouts_per_step"] for n in win[0]["nodes"]),
+        "worker_rate_bps": rate_bps, "node_rate_bps": [hosts.cluster.rate_bps(hosts.node(j)) for j in range(rc.nodes)],
+    }
+    for key in ("worker_tx", "worker_rx", "node_rx", "node_tx"):
+        vals = row[f"{key}_bytes"]
+        row[f"{key}_mb"] = statistics.fmean(vals) / 1e6 if vals else float("nan")
+    if rc.kind == "luwu":
+        row["layout"] = results[0]["layout"]
+        row["payload_push_bytes"] = statistics.fmean(r["window"]["payload_tx_per_step"] for r in results)
+        row["payload_pull_bytes"] = statistics.fmean(r["window"]["payload_rx_per_step"] for r in results)
+    # which resource was busy: the busiest link direction of any host, and the machine's cores
+    util = {}
+    if rate_bps:
+        for r, w in enumerate(win):
+            util[f"worker {r} up"] = w["tx_bytes_per_step"] * 8 / hosts.cluster.rate_bps(hosts.worker(r)) / step_s
+            util[f"worker {r} down"] = w["rx_bytes_per_step"] * 8 / hosts.cluster.rate_bps(hosts.worker(r)) / step_s
+        for j, n in enumerate(win[0]["nodes"]):
+            bps = hosts.cluster.rate_bps(hosts.node(j))
+            util[f"node {j} down"] = n["rx_bytes_per_step"] * 8 / bps / step_s
+            util[f"node {j} up"] = n["tx_bytes_per_step"] * 8 / bps / step_s
+    busiest = max(util, key=util.get) if util else None
+    row["link_util"] = util[busiest] if busiest else float("nan")
+    row["busiest_link"] = busiest
+    row["own_cores"] = sum(row["worker_cpu_share"]) + sum(row["node_cpu_share"])
+    row["other_cores"] = win[0]["other_user_cores"]
+    row["kernel_thread_cores"] = win[0]["kernel_thread_cores"]
+    row["worker_cpu_ms"] = statistics.fmean(row["worker_cpu_share"]) * step_s * 1e3
+    row["node_cpu_ms"] = statistics.fmean(row["node_cpu_share"]) * step_s * 1e3 if rc.nodes else float("nan")
+    row["cpu_util"] = row["busy_cores"] / row["cores"]
+    row["bound"] = bound_of(row["link_util"], row["cpu_util"], busiest)
+    return row
+
+
+def bound_of(link_util: float, cpu_util: float, busiest: str | None) -> str:
+    """Links bind when one is busy >= 80% of the step; the cores when >= 90% of them are busy."""
+    link = link_util >= 0.8
+    cores = cpu_util >= 0.9
+    if link and cores:
+        return f"link ({busiest}) + cores"
+    if link:
+        return f"link ({busiest})"
+    if cores:
+        return "cores"
+    return "neither (waits)"
+
+
+# ----------------------------------------------------------------------------- the head-to-head
+
+
+def h2h_configs(rates: list[str], workers: list[int], nodes: list[int], only: list[str] | None) -> list[RunConfig]:
+    out = []
+    for rate in rates:
+        for w in workers:
+            out += [RunConfig("ddp", v, w, rate=rate) for v in DDP_VARIANTS]
+            out += [RunConfig("luwu", v, w, n, rate=rate) for n in nodes for v in LUWU_VARIANTS]
+    if only:
+        out = [rc for rc in out if any(o in rc.name for o in only)]
+    return out
+
+
+def _remove_stale_run_dirs() -> None:
+    """Run folders of studies that died (SIGKILL skips their cleanup; their namespaces go by the watchdog)."""
+    for path in Path(tempfile.gettempdir()).glob("luwu-study-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run_many(configs: list[RunConfig], s: Settings, *, reps: int = 1, host_rates: dict | None = None,
+             before: list[RunConfig] = ()) -> list[dict]:
+    """Run ``configs`` (``reps`` times each, order rotated per repetition), one cluster per link rate;
+    ``before``: configurations run once, first, on the cluster of their rate (calibration)."""
+    rows = []
+    by_rate: dict[str, list[RunConfig]] = {}
+    for rc in configs:
+        by_rate.setdefault(rc.rate, []).append(rc)
+    for rc in before:
+        by_rate.setdefault(rc.rate, [])
+    _remove_stale_run_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"luwu-study-{os.getpid()}-") as tmp:
+        for rate, rcs in by_rate.items():
+            first = [rc for rc in before if rc.rate == rate]
+            max_w = max(rc.workers for rc in rcs + first)
+            max_n = max(rc.nodes for rc in rcs + first)
+            cfg = ClusterConfig(num_hosts=max_w + max(max_n, 0), rate=rate,
+                                host_rates={max_w + j: r for j, r in (host_rates or {}).items()})
+            with Cluster(cfg) as cluster:
+                hosts = Hosts(cluster, max_w)
+                for rep in range(reps):
+                    order = rcs[rep % len(rcs):] + rcs[: rep % len(rcs)] if rcs else []
+                    for rc in (first if rep == 0 else []) + order:
+                        t0 = time.monotonic()
+                        row = run_config(hosts, rc, s, Path(tmp))
+                        row["rep"] = rep
+                        rows.append(row)
+                        log.info("%-8s W=%d %-22s %6.0f samples/s  step %5.0f ms  eval %.3f  bound: %s  (%.0f s)",
+                                 rate, rc.workers, rc.name, row["samples_per_s"], row["step_ms"], row["eval_loss"],
+                                 row["bound"], time.monotonic() - t0)
+    return rows
+
+
+def merge_reps(rows: list[dict]) -> list[dict]:
+    """One row per (rate, workers, config): medians of the numbers over repetitions, the first run's curve."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["rate"], r["workers"], r["config"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        row = dict(rs[0])
+        for k, v in rs[0].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("workers", "nodes", "rep", "cores"):
+                row[k] = median([r[k] for r in rs])
+        row["reps"] = len(rs)
+        row["samples_per_s_each"] = [r["samples_per_s"] for r in rs]
+        out.append(row)
+    return out
+
+
+def add_comparisons(rows: list[dict], s: Settings) -> None:
+    """Ratios vs DDP fp32 / bf16 of the same rate and worker count, the time-to-loss target and times."""
+    for (rate, w) in sorted({(r["rate"], r["workers"]) for r in rows}):
+        group = [r for r in rows if r["rate"] == rate and r["workers"] == w]
+        ref = {r["config"]: r for r in group}
+        fp32, bf16 = ref.get("ddp_fp32"), ref.get("ddp_bf16")
+        target = loss_at(fp32["curve"], s.target_frac * s.steps) if fp32 else min(r["eval_loss"] for r in group)
+        for r in group:
+            r["target_loss"] = target
+            r["time_to_loss_s"] = time_to_loss(r["curve"], target)
+            r["vs_ddp_fp32"] = r["samples_per_s"] / fp32["samples_per_s"] if fp32 else float("nan")
+            r["vs_ddp_bf16"] = r["samples_per_s"] / bf16["samples_per_s"] if bf16 else float("nan")
+            r["loss_vs_fp32"] = r["eval_loss"] / fp32["eval_loss"] - 1 if fp32 else float("nan")
+
+
+def verdicts(rows: list[dict], *, rate: str = "1gbit", workers: int = 4, nodes: int = 2) -> list[dict]:
+    """The targets of issue 9 for each LuWu variant at (rate, workers, nodes)."""
+    group = {r["config"]: r for r in rows if r["rate"] == rate and r["workers"] == workers}
+    ddp = {k: v for k, v in group.items() if k.startswith("ddp_")}
+    out = []
+    for v in LUWU_VARIANTS:
+        r = group.get(f"luwu_{v}_n{nodes}")
+        if r is None:
+            continue
+        where = f"luwu_{v}, {nodes} nodes, {workers} workers, {rate}"
+        if "ddp_fp32" in ddp:
+            out.append(_verdict(f"{where}: samples/s vs DDP fp32", r["vs_ddp_fp32"], ">= 2.0x", r["vs_ddp_fp32"] >= 2.0))
+            out.append(_verdict(f"{where}: eval loss vs DDP fp32", r["loss_vs_fp32"], "<= +2%", r["loss_vs_fp32"] <= 0.02, pct=True))
+        if "ddp_bf16" in ddp:
+            out.append(_verdict(f"{where}: samples/s vs DDP bf16", r["vs_ddp_bf16"], ">= 1.2x", r["vs_ddp_bf16"] >= 1.2))
+        if ddp:
+            best = min(ddp.values(), key=lambda d: d["time_to_loss_s"])
+            ok = all(r["time_to_loss_s"] < d["time_to_loss_s"] for d in ddp.values())
+            out.append(_verdict(f"{where}: time to eval loss {r['target_loss']:.3f} vs the fastest DDP ({best['config']}, "
+                                f"{_secs(best['time_to_loss_s'])})", r["time_to_loss_s"], "less than every DDP", ok, secs=True))
+    return out
+
+
+def _secs(x: float) -> str:
+    return "never" if math.isinf(x) else f"{x:.1f} s"
+
+
+def _verdict(what: str, value: float, target: str, ok: bool, *, pct: bool = False, secs: bool = False) -> dict:
+    shown = f"{value:+.2%}" if pct else _secs(value) if secs else f"{value:.2f}x"
+    return {"target": what, "value": shown, "wanted": target, "verdict": "met" if ok else "MISSED"}
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        if math.isinf(v):
+            return "never"
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def md_table(rows: list[dict], cols: list[str], headers: list[str] | None = None) -> str:
+    out = ["| " + " | ".join(headers or cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
+    return "\n".join(out)
+
+
+H2H_COLS = ["config", "samples_per_s", "vs_ddp_fp32", "vs_ddp_bf16", "step_ms", "fb_ms", "eval_loss", "loss_vs_fp32",
+            "time_to_loss_s", "worker_tx_mb", "worker_rx_mb", "node_rx_mb", "node_tx_mb", "link_util",
+            "tcp_retrans_per_step", "worker_cpu_ms", "node_cpu_ms", "busy_cores", "other_cores", "bound"]
+H2H_HEADERS = ["config", "samples/s", "x DDP fp32", "x DDP bf16", "step ms", "fwd+bwd ms", "eval loss", "loss vs fp32",
+               "time to loss (s)", "worker tx MB", "worker rx MB", "node rx MB", "node tx MB", "busiest link",
+               "TCP retransmits/step", "CPU ms/step per worker", "CPU ms/step per node", "busy cores", "of them others'", "bound by"]
+
+
+def h2h_markdown(result: dict) -> str:
+    s, rows = result["settings"], result["rows"]
+    lines = [
+        f"# Emulated cluster: LuWu vs DDP over gloo{' (quick)' if result['quick'] else ''}",
+        "",
+        f"Teacher-student task, student MLP {' -> '.join(map(str, s['dims']))} ({result['num_params'] / 1e6:.1f}M "
+        f"params), batch {s['batch']}/worker, {s['steps']} steps (timed: steps {s['warmup']}..{s['steps'] - 1}), "
+        f"1 torch thread per process, every worker and node its own network namespace, tbf links both ways. "
+        f"Machine: {result['machine']['cpus']} cores shared by all hosts (and by other users: see the busy cores "
+        f"and how many of them others took). "
+        f"{result['elapsed_s'] / 60:.0f} min.",
+        "",
+        "## Targets (1 Gbit/s, 4 workers, 2 nodes)",
+        "",
+        md_table(result["verdicts"], ["target", "value", "wanted", "verdict"]) if result["verdicts"] else "(not in this run)",
+        "",
+    ]
+    for (rate, w) in sorted({(r["rate"], r["workers"]) for r in rows}, key=lambda k: (parse_rate(k[0]) or 0, -k[1])):
+        group = [r for r in rows if r["rate"] == rate and r["workers"] == w]
+        lines += [f"## {rate}, {w} workers (time-to-loss target: eval loss {group[0]['target_loss']:.3f})", "",
+                  md_table(group, H2H_COLS, H2H_HEADERS), ""]
+    by_bound: dict[str, list[str]] = {}
+    for r in rows:
+        key = "links and cores" if "+ cores" in r["bound"] else r["bound"].split(" (")[0]
+        by_bound.setdefault(key, []).append(f"{r['config']} ({r['rate']}, {r['workers']}w)")
+    lines += ["## What bound each run", ""]
+    lines += [f"- **{k}**: {', '.join(v)}" for k, v in sorted(by_bound.items())]
+    lines += [
+        "",
+        "Every host of the emulated cluster shares the machine's cores, so the cores rather than the links can "
+        "set the pace: each worker's forward+backward, the nodes' optimizer and codecs and the kernel's work for "
+        "the emulated links all run on them. A real cluster gives every "
+        "host its own cores; `luwu plan` without `--shared-cores` predicts that case.",
+        "",
+        "Delayed update applies every gradient one step late from step 0 on (ZeRO-Offload's DPU turns on only "
+        "after the first few dozen steps): compare its `loss vs fp32`.",
+        "",
+    ]
+    lines += [
+        "samples/s: workers x batch / median step time over the timed steps (slowest rank). eval loss: rank 0's "
+        "weights after the last step (delayed update: after `synchronize()`). loss vs fp32: relative to DDP fp32. "
+        "time to loss: training clock (wall seconds of steps since step 0) when the eval loss first reaches the "
+        f"target, DDP fp32's eval loss at {s['target_frac']:.0%} of its steps (linear between the points every "
+        f"{s['eval_every']} steps). Bytes: kernel counters of each host's link per step, headers included, mean "
+        "over the hosts of a role. busiest link: bytes / (rate x step time) of the busiest host direction. TCP "
+        "retransmits: segments resent per step, all hosts (packets the tbf queues dropped). busy "
+        "cores: the whole machine during the timed steps; others': CPU of user processes outside this run (other "
+        "users of the machine) over the same window. CPU ms/step: CPU seconds (all threads) per step of one "
+        "process of that role. bound by: links when one is busy >= 80% of the step, cores when >= 90% of them are "
+        "busy, neither when the step waits on something else (in sync mode: the pushes after backward, the "
+        "replies, TCP recovering from drops).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- plan validation
+
+
+def calibrate(s: Settings, reps: int = 10) -> dict:
+    """What ``luwu plan`` takes as measured inputs: compute per step and the optimizer rate (1 thread, CPU
+    time, with every other core running a worker-like process), link efficiency and network CPU per byte (results/bench_links.json)."""
+    import torch
+
+    from cluster_task import make_student
+
+    torch.set_num_threads(1)
+    model = make_student(list(s.dims))
+    x, y = torch.randn(s.batch, s.dims[0]), torch.randint(0, s.dims[-1], (s.batch,))
+    opt = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=s.weight_decay, fused=True)
+
+    def fwd_bwd() -> None:
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    def cpu_time(fn) -> float:
+        # CPU seconds of this thread, not wall time: other users of the shared machine inflate the
+        # latter (a descheduled thread uses no CPU), and the plan accounts for sharing itself
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            c0 = time.thread_time()
+            fn()
+            times.append(time.thread_time() - c0)
+        return median(times)
+
+    load = os.getloadavg()[0]
+    alone = cpu_time(fwd_bwd)
+    # as the study runs it: every core busy with a worker-like process (caches and memory shared)
+    burners = [subprocess.Popen([sys.executable, str(TASK), "--burn", ",".join(map(str, s.dims)), str(s.batch)],
+                                stdout=subprocess.PIPE, text=True, env=_env()) for _ in range((os.cpu_count() or 1) - 1)]
+    try:
+        for b in burners:
+            b.stdout.readline()
+        busy = cpu_time(fwd_bwd)
+        opt_rate = s.num_params / cpu_time(opt.step)
+    finally:
+        _stop(burners)
+    out = {"compute_s": busy, "compute_alone_s": alone, "opt_params_per_s": opt_rate, "cores": os.cpu_count(),
+           "loadavg_1min": round(load, 2), "links": link_calibration()}
+    log.info("calibration: fwd+bwd %.1f ms alone, %.1f ms with every core busy; AdamW %.2g params/s (CPU time; "
+             "loadavg %.2f)", alone * 1e3, busy * 1e3, opt_rate, load)
+    return out
+
+
+def link_calibration(path: Path = RESULTS / "bench_links.json") -> dict:
+    """Per link rate: payload fraction of the line rate and CPU seconds per byte moved (sender + receiver),
+    from the ZeroMQ rows of bench_links (4 MiB messages, like LuWu's buckets); defaults if absent."""
+    out = {"1gbit": {"efficiency": 0.956, "cpu_s_per_byte": 0.8e-9, "source": "default"},
+           "10gbit": {"efficiency": 0.93, "cpu_s_per_byte": 0.8e-9, "source": "default"}}
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return out
+    for r in rows:
+        if r.get("transport") == "zmq" and r.get("rate_bps") and r.get("msg_bytes") == 4 << 20:
+            bps = r["gbit_s_median"] * 1e9 / 8
+            out[r["link"]] = {"efficiency": r["of_nominal"],
+                              "cpu_s_per_byte": (r["rx_cpu_share"] + r["tx_cpu_share"]) / bps, "source": path.name}
+    return out
+
+
+CALIBRATION_RUN = "calib"
+
+
+def calibration_config(rate: str, compression: bool = True) -> RunConfig:
+    """A LuWu run of 1 worker and 1 node (sync): what LuWu's own data path costs in CPU, by role."""
+    return RunConfig("luwu", "sync", 1, 1, rate=rate, compression=compression, label=CALIBRATION_RUN)
+
+
+def datapath_calibration(row: dict, calib: dict) -> dict:
+    """Per-element CPU costs of LuWu's data path, from the 1-worker, 1-node calibration run, in the plan's
+    own terms. Worker: its training thread's CPU in forward+backward beyond compute (the gradient hooks:
+    copying into buckets, encoding) per parameter, and in ``step()`` (writing the weights back) per
+    parameter. Node: its optimizer thread (optimizer + encoding the reply: once per shard element) and its
+    event loop and ZeroMQ threads (receiving and decoding each worker's push, sending each reply: once per
+    shard element and worker). Transport: the worker's I/O and ZeroMQ threads and the kernel threads (the
+    emulated links' softirq work charged to no process of ours) per payload byte moved."""
+    P = sum(n for n, _ in row["layout"]["buckets"])
+    roles = row["node_cpu_ms_by_role"][0]
+    step_s = row["step_ms"] / 1e3
+    moved = row["payload_push_bytes"] + row["payload_pull_bytes"]
+    worker_io_ms = max(0.0, row["worker_cpu_ms"] - row["fb_cpu_ms"] - row["opt_cpu_ms"])
+    out = {
+        "worker_cpu_ms": row["worker_cpu_ms"], "fb_cpu_ms": row["fb_cpu_ms"], "opt_cpu_ms": row["opt_cpu_ms"],
+        "worker_io_cpu_ms": worker_io_ms, "node_cpu_ms": row["node_cpu_ms"], "node_cpu_ms_by_role": roles,
+        "step_ms": row["step_ms"], "payload_bytes_per_step": moved, "other_cores": row["other_cores"],
+        "kernel_thread_cores": row["kernel_thread_cores"],
+        "push_encode_s_per_elem": max(0.0, row["fb_cpu_ms"] / 1e3 - calib["compute_s"]) / P,
+        "pull_decode_s_per_elem": row["opt_cpu_ms"] / 1e3 / P,
+        "node_fixed_s_per_elem": roles["optimizer_thread"] / 1e3 / P,
+        "node_per_worker_s_per_elem": (roles["loop"] + roles["zmq_io"] + roles["other"]) / 1e3 / P,
+        "net_cpu_s_per_byte": (worker_io_ms / 1e3 + row["kernel_thread_cores"] * step_s) / moved,
+    }
+    log.info("calibration run (1 worker, 1 node, %s): worker hooks %.2f ns/param, writing weights %.2f ns/param, "
+             "node optimizer thread %.0f ms, loop + ZeroMQ %.0f ms, transport %.2f ns/B",
+             "hybrid" if row["compression"] else "fp32", out["push_encode_s_per_elem"] * 1e9,
+             out["pull_decode_s_per_elem"] * 1e9, roles["optimizer_thread"],
+             roles["loop"] + roles["zmq_io"] + roles["other"], out["net_cpu_s_per_byte"] * 1e9)
+    return out
+
+
+def split_calibration(runs: list[dict], calib: dict) -> list[dict]:
+    """Take the calibration runs out of ``runs`` into ``calib['datapath'][hybrid|fp32]``."""
+    rest = [r for r in runs if not r["config"].endswith("_" + CALIBRATION_RUN)]
+    for r in runs:
+        if r["config"].endswith("_" + CALIBRATION_RUN):
+            key = "hybrid" if r["compression"] else "fp32"
+            calib.setdefault("datapath", {})[key] = datapath_calibration(r, calib)
+            calib.setdefault("datapath_runs", {})[key] = r
+    return rest
+
+
+def plan_spec(row: dict, settings: dict, calib: dict):
+    """The ``luwu.plan`` input of one measured LuWu configuration."""
+    from luwu.plan import PlanSpec
+
+    P = sum(a * b + b for a, b in zip(settings["dims"], settings["dims"][1:]))
+    link = calib["links"].get(row["rate"], {"efficiency": 0.95, "cpu_s_per_byte": 0.8e-9})
+    # the cores this run had: the machine's, less what other users' processes took meanwhile
+    cores = max(0.5, row["cores"] - row.get("other_cores", 0.0))
+    dp = calib["datapath"]["hybrid" if row["compression"] else "fp32"]
+    return PlanSpec(
+        num_params=P, workers=row["workers"], nodes=row["nodes"],
+        capacities=tuple(row["capacities"]) if row.get("capacities") else None,
+        worker_gbps=row["worker_rate_bps"] / 1e9, node_gbps=tuple(b / 1e9 for b in row["node_rate_bps"]),
+        compute_s=calib["compute_s"], delayed_update=row["variant"] == "delayed",
+        protocol_efficiency=link["efficiency"], bucket_bytes=settings["bucket_bytes"],
+        batch_per_worker=settings["batch"], shared_cores=cores,
+        # the bytes per element the codecs really put on the wire in this run (payload, per worker and step)
+        push_bytes_per_elem=row["payload_push_bytes"] / P, pull_bytes_per_elem=row["payload_pull_bytes"] / P,
+        # the data path's CPU from the calibration run (1 worker, 1 node), in the plan's per-element terms
+        push_encode_s_per_elem=dp["push_encode_s_per_elem"], pull_decode_s_per_elem=dp["pull_decode_s_per_elem"],
+        opt_params_per_s=1.0 / max(dp["node_fixed_s_per_elem"], 1e-15), pull_encode_s_per_elem=0.0,
+        push_decode_s_per_elem=dp["node_per_worker_s_per_elem"], net_cpu_s_per_byte=dp["net_cpu_s_per_byte"])
+
+
+def plan_validation(result: dict, tolerance: float = 0.25) -> dict:
+    """Predicted (``luwu.plan``) against measured step time of every LuWu configuration of a head-to-head."""
+    from luwu.plan import plan
+
+    rows = []
+    for r in result["rows"]:
+        if r["kind"] != "luwu":
+            continue
+        spec = plan_spec(r, result["settings"], result["calibration"])
+        p = plan(spec)
+        err = p.step_s * 1e3 / r["step_ms"] - 1
+        rows.append({"config": r["config"], "rate": r["rate"], "workers": r["workers"], "nodes": r["nodes"],
+                     "measured_ms": r["step_ms"], "predicted_ms": p.step_s * 1e3, "error": err,
+                     "within": abs(err) <= tolerance, "bottleneck": p.bottleneck, "measured_bound": r["bound"],
+                     "push_bytes_per_elem": spec.push_bytes_per_elem, "pull_bytes_per_elem": spec.pull_bytes_per_elem,
+                     "plan": p.to_dict()})
+    n_ok = sum(r["within"] for r in rows)
+    return {"quick": result["quick"], "tolerance": tolerance, "calibration": result["calibration"], "rows": rows,
+            "within": n_ok, "configs": len(rows),
+            "verdict": ("met" if n_ok >= 4 else "MISSED") + f": {n_ok} of {len(rows)} configurations within "
+                       f"{tolerance:.0%} (target: at least 4)"}
+
+
+def plan_markdown(v: dict) -> str:
+    c = v["calibration"]
+    table = [dict(r, error_pct=f"{r['error']:+.0%}") for r in v["rows"]]
+    return "\n".join([
+        f"# luwu plan against the emulated cluster{' (quick)' if v['quick'] else ''}",
+        "",
+        f"**{v['verdict']}**",
+        "",
+        "Inputs, all measured in the same study before or apart from the configurations below: compute "
+        f"(forward + backward, batch 64, 1 thread, CPU time with the other cores busy) {c['compute_s'] * 1e3:.1f} ms; "
+        "link rates as configured, with the payload fraction of the line rate from bench_links ("
+        + ", ".join(f"{k}: {x['efficiency']:.1%}" for k, x in c["links"].items()) + "); codec bytes per element: "
+        "the payload each worker pushed and received per step in that run; the data path's CPU from a calibration "
+        "run of 1 worker and 1 node, by role, in the plan's per-element terms:",
+        "",
+        md_table([dict(mode=k, **v) for k, v in c.get("datapath", {}).items()],
+                 ["mode", "push_encode_s_per_elem", "pull_decode_s_per_elem", "node_fixed_s_per_elem",
+                  "node_per_worker_s_per_elem", "net_cpu_s_per_byte", "worker_cpu_ms", "node_cpu_ms", "step_ms"],
+                 ["calibration run", "worker hooks beyond compute, s/param (plan: push encode)",
+                  "worker writing weights, s/param (plan: pull decode)",
+                  "node optimizer thread, s/param (plan: 1 / optimizer rate)",
+                  "node loop + ZeroMQ, s/param per worker (plan: push decode)",
+                  "worker I/O threads + kernel threads, s/payload byte (plan: network CPU)",
+                  "worker CPU ms/step", "node CPU ms/step", "step ms"]),
+        "",
+        "Shared cores: the machine's cores less what other users' processes took during each run. "
+        f"For reference, torch's fused AdamW alone runs at {c['opt_params_per_s']:.3g} params/s on one core here.",
+        "",
+        md_table(table, ["config", "rate", "workers", "nodes", "measured_ms", "predicted_ms", "error_pct", "within",
+                         "bottleneck", "measured_bound", "push_bytes_per_elem", "pull_bytes_per_elem"],
+                 ["config", "rate", "workers", "nodes", "measured step ms", "predicted step ms", "error", "within",
+                  "plan's bottleneck", "measured bound", "push B/elem", "pull B/elem"]),
+        "",
+    ])
+
+
+def replot(args: argparse.Namespace) -> int:
+    """Tables (and the plan validation, with the current model) again from the saved JSON."""
+    stem = "cluster.quick" if args.quick else "cluster"
+    path = args.out / f"{stem}.json"
+    result = json.loads(path.read_text())
+    s = Settings(**{k: tuple(v) if k == "dims" else v for k, v in result["settings"].items()})
+    add_comparisons(result["rows"], s)
+    result["verdicts"] = verdicts(result["rows"])
+    write("cluster", result, h2h_markdown(result), quick=result["quick"], out=args.out)
+    validation = plan_validation(result)
+    write("plan_validation", validation, plan_markdown(validation), quick=result["quick"], out=args.out)
+    return 0
+
+
+# ----------------------------------------------------------------------------- heterogeneous nodes
+
+
+def hetero_configs(modes: list[tuple[str, bool]], rate: str, slow_rate: str) -> list[RunConfig]:
+    """4 workers, 2 nodes, node 1 at ``slow_rate``: the uniform layout and the one weighted by link rate,
+    for each (variant, compression) mode."""
+    weights = (1.0, (parse_rate(slow_rate) or 1) / (parse_rate(rate) or 1))
+    out = []
+    for v, comp in modes:
+        out.append(RunConfig("luwu", v, 4, 2, rate=rate, compression=comp, label="uniform"))
+        out.append(RunConfig("luwu", v, 4, 2, rate=rate, compression=comp, capacities=weights, label="weighted"))
+    return out
+
+
+def hetero(args: argparse.Namespace, s: Settings) -> int:
+    """Heterogeneous nodes: one node host at half the bandwidth; weighted layout against the uniform one."""
+    from luwu.plan import plan
+
+    rate, slow = "1gbit", "500mbit"
+    # fp32 makes the node links the bottleneck (what the layout decides); hybrid is the default job
+    modes = [("sync", False)] if args.quick else [("sync", False), ("sync", True)]
+    reps = args.reps if args.reps > 1 or args.quick else 2
+    t0 = time.monotonic()
+    info = machine()
+    calib = calibrate(s)
+    runs = run_many(hetero_configs(modes, rate, slow), s, reps=reps, host_rates={1: slow},
+                    before=[calibration_config(rate, comp) for comp in sorted({c for _, c in modes})])
+    runs = split_calibration(runs, calib)
+    rows = merge_reps(runs)
+    settings = dataclasses.asdict(s)
+    for r in rows:
+        r["layout_name"] = r["config"].rsplit("_", 1)[1]
+        r["node_bytes_share"] = [b / sum(r["node_rx_bytes"]) for b in r["node_rx_bytes"]]
+        r["planned_ms"] = plan(plan_spec(r, settings, calib)).step_s * 1e3
+    summary = []
+    for v, comp in modes:
+        uni = next(r for r in rows if (r["variant"], r["compression"], r["layout_name"]) == (v, comp, "uniform"))
+        wei = next(r for r in rows if (r["variant"], r["compression"], r["layout_name"]) == (v, comp, "weighted"))
+        per_rep = [b["samples_per_s"] / a["samples_per_s"] for a, b in zip(
+            [x for x in runs if x["config"] == uni["config"]], [x for x in runs if x["config"] == wei["config"]])]
+        ratio = median(per_rep)
+        summary.append({"variant": f"{v}, {'hybrid + int8_delta' if comp else 'fp32'}", "uniform_samples_per_s": uni["samples_per_s"],
+                        "weighted_samples_per_s": wei["samples_per_s"], "ratio": ratio, "ratio_per_rep": per_rep,
+                        "planned_ratio": uni["planned_ms"] / wei["planned_ms"],
+                        "verdict": "weighted wins" if ratio > 1.0 else "weighted does NOT win"})
+    result = {"quick": args.quick, "settings": settings, "num_params": s.num_params, "machine": info,
+              "calibration": calib, "link_rate": rate, "slow_node_rate": slow, "rows": rows, "runs": runs,
+              "summary": summary, "elapsed_s": time.monotonic() - t0}
+    table = [dict(r, share=" / ".join(f"{x:.0%}" for x in r["node_bytes_share"]),
+                  node_mb=" / ".join(f"{b / 1e6:.1f}" for b in r["node_rx_bytes"]),
+                  caps=" / ".join(f"{c:g}" for c in r["capacities"]) if r["capacities"] else "1 / 1") for r in rows]
+    md = "\n".join([
+        f"# Heterogeneous nodes: capacity-weighted layout against the uniform one{' (quick)' if args.quick else ''}",
+        "",
+        f"4 workers and 2 nodes, every host its own network namespace; links {rate} except node 1's, {slow}. "
+        "LuWu in sync mode, fp32 both ways (the node links bind) and with the hybrid compression policy and "
+        "int8-delta weights (the default job); `capacities` in the cluster file weight "
+        f"the layout by link rate (weighted) or are left equal (uniform). Same task and settings as cluster.md; "
+        f"{reps} repetition(s), alternating; {(time.monotonic() - t0) / 60:.0f} min.",
+        "",
+        md_table(summary, ["variant", "uniform_samples_per_s", "weighted_samples_per_s", "ratio", "planned_ratio",
+                           "verdict"],
+                 ["mode", "uniform samples/s", "weighted samples/s", "weighted / uniform (median of paired reps)",
+                  "luwu plan's ratio", "verdict"]),
+        "",
+        md_table(table, ["config", "caps", "samples_per_s", "step_ms", "planned_ms", "node_mb", "share", "link_util",
+                         "busiest_link", "worker_cpu_ms", "node_cpu_ms", "busy_cores", "other_cores", "bound"],
+                 ["config", "capacities", "samples/s", "step ms", "plan's step ms", "node rx MB/step (0 / 1)",
+                  "byte share", "busiest link", "which", "CPU ms/step per worker", "CPU ms/step per node",
+                  "busy cores", "of them others'", "bound by"]),
+        "",
+        "node rx MB/step: kernel counters of each node host's link (the gradients of every worker for its shard). "
+        "With equal capacities the slow node gets half the bytes and its link sets the pace; weighted by link rate "
+        "it gets a third, and both node links finish together.",
+        "",
+    ])
+    write("hetero", result, md, quick=args.quick, out=args.out)
+    return 0
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def machine() -> dict:
+    import platform
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def write(name: str, result: dict, md: str, *, quick: bool, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{name}.quick" if quick else name
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (out / f"{stem}.md").write_text(md if md.endswith("\n") else md + "\n")
+    print(md)
+
+
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1gbit, 4 workers, 2 nodes, 16 steps")
+    ap.add_argument("--hetero", action="store_true", help="the heterogeneous-node study instead of the head-to-head")
+    ap.add_argument("--replot", action="store_true", help="tables and plan validation again from the saved JSON")
+    ap.add_argument("--rates", type=_csv(str), default=None, help="link rates (default 1gbit,10gbit)")
+    ap.add_argument("--workers", type=_csv(int), default=None, help="worker counts (default 4,2)")
+    ap.add_argument("--nodes", type=_csv(int), default=None, help="LuWu node counts (default 1,2,4)")
+    ap.add_argument("--only", type=_csv(str), default=None, help="configs whose name contains one of these")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=1, help="repetitions of every configuration (order rotated)")
+    ap.add_argument("--dims", type=_csv(int), default=None, help="student widths (default 1024,2048,2048,2048,2048,1000)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.replot:
+        return replot(args)
+    ok, reason = netns_available()
+    if not ok:
+        print(f"skipped: {reason}")
+        return 0
+    s = Settings()
+    if args.quick:
+        s = dataclasses.replace(s, steps=16, warmup=12)
+    s = dataclasses.replace(s, **{k: v for k, v in (("steps", args.steps), ("warmup", args.warmup),
+                                                     ("dims", tuple(args.dims) if args.dims else None)) if v is not None})
+    if args.hetero:
+        if args.steps is None and not args.quick:
+            s = dataclasses.replace(s, steps=30)  # throughput only: no time-to-loss here
+        return hetero(args, s)
+    quick = args.quick
+    rates = args.rates or (["1gbit"] if quick else ["1gbit", "10gbit"])
+    workers = args.workers or ([4] if quick else [4, 2])
+    nodes = args.nodes or ([2] if quick else [1, 2, 4])
+    configs = h2h_configs(rates, workers, nodes, args.only)
+    t0 = time.monotonic()
+    info = machine()
+    calib = calibrate(s)
+    before = [calibration_config(rates[0])] if any(rc.kind == "luwu" for rc in configs) else []
+    runs = split_calibration(run_many(configs, s, reps=args.reps, before=before), calib)
+    rows = merge_reps(runs)
+    add_comparisons(rows, s)
+    result = {"quick": quick, "settings": dataclasses.asdict(s), "num_params": s.num_params, "machine": info,
+              "calibration": calib, "rows": rows, "runs": runs, "verdicts": verdicts(rows),
+              "elapsed_s": time.monotonic() - t0}
+    result["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    write("cluster", result, h2h_markdown(result), quick=quick, out=args.out)
+    if "datapath" in calib:
+        validation = plan_validation(result)
+        write("plan_validation", validation, plan_markdown(validation), quick=quick, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
