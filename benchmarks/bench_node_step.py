@@ -207,9 +207,9 @@ def bytes_per_element(push: str, pull: str) -> tuple[float, float]:
     """(floor, as implemented) bytes of memory traffic per parameter for the 2-worker step."""
     bp, br = get_codec(push).bytes_per_element(), get_codec(pull).bytes_per_element()
     floor = NUM_WORKERS * bp + 3 * 8 + br  # read the pushes; read+write weights, exp_avg, exp_avg_sq; write the reply
-    # decode_ (read push, write acc), decode_add_ (read push, read+write acc), AdamW (+ read acc),
+    # the first push is held, then decode_pair_ (read both pushes, write acc once), AdamW (+ read acc),
     # encode (read weights again, write reply; fp32 replies are the weights themselves: nothing)
-    implemented = (bp + 4) + (bp + 8) + (4 + 24) + (0 if pull == "none" else 4 + br)
+    implemented = (NUM_WORKERS * bp + 4) + (4 + 24) + (0 if pull == "none" else 4 + br)
     return floor, implemented
 
 
