@@ -15,6 +15,13 @@ rest and on the weights sent back), and the hybrid default with
 ``pull_codec="int8_delta"``. Byte counts are exact, not timings: one run is
 enough.
 
+Targets (issue 5): the hybrid default pushes >= 3x fewer bytes than fp32; its
+pull stays bf16 (2x) by default, so both directions together are reported
+without a target; with ``int8_delta`` pull, both directions >= 3x. The layout
+keeps small and 1-D parameters in buckets of their own (protocol/layout.py),
+so with the default 4 MiB buckets the large matrices are not dragged to bf16
+by a bias sharing their bucket.
+
     python3 benchmarks/bench_wire_bytes.py [--quick] [--measure-steps N]
 
 Writes benchmarks/results/bench_wire_bytes.json and .md (``--quick``:
@@ -238,7 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         if r["variant"] == "fp32" or "error" in r:
             continue
         for what, key in (("push", "push_x"), ("both directions", "total_x")):
-            summary.append({"benchmark": f"wire bytes fp32 / {r['variant']}, {what}: {r['setting']}", "ratio": round(r[key], 3), "target": TARGET, "verdict": verdict(r[key], TARGET)})
+            # the default pull is bf16 (2x): both directions of the plain hybrid are reported, not targeted
+            target = None if (r["variant"], what) == ("hybrid", "both directions") else TARGET
+            summary.append({
+                "benchmark": f"wire bytes fp32 / {r['variant']}, {what}: {r['setting']}",
+                "ratio": round(r[key], 3),
+                "target": target,
+                "verdict": verdict(r[key], target) if target else "- (bf16 pull by default)",
+            })
     md = "\n".join([
         f"# bench_wire_bytes: {WORLD_SIZE} workers x {NUM_NODES} nodes, bytes per worker per step, steps {warmup}..{warmup + steps - 1}{' (quick)' if args.quick else ''}",
         "",

@@ -25,7 +25,7 @@ from luwu.gpu_workers.worker import Worker
 from luwu.protocol.metrics import serve_metrics
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
 from luwu.protocol.layout import ParamSpec, build_layout
-from luwu.switch_nodes.optimizers import get_kind
+from luwu.switch_nodes.optimizers import EXTRA_HYPER, get_kind
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
     """An optimizer that lives on LuWu nodes.
 
     Args:
-        params: an ``nn.Module`` (parameter names come from it), an iterable of tensors, or param-group dicts.
+        params: an ``nn.Module`` (parameter names come from it), an iterable of tensors, or param-group dicts;
+            as in ``torch.optim``, ``model.named_parameters()`` or groups of ``(name, tensor)`` pairs give the
+            names too (per-name compression rules match them; unnamed parameters are ``param<i>``).
         optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``; the hyperparameters are torch's.
         nodes: node addresses (``tcp://host:port``), a comma-separated string, or None for ``LUWU_NODES``.
         rank, world_size: this worker's identity; default torchrun's ``RANK`` / ``WORLD_SIZE``.
@@ -149,9 +151,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _flat_params(self) -> tuple[list[torch.Tensor], list[ParamSpec]]:
         params, specs = [], []
         for gi, g in enumerate(self.param_groups):
-            for p in g["params"]:
+            names = g.get("param_names") or [None] * len(g["params"])  # torch keeps named parameters' names here
+            for p, name in zip(g["params"], names):
                 params.append(p)
-                specs.append(ParamSpec(self._names.get(id(p), f"param{len(specs)}"), tuple(p.shape), gi))
+                specs.append(ParamSpec(name or self._names.get(id(p), f"param{len(specs)}"), tuple(p.shape), gi))
         return params, specs
 
     def _build(self, step: int = 0) -> None:
@@ -198,7 +201,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _hyper_of(self, group: int) -> dict:
         g = self.param_groups[group]
-        return {k: (list(map(_num, g[k])) if k == "betas" else _num(g[k])) for k in HYPER_KEYS[self.kind.name]}
+        keys = HYPER_KEYS[self.kind.name] + tuple(k for k in EXTRA_HYPER[self.kind.name] if g.get(k) is not None)
+        return {k: (list(map(_num, g[k])) if k == "betas" else _num(g[k])) for k in keys}
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -334,7 +338,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             # Every worker's scaler backs off alike: the decision is the nodes', not this worker's grads.
             state = grad_scaler._per_optimizer_states[id(self)]
             state["found_inf_per_device"] = {torch.device("cpu"): torch.full((), float(skipped))}
-        self.last_report = {"step": step, "skipped": skipped, "grad_norm": norm}
+        self.last_report = {"step": step, "skipped": skipped, "grad_norm": norm, "push_wait_s": w.push_wait_s, "update_wait_s": w.update_wait_s}
         self._record(skipped)
         return loss
 

@@ -6,6 +6,11 @@ hurt when compressed, so they go bf16; the first steps go uncompressed (as
 PowerSGD, DGC and 1-bit Adam warm up). A codec is used only where the wire time
 it saves beats the time it costs to encode and decode.
 
+The rule holds per tensor: a bucket holding any small or 1-D parameter goes
+bf16 at most. The layout (:mod:`luwu.protocol.layout`) keeps such parameters
+in buckets of their own at the default line (:data:`SMALL_NUMEL`), so the
+large matrices are not dragged down to bf16 by a bias that shares their bucket.
+
 Every worker must pick the same codec for the same (bucket, step): the choice
 is a pure function of the bucket, the step and the config, and the cost rule
 uses fixed throughput constants (:data:`CODEC_GBPS`), never timings taken at
@@ -20,7 +25,7 @@ from dataclasses import dataclass, field
 
 from luwu.protocol.codecs import get_codec
 from luwu.protocol.errors import ConfigError
-from luwu.protocol.layout import Bucket, Segment
+from luwu.protocol.layout import SMALL_NUMEL, Bucket, Segment
 
 #: Encode and decode-add throughput, GB/s of fp32 input, one thread, 16M
 #: elements (benchmarks/bench_codecs.py on the 2-core dev machine, medians,
@@ -65,8 +70,10 @@ class CompressionConfig:
     """Off: every bucket travels as fp32 (``none``) both ways."""
     warmup_steps: int = 10
     """Steps (from 0) sent uncompressed before compression starts."""
-    small_numel: int = 65536
-    """Parameters with fewer elements than this (and all 1-D ones) are sent as bf16."""
+    small_numel: int = SMALL_NUMEL
+    """Parameters with fewer elements than this (and all 1-D ones) are sent as bf16. The layout buckets
+    parameters apart at the default line; another value still holds per tensor (a bucket with any
+    small parameter goes bf16), but buckets may then mix sizes."""
     large_codec: str = "int8"
     """Codec of buckets made only of large matrices (``int8``, ``int4``, ``topk``, ``bf16``...)."""
     error_feedback: bool = True

@@ -116,6 +116,66 @@ def test_param_groups_and_add_param_group(cluster2):
         ropt.close()
 
 
+def named_groups(model):
+    """torch.optim's named form: groups of (name, tensor) pairs."""
+    decay = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
+    no_decay = [(n, p) for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.005}]
+
+
+@pytest.mark.timeout(60)
+def test_named_param_groups_keep_names_for_compression_rules(cluster1):
+    """Param-group dicts of (name, tensor) pairs, as torch.optim takes them: the layout carries the model's
+    names, so per-name rules match; training equals torch's AdamW on the same named groups."""
+    from luwu.protocol.policy import CompressionConfig
+
+    model, data = model_and_data()
+    ref = clone_model(model)
+    cc = CompressionConfig(rules=[("3.weight", "none"), ("0.*", "fp16")], warmup_steps=0)
+    ropt = luwu.RemoteOptimizer(named_groups(model), "adamw", nodes=cluster1.addresses, lr=0.02, bucket_bytes=1024, compression=cc)
+    lopt = torch.optim.AdamW(named_groups(ref), lr=0.02)
+    try:
+        want_names = [n for g in named_groups(model) for n, _ in g["params"]]
+        assert [p.name for p in ropt.layout.params] == want_names
+        chosen = {s.name: ropt.worker._codec_for(b, 5)[0] for b in ropt.layout.buckets for s in b.segments}
+        assert chosen["3.weight"] == "none" and chosen["0.weight"] == "fp16", chosen
+        assert ropt.param_groups[0]["param_names"] == ["0.weight", "3.weight"]
+        # fp16 is lossy: compare with a loose bound; the uncompressed rule keeps 3.weight close
+        for g, w in zip(train(model, ropt, data, steps=3), train(ref, lopt, data, steps=3)):
+            assert_params_close(g, w, rtol=1e-2, atol=1e-3)
+    finally:
+        ropt.close()
+
+
+@pytest.mark.timeout(60)
+def test_variance_freeze_step_travels_in_the_param_groups(cluster1):
+    """A param group's variance_freeze_step reaches the nodes: its exp_avg_sq stops after that step while
+    exp_avg goes on; the other group's variance keeps moving (torch's AdamW until the freeze)."""
+    model, data = model_and_data()
+    ref = clone_model(model)
+    groups = grouped(model)
+    groups[0]["variance_freeze_step"] = 2
+    ropt = luwu.RemoteOptimizer(groups, "adamw", nodes=cluster1.addresses, lr=0.02, bucket_bytes=1024)
+    lopt = torch.optim.AdamW(grouped(ref), lr=0.02)
+    try:
+        train(model, ropt, data, steps=2)
+        train(ref, lopt, data, steps=2)
+        at_freeze = ropt.state_dict()
+        assert_state_close(at_freeze, lopt.state_dict())
+        train(model, ropt, data[2:], steps=3)
+        train(ref, lopt, data[2:], steps=3)
+        later = ropt.state_dict()
+        num_frozen = len(ropt.param_groups[0]["params"])
+        for i in later["state"]:
+            assert float(later["state"][i]["step"]) == 5
+            assert not torch.equal(later["state"][i]["exp_avg"], at_freeze["state"][i]["exp_avg"])
+            same_sq = torch.equal(later["state"][i]["exp_avg_sq"], at_freeze["state"][i]["exp_avg_sq"])
+            assert same_sq == (i < num_frozen), f"parameter {i}: exp_avg_sq {'frozen' if same_sq else 'moved'}"
+        assert later["param_groups"][0]["variance_freeze_step"] == 2 and "variance_freeze_step" not in later["param_groups"][1]
+    finally:
+        ropt.close()
+
+
 def assert_state_close(a: dict, b: dict):
     assert sorted(a["state"]) == sorted(b["state"])
     for i in a["state"]:

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from luwu.protocol.layout import ParamSpec, build_layout
+from luwu.protocol.layout import SMALL_NUMEL, ParamSpec, build_layout, is_dense_class
 
 shapes = st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple), min_size=1, max_size=25)
 
@@ -74,3 +74,51 @@ def test_added_group_only_appends_buckets():
     a, b = build_layout(base, 256, [1.0, 1.0]), build_layout(more, 256, [1.0, 1.0])
     assert [x.spec() for x in b.buckets[: len(a.buckets)]] == [x.spec() for x in a.buckets]
     assert [x.node for x in b.buckets[: len(a.buckets)]] == [x.node for x in a.buckets]
+
+
+big_or_small = st.lists(
+    st.one_of(st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple), st.sampled_from([(300, 300), (512, 256), (70000,), (4, 128, 128), (256, 255)])),
+    min_size=1,
+    max_size=20,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(big_or_small, st.integers(1024, 1 << 20), st.integers(1, 3), st.integers(1, 2))
+def test_small_and_1d_parameters_never_share_a_bucket_with_large_matrices(shape_list, bucket_bytes, num_nodes, groups):
+    """So the policy's one codec per bucket can give every large matrix int8 and every small / 1-D tensor
+    bf16; and a group's buckets come in the order backward completes them (streaming pushes)."""
+    specs = specs_of(shape_list, groups)
+    layout = build_layout(specs, bucket_bytes, [1.0] * num_nodes)
+    last_done: dict[int, int] = {}
+    for b in layout.buckets:
+        classes = {is_dense_class(s.shape) for s in b.segments}
+        assert len(classes) == 1, [(s.name, s.shape) for s in b.segments]
+        # a bucket is complete when the first-registered parameter it holds has its gradient
+        done = min(s.param for s in b.segments)
+        assert done <= last_done.get(b.group, len(specs)), "bucket numbered before one that completes earlier"
+        last_done[b.group] = done
+        # within a class, parameters come in reverse registration order
+        params = [s.param for s in b.segments]
+        assert params == sorted(params, reverse=True)
+    assert [b.group for b in layout.buckets] == sorted(b.group for b in layout.buckets)
+
+
+def test_dense_class_line():
+    assert is_dense_class((65535,)) and is_dense_class((70000,)) and is_dense_class(())
+    assert is_dense_class((255, 257)) and not is_dense_class((256, 256)) and not is_dense_class((16, 64, 64))
+    assert SMALL_NUMEL == 65536
+
+
+def test_a_transformer_block_splits_into_matrices_and_the_rest():
+    specs = [ParamSpec("emb", (100, 64)), ParamSpec("qkv.weight", (768, 256)), ParamSpec("qkv.bias", (768,)), ParamSpec("out.weight", (256, 256)), ParamSpec("out.bias", (256,)), ParamSpec("norm.weight", (256,))]
+    layout = build_layout(specs, 4 << 20, [1.0, 1.0])
+    assert [[s.name for s in b.segments] for b in layout.buckets] == [["out.weight", "qkv.weight"], ["norm.weight", "out.bias", "qkv.bias", "emb"]]
+    assert [b.node for b in layout.buckets] == [0, 1]
+
+
+def test_hash_pins_the_layout_rule():
+    """The hash names the bucketing rule too: a worker bucketing another way (an older release that mixed
+    small and large parameters) is refused at HELLO instead of pushing into the wrong segments."""
+    layout = build_layout(specs_of([(300, 300), (300,), (10, 10)], 2), 1 << 20, [1.0, 1.0])
+    assert layout.hash == "b634169fb284f388", layout.hash  # mixed buckets (before): "6624e127ad02af01"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 
 from luwu.protocol.codecs import get_codec
 from luwu.protocol.errors import ConfigError
-from luwu.protocol.layout import Bucket, ParamSpec, build_layout
+from luwu.protocol.layout import SMALL_NUMEL, Bucket, ParamSpec, Segment, build_layout
 from luwu.protocol.policy import (
     CompressionConfig,
     choose_codec,
@@ -25,11 +26,13 @@ STEP = 100  # well past the warm-up
 
 
 def bucket_of(*params: tuple[str, tuple[int, ...]]) -> Bucket:
-    """One bucket holding all ``params`` (bucket_bytes large enough)."""
-    specs = [ParamSpec(n, s) for n, s in params]
-    layout = build_layout(specs, 1 << 30, [1.0])
-    assert len(layout.buckets) == 1
-    return layout.buckets[0]
+    """One bucket holding all ``params`` whole (built by hand: the layout keeps small and large apart)."""
+    segs, off = [], 0
+    for i, (name, shape) in enumerate(params):
+        n = math.prod(shape)
+        segs.append(Segment(i, name, shape, 0, off, n))
+        off += n
+    return Bucket(0, 0, 0, off, tuple(segs))
 
 
 LARGE = bucket_of(("layers.0.weight", (1024, 1024)))
@@ -190,3 +193,62 @@ print(json.dumps([[choose_codec(b, s, CompressionConfig(link_gbps=g))[0] for b, 
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == here
+
+
+def transformer_lm_specs(vocab: int = 100, d: int = 256, layers: int = 2) -> list[ParamSpec]:
+    """The char LM of benchmarks/convergence.py: embeddings, pre-norm encoder layers, head."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {
+            "emb": torch.nn.Embedding(vocab, d),
+            "pos": torch.nn.Embedding(64, d),
+            "blocks": torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(d, 4, 2 * d, batch_first=True, norm_first=True) for _ in range(layers)),
+            "norm": torch.nn.LayerNorm(d),
+            "head": torch.nn.Linear(d, vocab),
+        }
+    )
+    return [ParamSpec(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
+MLP16M = [ParamSpec(f"{i * 2}.{k}", s) for i, (a, b) in enumerate(zip([1024, 2048, 2048, 2048, 2048], [2048, 2048, 2048, 2048, 1000])) for k, s in (("weight", (b, a)), ("bias", (b,)))]
+
+
+@pytest.mark.parametrize("model", ["mlp16m", "charlm"])
+@pytest.mark.parametrize("bucket_bytes", [4 << 20, 256 << 10, 25 << 20])
+def test_every_bucket_of_a_real_model_gets_its_codec(model, bucket_bytes):
+    """Default settings: every matrix of >= 64K elements travels int8 + error feedback (where the cost rule
+    says it pays), every small or 1-D tensor bf16 (or fp32 where bf16 does not pay); so the push carries
+    > 3x fewer bytes than fp32 whatever the bucket size."""
+    specs = MLP16M if model == "mlp16m" else transformer_lm_specs()
+    layout = build_layout(specs, bucket_bytes, [1.0, 1.0])
+    cfg = CompressionConfig()
+    wire = 0
+    for b in layout.buckets:
+        name, ef = choose_codec(b, STEP, cfg)
+        small = [s.name for s in b.segments if len(s.shape) <= 1 or math.prod(s.shape) < SMALL_NUMEL]
+        if small:
+            assert len(small) == len(b.segments), f"bucket {b.id} mixes small {small} with large matrices"
+            assert (name, ef) in (("bf16", False), ("none", False)), (b.id, small, name)
+        elif pays_off("int8", b.numel, cfg):
+            assert (name, ef) == ("int8", True), (b.id, [s.name for s in b.segments], name)
+        else:  # the tail of a matrix split across buckets, too short for int8 to pay at 10 Gbit/s
+            assert b.numel < 32768 and (name, ef) == ("bf16", False), (b.id, b.numel, name)
+        wire += get_codec(name).wire_bytes(b.numel)
+    fp32 = 4 * sum(b.numel for b in layout.buckets)
+    assert fp32 / wire > 3.0, f"{model}: only {fp32 / wire:.2f}x fewer push bytes"
+
+
+def test_small_numel_off_the_layout_line_still_holds_per_tensor():
+    """The layout buckets apart at SMALL_NUMEL; another small_numel still keeps every small or 1-D
+    tensor at bf16: below the line, mid-size matrices share a bucket with biases (bf16 for all)."""
+    specs = [ParamSpec("a.weight", (100, 100)), ParamSpec("a.bias", (100,)), ParamSpec("b.weight", (300, 300))]
+    layout = build_layout(specs, 1 << 30, [1.0])
+    assert [[s.name for s in b.segments] for b in layout.buckets] == [["b.weight"], ["a.bias", "a.weight"]]
+    slow = dict(link_gbps=0.1)
+    assert [choose_codec(b, STEP, CompressionConfig(**slow)) for b in layout.buckets] == [("int8", True), ("bf16", False)]
+    lower = CompressionConfig(small_numel=1000, **slow)  # a.weight is large now, but shares its bucket with a.bias
+    assert [choose_codec(b, STEP, lower) for b in layout.buckets] == [("int8", True), ("bf16", False)]
+    higher = CompressionConfig(small_numel=100_000, **slow)  # b.weight is small now
+    assert [choose_codec(b, STEP, higher) for b in layout.buckets] == [("bf16", False), ("bf16", False)]

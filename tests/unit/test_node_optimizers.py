@@ -1,0 +1,176 @@
+"""The node's optimizers on flat segment views: torch.optim exactly, and the frozen-variance Adam mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from luwu.protocol.errors import ConfigError
+from luwu.switch_nodes.optimizers import ADAM, ADAMW, SGD, apply_, check_hyper
+
+pytestmark = pytest.mark.timeout(60)
+
+SHAPES = [(7, 5), (13,), (4, 3, 2)]
+
+
+def segments(seed: int = 0):
+    """One flat bucket holding three parameters, its state, and the matching torch tensors."""
+    g = torch.Generator().manual_seed(seed)
+    numel = sum(torch.Size(s).numel() for s in SHAPES)
+    flat = torch.randn(numel, generator=g)
+    views, off = [], 0
+    for s in SHAPES:
+        n = torch.Size(s).numel()
+        views.append((off, n))
+        off += n
+    return flat, views
+
+
+def node_run(kind, hyper: dict, grads: list[torch.Tensor], flat: torch.Tensor, views, *, workers: int = 1):
+    """The node's path: the accumulator holds the sum of ``workers`` pushes, the kernel divides by it."""
+    params = flat.clone()
+    state = {n: torch.zeros_like(params) for n in kind.state_names}
+    steps = [torch.zeros(()) for _ in views]
+    split = lambda t: [t.narrow(0, o, n) for o, n in views]  # noqa: E731
+    for g in grads:
+        acc = g * workers
+        apply_(kind, split(params), split(acc), {n: split(t) for n, t in state.items()}, steps, dict(kind.defaults) | hyper, grad_scale=torch.tensor(float(workers)))
+    return params, state, steps
+
+
+def torch_run(cls, hyper: dict, grads: list[torch.Tensor], flat: torch.Tensor, views):
+    ps = [torch.nn.Parameter(flat[o : o + n].clone().view(s)) for (o, n), s in zip(views, SHAPES)]
+    opt = cls(ps, **hyper)
+    for g in grads:
+        for p, (o, n) in zip(ps, views):
+            p.grad = g[o : o + n].clone().view(p.shape)
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in ps]), opt
+
+
+def gradients(numel: int, steps: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=g) * (1.0 + 0.2 * t) for t in range(steps)]
+
+
+@pytest.mark.parametrize(
+    "kind,cls,hyper",
+    [
+        (ADAMW, torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+        (ADAM, torch.optim.Adam, {"lr": 0.01, "weight_decay": 0.01, "betas": (0.8, 0.99)}),
+        (SGD, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}),
+    ],
+)
+def test_equal_to_torch_optim(kind, cls, hyper):
+    flat, views = segments()
+    grads = gradients(flat.numel(), 6)
+    got, state, _ = node_run(kind, hyper, grads, flat, views, workers=2)
+    want, opt = torch_run(cls, hyper, grads, flat, views)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if kind is not SGD:
+        want_sq = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in opt.param_groups[0]["params"]])
+        torch.testing.assert_close(state["exp_avg_sq"], want_sq, rtol=1e-6, atol=1e-7)
+
+
+def reference_frozen_adam(flat, views, grads, *, lr, betas, eps, weight_decay, decoupled, freeze, maximize=False):
+    """The frozen-variance mode written out per element, in float64, independently of apply_."""
+    b1, b2 = betas
+    bound = max(1.0, (1 - b1) / (1 - b2) ** 0.5)
+    p = flat.double().clone()
+    m = torch.zeros_like(p)
+    v = torch.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        g = g.double().clone()
+        if maximize:
+            g = -g
+        if decoupled:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+        m = b1 * m + (1 - b1) * g
+        if t <= freeze:
+            v = b2 * v + (1 - b2) * g * g
+            u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps)
+        else:
+            u = (m / (1 - b1**t)) / ((v / (1 - b2**freeze)).sqrt() + eps)
+            u = u.clamp(-bound, bound)
+        p = p - lr * u
+    return p.float(), m.float(), v.float()
+
+
+@pytest.mark.parametrize("kind", [ADAMW, ADAM])
+@pytest.mark.parametrize("freeze", [1, 3, 20])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_frozen_variance_matches_its_reference(kind, freeze, maximize):
+    flat, views = segments()
+    grads = gradients(flat.numel(), 8)
+    hyper = {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.05, "maximize": maximize, "variance_freeze_step": freeze}
+    got, state, steps = node_run(kind, hyper, grads, flat, views, workers=2)
+    want, m, v = reference_frozen_adam(
+        flat, views, grads, lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05, decoupled=kind is ADAMW, freeze=freeze, maximize=maximize
+    )
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state["exp_avg"], m, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(state["exp_avg_sq"], v, rtol=1e-6, atol=1e-9)
+    assert [float(s) for s in steps] == [8.0] * len(views)
+
+
+def test_frozen_variance_is_torch_until_the_freeze_and_then_stops_the_variance():
+    flat, views = segments()
+    grads = gradients(flat.numel(), 9)
+    hyper = {"lr": 0.01, "weight_decay": 0.1}
+    # steps 1..4: torch's fused kernel, bit for bit what the node does without the mode
+    got, state, _ = node_run(ADAMW, hyper | {"variance_freeze_step": 4}, grads[:4], flat, views)
+    plain, plain_state, _ = node_run(ADAMW, hyper, grads[:4], flat, views)
+    assert torch.equal(got, plain) and torch.equal(state["exp_avg_sq"], plain_state["exp_avg_sq"])
+    torch.testing.assert_close(got, torch_run(torch.optim.AdamW, hyper, grads[:4], flat, views)[0], rtol=1e-6, atol=1e-6)
+    # beyond: exp_avg_sq is exactly what step 4 left, exp_avg still moves
+    _, after, _ = node_run(ADAMW, hyper | {"variance_freeze_step": 4}, grads, flat, views)
+    assert torch.equal(after["exp_avg_sq"], state["exp_avg_sq"])
+    assert not torch.equal(after["exp_avg"], state["exp_avg"])
+    # a freeze step past the run, or None: torch's AdamW all along
+    plain, _, _ = node_run(ADAMW, hyper, grads, flat, views)
+    torch.testing.assert_close(plain, torch_run(torch.optim.AdamW, hyper, grads, flat, views)[0], rtol=1e-6, atol=1e-6)
+    for freeze in (9, None):
+        got, _, _ = node_run(ADAMW, hyper | {"variance_freeze_step": freeze}, grads, flat, views)
+        assert torch.equal(got, plain)
+
+
+def test_frozen_variance_bounds_the_step_of_an_element_silent_during_the_warmup():
+    """exp_avg_sq == 0 at the freeze (a dead ReLU unit): the step stays within Adam's bound, lr * 3.16."""
+    flat, views = segments()
+    grads = gradients(flat.numel(), 6)
+    for g in grads[:3]:
+        g[:5] = 0.0  # never seen before the freeze
+    hyper = {"lr": 0.01, "weight_decay": 0.0, "variance_freeze_step": 3}
+    before, _, _ = node_run(ADAMW, hyper, grads[:3], flat, views)
+    after, _, _ = node_run(ADAMW, hyper, grads[:4], flat, views)
+    step = (after - before)[:5].abs()
+    assert torch.isfinite(after).all()
+    assert torch.all(step <= 0.01 * (0.1 / 0.001**0.5) * (1 + 1e-6)) and torch.all(step > 0.01)
+
+
+def test_frozen_segments_and_live_segments_in_one_bucket():
+    """Segments count their own steps (a parameter group added later): each freezes at its own step K."""
+    flat, views = segments()
+    grads = gradients(flat.numel(), 5)
+    hyper = dict(ADAMW.defaults) | {"lr": 0.01, "variance_freeze_step": 2}
+    params = flat.clone()
+    state = {n: torch.zeros_like(params) for n in ADAMW.state_names}
+    steps = [torch.tensor(0.0), torch.tensor(3.0), torch.tensor(1.0)]  # segment 1 already past the freeze
+    split = lambda t: [t.narrow(0, o, n) for o, n in views]  # noqa: E731
+    sq_before = state["exp_avg_sq"].clone()
+    apply_(ADAMW, split(params), split(grads[0].clone()), {n: split(t) for n, t in state.items()}, steps, hyper)
+    changed = [not torch.equal(a, b) for a, b in zip(split(state["exp_avg_sq"]), split(sq_before))]
+    assert changed == [True, False, True]
+    assert [float(s) for s in steps] == [1.0, 4.0, 2.0]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "10"])
+def test_variance_freeze_step_is_validated(bad):
+    with pytest.raises(ConfigError, match="variance_freeze_step"):
+        check_hyper(ADAMW, dict(ADAMW.defaults) | {"variance_freeze_step": bad})
+    check_hyper(ADAMW, dict(ADAMW.defaults) | {"variance_freeze_step": None})
+    check_hyper(ADAM, dict(ADAM.defaults) | {"variance_freeze_step": 10})
+    with pytest.raises(ConfigError, match="adam"):
+        check_hyper(SGD, dict(SGD.defaults) | {"variance_freeze_step": 10})
