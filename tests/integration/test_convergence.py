@@ -10,26 +10,10 @@ bound. The long study of benchmarks/convergence.py is marked slow.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from harness import load_benchmark
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _load_study():
-    name = "luwu_benchmarks_convergence"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "convergence.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-conv = _load_study()
+conv = load_benchmark("convergence")
 
 #: |final eval loss / uncompressed - 1| allowed after 30 compressed steps. int8 with error feedback
 #: lands ~0.1% away; top-k 1% without it ends tens of percent higher.

@@ -9,32 +9,16 @@ the namespaces built here are contacted.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import os
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
+from harness import load_benchmark
 
 pytestmark = pytest.mark.system
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cluster_study.py"
-
-
-def _load():
-    name = "luwu_benchmarks_cluster_study"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-cs = _load()
+cs = load_benchmark("cluster_study")
 
 # 85k parameters, 2 workers of 32 samples: a few seconds of compute per run; the buckets of 64 KiB
 # make six of them, so a 2:1 capacity split is visible in the bytes of each node's link.

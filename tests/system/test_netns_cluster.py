@@ -6,7 +6,6 @@ the namespaces these tests create are ever contacted.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -16,24 +15,14 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import load_benchmark
 
 pytestmark = pytest.mark.system
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "netns_cluster.py"
 
 
-def _load():
-    name = "luwu_benchmarks_netns_cluster"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, _SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-nc = _load()
+nc = load_benchmark("netns_cluster")
 
 # Receives exactly N bytes on an ephemeral port; reports the time from first to last byte.
 _SERVER = r"""
