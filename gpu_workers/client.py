@@ -188,12 +188,15 @@ class WorkerClient:
         while self._running:
             events = dict(poller.poll(200))
             if self._wake_r in events:
-                self._woken = False  # before the queues are read: a send after this wakes us again
                 try:
                     while os.read(self._wake_r, 4096):
                         pass
                 except BlockingIOError:
                     pass
+                # after draining the pipe (a wake-up written meanwhile is not lost: its message was queued
+                # before, and the queues are read below) and before reading the queues (a send after
+                # this writes a new wake-up)
+                self._woken = False
             for i, s in enumerate(self._socks):
                 q = self._out[i]
                 while q:
