@@ -45,7 +45,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from common import RESULTS, LoadMonitor, bf16_allreduce_hook, machine_info, md_table, median, node_threads_delta, proc_usage, threads_cpu_s, verdict, write_results
+from common import RESULTS, LoadMonitor, bf16_allreduce_hook, machine_info, make_student, md_table, median, node_threads_delta, proc_usage, threads_cpu_s, verdict, write_results
 
 BATCH = 64
 WORLD = 2
@@ -55,13 +55,7 @@ DIMS = (1024, 2048, 2048, 2048, 2048, 1000)
 
 
 def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for i in range(len(DIMS) - 1):
-        layers.append(torch.nn.Linear(DIMS[i], DIMS[i + 1]))
-        if i < len(DIMS) - 2:
-            layers.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*layers)
+    return make_student(list(DIMS), seed=0)
 
 
 def free_port() -> int:

@@ -168,7 +168,7 @@ def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> d
 
 
 # ---------------------------------------------------------------------------- 2. whole step
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+from luwu.protocol.memory import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD  # noqa: E402  (glibc mallopt parameters)
 
 
 def set_malloc(regime: str) -> bool:

@@ -605,7 +605,7 @@ def calibrate(s: Settings, reps: int = 10) -> dict:
     time, with every other core running a worker-like process), link efficiency and network CPU per byte (results/bench_links.json)."""
     import torch
 
-    from cluster_task import make_student
+    from common import make_student
 
     torch.set_num_threads(1)
     model = make_student(list(s.dims))

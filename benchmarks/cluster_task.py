@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, when run by path inside a host
-from common import bf16_allreduce_hook, node_threads_delta, threads_cpu_s  # noqa: E402
+from common import bf16_allreduce_hook, make_student, node_threads_delta, threads_cpu_s  # noqa: E402
 
 IFACE = "eth0"
 
@@ -69,16 +69,6 @@ class TeacherTask:
 
     def eval_set(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.sample(n, torch.Generator().manual_seed(self.seed * 1000 + 999))
-
-
-def make_student(dims: list[int], seed: int = 0) -> torch.nn.Sequential:
-    torch.manual_seed(seed)
-    layers: list[torch.nn.Module] = []
-    for i in range(len(dims) - 1):
-        layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
-        if i < len(dims) - 2:
-            layers.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*layers)
 
 
 @torch.no_grad()

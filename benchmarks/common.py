@@ -257,3 +257,14 @@ def bf16_allreduce_hook(process_group, bucket):
         return buf
 
     return fut.then(decompress)
+
+
+def make_student(dims: list[int], seed: int = 0) -> torch.nn.Sequential:
+    """The benchmarks' MLP: Linear layers of ``dims`` with ReLU between them, seeded."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for i in range(len(dims) - 1):
+        layers.append(torch.nn.Linear(dims[i], dims[i + 1]))
+        if i < len(dims) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
