@@ -1,8 +1,11 @@
 """Delayed update, async and bounded-staleness modes train a real model (digits) as well as sync mode.
 
-The eval loss is averaged over the last 50 steps (one evaluation on 360 images is noisy), and a mode
-passes if its loss is at most 2% above sync mode's. Staleness costs early in training (ZeRO-Offload
-turns DPU on after a warm-up for that reason): 400 steps let both settle.
+The eval loss is the median of ten evaluations over the last 100 steps, and a mode passes if its loss
+is at most 2% above sync mode's. A median, not a mean: async training on stale gradients has
+transient loss spikes (one evaluation at 3-4x the loss around it, then back), and a spike that falls
+in a short window decided the verdict (CI saw 1.18x sync once, where the run's curve sat at 0.6-0.8x
+sync before and after it). Staleness costs early in training (ZeRO-Offload turns DPU on after a
+warm-up for that reason): 400 steps let both settle.
 """
 
 import pytest
@@ -25,7 +28,7 @@ def sync_loss(tmp_path_factory):
 def test_delayed_update_within_2_percent_of_sync(sync_loss, tmp_path):
     with luwu.local_cluster(2) as c:
         res = run_training(dict(SPEC, delayed_update=True), c.addresses, tmp_path, timeout_s=240)
-    assert res[0]["eval_loss"] <= sync_loss * 1.02, (res[0]["eval_loss"], sync_loss)
+    assert res[0]["eval_loss"] <= sync_loss * 1.02, (res[0]["evals"], sync_loss)
 
 
 @pytest.mark.timeout(300)
@@ -35,4 +38,4 @@ def test_async_and_bounded_staleness_within_2_percent_of_sync(staleness, sync_lo
     with luwu.local_cluster(2, node_args=args) as c:
         res = run_training(dict(SPEC, mode="async"), c.addresses, tmp_path, timeout_s=240)
     for r in res:
-        assert r["eval_loss"] <= sync_loss * 1.02, (r["eval_loss"], sync_loss)
+        assert r["eval_loss"] <= sync_loss * 1.02, (r["evals"], sync_loss)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -186,7 +187,7 @@ def main(path: str) -> None:
         if sched is not None:
             sched.step()
         losses.append(float(loss.detach()))
-        if spec["model"] == "digits" and step >= spec["steps"] - 50 and step % 10 == 9:
+        if spec["model"] == "digits" and step >= spec["steps"] - 100 and step % 10 == 9:
             opt.synchronize()
             evals.append(eval_loss(spec, model))
 
@@ -207,7 +208,7 @@ def main(path: str) -> None:
         if spec["step_sleep"]:
             time.sleep(spec["step_sleep"])
     opt.synchronize()
-    result = {"recoveries": recoveries, "params": [p.detach().clone() for p in model.parameters()], "losses": losses, "scales": scales, "eval_loss": sum(evals) / len(evals) if evals else None}
+    result = {"recoveries": recoveries, "params": [p.detach().clone() for p in model.parameters()], "losses": losses, "scales": scales, "eval_loss": statistics.median(evals) if evals else None, "evals": evals}
     torch.save(result, f"{spec['out']}.rank{rank}")
     opt.close()
 
