@@ -108,6 +108,9 @@ class Settings:
     """PowerSGD's uncompressed steps, as many as LuWu's hybrid warm-up."""
     compression_warmup: int = 10
     """LuWu's hybrid policy: uncompressed steps (``compression.warmup_steps``)."""
+    dpu_warmup: int = 10
+    """LuWu's delayed update: steps run in sync first (``optimizer.delayed_update_warmup``; ZeRO-Offload
+    turns DPU on after a warm-up). Within ``warmup``, so the timed steps all run delayed."""
     bucket_bytes: int = 4 << 20
     target_frac: float = 0.75
     """Time-to-loss target: DDP fp32's eval loss at this fraction of its steps."""
@@ -177,6 +180,7 @@ def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str
     if rc.capacities:
         lines.append("capacities = [" + ", ".join(f"{c:g}" for c in rc.capacities) + "]")
     lines += ["", "[optimizer]", 'name = "adamw"', f"delayed_update = {str(rc.variant == 'delayed').lower()}",
+              f"delayed_update_warmup = {s.dpu_warmup}",
               "", "[compression]", f"enabled = {str(rc.compression).lower()}", 'pull_codec = "int8_delta"',
               f"warmup_steps = {s.compression_warmup}", f"link_gbps = {rate_gbps:g}",
               "", "[transport]", f"timeout_s = {s.timeout_s:g}", f"bucket_bytes = {s.bucket_bytes}",
@@ -575,8 +579,8 @@ def h2h_markdown(result: dict) -> str:
         "the emulated links all run on them. A real cluster gives every "
         "host its own cores; `luwu plan` without `--shared-cores` predicts that case.",
         "",
-        "Delayed update applies every gradient one step late from step 0 on (ZeRO-Offload's DPU turns on only "
-        "after the first few dozen steps): compare its `loss vs fp32`.",
+        f"Delayed update runs the first {s.get('dpu_warmup', 0)} steps in sync, then applies every gradient one step "
+        "late (ZeRO-Offload's DPU warm-up, `optimizer.delayed_update_warmup`): compare its `loss vs fp32`.",
         "",
     ]
     lines += [

@@ -51,6 +51,8 @@ class OptimizerConfig:
     """Optimizer the nodes run: adamw, adam or sgd."""
     delayed_update: bool = False
     """ZeRO-Offload's delayed parameter update: step t's forward runs on the weights of t-1."""
+    delayed_update_warmup: int = 0
+    """With delayed_update: steps (from 0) run in sync before the delay starts."""
     max_grad_norm: float = 0.0
     """Clip by the global norm of the averaged gradient across all shards (0 = off)."""
 
@@ -59,6 +61,8 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.name must be adamw, adam or sgd, got {self.name!r}")
         if self.max_grad_norm < 0:
             raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        if isinstance(self.delayed_update_warmup, bool) or not isinstance(self.delayed_update_warmup, int) or self.delayed_update_warmup < 0:
+            raise ConfigError(f"optimizer.delayed_update_warmup must be an int >= 0, got {self.delayed_update_warmup!r}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -55,6 +55,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         nodes: node addresses (``tcp://host:port``), a comma-separated string, or None for ``LUWU_NODES``.
         rank, world_size: this worker's identity; default torchrun's ``RANK`` / ``WORLD_SIZE``.
         delayed_update: ZeRO-Offload's DPU: ``step()`` returns at once, the weights land at the next step.
+        delayed_update_warmup: with ``delayed_update``, the steps (from 0) run in sync before the delay
+            starts, as ZeRO-Offload turns DPU on only after a warm-up: early gradients change the weights
+            the most, so applying them a step late costs the most there.
         max_grad_norm: clip by the global norm of the averaged gradient across all shards.
         amp: set when a ``torch.amp.GradScaler`` drives this optimizer (the overflow decision is global).
     """
@@ -80,6 +83,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         job: str = "luwu",
         mode: str = "sync",
         delayed_update: bool = False,
+        delayed_update_warmup: int = 0,
         max_grad_norm: float | None = None,
         amp: bool = False,
         transport: TransportConfig | None = None,
@@ -131,7 +135,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.amp = amp
         self.mode = mode
+        if isinstance(delayed_update_warmup, bool) or not isinstance(delayed_update_warmup, int) or delayed_update_warmup < 0:
+            raise ConfigError(f"delayed_update_warmup must be an int >= 0, got {delayed_update_warmup!r}")
         self.delayed_update = delayed_update
+        self.delayed_update_warmup = delayed_update_warmup
         self.job = job
         self.compression = compression
         self._sync_grads = True
@@ -327,7 +334,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         skipped, norm = False, None
         if w.two_phase:
             skipped, norm = w.global_round(step, inv_scale, self.max_grad_norm)
-        if self.delayed_update:
+        if self._delaying(step):
             if w.pending is not None:
                 w.wait(w.pending)
             w.pending = step
@@ -341,6 +348,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.last_report = {"step": step, "skipped": skipped, "grad_norm": norm, "push_wait_s": w.push_wait_s, "update_wait_s": w.update_wait_s}
         self._record(skipped)
         return loss
+
+    def _delaying(self, step: int) -> bool:
+        """Whether ``step``'s weights land a step late (delayed update, past its warm-up)."""
+        return self.delayed_update and step >= self.delayed_update_warmup
 
     def _record(self, skipped: bool) -> None:
         """Per-step metrics: counters from the I/O thread's totals, the step-time breakdown from the waits."""
@@ -366,7 +377,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             m.data_wait.observe(data_wait)
         m.push_wait.observe(w.push_wait_s)
         m.update_wait.observe(w.update_wait_s)
-        m.staleness.set(1 if self.delayed_update else 0)
+        m.staleness.set(1 if self._delaying(self.worker.step_num - 1) else 0)
         if prev[2] is not None:
             step_s = now - prev[2]
             m.step_seconds.observe(step_s)

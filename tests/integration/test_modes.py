@@ -31,6 +31,22 @@ def test_delayed_update_within_2_percent_of_sync(sync_loss, tmp_path):
     assert res[0]["eval_loss"] <= sync_loss * 1.02, (res[0]["evals"], sync_loss)
 
 
+@pytest.mark.timeout(180)
+def test_delayed_update_warmup_runs_the_first_steps_in_sync(tmp_path):
+    """``delayed_update_warmup=5``: steps 0..4 wait for their weights, so the losses of steps 0..5 are
+    sync's to the bit; step 6 is the first forward on weights missing an update. Without a warm-up
+    the delay starts at step 1."""
+    spec = dict(SPEC, steps=10)
+    runs = {}
+    for name, extra in (("sync", {}), ("warm", {"delayed_update": True, "delayed_update_warmup": 5}), ("dpu", {"delayed_update": True})):
+        with luwu.local_cluster(1) as c:
+            runs[name] = run_training(dict(spec, **extra), c.addresses, tmp_path, timeout_s=120)[0]["losses"]
+    sync, warm, dpu = runs["sync"], runs["warm"], runs["dpu"]
+    assert warm[:6] == sync[:6], (warm, sync)
+    assert warm[6] != sync[6], (warm, sync)
+    assert dpu[0] == sync[0] and dpu[1] != sync[1], (dpu, sync)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("staleness", [0, 2])
 def test_async_and_bounded_staleness_within_2_percent_of_sync(staleness, sync_loss, tmp_path):
