@@ -25,7 +25,7 @@ from luwu.gpu_workers.worker import Worker
 from luwu.protocol.metrics import serve_metrics
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
 from luwu.protocol.layout import ParamSpec, build_layout
-from luwu.switch_nodes.optimizers import EXTRA_HYPER, get_kind
+from luwu.switch_nodes.optimizers import EXTRA_HYPER, check_hyper, get_kind
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
             names = {id(p): n for n, p in named}
             params = [p for _, p in named]
+        self.kind = kind  # before torch's constructor: add_param_group validates each group with it
         super().__init__(params, defaults)
-        self.kind = kind
         self._names = names
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -225,6 +225,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if hasattr(self, "worker"):
             self.synchronize()
         super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        extras = {k: g[k] for names in EXTRA_HYPER.values() for k in names if g.get(k) is not None}
+        try:  # as torch's constructors do: a bad value fails here, not at the first push to a node
+            check_hyper(self.kind, self._hyper_of(len(self.param_groups) - 1) | extras)  # extras: one for another optimizer is named
+        except ConfigError as exc:
+            self.param_groups.pop()
+            raise ConfigError(f"param group {len(self.param_groups)}: {exc}") from None
         if hasattr(self, "worker"):
             self._build(step=self.worker.step_num)
 

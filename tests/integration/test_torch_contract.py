@@ -8,6 +8,7 @@ from harness import assert_params_close, run_training
 from workers.train import reference
 
 import luwu
+from luwu import ConfigError
 
 SCHEDULERS = {
     "StepLR": lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5),
@@ -172,6 +173,41 @@ def test_variance_freeze_step_travels_in_the_param_groups(cluster1):
             same_sq = torch.equal(later["state"][i]["exp_avg_sq"], at_freeze["state"][i]["exp_avg_sq"])
             assert same_sq == (i < num_frozen), f"parameter {i}: exp_avg_sq {'frozen' if same_sq else 'moved'}"
         assert later["param_groups"][0]["variance_freeze_step"] == 2 and "variance_freeze_step" not in later["param_groups"][1]
+    finally:
+        ropt.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "group,match",
+    [
+        ({"lr": -1.0}, "param group 0: invalid learning rate: -1.0"),
+        ({"betas": (0.9, 1.5)}, r"param group 0: invalid beta parameters"),
+        ({"variance_freeze_step": 0}, "param group 0: invalid variance_freeze_step: 0"),
+        ({"variance_freeze_step": True}, "param group 0: invalid variance_freeze_step: True"),
+    ],
+)
+def test_bad_hyperparameters_fail_in_the_constructor_naming_the_group(group, match):
+    """As torch.optim's constructors: a bad value is a ConfigError at once, not at the first push, and
+    no node is contacted (nothing listens at the address). add_param_group checks its group alike and
+    leaves the optimizer as it was."""
+    model, _ = model_and_data()
+    params = list(model.parameters())
+    with pytest.raises(ConfigError, match=match):
+        luwu.RemoteOptimizer([dict(group, params=params)], "adamw", nodes=["tcp://127.0.0.1:9"], lr=0.01)
+    with pytest.raises(ConfigError, match="variance_freeze_step applies to adam and adamw, not to sgd"):
+        luwu.RemoteOptimizer([{"params": params, "variance_freeze_step": 3}], "sgd", nodes=["tcp://127.0.0.1:9"], lr=0.01)
+
+
+@pytest.mark.timeout(60)
+def test_add_param_group_with_a_bad_value_leaves_the_optimizer_as_it_was(cluster1):
+    model, _ = model_and_data()
+    params = list(model.parameters())
+    ropt = luwu.RemoteOptimizer(params[:-1], "adamw", nodes=cluster1.addresses, lr=0.01)
+    try:
+        with pytest.raises(ConfigError, match="param group 1: invalid learning rate: -0.5"):
+            ropt.add_param_group({"params": params[-1:], "lr": -0.5})
+        assert len(ropt.param_groups) == 1
     finally:
         ropt.close()
 
