@@ -9,7 +9,7 @@ warm-up for that reason): 400 steps let both settle.
 """
 
 import pytest
-from harness import run_training
+from harness import load_benchmark, run_training
 
 import luwu
 
@@ -55,3 +55,17 @@ def test_async_and_bounded_staleness_within_2_percent_of_sync(staleness, sync_lo
         res = run_training(dict(SPEC, mode="async"), c.addresses, tmp_path, timeout_s=240)
     for r in res:
         assert r["eval_loss"] <= sync_loss * 1.02, (r["evals"], sync_loss)
+
+
+@pytest.mark.timeout(120)
+def test_plain_torch_dpu_reference_is_sync_until_the_delay_starts():
+    """benchmarks/dpu_reference.py (the plain-torch cost of a delayed update, against which
+    cluster.md's delayed rows are read) on a tiny student: a delay that never starts is sync to the
+    bit; a delay from step 1 trains differently."""
+    ref = load_benchmark("dpu_reference")
+    s = ref.Settings(dims=(32, 64, 10), batch=16, steps=8, warmup=2, eval_every=4, eval_samples=128, subspace=4, lr=3e-3)
+    sync = ref.train(s, 2, s.lr, None)
+    never = ref.train(s, 2, s.lr, s.steps)
+    late = ref.train(s, 2, s.lr, 1)
+    assert never == sync
+    assert late["eval_loss"] != sync["eval_loss"] and late["train_loss_every_10"][0] == sync["train_loss_every_10"][0]
