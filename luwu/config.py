@@ -61,8 +61,8 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.name must be adamw, adam or sgd, got {self.name!r}")
         if self.max_grad_norm < 0:
             raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
-        if isinstance(self.delayed_update_warmup, bool) or not isinstance(self.delayed_update_warmup, int) or self.delayed_update_warmup < 0:
-            raise ConfigError(f"optimizer.delayed_update_warmup must be an int >= 0, got {self.delayed_update_warmup!r}")
+        if self.delayed_update_warmup < 0:  # the loader already made it an int, as every other key
+            raise ConfigError(f"optimizer.delayed_update_warmup must be >= 0, got {self.delayed_update_warmup}")
 
 
 @dataclass(kw_only=True, slots=True)
