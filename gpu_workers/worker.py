@@ -22,6 +22,7 @@ import torch
 from luwu.gpu_workers.client import WorkerClient
 from luwu.protocol.codecs import get_codec, has_nonfinite
 from luwu.protocol.errors import LayoutMismatchError, ProtocolError
+from luwu.protocol.feedback import WORKER_MOMENTUM, worker_momentum
 from luwu.protocol.layout import Bucket, Layout
 from luwu.protocol.messages import Op
 
@@ -65,6 +66,7 @@ class Worker:
         pull_codec_for=None,
         feedback=None,
         hyper_of=None,
+        momentum_correction: bool = False,
     ):
         self.params, self.layout, self.client = params, layout, client
         self.rank, self.world_size, self.optimizer, self.mode = rank, world_size, optimizer, mode
@@ -73,6 +75,7 @@ class Worker:
         self._pull_codec_for = pull_codec_for or (lambda bucket, step: "none")
         self._feedback = feedback
         self._hyper_of = hyper_of or (lambda group: {})
+        self.momentum_correction = momentum_correction  # DGC's, on sparse-codec buckets (luwu.protocol.feedback)
         nbuf = 2 if delayed_update else 1
         self.bufs: list[_BucketBuf] = []
         for b in layout.buckets:
@@ -216,12 +219,17 @@ class Worker:
         out = buf.out.get(key)
         if out is None and name != "none":
             out = buf.out[key] = codec.alloc(b.numel)
+        hyper = self._hyper_of(b.group)
         if name == "none":
             # zero-copy: the frame is the bucket buffer, next written a step (delayed: two) later, after
             # the node's reply to this push has come back
             enc = codec.encode(x)
         elif ef and self._feedback is not None:
-            enc = self._feedback.encode(b.id, codec, x, out, num_summands=self.world_size)
+            momentum = None
+            if self.momentum_correction and codec.sparse:
+                momentum = worker_momentum(self.optimizer, hyper)
+                hyper = hyper | {WORKER_MOMENTUM: codec.density}
+            enc = self._feedback.encode(b.id, codec, x, out, num_summands=self.world_size, momentum=momentum)
         else:
             enc = codec.encode(x, out, num_summands=self.world_size)
         self.client.send(
@@ -232,7 +240,7 @@ class Worker:
                 "bucket": b.id,
                 "codec": name,
                 "cmeta": enc.meta,
-                "hyper": self._hyper_of(b.group),
+                "hyper": hyper,
                 "nograd": list(nograd),
                 "two_phase": self.two_phase,
                 "pull": self._pull_codec_for(b, step),

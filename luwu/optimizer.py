@@ -24,6 +24,7 @@ from luwu.gpu_workers.metrics import WorkerMetrics
 from luwu.gpu_workers.worker import Worker
 from luwu.protocol.metrics import serve_metrics
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
+from luwu.protocol.feedback import WORKER_MOMENTUM
 from luwu.protocol.layout import ParamSpec, build_layout
 from luwu.switch_nodes.optimizers import EXTRA_HYPER, check_hyper, get_kind
 
@@ -141,6 +142,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.delayed_update_warmup = delayed_update_warmup
         self.job = job
         self.compression = compression
+        for gi in range(len(self.param_groups)):
+            self._check_group(gi)
         self._sync_grads = True
         self._hooks: list = []
         self.metrics = WorkerMetrics(registry, rank=self.rank)
@@ -192,6 +195,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             pull_codec_for=pull_for,
             feedback=feedback,
             hyper_of=self._hyper_of,
+            momentum_correction=self.compression is not None and self.compression.momentum_correction,
         )
         self.worker.two_phase = self.max_grad_norm is not None or self.amp
         self.worker.connect(step)
@@ -210,6 +214,26 @@ class RemoteOptimizer(torch.optim.Optimizer):
         g = self.param_groups[group]
         keys = HYPER_KEYS[self.kind.name] + tuple(k for k in EXTRA_HYPER[self.kind.name] if g.get(k) is not None)
         return {k: (list(map(_num, g[k])) if k == "betas" else _num(g[k])) for k in keys}
+
+    def _check_group(self, gi: int) -> None:
+        """What the compression config asks of a param group: momentum correction needs an update linear
+        in the momentum the workers send (the node checks it again at every push)."""
+        cc = self.compression
+        if cc is None or not cc.enabled or not cc.momentum_correction:
+            return
+        try:
+            if self.mode != "sync":
+                raise ConfigError(f"compression.momentum_correction needs mode='sync', not {self.mode!r}")
+            h = self._hyper_of(gi) | {WORKER_MOMENTUM: cc.topk_density}
+            check_hyper(self.kind, h)
+            freeze = h.get("variance_freeze_step")
+            if freeze is not None and freeze > cc.warmup_steps:
+                raise ConfigError(
+                    f"variance_freeze_step = {freeze} is after compression.warmup_steps = {cc.warmup_steps}: with momentum correction "
+                    f"the variance must be frozen when the top-k steps start"
+                )
+        except ConfigError as exc:
+            raise ConfigError(f"param group {gi}: {exc}") from None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -232,6 +256,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         except ConfigError as exc:
             self.param_groups.pop()
             raise ConfigError(f"param group {len(self.param_groups)}: {exc}") from None
+        if hasattr(self, "compression"):  # (torch's constructor adds the first groups before it is set)
+            try:
+                self._check_group(len(self.param_groups) - 1)
+            except ConfigError:
+                self.param_groups.pop()
+                raise
         if hasattr(self, "worker"):
             self._build(step=self.worker.step_num)
 

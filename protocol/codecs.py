@@ -121,6 +121,8 @@ class Codec:
 
     name: str = ""
     lossy: bool = True
+    sparse: bool = False
+    """Sends a subset of the elements (and :meth:`clear_sent_` can tell which)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -184,6 +186,10 @@ class Codec:
         enc = self.encode(residual, out, num_summands=num_summands)
         self.decode_add_(residual, enc.frames, enc.meta, alpha=-1.0)
         return enc
+
+    def clear_sent_(self, t: torch.Tensor, enc: Encoded) -> None:
+        """Zero the elements of ``t`` that ``enc`` (this codec's own encode) carried: sparse codecs only."""
+        raise ConfigError(f"codec {self.name!r} is dense: every element is sent, so none is cleared alone")
 
     # -- helpers -----------------------------------------------------------
     def _scratch(self, key: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -672,6 +678,7 @@ class TopkCodec(Codec):
 
     name = "topk"
     lossy = True
+    sparse = True
 
     def __init__(self, density: float = 0.01, values: str = "fp32") -> None:
         super().__init__()
@@ -727,6 +734,9 @@ class TopkCodec(Codec):
         # what was sent leaves the residual: exactly zero for fp32 values
         residual.index_add_(0, idx, out[0].to(torch.float32), alpha=-1.0)
         return Encoded({"k": out[1].numel(), "values": self.values}, list(out))
+
+    def clear_sent_(self, t: torch.Tensor, enc: Encoded) -> None:
+        t.index_fill_(0, enc.frames[1].to(torch.int64), 0.0)
 
     def validate(self, numel: int, frames: list[int], meta: dict) -> None:
         _check_numel(self.name, numel)

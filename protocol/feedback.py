@@ -14,6 +14,18 @@ Two directions use it:
   out with the next delta (error feedback by construction). A full fp32
   resync every ``resync_every`` steps bounds the damage of anything missed.
   Workers apply a reply with :func:`apply_pull_`.
+
+**Momentum correction** (Lin et al. 2018, Deep Gradient Compression), for
+sparse codecs (top-k): the worker folds each gradient into a velocity of its
+own, ``u = beta * u + alpha * g`` with the optimizer's momentum
+(:func:`worker_momentum`), accumulates ``u`` (not ``g``) in the residual,
+sends the top-k of it and clears the velocity of what it sent (momentum factor
+masking). The push then says so: its ``hyper`` carries
+``worker_momentum = density``, and the node uses the sum as the momentum
+term instead of folding it into its own (switch_nodes/optimizers.py). An
+element held back for T steps then arrives with the momentum it would have
+built in those T steps, instead of as a raw gradient sum that the node's
+momentum spreads over the steps after it arrives.
 """
 
 from __future__ import annotations
@@ -30,11 +42,27 @@ from luwu.protocol.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+#: Push ``hyper`` key of a momentum-corrected bucket: the top-k density (a float in (0, 1]).
+WORKER_MOMENTUM = "worker_momentum"
+
+
+def worker_momentum(optimizer: str, hyper: dict) -> tuple[float, float]:
+    """``(beta, alpha)`` of the velocity ``u = beta * u + alpha * g`` that matches the node's momentum:
+    Adam's ``exp_avg`` (``betas[0]``, ``1 - betas[0]``) or SGD's buffer (``momentum``, ``1 - dampening``)."""
+    if optimizer in ("adam", "adamw"):
+        b1 = float(hyper["betas"][0])
+        return b1, 1.0 - b1
+    if optimizer == "sgd":
+        return float(hyper["momentum"]), 1.0 - float(hyper["dampening"])
+    raise ConfigError(f"momentum correction: optimizer {optimizer!r} has no momentum to correct")
+
+
 class ErrorFeedback:
-    """Residuals per key (e.g. bucket id), allocated once and reused."""
+    """Residuals per key (e.g. bucket id), allocated once and reused; velocities too, with momentum correction."""
 
     def __init__(self) -> None:
         self._res: dict[Hashable, torch.Tensor] = {}
+        self._vel: dict[Hashable, torch.Tensor] = {}
         self._dirty: set[Hashable] = set()
 
     def residual(self, key: Hashable) -> torch.Tensor | None:
@@ -57,8 +85,13 @@ class ErrorFeedback:
         num_summands: int = 1,
         *,
         nonfinite: bool | None = None,
+        momentum: tuple[float, float] | None = None,
     ) -> Encoded:
         """Encode ``x + residual[key]`` and keep what was not sent.
+
+        ``momentum = (beta, alpha)``: momentum correction (sparse codecs
+        only): encode ``velocity + residual`` with ``velocity = beta *
+        velocity + alpha * x``, and clear the velocity of the elements sent.
 
         ``nonfinite``: whether ``x`` holds NaN/inf, if the caller already
         knows (else it is checked here, one cheap pass). A non-finite ``x`` is
@@ -81,23 +114,41 @@ class ErrorFeedback:
             enc = codec.encode(r, out, num_summands=num_summands)
             r.zero_()
             self._dirty.discard(key)
+            self._vel.pop(key, None)
             return enc
         r = self._residual(key, x.numel())
         self._dirty.add(key)
-        return codec.encode_feedback_(x, r, out, num_summands=num_summands)
+        if momentum is None:
+            self._vel.pop(key, None)
+            return codec.encode_feedback_(x, r, out, num_summands=num_summands)
+        if not codec.sparse:
+            raise ConfigError(f"momentum correction needs a sparse codec (top-k), not {codec.name!r}")
+        u = self._vel.get(key)
+        if u is None or u.numel() != x.numel():
+            u = self._vel[key] = torch.zeros(x.numel(), dtype=torch.float32)
+        beta, alpha = momentum
+        u.mul_(beta).add_(x, alpha=alpha)
+        enc = codec.encode_feedback_(u, r, out, num_summands=num_summands)
+        codec.clear_sent_(u, enc)  # momentum factor masking: what was sent carries its momentum with it
+        return enc
 
     def reset(self, key: Hashable | None = None) -> None:
         """Forget residuals (all, or one key): after a rollback, or a layout change."""
         if key is None:
             self._res.clear()
+            self._vel.clear()
             self._dirty.clear()
         else:
             self._res.pop(key, None)
+            self._vel.pop(key, None)
             self._dirty.discard(key)
+
+    def velocity(self, key: Hashable) -> torch.Tensor | None:
+        return self._vel.get(key)
 
     @property
     def nbytes(self) -> int:
-        return sum(r.numel() * 4 for r in self._res.values())
+        return sum(t.numel() * 4 for d in (self._res, self._vel) for t in d.values())
 
 
 class PullEncoded(NamedTuple):

@@ -92,6 +92,11 @@ class CompressionConfig:
     """With ``int8_delta``: full fp32 weights every this many steps."""
     topk_density: float = 0.01
     """Fraction of elements the ``topk`` codec sends."""
+    momentum_correction: bool = False
+    """Top-k buckets carry each worker's momentum instead of its gradient (Deep Gradient Compression's
+    momentum correction and masking, :mod:`luwu.protocol.feedback`); the nodes use it as their momentum.
+    Needs sync mode and an update linear in it: AdamW / Adam with ``variance_freeze_step`` at most
+    ``warmup_steps`` in every param group (1-bit Adam's frozen variance), or SGD without weight decay."""
 
     def __post_init__(self) -> None:
         for name in ("warmup_steps", "small_numel", "resync_every"):
@@ -113,6 +118,10 @@ class CompressionConfig:
         if self.pull_codec not in PULL_CODECS:
             raise ConfigError(f"compression.pull_codec must be one of {PULL_CODECS}, got {self.pull_codec!r}")
         self.rules = _parse_rules(self.rules)
+        if not isinstance(self.momentum_correction, bool):
+            raise ConfigError(f"compression.momentum_correction must be a bool, got {self.momentum_correction!r}")
+        if self.momentum_correction and not any(get_codec(c).sparse for c in [self.large_codec, *(c for _, c in self.rules)]):
+            raise ConfigError("compression.momentum_correction applies to top-k buckets, and neither large_codec nor a rule is top-k")
 
     def codec_name(self, name: str) -> str:
         """The wire name of codec ``name`` with this config's parameters (top-k density)."""

@@ -31,6 +31,18 @@ gradient's scale, so an element that error feedback holds back for ~1/density
 steps lags by ~lr/density (0.2 at lr 2e-3 and 1%, the scale of the weights);
 top-k at 10% still ends +6.6% there. Momentum SGD, whose steps scale with the
 gradient, loses nothing to top-k 1% on digits.
+
+**Momentum from the workers** (``worker_momentum`` in a push's hyperparameters,
+set by momentum correction, luwu.protocol.feedback): the pushed sum is the
+workers' momentum, already built. The frozen-variance Adam and SGD take it as
+their momentum term; their own buffer only decays what it held when the workers
+took over, so dense momentum from the workers gives the node's own update to
+rounding (tests/unit/test_node_optimizers.py). Adam's step bound on what the
+workers send becomes B / density, because a burst carries the momentum of
+about 1/density steps; the node's decaying tail keeps the bound B.
+Live Adam (its variance would see the bursts), Adam's L2 decay and SGD's weight
+decay or Nesterov (they would have to pass through the workers' momentum) are
+refused by :func:`check_hyper`.
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from torch.optim import adam as _adam
 from torch.optim import sgd as _sgd
 
 from luwu.protocol.errors import ConfigError
+from luwu.protocol.feedback import WORKER_MOMENTUM
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +109,40 @@ def check_hyper(kind: OptimizerKind, h: dict) -> None:
             raise ConfigError(f"invalid momentum value: {h['momentum']}")
         if h["nesterov"] and (float(h["momentum"]) <= 0 or float(h["dampening"]) != 0):
             raise ConfigError("nesterov momentum requires a momentum and zero dampening")
+    _check_worker_momentum(kind, h)
+
+
+def _check_worker_momentum(kind: OptimizerKind, h: dict) -> None:
+    """A momentum-corrected push (luwu.protocol.feedback) needs an update linear in what it carries."""
+    density = h.get(WORKER_MOMENTUM)
+    if density is None:
+        return
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0:
+        raise ConfigError(f"invalid {WORKER_MOMENTUM}: {density!r} (the top-k density of a momentum-corrected push, in (0, 1])")
+    what = "momentum correction (compression.momentum_correction)"
+    if kind.name in ("adam", "adamw"):
+        if h.get("variance_freeze_step") is None:
+            raise ConfigError(
+                f"{what} needs Adam's variance frozen: set variance_freeze_step (at most compression.warmup_steps) in the param groups"
+            )
+        if kind.name == "adam" and float(h["weight_decay"]) != 0.0:
+            raise ConfigError(f"{what} does not support adam's L2 weight_decay (it would go through the workers' momentum): use adamw")
+    elif float(h["weight_decay"]) != 0.0 or h["nesterov"]:
+        raise ConfigError(f"{what} supports sgd without weight_decay and nesterov only")
+
+
+def check_momentum_steps(kind: OptimizerKind, h: dict, steps: list[torch.Tensor], ahead: int = 0) -> None:
+    """A momentum-corrected push may only reach Adam segments whose variance is frozen already.
+    ``ahead``: steps of the bucket still to be applied before the one pushed (sync pushes run up to
+    two ahead of the node)."""
+    if h.get(WORKER_MOMENTUM) is None or kind.name not in ("adam", "adamw") or not steps:
+        return
+    freeze, taken = h["variance_freeze_step"], min(int(s) for s in steps) + ahead
+    if taken < freeze:
+        raise ConfigError(
+            f"a momentum-corrected push came after {taken} steps, before the variance freezes at variance_freeze_step = {freeze}: "
+            f"compression.warmup_steps must be >= variance_freeze_step"
+        )
 
 
 def apply_(
@@ -139,6 +186,9 @@ def apply_(
         # segments whose step about to be taken (state step + 1) is at most K update the variance
         live = [i for i, s in enumerate(steps) if freeze is None or float(s) < freeze]
         frozen = [i for i in range(len(params)) if freeze is not None and float(steps[i]) >= freeze]
+        density = hyper.get(WORKER_MOMENTUM)
+        if density is not None and live:
+            raise ValueError("a momentum-corrected push reached segments whose variance is not frozen yet (check_momentum_steps)")
         common = dict(
             beta1=float(hyper["betas"][0]),
             beta2=float(hyper["betas"][1]),
@@ -174,6 +224,7 @@ def apply_(
                 freeze_step=int(freeze),
                 grad_scale=grad_scale,
                 decoupled=decoupled,
+                density=density,
                 **common,
             )
     else:
@@ -194,6 +245,9 @@ def apply_(
             nesterov=bool(hyper["nesterov"]),
             maximize=bool(hyper.get("maximize", False)),
         )
+        if hyper.get(WORKER_MOMENTUM) is not None:
+            _sgd_worker_momentum_(params, grads, bufs, momentum=momentum, lr=common["lr"], maximize=common["maximize"])
+            first = rest = []
         if first:
             tmp: list = [None] * len(first)
             _sgd.sgd([params[i] for i in first], [grads[i] for i in first], tmp, foreach=False, **common)
@@ -215,6 +269,7 @@ def _adam_frozen_variance_(
     freeze_step: int,
     grad_scale: torch.Tensor | None,
     decoupled: bool,
+    density: float | None,
     beta1: float,
     beta2: float,
     lr: float,
@@ -222,7 +277,13 @@ def _adam_frozen_variance_(
     eps: float,
     maximize: bool,
 ) -> None:
-    """The Adam step of segments past ``freeze_step`` (see :func:`apply_`): ``exp_avg_sq`` read only."""
+    """The Adam step of segments past ``freeze_step`` (see :func:`apply_`): ``exp_avg_sq`` read only.
+
+    ``density``: the grads are the workers' momentum (momentum correction at this top-k density).
+    ``exp_avg`` then only decays what it held when they took the momentum over. The workers' part is
+    bounded at B / density (an element held back ~1/density steps arrives with the momentum of all of
+    them), the decaying tail at B as before: it reaches every element at every step, and at B / density
+    it would throw an element whose variance froze at zero by lr * B / density per step."""
     bc2_sqrt = (1.0 - beta2**freeze_step) ** 0.5
     bound = max(1.0, (1.0 - beta1) / (1.0 - beta2) ** 0.5)
     for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
@@ -236,8 +297,23 @@ def _adam_frozen_variance_(
                 p.mul_(1.0 - lr * weight_decay)
             else:
                 g.add_(p, alpha=weight_decay)
-        m.lerp_(g, 1.0 - beta1)
         bc1 = 1.0 - beta1 ** float(s)
         u = v.sqrt().div_(bc2_sqrt).add_(eps)  # the frozen denominator ...
-        torch.div(m, u, out=u).clamp_(-bound * bc1, bound * bc1)  # ... then m / denom, bounded
+        if density is None:
+            m.lerp_(g, 1.0 - beta1)
+            torch.div(m, u, out=u).clamp_(-bound * bc1, bound * bc1)  # ... then m / denom, bounded
+        else:  # the workers' momentum (a burst: B / density) plus the decaying tail of the node's own (B)
+            g.div_(u).clamp_(-bound / density * bc1, bound / density * bc1)
+            torch.div(m.mul_(beta1), u, out=u).clamp_(-bound * bc1, bound * bc1).add_(g)
         p.add_(u, alpha=-lr / bc1)
+
+
+def _sgd_worker_momentum_(
+    params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], *, momentum: float, lr: float, maximize: bool
+) -> None:
+    """SGD step of a momentum-corrected push: the grads are the workers' momentum; the node's buffer
+    only decays what it held before (zero if the segment starts here), as torch's ``p -= lr * buf``."""
+    for p, g, buf in zip(params, grads, bufs):
+        if momentum != 0.0:
+            g.add_(buf.mul_(momentum))
+        p.add_(g, alpha=lr if maximize else -lr)

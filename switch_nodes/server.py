@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
+from luwu.protocol.feedback import WORKER_MOMENTUM
 from luwu.protocol.memory import retain_freed_memory
 from luwu.protocol.errors import (
     ConfigError,
@@ -41,7 +42,7 @@ from luwu.switch_nodes.checkpoint import CheckpointStore
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.metrics import NodeMetrics
-from luwu.switch_nodes.optimizers import check_hyper, get_kind
+from luwu.switch_nodes.optimizers import check_hyper, check_momentum_steps, get_kind
 from luwu.switch_nodes.store import Accumulator, BucketState, parse_spec
 
 log = logging.getLogger(__name__)
@@ -495,6 +496,7 @@ class NodeServer:
                 get_codec(h["pull"])
             hyper = dict(b.kind.defaults) | h["hyper"]
             check_hyper(b.kind, hyper)
+            check_momentum_steps(b.kind, hyper, b.steps, ahead=step - b.version)
             acc.nograd, acc.hyper, acc.two_phase = nograd, hyper, h["two_phase"]
         b.add_push(acc, codec, msg.tensors(), h["cmeta"], len(self.members))
         acc.workers.add(w)
@@ -527,6 +529,8 @@ class NodeServer:
             raise ProtocolError(f"bucket {b.id}: nograd names segments outside 0..{len(b.segments) - 1}")
         hyper = dict(b.kind.defaults) | h["hyper"]
         check_hyper(b.kind, hyper)
+        if hyper.get(WORKER_MOMENTUM) is not None:
+            raise ConfigError("momentum correction needs sync mode: an async node applies each worker's momentum alone")
         acc = b.accumulator(b.version, max_ahead=0)
         acc.nograd, acc.hyper, acc.pull = nograd, hyper, h["pull"]
         codec.decode_(acc.buf, msg.tensors(), h["cmeta"])

@@ -480,6 +480,47 @@ def test_error_feedback_skips_nonfinite_and_flushes_into_lossless():
     assert ef.residual(7) is None and ef.nbytes == 0
 
 
+def test_momentum_correction_matches_deep_gradient_compression():
+    """Lin et al. 2018, Algorithm 1 with momentum factor masking, element by element:
+    u = beta u + alpha g; v += u; send top-k of v; clear v and u where sent."""
+    torch.manual_seed(4)
+    codec = get_codec("topk", density=0.05)
+    ef = ErrorFeedback()
+    n, beta, alpha = 4000, 0.9, 0.1
+    u, v = torch.zeros(n), torch.zeros(n)
+    for step in range(12):
+        g = torch.randn(n) * (1 + step % 3)
+        enc = ef.encode("b", codec, g, momentum=(beta, alpha))
+        u = beta * u + alpha * g
+        v = v + u
+        idx = torch.topk(v.abs(), codec.k_for(n)).indices.sort().values
+        assert torch.equal(enc.frames[1].long(), idx), f"step {step}: another selection"
+        torch.testing.assert_close(enc.frames[0], v[idx], rtol=1e-6, atol=1e-6)
+        v[idx] = 0
+        u[idx] = 0
+        torch.testing.assert_close(ef.residual("b"), v, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ef.velocity("b"), u, rtol=1e-5, atol=1e-5)
+    assert ef.nbytes == 2 * 4 * n
+
+
+def test_momentum_correction_needs_a_sparse_codec_and_resets_with_the_residual():
+    ef = ErrorFeedback()
+    x = torch.randn(3000)
+    with pytest.raises(ConfigError, match="sparse codec.*'int8'"):
+        ef.encode(1, get_codec("int8"), x, momentum=(0.9, 0.1))
+    topk = get_codec("topk")
+    ef.encode(1, topk, x, momentum=(0.9, 0.1))
+    assert ef.velocity(1).abs().max() > 0
+    ef.encode(1, topk, x)  # a step without: the velocity is dropped, plain error feedback goes on
+    assert ef.velocity(1) is None and ef.residual(1) is not None
+    ef.encode(1, topk, x, momentum=(0.9, 0.1))
+    ef.encode(1, get_codec("none"), x)  # a lossless step flushes the residual and drops the velocity
+    assert ef.velocity(1) is None
+    ef.encode(2, topk, x, momentum=(0.9, 0.1))
+    ef.reset(2)
+    assert ef.velocity(2) is None and ef.residual(2) is None
+
+
 # -- pull direction: int8 deltas against a shadow ---------------------------------------
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from luwu.protocol.errors import ConfigError
-from luwu.switch_nodes.optimizers import ADAM, ADAMW, SGD, apply_, check_hyper
+from luwu.protocol.feedback import WORKER_MOMENTUM
+from luwu.switch_nodes.optimizers import ADAM, ADAMW, SGD, apply_, check_hyper, check_momentum_steps
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -174,3 +175,107 @@ def test_variance_freeze_step_is_validated(bad):
     check_hyper(ADAM, dict(ADAM.defaults) | {"variance_freeze_step": 10})
     with pytest.raises(ConfigError, match="adam"):
         check_hyper(SGD, dict(SGD.defaults) | {"variance_freeze_step": 10})
+
+
+# -- momentum correction: the workers send the momentum (luwu.protocol.feedback) ------------------
+
+
+def handover_run(kind, hyper: dict, grads: list[torch.Tensor], flat, views, *, from_step: int, density: float = 1.0):
+    """The node's path where pushes from ``from_step`` (0-based) on carry the workers' momentum
+    ``u = beta u + alpha g`` of the same gradients, dense (what momentum correction sends at density 1
+    without masking): the update must be the node's own momentum update to rounding."""
+    params = flat.clone()
+    state = {n: torch.zeros_like(params) for n in kind.state_names}
+    steps = [torch.zeros(()) for _ in views]
+    split = lambda t: [t.narrow(0, o, n) for o, n in views]  # noqa: E731
+    full = dict(kind.defaults) | hyper
+    beta, alpha = (full["betas"][0], 1 - full["betas"][0]) if kind is not SGD else (full["momentum"], 1 - full["dampening"])
+    u = torch.zeros_like(params)
+    for t, g in enumerate(grads):
+        h = full
+        if t >= from_step:
+            u = beta * u + alpha * g
+            g, h = u, full | {WORKER_MOMENTUM: density}
+            check_hyper(kind, h)
+        apply_(kind, split(params), split(g.clone() * 2), {n: split(x) for n, x in state.items()}, steps, h, grad_scale=torch.tensor(2.0))
+    return params
+
+
+@pytest.mark.parametrize("freeze,from_step", [(4, 4), (4, 6), (6, 8)])
+def test_worker_momentum_hands_over_to_the_frozen_adam_update(freeze, from_step):
+    """Where no step bound binds (gradients at the scale the variance froze at): the bounds differ by
+    design, B on the node's own momentum and B / density on the workers' (the tests below)."""
+    flat, views = segments()
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(flat.numel(), generator=g) for _ in range(10)]
+    hyper = {"lr": 0.01, "weight_decay": 0.05, "variance_freeze_step": freeze}
+    plain, _, _ = node_run(ADAMW, hyper, grads, flat, views, workers=2)
+    got = handover_run(ADAMW, hyper, grads, flat, views, from_step=from_step)
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_worker_momentum_hands_over_to_sgd_momentum():
+    flat, views = segments()
+    grads = gradients(flat.numel(), 8)
+    hyper = {"lr": 0.05, "momentum": 0.9}
+    want = torch_run(torch.optim.SGD, hyper, grads, flat, views)[0]
+    for from_step in (0, 4):
+        torch.testing.assert_close(handover_run(SGD, hyper, grads, flat, views, from_step=from_step), want, rtol=1e-5, atol=1e-6)
+
+
+def test_worker_momentum_bounds_a_burst_at_adams_bound_over_the_density():
+    """A top-k burst carries ~1/density steps of momentum: bounded at B / density, not at B (plus the
+    node's own decaying momentum, bounded at B)."""
+    flat, views = segments()
+    grads = gradients(flat.numel(), 4)
+    hyper = {"lr": 0.01, "weight_decay": 0.0, "variance_freeze_step": 3}
+    before, _, _ = node_run(ADAMW, hyper, grads[:3], flat, views)
+    burst = grads[:4]
+    burst[3] = grads[3] * 1e4  # far beyond the frozen scale
+    for density in (0.01, 1.0):
+        after = handover_run(ADAMW, hyper, burst, flat, views, from_step=3, density=density)
+        step = (after - before).abs()
+        bound = 0.01 * 3.1623 / density
+        assert step.max() <= bound + 0.01 * 3.1623 * (1 + 1e-4) and step.max() > 0.9 * bound
+
+
+def test_worker_momentum_keeps_the_tail_of_the_nodes_momentum_within_adams_bound():
+    """exp_avg_sq == 0 at the freeze and momentum in exp_avg: the tail moves the element by at most lr * B
+    per step, as the frozen mode does, not by lr * B / density."""
+    flat, views = segments()
+    grads = gradients(flat.numel(), 6)
+    for g in grads[:3]:
+        g[:5] = 0.0
+    grads[3][:5] = 1.0  # seen first after the freeze: momentum but no variance
+    for g in grads[4:]:
+        g[:5] = 0.0  # from here the workers send nothing for them: only the node's tail moves them
+    hyper = {"lr": 0.01, "weight_decay": 0.0, "variance_freeze_step": 3}
+    before = handover_run(ADAMW, hyper, grads[:5], flat, views, from_step=5)
+    after = handover_run(ADAMW, hyper, grads, flat, views, from_step=5, density=0.01)
+    step = (after - before)[:5].abs()
+    assert torch.all(step <= 0.01 * 3.1623 * (1 + 1e-5)) and torch.all(step > 0.01)
+
+
+def test_worker_momentum_is_refused_where_the_update_is_not_linear_in_it():
+    wm = {WORKER_MOMENTUM: 0.01}
+    with pytest.raises(ConfigError, match="variance frozen"):
+        check_hyper(ADAMW, dict(ADAMW.defaults) | wm)
+    with pytest.raises(ConfigError, match="L2 weight_decay"):
+        check_hyper(ADAM, dict(ADAM.defaults) | wm | {"weight_decay": 0.1, "variance_freeze_step": 5})
+    with pytest.raises(ConfigError, match="sgd without weight_decay"):
+        check_hyper(SGD, dict(SGD.defaults) | wm | {"momentum": 0.9, "weight_decay": 0.1})
+    for bad in (0, 1.5, True, "0.01"):
+        with pytest.raises(ConfigError, match=WORKER_MOMENTUM):
+            check_hyper(SGD, dict(SGD.defaults) | {WORKER_MOMENTUM: bad})
+    ok = dict(ADAMW.defaults) | wm | {"variance_freeze_step": 5}
+    check_hyper(ADAMW, ok)
+    check_hyper(SGD, dict(SGD.defaults) | wm | {"momentum": 0.9})
+    # a push that would reach segments before their variance freezes, counting the steps still queued
+    steps = [torch.tensor(3.0), torch.tensor(4.0)]
+    with pytest.raises(ConfigError, match="after 3 steps.*variance_freeze_step = 5"):
+        check_momentum_steps(ADAMW, ok, steps)
+    check_momentum_steps(ADAMW, ok, steps, ahead=2)
+    with pytest.raises(ValueError, match="not frozen"):
+        flat, views = segments()
+        apply_(ADAMW, [flat[:3]], [torch.ones(3)], {"exp_avg": [torch.zeros(3)], "exp_avg_sq": [torch.zeros(3)]}, [torch.tensor(0.0)], ok)
+
