@@ -30,7 +30,9 @@ Adam's normalised steps every element moves about ``lr`` per step whatever its
 gradient's scale, so an element that error feedback holds back for ~1/density
 steps lags by ~lr/density (0.2 at lr 2e-3 and 1%, the scale of the weights);
 top-k at 10% still ends +6.6% there. Momentum SGD, whose steps scale with the
-gradient, loses nothing to top-k 1% on digits.
+gradient, loses nothing to top-k 1% on digits. With momentum correction (below;
+variance frozen after 5 steps) top-k 1% ends -17% on digits and +10% on the LM
+against uncompressed AdamW.
 
 **Momentum from the workers** (``worker_momentum`` in a push's hyperparameters,
 set by momentum correction, luwu.protocol.feedback): the pushed sum is the
