@@ -696,8 +696,8 @@ def topk_findings(rows: list[dict]) -> list[str]:
         "moves every element by about lr per step whatever its gradient's scale, so an element held back by error "
         "feedback for ~1/density steps lags by ~lr/density, of the order of the weights at lr 2e-3 and 1%. Momentum "
         "SGD, whose steps scale with the gradient, does not pay it (the SGD rows, digits); a denser top-k pays less, "
-        "and on the LM so does a longer fp32 warm-up (the `topk10%` and `w50` rows). Momentum correction removes most of "
-        "the rest: an element held back arrives with the momentum it would have built while it waited, applied in one "
+        "and on the LM so does a longer fp32 warm-up (the `topk10%` and `w50` rows). Momentum correction removes part of "
+        "the rest (about half on the LM): an element held back arrives with the momentum it would have built while it waited, applied in one "
         "step (bounded at Adam's bound / density), instead of as a raw gradient sum that the node's momentum then spreads "
         "over the steps after it arrives.",
     ]
