@@ -42,8 +42,9 @@ def test_delayed_update_warmup_runs_the_first_steps_in_sync(tmp_path):
         with luwu.local_cluster(1) as c:
             runs[name] = run_training(dict(spec, **extra), c.addresses, tmp_path, timeout_s=120)[0]["losses"]
     sync, warm, dpu = runs["sync"], runs["warm"], runs["dpu"]
-    assert warm[:6] == sync[:6], (warm, sync)
-    assert warm[6] != sync[6], (warm, sync)
+    # equal to rounding: the node sums two pushes in arrival order, which moves the last bit now and then
+    assert warm[:6] == pytest.approx(sync[:6], rel=1e-6, abs=0), (warm, sync)
+    assert abs(warm[6] - sync[6]) > 1e-5 * abs(sync[6]), (warm, sync)
     assert dpu[0] == sync[0] and dpu[1] != sync[1], (dpu, sync)
 
 
