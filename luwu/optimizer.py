@@ -260,7 +260,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             try:
                 self._check_group(len(self.param_groups) - 1)
             except ConfigError:
-                self.param_groups.pop()
+                self.param_groups.pop()  # _check_group named the group already
                 raise
         if hasattr(self, "worker"):
             self._build(step=self.worker.step_num)

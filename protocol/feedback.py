@@ -22,7 +22,8 @@ own, ``u = beta * u + alpha * g`` with the optimizer's momentum
 sends the top-k of it and clears the velocity of what it sent (momentum factor
 masking). The push then says so: its ``hyper`` carries
 ``worker_momentum = density``, and the node uses the sum as the momentum
-term instead of folding it into its own (switch_nodes/optimizers.py). An
+term and drops its own (switch_nodes/optimizers.py): the momentum restarts
+at the first compressed step, where the velocities start at zero. An
 element held back for T steps then arrives with the momentum it would have
 built in those T steps, instead of as a raw gradient sum that the node's
 momentum spreads over the steps after it arrives.

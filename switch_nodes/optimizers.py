@@ -31,17 +31,22 @@ gradient's scale, so an element that error feedback holds back for ~1/density
 steps lags by ~lr/density (0.2 at lr 2e-3 and 1%, the scale of the weights);
 top-k at 10% still ends +6.6% there. Momentum SGD, whose steps scale with the
 gradient, loses nothing to top-k 1% on digits. With momentum correction (below;
-variance frozen after 5 steps) top-k 1% ends -17% on digits and +10% on the LM
-against uncompressed AdamW.
+variance frozen after 5 steps) see benchmarks/results/convergence.md.
 
 **Momentum from the workers** (``worker_momentum`` in a push's hyperparameters,
 set by momentum correction, luwu.protocol.feedback): the pushed sum is the
 workers' momentum, already built. The frozen-variance Adam and SGD take it as
-their momentum term; their own buffer only decays what it held when the workers
-took over, so dense momentum from the workers gives the node's own update to
-rounding (tests/unit/test_node_optimizers.py). Adam's step bound on what the
-workers send becomes B / density, because a burst carries the momentum of
-about 1/density steps; the node's decaying tail keeps the bound B.
+their momentum term, and the momentum *restarts* there: the workers' velocities
+start at zero at the first compressed step and the node discards its own
+buffer (it stays zero while the workers hold the momentum). So dense momentum
+from the workers gives the node's own update with the buffer reset at the
+handover, to rounding (tests/unit/test_node_optimizers.py). Keeping the node's
+warm-up momentum as a decaying tail applied it open loop to every element for
+~1/(1 - beta1) steps while new gradient reached 1% of them per step: on the
+char LM (simulated) +12% against uncompressed AdamW, +6.6% when the workers'
+velocities carry it from step 0 instead, +4.1% when it is dropped. Adam's step
+bound on what the workers send becomes B / density, because a burst carries
+the momentum of about 1/density steps.
 Live Adam (its variance would see the bursts), Adam's L2 decay and SGD's weight
 decay or Nesterov (they would have to pass through the workers' momentum) are
 refused by :func:`check_hyper`.
@@ -130,7 +135,7 @@ def _check_worker_momentum(kind: OptimizerKind, h: dict) -> None:
         if kind.name == "adam" and float(h["weight_decay"]) != 0.0:
             raise ConfigError(f"{what} does not support adam's L2 weight_decay (it would go through the workers' momentum): use adamw")
     elif float(h["weight_decay"]) != 0.0 or h["nesterov"]:
-        raise ConfigError(f"{what} supports sgd without weight_decay and nesterov only")
+        raise ConfigError(f"{what} supports sgd without weight_decay or nesterov only")
 
 
 def check_momentum_steps(kind: OptimizerKind, h: dict, steps: list[torch.Tensor], ahead: int = 0) -> None:
@@ -281,11 +286,9 @@ def _adam_frozen_variance_(
 ) -> None:
     """The Adam step of segments past ``freeze_step`` (see :func:`apply_`): ``exp_avg_sq`` read only.
 
-    ``density``: the grads are the workers' momentum (momentum correction at this top-k density).
-    ``exp_avg`` then only decays what it held when they took the momentum over. The workers' part is
-    bounded at B / density (an element held back ~1/density steps arrives with the momentum of all of
-    them), the decaying tail at B as before: it reaches every element at every step, and at B / density
-    it would throw an element whose variance froze at zero by lr * B / density per step."""
+    ``density``: the grads are the workers' momentum (momentum correction at this top-k density), the
+    whole momentum term: ``exp_avg`` is discarded (kept at zero) while they hold it. Bounded at
+    B / density: an element held back ~1/density steps arrives with the momentum of all of them."""
     bc2_sqrt = (1.0 - beta2**freeze_step) ** 0.5
     bound = max(1.0, (1.0 - beta1) / (1.0 - beta2) ** 0.5)
     for p, g, m, v, s in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
@@ -304,18 +307,18 @@ def _adam_frozen_variance_(
         if density is None:
             m.lerp_(g, 1.0 - beta1)
             torch.div(m, u, out=u).clamp_(-bound * bc1, bound * bc1)  # ... then m / denom, bounded
-        else:  # the workers' momentum (a burst: B / density) plus the decaying tail of the node's own (B)
-            g.div_(u).clamp_(-bound / density * bc1, bound / density * bc1)
-            torch.div(m.mul_(beta1), u, out=u).clamp_(-bound * bc1, bound * bc1).add_(g)
+        else:  # the workers' momentum, a burst: B / density; the node's own momentum is handed over
+            m.zero_()
+            torch.div(g, u, out=u).clamp_(-bound / density * bc1, bound / density * bc1)
         p.add_(u, alpha=-lr / bc1)
 
 
 def _sgd_worker_momentum_(
     params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], *, momentum: float, lr: float, maximize: bool
 ) -> None:
-    """SGD step of a momentum-corrected push: the grads are the workers' momentum; the node's buffer
-    only decays what it held before (zero if the segment starts here), as torch's ``p -= lr * buf``."""
+    """SGD step of a momentum-corrected push: the grads are the workers' momentum, torch's
+    ``p -= lr * buf`` with the workers' sum as ``buf``; the node's own buffer is handed over (zeroed)."""
     for p, g, buf in zip(params, grads, bufs):
         if momentum != 0.0:
-            g.add_(buf.mul_(momentum))
+            buf.zero_()
         p.add_(g, alpha=lr if maximize else -lr)

@@ -76,7 +76,7 @@ def test_the_distributed_step_is_worker_momentum_topk_then_the_frozen_node_updat
         ("adamw", {}, {}, "param group 0: momentum correction .* needs Adam's variance frozen"),
         ("adamw", {"variance_freeze_step": WARMUP + 1}, {}, "param group 0: variance_freeze_step = 5 is after compression.warmup_steps = 4"),
         ("adam", {"variance_freeze_step": 2, "weight_decay": 0.1}, {}, "param group 0: .*adam's L2 weight_decay"),
-        ("sgd", {"momentum": 0.9, "weight_decay": 0.1}, {}, "param group 0: .*sgd without weight_decay"),
+        ("sgd", {"momentum": 0.9, "weight_decay": 0.1}, {}, "param group 0: .*sgd without weight_decay or nesterov"),
         ("adamw", {"variance_freeze_step": 2}, {"mode": "async"}, "param group 0: compression.momentum_correction needs mode='sync'"),
     ],
 )
