@@ -931,6 +931,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--reps", type=int, default=1, help="repetitions of every configuration (order rotated)")
     ap.add_argument("--dims", type=_csv(int), default=None, help="student widths (default 1024,2048,2048,2048,2048,1000)")
+    ap.add_argument("--bucket-mib", type=float, default=None, help="LuWu bucket size in MiB of fp32 gradient (default 4)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -944,7 +945,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         s = dataclasses.replace(s, steps=16, warmup=12)
     s = dataclasses.replace(s, **{k: v for k, v in (("steps", args.steps), ("warmup", args.warmup),
-                                                     ("dims", tuple(args.dims) if args.dims else None)) if v is not None})
+                                                     ("dims", tuple(args.dims) if args.dims else None),
+                                                     ("bucket_bytes", int(args.bucket_mib * 2**20) if args.bucket_mib else None)) if v is not None})
     if args.hetero:
         if args.steps is None and not args.quick:
             s = dataclasses.replace(s, steps=30)  # throughput only: no time-to-loss here
