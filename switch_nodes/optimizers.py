@@ -43,8 +43,9 @@ from the workers gives the node's own update with the buffer reset at the
 handover, to rounding (tests/unit/test_node_optimizers.py). Keeping the node's
 warm-up momentum as a decaying tail applied it open loop to every element for
 ~1/(1 - beta1) steps while new gradient reached 1% of them per step: on the
-char LM (simulated) +12% against uncompressed AdamW, +6.6% when the workers'
-velocities carry it from step 0 instead, +4.1% when it is dropped. Adam's step
+char LM +12% against uncompressed AdamW in a single-process simulation, +6.6%
+when the workers' velocities carry it from step 0 instead, +4.1% when it is
+dropped (the real run, dropped: +2.9%). Adam's step
 bound on what the workers send becomes B / density, because a burst carries
 the momentum of about 1/density steps.
 Live Adam (its variance would see the bursts), Adam's L2 decay and SGD's weight
@@ -307,7 +308,7 @@ def _adam_frozen_variance_(
         if density is None:
             m.lerp_(g, 1.0 - beta1)
             torch.div(m, u, out=u).clamp_(-bound * bc1, bound * bc1)  # ... then m / denom, bounded
-        else:  # the workers' momentum, a burst: B / density; the node's own momentum is handed over
+        else:  # the workers' momentum, a burst: B / density; the node's own momentum is dropped
             m.zero_()
             torch.div(g, u, out=u).clamp_(-bound / density * bc1, bound / density * bc1)
         p.add_(u, alpha=-lr / bc1)
@@ -317,7 +318,7 @@ def _sgd_worker_momentum_(
     params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], *, momentum: float, lr: float, maximize: bool
 ) -> None:
     """SGD step of a momentum-corrected push: the grads are the workers' momentum, torch's
-    ``p -= lr * buf`` with the workers' sum as ``buf``; the node's own buffer is handed over (zeroed)."""
+    ``p -= lr * buf`` with the workers' sum as ``buf``; the node's own buffer is dropped (zeroed)."""
     for p, g, buf in zip(params, grads, bufs):
         if momentum != 0.0:
             buf.zero_()
