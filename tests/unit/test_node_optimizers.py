@@ -226,7 +226,7 @@ def test_worker_momentum_hands_over_to_sgd_momentum():
     hyper = {"lr": 0.05, "momentum": 0.9}
     torch.testing.assert_close(handover_run(SGD, hyper, grads, flat, views, from_step=0), torch_run(torch.optim.SGD, hyper, grads, flat, views)[0], rtol=1e-5, atol=1e-6)
     # from step 4: torch's SGD with its momentum buffer zeroed there
-    ps, opt = torch_run(torch.optim.SGD, hyper, grads[:4], flat, views)
+    _, opt = torch_run(torch.optim.SGD, hyper, grads[:4], flat, views)
     for st in opt.state.values():
         st["momentum_buffer"].zero_()
     for g in grads[4:]:
@@ -255,7 +255,7 @@ def test_worker_momentum_bounds_a_burst_at_adams_bound_over_the_density():
 @pytest.mark.parametrize("kind,hyper", [(ADAMW, {"lr": 0.01, "weight_decay": 0.0, "variance_freeze_step": 3}), (SGD, {"lr": 0.05, "momentum": 0.9})])
 def test_worker_momentum_discards_the_nodes_own_momentum_at_the_handover(kind, hyper):
     """Elements with momentum in the node's buffer at the handover that the workers then send nothing
-    for do not move (Adam: even with exp_avg_sq frozen at zero under them), and the buffer is zero."""
+    for do not move (Adam: even with exp_avg_sq frozen at zero under them)."""
     flat, views = segments()
     grads = gradients(flat.numel(), 6)
     for g in grads[:3]:
