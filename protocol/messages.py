@@ -142,7 +142,8 @@ def decode(frames: Sequence, *, job: str | None = None, max_message_bytes: int =
         if not isinstance(val, types) or (isinstance(val, bool) and bool not in types):
             raise ProtocolError(f"{op.name} field {name!r} has type {type(val).__name__}, expected {'/'.join(t.__name__ for t in types)} ({_where(header)})")
     for name, types in OPTIONAL.items():
-        if name in header and not isinstance(header[name], types):
+        val = header.get(name)
+        if name in header and (not isinstance(val, types) or (isinstance(val, bool) and bool not in types)):
             raise ProtocolError(f"{op.name} field {name!r} has type {type(header[name]).__name__} ({_where(header)})")
     unknown = set(header) - set(COMMON) - set(SCHEMA[op]) - set(OPTIONAL) - {"nbytes"}
     if unknown:

@@ -67,6 +67,7 @@ BAD = [
     ("missing field", lambda: [msgpack.packb({k: v for k, v in dict(push_header(), v=1, nbytes=[]).items() if k != "hyper"})], "lacks field 'hyper'"),
     ("wrong type", lambda: [msgpack.packb(dict(push_header(step="3"), v=1, nbytes=[]))], "'step' has type str"),
     ("bool for int", lambda: [msgpack.packb(dict(push_header(bucket=True), v=1, nbytes=[]))], "'bucket' has type bool"),
+    ("bool for optional int", lambda: [msgpack.packb(dict(push_header(seq=False), v=1, nbytes=[]))], "'seq' has type bool"),
     ("unknown field", lambda: [msgpack.packb(dict(push_header(evil=1), v=1, nbytes=[]))], "unknown fields"),
     ("negative step", lambda: [msgpack.packb(dict(push_header(step=-1), v=1, nbytes=[]))], "negative"),
     ("truncated payload", lambda: [msgpack.packb(dict(push_header(), v=1, nbytes=[400])), b"\0" * 399], "has 399 bytes, header says 400"),
