@@ -24,7 +24,7 @@ tells a top-k gap that comes from the codec from one that comes from AdamW.
 
 Top-k runs three ways under AdamW: with torch's AdamW on the nodes; with the
 nodes' frozen variance mode (``freeze`` rows: ``variance_freeze_step`` in the
-param groups, = the 10 fp32 warm-up steps, as 1-bit Adam does;
+param groups, = the 10 warm-up steps (bf16, no error feedback), as 1-bit Adam does;
 switch_nodes/optimizers.py), since sparse, bursty top-k gradients inflate
 Adam's second moment and shrink its steps; and with momentum correction
 (``+MC`` rows, the configuration the top-k target is held to, against plain
@@ -624,8 +624,8 @@ def report(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) 
         "",
         f"{plan_txt}. Final eval loss against the uncompressed run (same seeds, same global batches). "
         "Forced variants: the codec on matrices of >= 64K elements, bf16 on the rest, the cost rule told 1 Gbit/s "
-        "so it does not veto; hybrid = `CompressionConfig()` defaults. The first 10 steps go fp32 (the default "
-        "warm-up). Pull direction bf16 in every compressed variant (`int8_delta` not used). compressed share = "
+        "so it does not veto; hybrid = `CompressionConfig()` defaults. The first 10 steps go bf16 both ways, without "
+        "error feedback (the default warm-up). Pull direction bf16 in every compressed variant (`int8_delta` not used). compressed share = "
         "fraction of the gradient bytes after warm-up sent with int8 / int4 / top-k; push x / pull x = fp32 bytes / "
         "wire bytes per worker per step after warm-up. The `SGD` rows run SGD + momentum (lr 0.05, 0.9, no weight decay) on the nodes "
         "and compare with their own uncompressed SGD run. The `freeze` rows run the nodes' AdamW with `variance_freeze_step` = 10 "
@@ -697,7 +697,7 @@ def topk_findings(rows: list[dict]) -> list[str]:
         "moves every element by about lr per step whatever its gradient's scale, so an element held back by error "
         "feedback for ~1/density steps lags by ~lr/density, of the order of the weights at lr 2e-3 and 1%. Momentum "
         "SGD, whose steps scale with the gradient, does not pay it (the SGD rows, digits); a denser top-k pays less, "
-        "and on the LM so does a longer fp32 warm-up (the `topk10%` and `w50` rows). Momentum correction removes most of "
+        "and on the LM so does a longer bf16 warm-up (the `topk10%` and `w50` rows). Momentum correction removes most of "
         "the rest: an element held back arrives with the momentum it would have built while it waited, applied in one "
         "step (bounded at Adam's bound / density), instead of as a raw gradient sum that the node's momentum then spreads "
         "over the steps after it arrives. The momentum restarts at the handover: applying the nodes' warm-up momentum "

@@ -2,8 +2,10 @@
 
 Large matrices carry nearly all the bytes and tolerate int8 with error
 feedback; small tensors, norms and biases gain nothing from compression and
-hurt when compressed, so they go bf16; the first steps go uncompressed (as
-PowerSGD, DGC and 1-bit Adam warm up). A codec is used only where the wire time
+hurt when compressed, so they go bf16; the first steps go without the
+error-feedback codecs (as PowerSGD, DGC and 1-bit Adam warm up), in bf16 by
+default (what DDP's bf16 hook sends all along: half of fp32's bytes, rounding
+to nearest, no residual). A codec is used only where the wire time
 it saves beats the time it costs to encode and decode.
 
 The rule holds per tensor: a bucket holding any small or 1-D parameter goes
@@ -61,6 +63,9 @@ AGGRESSIVE_CODECS = frozenset({"int8", "int4", "topk"})
 
 PULL_CODECS = ("none", "bf16", "fp16", "int8_delta")
 
+#: Codecs that round each element alone (no residual to carry): the warm-up's choice.
+ROUNDING_CODECS = ("none", "bf16", "fp16")
+
 
 @dataclass(kw_only=True, slots=True)
 class CompressionConfig:
@@ -69,7 +74,12 @@ class CompressionConfig:
     enabled: bool = True
     """Off: every bucket travels as fp32 (``none``) both ways."""
     warmup_steps: int = 10
-    """Steps (from 0) sent uncompressed before compression starts."""
+    """Steps (from 0) sent with ``warmup_codec`` before the error-feedback codecs start."""
+    warmup_codec: str = "bf16"
+    """Codec of every bucket during the warm-up, both directions: ``bf16`` (round to nearest, like DDP's
+    bf16 hook: half the bytes of fp32, no residual), ``fp16``, or ``none`` (fp32). A rule naming one of
+    these three still wins for its buckets (``*.bias=none`` stays fp32), and ``pull_codec`` ``none``
+    keeps the pull fp32; the cost rule applies as after the warm-up."""
     small_numel: int = SMALL_NUMEL
     """Parameters with fewer elements than this (and all 1-D ones) are sent as bf16. The layout buckets
     parameters apart at the default line; another value still holds per tensor (a bucket with any
@@ -115,6 +125,8 @@ class CompressionConfig:
         self.link_gbps = float(self.link_gbps)
         self.topk_density = float(self.topk_density)
         _check_codec("compression.large_codec", self.large_codec)
+        if self.warmup_codec not in ROUNDING_CODECS:
+            raise ConfigError(f"compression.warmup_codec must be one of {ROUNDING_CODECS} (no error feedback in the warm-up), got {self.warmup_codec!r}")
         if self.pull_codec not in PULL_CODECS:
             raise ConfigError(f"compression.pull_codec must be one of {PULL_CODECS}, got {self.pull_codec!r}")
         self.rules = _parse_rules(self.rules)
@@ -218,9 +230,11 @@ def _first_paying(candidates: list[str], numel: int, cfg: CompressionConfig) -> 
 
 def choose_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> tuple[str, bool]:
     """(codec name, use error feedback) for pushing ``bucket``'s gradient at ``step``."""
-    if not cfg.enabled or step < cfg.warmup_steps or bucket.numel == 0:
+    if not cfg.enabled or bucket.numel == 0:
         return "none", False
     name = _rule_codec(bucket, cfg)
+    if step < cfg.warmup_steps:
+        return _first_paying([name if name in ROUNDING_CODECS else cfg.warmup_codec], bucket.numel, cfg), False
     if name is None:
         if any(is_small(s, cfg) for s in bucket.segments):
             candidates = ["bf16"]
@@ -241,9 +255,11 @@ def choose_pull_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str:
     :class:`luwu.protocol.feedback.DeltaEncoder`) only for buckets of large
     matrices; small and 1-D parameters get bf16 at most.
     """
-    if not cfg.enabled or step < cfg.warmup_steps or bucket.numel == 0 or cfg.pull_codec == "none":
+    if not cfg.enabled or bucket.numel == 0 or cfg.pull_codec == "none":
         return "none"
     want = cfg.pull_codec
+    if step < cfg.warmup_steps and want not in ROUNDING_CODECS:
+        want = cfg.warmup_codec  # int8_delta starts after the warm-up, with a full resync
     if want == "int8_delta" and any(is_small(s, cfg) for s in bucket.segments):
         want = "bf16"
     candidates = ["int8_delta", "bf16"] if want == "int8_delta" else [want]

@@ -46,19 +46,37 @@ TINY = bucket_of(("norm.weight", (64,)))
 def test_defaults_are_the_documented_ones():
     cfg = CompressionConfig()
     assert cfg.enabled and cfg.error_feedback
-    assert (cfg.warmup_steps, cfg.small_numel, cfg.large_codec) == (10, 65536, "int8")
+    assert (cfg.warmup_steps, cfg.warmup_codec, cfg.small_numel, cfg.large_codec) == (10, "bf16", 65536, "int8")
     assert (cfg.link_gbps, cfg.pull_codec, cfg.resync_every, cfg.topk_density) == (10.0, "bf16", 50, 0.01)
     assert cfg.rules == []
 
 
-def test_warmup_steps_go_uncompressed():
-    cfg = CompressionConfig()
+def test_warmup_steps_go_bf16_both_ways_without_feedback():
+    cfg = CompressionConfig(pull_codec="int8_delta")
     for b in (LARGE, SMALLS, MIXED):
-        assert choose_codec(b, 0, cfg) == ("none", False)
-        assert choose_codec(b, 9, cfg) == ("none", False)
-        assert choose_pull_codec(b, 9, cfg) == "none"
+        assert choose_codec(b, 0, cfg) == ("bf16", False)
+        assert choose_codec(b, 9, cfg) == ("bf16", False)
+        assert choose_pull_codec(b, 9, cfg) == "bf16"
     assert choose_codec(LARGE, 10, cfg) == ("int8", True)
+    assert choose_pull_codec(LARGE, 10, cfg) == "int8_delta"
     assert choose_codec(LARGE, 0, CompressionConfig(warmup_steps=0)) == ("int8", True)
+
+
+def test_warmup_codec_fp32_and_what_overrides_it():
+    fp32 = CompressionConfig(warmup_codec="none", pull_codec="int8_delta")
+    assert choose_codec(LARGE, 3, fp32) == ("none", False)
+    assert choose_pull_codec(LARGE, 3, fp32) == "none"
+    assert choose_codec(LARGE, 3, CompressionConfig(warmup_codec="fp16")) == ("fp16", False)
+    # the pull keeps a rounding pull_codec through the warm-up, and fp32 when asked for
+    assert choose_pull_codec(LARGE, 3, CompressionConfig(pull_codec="fp16")) == "fp16"
+    assert choose_pull_codec(LARGE, 3, CompressionConfig(pull_codec="none")) == "none"
+    # a rule naming a rounding codec wins in the warm-up too; one naming int8 waits for its end
+    rules = CompressionConfig(rules=[("*.bias", "none"), ("layers.*", "int4")])
+    assert choose_codec(bucket_of(("head.bias", (4096,))), 3, rules) == ("none", False)
+    assert choose_codec(MIXED, 3, rules) == ("bf16", False)
+    assert choose_codec(MIXED, 10, rules) == ("int4", True)
+    # the cost rule still holds: on a link fast enough, bf16 costs more than it saves
+    assert choose_codec(TINY, 3, CompressionConfig(link_gbps=1e6)) == ("none", False)
 
 
 def test_disabled_sends_fp32_both_ways():
@@ -104,7 +122,7 @@ def test_rules_override_first_match_wins_on_the_largest_segment():
     assert choose_codec(bucket_of(("layers.1.weight", (1024, 1024))), STEP, cfg) == ("none", False)
     assert choose_codec(bucket_of(("head.bias", (4096,))), STEP, cfg) == ("fp16", False)
     assert choose_codec(SMALLS, STEP, cfg) == ("bf16", False), "no rule matches: the default policy"
-    assert choose_codec(MIXED, 3, cfg) == ("none", False), "rules do not skip the warm-up"
+    assert choose_codec(MIXED, 3, cfg) == ("bf16", False), "rules do not skip the warm-up"
     cheap = CompressionConfig(rules=[("*", "int8")], link_gbps=1e6)
     assert choose_codec(TINY, STEP, cheap) == ("int8", True), "rules skip the cost rule"
 
@@ -127,6 +145,7 @@ def test_rules_from_a_string_and_bad_rules():
     "field,value",
     [
         ("warmup_steps", -1),
+        ("warmup_codec", "int8"),
         ("small_numel", "big"),
         ("large_codec", "zstd"),
         ("link_gbps", 0.0),
@@ -173,7 +192,7 @@ def test_pull_codec():
     assert choose_pull_codec(LARGE, STEP, delta) == "int8_delta"
     assert choose_pull_codec(MIXED, STEP, delta) == "bf16", "never int8 deltas for small or 1-D tensors"
     assert choose_pull_codec(SMALLS, STEP, delta) == "bf16"
-    assert choose_pull_codec(LARGE, 2, delta) == "none"
+    assert choose_pull_codec(LARGE, 2, delta) == "bf16", "int8 deltas start after the warm-up"
     assert choose_pull_codec(LARGE, STEP, CompressionConfig(pull_codec="none")) == "none"
     assert choose_pull_codec(LARGE, STEP, CompressionConfig(pull_codec="fp16")) == "fp16"
 
