@@ -10,12 +10,15 @@ process, the same global batches, initial weights and steps for everyone.
 Competitors, per link rate and worker count:
 
 - ``ddp_fp32``, ``ddp_bf16`` (the bf16 compression hook), ``ddp_powersgd``
-  (rank 4, error feedback, after the same 10 uncompressed steps as LuWu's
-  hybrid policy): DDP over gloo with fused AdamW, workers only;
-- ``luwu_sync`` and ``luwu_delayed``: ``RemoteOptimizer`` with the hybrid
-  compression policy and int8-delta weights (``pull_codec = "int8_delta"``,
-  ``link_gbps`` = the link), on 1, 2 and 4 node hosts separate from the
-  worker hosts. Every setting comes from a cluster file, as a real job's would.
+  (rank 4, error feedback, after 10 uncompressed steps, as many as the warm-up
+  of LuWu's hybrid policy): DDP over gloo with fused AdamW, workers only;
+- ``luwu_sync``, ``luwu_partial`` and ``luwu_delayed``: ``RemoteOptimizer``
+  with the hybrid compression policy and int8-delta weights (``pull_codec =
+  "int8_delta"``, ``link_gbps`` = the link), on 1, 2 and 4 node hosts separate
+  from the worker hosts; partial delays only the first layer's weights
+  (``optimizer.delayed_params``: its gradient comes last in backward and its
+  weights first in forward), delayed all of them. Every setting comes from a
+  cluster file, as a real job's would.
 
 Measured (see ``cluster_task.py``): samples/s from the median step time after
 warm-up (slowest rank), eval loss at the final step, wall time (the training
@@ -76,7 +79,7 @@ TASK = HERE / "cluster_task.py"
 NODE_PORT = 5555
 DDP_PORT = 29500
 DDP_VARIANTS = ("fp32", "bf16", "powersgd")
-LUWU_VARIANTS = ("sync", "delayed")
+LUWU_VARIANTS = ("sync", "partial", "delayed")
 READY_LINE = "LUWU_NODE_READY"  # luwu.switch_nodes.server.READY_LINE (importing it would load torch at start)
 
 
@@ -94,7 +97,7 @@ class Settings:
     steps: int = 60
     """Steps of every run."""
     warmup: int = 12
-    """Steps before the timed window (past the hybrid policy's 10 uncompressed steps and the first resync)."""
+    """Steps before the timed window (past the hybrid policy's 10 bf16 warm-up steps and the first resync)."""
     eval_every: int = 5
     """Rank 0 keeps the weights every this many steps for the loss curve."""
     eval_samples: int = 1024
@@ -107,10 +110,13 @@ class Settings:
     powersgd_start: int = 10
     """PowerSGD's uncompressed steps, as many as LuWu's hybrid warm-up."""
     compression_warmup: int = 10
-    """LuWu's hybrid policy: uncompressed steps (``compression.warmup_steps``)."""
+    """LuWu's hybrid policy: bf16 warm-up steps before int8 (``compression.warmup_steps``)."""
     dpu_warmup: int = 10
     """LuWu's delayed update: steps run in sync first (``optimizer.delayed_update_warmup``; ZeRO-Offload
     turns DPU on after a warm-up). Within ``warmup``, so the timed steps all run delayed."""
+    partial_params: tuple[str, ...] = ("0.*",)
+    """``luwu_partial``: the parameters whose weights land a step late (``optimizer.delayed_params``):
+    the student's first layer."""
     bucket_bytes: int = 4 << 20
     target_frac: float = 0.75
     """Time-to-loss target: DDP fp32's eval loss at this fraction of its steps."""
@@ -139,7 +145,7 @@ class RunConfig:
     kind: str
     """``ddp`` or ``luwu``."""
     variant: str
-    """ddp: fp32 / bf16 / powersgd; luwu: sync / delayed."""
+    """ddp: fp32 / bf16 / powersgd; luwu: sync / partial / delayed."""
     workers: int
     nodes: int = 0
     rate: str = "1gbit"
@@ -179,8 +185,9 @@ def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str
              f"world_size = {rc.workers}"]
     if rc.capacities:
         lines.append("capacities = [" + ", ".join(f"{c:g}" for c in rc.capacities) + "]")
-    lines += ["", "[optimizer]", 'name = "adamw"', f"delayed_update = {str(rc.variant == 'delayed').lower()}",
+    lines += ["", "[optimizer]", 'name = "adamw"', f"delayed_update = {str(rc.variant in ('delayed', 'partial')).lower()}",
               f"delayed_update_warmup = {s.dpu_warmup}",
+              "delayed_params = [" + (", ".join(f'"{p}"' for p in s.partial_params) if rc.variant == "partial" else "") + "]",
               "", "[compression]", f"enabled = {str(rc.compression).lower()}", 'pull_codec = "int8_delta"',
               f"warmup_steps = {s.compression_warmup}", f"link_gbps = {rate_gbps:g}",
               "", "[transport]", f"timeout_s = {s.timeout_s:g}", f"bucket_bytes = {s.bucket_bytes}",
@@ -580,7 +587,11 @@ def h2h_markdown(result: dict) -> str:
         "host its own cores; `luwu plan` without `--shared-cores` predicts that case.",
         "",
         f"Delayed update runs the first {s.get('dpu_warmup', 0)} steps in sync, then applies every gradient one step "
-        "late (ZeRO-Offload's DPU warm-up, `optimizer.delayed_update_warmup`): compare its `loss vs fp32`.",
+        "late (ZeRO-Offload's DPU warm-up, `optimizer.delayed_update_warmup`): compare its `loss vs fp32`. "
+        f"Partial delay (`luwu_partial`) does the same for the parameters {', '.join(f'`{p}`' for p in s.get('partial_params', ()))} "
+        "only (`optimizer.delayed_params`: the first layer, whose gradient comes last in backward and whose weights "
+        "come first in forward, so its round trip is the tail of a sync step); the rest stays sync. The plan "
+        "validation leaves partial rows out: `luwu plan` models sync and full delay.",
         "",
     ]
     lines += [
@@ -749,7 +760,7 @@ def plan_validation(result: dict, tolerance: float = 0.25) -> dict:
 
     rows = []
     for r in result["rows"]:
-        if r["kind"] != "luwu":
+        if r["kind"] != "luwu" or r["variant"] == "partial":  # the plan models sync and full delay only
             continue
         spec = plan_spec(r, result["settings"], result["calibration"])
         p = plan(spec)
@@ -807,7 +818,7 @@ def replot(args: argparse.Namespace) -> int:
     stem = "cluster.quick" if args.quick else "cluster"
     path = args.out / f"{stem}.json"
     result = json.loads(path.read_text())
-    s = Settings(**{k: tuple(v) if k == "dims" else v for k, v in result["settings"].items()})
+    s = Settings(**{k: tuple(v) if k in ("dims", "partial_params") else v for k, v in result["settings"].items()})
     add_comparisons(result["rows"], s)
     result["verdicts"] = verdicts(result["rows"])
     write("cluster", result, h2h_markdown(result), quick=result["quick"], out=args.out)

@@ -254,7 +254,7 @@ def _setup_luwu(spec: dict, model: torch.nn.Module):
         model, cfg.optimizer.name, nodes=cfg.cluster.nodes, capacities=cfg.cluster.capacities or None,
         rank=spec["rank"], world_size=spec["world"], job=cfg.cluster.job, lr=spec["lr"],
         weight_decay=spec["weight_decay"], delayed_update=cfg.optimizer.delayed_update,
-        delayed_update_warmup=cfg.optimizer.delayed_update_warmup, compression=compression, transport=cfg.transport)
+        delayed_update_warmup=cfg.optimizer.delayed_update_warmup, delayed_params=cfg.optimizer.delayed_params, compression=compression, transport=cfg.transport)
     return model, opt
 
 

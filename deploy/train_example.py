@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         compression=compression,
         delayed_update=cfg.optimizer.delayed_update,
         delayed_update_warmup=cfg.optimizer.delayed_update_warmup,
+        delayed_params=cfg.optimizer.delayed_params,
         max_grad_norm=cfg.optimizer.max_grad_norm or None,
         metrics_port=port,
         metrics_host=args.metrics_host or cfg.metrics.host,

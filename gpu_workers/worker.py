@@ -61,7 +61,7 @@ class Worker:
         world_size: int,
         optimizer: str,
         mode: str = "sync",
-        delayed_update: bool = False,
+        delayed: frozenset[int] = frozenset(),
         codec_for=None,
         pull_codec_for=None,
         feedback=None,
@@ -70,16 +70,16 @@ class Worker:
     ):
         self.params, self.layout, self.client = params, layout, client
         self.rank, self.world_size, self.optimizer, self.mode = rank, world_size, optimizer, mode
-        self.delayed = delayed_update
+        self.delayed = frozenset(delayed)  # ids of the buckets whose weights land a step late (delayed update)
         self._codec_for = codec_for or (lambda bucket, step: ("none", False))
         self._pull_codec_for = pull_codec_for or (lambda bucket, step: "none")
         self._feedback = feedback
         self._hyper_of = hyper_of or (lambda group: {})
         self.momentum_correction = momentum_correction  # DGC's, on sparse-codec buckets (luwu.protocol.feedback)
-        nbuf = 2 if delayed_update else 1
         self.bufs: list[_BucketBuf] = []
         for b in layout.buckets:
             multi = len(b.segments) > 1 or not params[b.segments[0].param].is_contiguous()
+            nbuf = 2 if b.id in self.delayed else 1  # a delayed bucket's push of t is in flight while t + 1's fills
             self.bufs.append(_BucketBuf(b, [torch.zeros(b.numel) for _ in range(nbuf)], torch.zeros(b.numel) if multi else None))
         self.where: dict[int, list[tuple[int, int]]] = {}  # param -> [(bucket, segment index)]
         for b in layout.buckets:
@@ -87,7 +87,7 @@ class Worker:
                 self.where.setdefault(s.param, []).append((b.id, si))
         self.node_buckets = [[b.id for b in layout.buckets_of(n)] for n in range(layout.num_nodes)]
         self.step_num = 0
-        self.pending: int | None = None  # delayed update: the step whose weights are still to come
+        self.pending: int | None = None  # delayed update: the step whose delayed buckets' weights are still to come
         self._lock = threading.Lock()
         self.two_phase = False
         self.push_wait_s = 0.0
@@ -170,7 +170,6 @@ class Worker:
     def grad_ready(self, param: int, grad: torch.Tensor) -> None:
         """Gradient hook: copy the parameter's gradient into its buckets; push every bucket it completes."""
         flat = grad.detach().reshape(-1)
-        parity = self.step_num & 1 if self.delayed else 0
         full = []
         with self._lock:
             for bid, si in self.where.get(param, ()):
@@ -178,17 +177,20 @@ class Worker:
                 if buf.pushed_step == self.step_num:
                     continue
                 s = buf.bucket.segments[si]
-                buf.grads[parity].narrow(0, s.offset, s.numel).copy_(flat.narrow(0, s.param_offset, s.numel))
+                buf.grads[self._parity(bid)].narrow(0, s.offset, s.numel).copy_(flat.narrow(0, s.param_offset, s.numel))
                 buf.filled += 1
                 if buf.filled == len(buf.bucket.segments):
                     buf.pushed_step = self.step_num
                     full.append(buf)
         for buf in full:
-            self._push(buf, parity, ())
+            self._push(buf, self._parity(buf.bucket.id), ())
+
+    def _parity(self, bucket: int) -> int:
+        """Which gradient buffer of ``bucket`` this step fills: delayed buckets alternate."""
+        return self.step_num & 1 if bucket in self.delayed else 0
 
     def finish(self) -> None:
         """Push every bucket the hooks did not complete, from ``param.grad`` (None = no gradient)."""
-        parity = self.step_num & 1 if self.delayed else 0
         todo = []
         with self._lock:
             for buf in self.bufs:
@@ -197,6 +199,7 @@ class Worker:
                     todo.append(buf)
         for buf in todo:
             nograd = []
+            parity = self._parity(buf.bucket.id)
             g = buf.grads[parity]
             for si, s in enumerate(buf.bucket.segments):
                 grad = self.params[s.param].grad
@@ -270,18 +273,25 @@ class Worker:
                 self.client.send(n, {"op": Op.COMMIT, "step": step, "coef": float(coef), "skip": nonfinite, "buckets": bids})
         return nonfinite, norm
 
-    def wait(self, step: int) -> bool:
-        """Wait for the weights after ``step`` and write each bucket into the parameters as it arrives
-        (asked for in forward order), so writing overlaps receiving and each reply's buffer is freed
-        for reuse at once. Returns whether the nodes skipped the step."""
-        keys = [(Op.UPDATE, b.node, step, b.id) for b in reversed(self.layout.buckets)]
+    def wait(self, step: int | None, delayed_step: int | None) -> bool:
+        """Wait for the weights after ``step`` of the buckets not delayed and after ``delayed_step`` of
+        the delayed ones (None: nothing to wait for) and write each bucket into the parameters as it
+        arrives (asked for in forward order), so writing overlaps receiving and each reply's buffer is
+        freed for reuse at once. Returns whether the nodes skipped ``step`` in a bucket waited for at
+        ``step`` (what a delayed bucket says of ``delayed_step`` is not counted, as with full delay)."""
+        keys = []
+        for b in reversed(self.layout.buckets):
+            s = delayed_step if b.id in self.delayed else step
+            if s is not None:
+                keys.append((Op.UPDATE, b.node, s, b.id))
         waited = 0.0
         skipped = False
         t0 = time.perf_counter()
         for key, m in self.client.arrivals(keys, what="updated weights"):
             t1 = time.perf_counter()
             waited += t1 - t0
-            skipped |= m.header["skipped"]
+            if key[2] == step:
+                skipped |= m.header["skipped"]
             self._write(self.bufs[key[3]], m)
             t0 = time.perf_counter()
         self.update_wait_s = waited

@@ -53,6 +53,10 @@ class OptimizerConfig:
     """ZeRO-Offload's delayed parameter update: step t's forward runs on the weights of t-1."""
     delayed_update_warmup: int = 0
     """With delayed_update: steps (from 0) run in sync before the delay starts."""
+    delayed_params: list[str] = field(default_factory=list)
+    """With delayed_update: delay only the parameters whose names match one of these fnmatch patterns
+    (empty: all). The first layers' round trip is the tail of a sync step: delaying only them (e.g.
+    ["embed*", "layers.0.*"]) takes it off the critical path for a fraction of full delay's loss."""
     max_grad_norm: float = 0.0
     """Clip by the global norm of the averaged gradient across all shards (0 = off)."""
 
@@ -63,6 +67,8 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
         if self.delayed_update_warmup < 0:  # the loader already made it an int, as every other key
             raise ConfigError(f"optimizer.delayed_update_warmup must be >= 0, got {self.delayed_update_warmup}")
+        if self.delayed_params and not self.delayed_update:
+            raise ConfigError(f"optimizer.delayed_params = {self.delayed_params} needs optimizer.delayed_update = true")
 
 
 @dataclass(kw_only=True, slots=True)

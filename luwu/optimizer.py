@@ -12,6 +12,7 @@ pushed, so every ``torch.optim.lr_scheduler`` works unchanged.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import logging
 import os
 import warnings
@@ -59,6 +60,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         delayed_update_warmup: with ``delayed_update``, the steps (from 0) run in sync before the delay
             starts, as ZeRO-Offload turns DPU on only after a warm-up: early gradients change the weights
             the most, so applying them a step late costs the most there.
+        delayed_params: with ``delayed_update``, delay only the parameters whose names match one of these
+            fnmatch patterns (a list, or a comma-separated string; None: all). The first layers' gradients
+            come last in backward and their weights are needed first in forward, so their round trip is
+            the tail of a sync step: delaying just them takes it off the critical path at a fraction of
+            full delay's cost in loss. The rest stays sync.
         max_grad_norm: clip by the global norm of the averaged gradient across all shards.
         amp: set when a ``torch.amp.GradScaler`` drives this optimizer (the overflow decision is global).
     """
@@ -85,6 +91,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         mode: str = "sync",
         delayed_update: bool = False,
         delayed_update_warmup: int = 0,
+        delayed_params=None,
         max_grad_norm: float | None = None,
         amp: bool = False,
         transport: TransportConfig | None = None,
@@ -140,6 +147,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"delayed_update_warmup must be an int >= 0, got {delayed_update_warmup!r}")
         self.delayed_update = delayed_update
         self.delayed_update_warmup = delayed_update_warmup
+        if isinstance(delayed_params, str):
+            delayed_params = [v.strip() for v in delayed_params.split(",") if v.strip()]
+        self.delayed_params = list(delayed_params or [])
+        if any(not isinstance(v, str) or not v for v in self.delayed_params):
+            raise ConfigError(f"delayed_params must be fnmatch patterns on parameter names, got {delayed_params!r}")
+        if self.delayed_params and not delayed_update:
+            raise ConfigError(f"delayed_params={self.delayed_params} needs delayed_update=True")
         self.job = job
         self.compression = compression
         for gi in range(len(self.param_groups)):
@@ -164,7 +178,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
             names = g.get("param_names") or [None] * len(g["params"])  # torch keeps named parameters' names here
             for p, name in zip(g["params"], names):
                 params.append(p)
-                specs.append(ParamSpec(name or self._names.get(id(p), f"param{len(specs)}"), tuple(p.shape), gi))
+                name = name or self._names.get(id(p), f"param{len(specs)}")
+                delayed = any(fnmatch.fnmatchcase(name, pat) for pat in self.delayed_params)
+                specs.append(ParamSpec(name, tuple(p.shape), gi, delayed))
+        for pat in self.delayed_params:
+            if not any(fnmatch.fnmatchcase(s.name, pat) for s in specs):
+                raise ConfigError(f"delayed_params pattern {pat!r} matches no parameter (names: {', '.join(s.name for s in specs[:8])}{', ...' if len(specs) > 8 else ''})")
         return params, specs
 
     def _build(self, step: int = 0) -> None:
@@ -190,7 +209,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             world_size=self.world_size,
             optimizer=self.kind.name,
             mode=self.mode,
-            delayed_update=self.delayed_update,
+            delayed=self._delayed_buckets(),
             codec_for=codec_for,
             pull_codec_for=pull_for,
             feedback=feedback,
@@ -202,6 +221,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+
+    def _delayed_buckets(self) -> frozenset[int]:
+        """Ids of the buckets whose weights land a step late once the delay starts."""
+        if not self.delayed_update:
+            return frozenset()
+        if not self.delayed_params:
+            return frozenset(b.id for b in self.layout.buckets)
+        return self.layout.delayed_buckets()
 
     def _make_hook(self, index: int):
         def hook(p: torch.Tensor) -> None:
@@ -372,11 +399,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if w.two_phase:
             skipped, norm = w.global_round(step, inv_scale, self.max_grad_norm)
         if self._delaying(step):
-            if w.pending is not None:
-                w.wait(w.pending)
+            # the buckets not delayed (partial delay) land now, the delayed ones bring the last step's
+            skipped |= w.wait(step, w.pending)
             w.pending = step
         else:
-            skipped |= w.wait(step)
+            skipped |= w.wait(step, step)
         w.step_num = step + 1
         if grad_scaler is not None:
             # Every worker's scaler backs off alike: the decision is the nodes', not this worker's grads.
@@ -430,7 +457,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         """Delayed update: wait for the last step's weights (call before eval, checkpoint or exit)."""
         w = self.worker
         if w.pending is not None:
-            w.wait(w.pending)
+            w.wait(None, w.pending)
             w.pending = None
 
     def close(self) -> None:

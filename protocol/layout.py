@@ -15,7 +15,10 @@ int8 (benchmarks/bench_wire_bytes.py, char LM with 4 MiB buckets: 2.0x fewer
 push bytes than fp32 mixed, 3.7x apart). Each class is packed in reverse registration order, the order in
 which backward produces gradients, and a group's buckets are numbered in the
 order backward completes them (by the last parameter each waits for), so
-pushes still stream during backward. Small parameters are never split; a
+pushes still stream during backward. Parameters marked ``delayed`` (their
+weights may land a step late: ``RemoteOptimizer(delayed_params=...)``) form
+classes of their own too, so a bucket is delayed whole or not at all. Small
+parameters are never split; a
 parameter larger than a bucket spans several. Buckets of later groups come
 after earlier ones, so ``add_param_group`` only appends buckets. Owners are
 chosen greedily, each bucket to the node with the least bytes per unit of
@@ -50,6 +53,8 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     group: int = 0
+    delayed: bool = False
+    """Its weights may land a step late (partial delayed update): never in a bucket with others."""
 
     @property
     def numel(self) -> int:
@@ -102,6 +107,10 @@ class Layout:
         for b in self.buckets:
             out[b.node] += b.nbytes
         return out
+
+    def delayed_buckets(self) -> frozenset[int]:
+        """Ids of the buckets of delayed parameters (a bucket holds delayed parameters only, or none)."""
+        return frozenset(b.id for b in self.buckets if b.segments and self.params[b.segments[0].param].delayed)
 
     def param_buckets(self) -> dict[int, list[int]]:
         """For each parameter index, the ids of the buckets holding part of it."""
@@ -158,8 +167,10 @@ def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: 
     for g in groups:
         idxs = [i for i, p in enumerate(params) if p.group == g]
         parts_of_group = []
-        for dense in (False, True):
-            parts_of_group += _split_group([i for i in idxs if is_dense_class(params[i].shape) == dense], params, cap)
+        for delayed in (False, True):
+            for dense in (False, True):
+                cls = [i for i in idxs if is_dense_class(params[i].shape) == dense and params[i].delayed == delayed]
+                parts_of_group += _split_group(cls, params, cap)
         # in the order backward completes them: a bucket is full when its first-registered
         # parameter's gradient arrives (stable: a parameter spanning buckets keeps its order)
         parts_of_group.sort(key=lambda parts: -min(idx for idx, _, _ in parts))
@@ -173,14 +184,17 @@ def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: 
             node = min(range(len(capacities)), key=lambda k: ((loads[k] + off) / capacities[k], k))
             loads[node] += off
             buckets.append(Bucket(len(buckets), node, g, off, tuple(segs)))
+    described = {
+        "params": [[p.name, list(p.shape), p.group] for p in params],
+        "bucket_bytes": bucket_bytes,
+        "classes": ["dense-apart", SMALL_NUMEL],
+        "capacities": [float(c) for c in capacities],
+    }
+    if any(p.delayed for p in params):  # (absent otherwise: layouts without delayed parameters keep their hash)
+        described["delayed"] = [i for i, p in enumerate(params) if p.delayed]
     digest = hashlib.sha256(
         json.dumps(
-            {
-                "params": [[p.name, list(p.shape), p.group] for p in params],
-                "bucket_bytes": bucket_bytes,
-                "classes": ["dense-apart", SMALL_NUMEL],
-                "capacities": [float(c) for c in capacities],
-            },
+            described,
             separators=(",", ":"),
         ).encode()
     ).hexdigest()[:16]

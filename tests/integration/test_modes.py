@@ -9,6 +9,7 @@ warm-up for that reason): 400 steps let both settle.
 """
 
 import pytest
+import torch
 from harness import load_benchmark, run_training
 
 import luwu
@@ -70,3 +71,85 @@ def test_plain_torch_dpu_reference_is_sync_until_the_delay_starts():
     late = ref.train(s, 2, s.lr, 1)
     assert never == sync
     assert late["eval_loss"] != sync["eval_loss"] and late["train_loss_every_10"][0] == sync["train_loss_every_10"][0]
+    # partial delay: nothing named is sync to the bit; the first layer alone is neither sync nor full delay
+    assert ref.train(s, 2, s.lr, 1, only=()) == sync
+    first = ref.train(s, 2, s.lr, 1, only=("0.*",))
+    assert first["eval_loss"] not in (sync["eval_loss"], late["eval_loss"])
+
+
+def _partial_delay_reference(model, data, lr, delayed_prefix, warmup):
+    """torch AdamW where, from step ``warmup`` + 1 on (the first forward after a step whose weights came
+    late), the parameters named ``delayed_prefix*`` enter the forward with the weights one update old and the others with the current ones. Returns per-step
+    losses and the weights after every update."""
+    import copy
+
+    master, net = copy.deepcopy(model), copy.deepcopy(model)
+    opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.01)
+    before = [p.detach().clone() for p in master.parameters()]  # the weights before the latest update
+    losses = []
+    for i, (x, y) in enumerate(data):
+        with torch.no_grad():
+            for (name, pn), pm, old in zip(net.named_parameters(), master.parameters(), before):
+                pn.copy_(old if i > warmup and name.startswith(delayed_prefix) else pm)
+        net.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        with torch.no_grad():
+            for pm, pn, old in zip(master.parameters(), net.parameters(), before):
+                pm.grad = pn.grad
+                old.copy_(pm)
+        opt.step()
+    return losses, [p.detach().clone() for p in master.parameters()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_partial_delay_delays_only_the_named_parameters(warmup):
+    """``delayed_params=["0.*"]``: the first layer's weights land a step late (after the warm-up), the
+    rest in sync; losses and final weights (after ``synchronize()``) equal torch AdamW fed exactly
+    that to rounding, and the layer not delayed holds its new weights as soon as ``step()`` returns."""
+    import copy
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.Tanh(), torch.nn.Linear(48, 6))
+    g = torch.Generator().manual_seed(4)
+    data = [(torch.randn(16, 24, generator=g), torch.randint(0, 6, (16,), generator=g)) for _ in range(9)]
+    want_losses, want_final = _partial_delay_reference(model, data, 0.02, "0.", warmup)
+    sync_losses, _ = _partial_delay_reference(model, data, 0.02, "-", 0)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02, weight_decay=0.01)
+    with luwu.local_cluster(2) as c:
+        opt = luwu.RemoteOptimizer(model, "adamw", nodes=c.addresses, lr=0.02, weight_decay=0.01, bucket_bytes=1024,
+                                   delayed_update=True, delayed_update_warmup=warmup, delayed_params=["0.*"])
+        try:
+            delayed = opt.worker.delayed
+            assert delayed and delayed == {b.id for b in opt.layout.buckets if b.segments[0].name.startswith("0.")}
+            losses = []
+            for x, y in data:
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                losses.append(float(loss.detach()))
+                opt.step()
+            last = [p.detach().clone() for p in model.parameters()]
+            opt.synchronize()
+            got_final = [p.detach().clone() for p in model.parameters()]
+        finally:
+            opt.close()
+    assert losses == pytest.approx(want_losses, rel=1e-5, abs=0), (losses, want_losses)
+    assert losses[: warmup + 1] == pytest.approx(sync_losses[: warmup + 1], rel=1e-5, abs=0)
+    assert abs(losses[warmup + 1] - sync_losses[warmup + 1]) > 1e-5 * sync_losses[warmup + 1], "the delay never started"
+    for got, want in zip(got_final, want_final):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # before synchronize(): layer 2 (not delayed) was already final, layer 0 was a step behind
+    torch.testing.assert_close(last[2], want_final[2], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(last[0], want_final[0], rtol=1e-5, atol=1e-6)
+
+
+def test_partial_delay_settings_are_checked(cluster1):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.raises(luwu.ConfigError, match=r"delayed_params=\['0\.\*'\] needs delayed_update=True"):
+        luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, delayed_params="0.*")
+    with pytest.raises(luwu.ConfigError, match=r"pattern 'enc\*' matches no parameter \(names: 0.weight, 0.bias, 1.weight, 1.bias\)"):
+        luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, delayed_update=True, delayed_params=["enc*"])

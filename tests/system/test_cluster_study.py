@@ -36,7 +36,7 @@ def rows():
     configs = [
         cs.RunConfig("ddp", "fp32", 2, rate="1gbit"),
         cs.RunConfig("luwu", "sync", 2, 2, rate="1gbit", compression=False, capacities=CAPACITIES),
-        cs.RunConfig("luwu", "delayed", 2, 1, rate="1gbit", compression=True),
+        cs.RunConfig("luwu", "partial", 2, 1, rate="1gbit", compression=True),  # first layer delayed (cluster file)
     ]
     out = {r["config"]: r for r in cs.run_many(configs, SETTINGS)}
     # the cluster is gone, and with it every process that ran inside
@@ -46,7 +46,7 @@ def rows():
 
 @pytest.mark.timeout(240)
 def test_ddp_and_luwu_both_train_the_task(rows):
-    assert set(rows) == {"ddp_fp32", "luwu_sync_n2_fp32", "luwu_delayed_n1"}
+    assert set(rows) == {"ddp_fp32", "luwu_sync_n2_fp32", "luwu_partial_n1"}
     for name, r in rows.items():
         first, last = r["curve"][0]["eval_loss"], r["curve"][-1]["eval_loss"]
         assert [p["step"] for p in r["curve"]] == [0, 6, 12, 18, 24], name
@@ -87,7 +87,7 @@ def test_bytes_per_host_follow_the_layout(rows):
 
 @pytest.mark.timeout(240)
 def test_compression_cuts_the_bytes_on_the_wire(rows):
-    fp32, hybrid = rows["luwu_sync_n2_fp32"], rows["luwu_delayed_n1"]
+    fp32, hybrid = rows["luwu_sync_n2_fp32"], rows["luwu_partial_n1"]
     assert hybrid["payload_push_bytes"] < 0.6 * fp32["payload_push_bytes"]
     assert statistics.fmean(hybrid["worker_tx_bytes"]) < 0.6 * statistics.fmean(fp32["worker_tx_bytes"])
 

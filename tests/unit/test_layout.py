@@ -122,3 +122,16 @@ def test_hash_pins_the_layout_rule():
     small and large parameters) is refused at HELLO instead of pushing into the wrong segments."""
     layout = build_layout(specs_of([(300, 300), (300,), (10, 10)], 2), 1 << 20, [1.0, 1.0])
     assert layout.hash == "b634169fb284f388", layout.hash  # mixed buckets (before): "6624e127ad02af01"
+
+
+def test_delayed_parameters_get_buckets_of_their_own():
+    """Partial delayed update: a bucket is delayed whole or not at all, whichever class its parameters are."""
+    names = [("emb", (100, 64)), ("l0.weight", (256, 256)), ("l0.bias", (256,)), ("l1.weight", (256, 256)), ("l1.bias", (256,))]
+    plain = [ParamSpec(n, s) for n, s in names]
+    marked = [ParamSpec(n, s, 0, n.startswith(("emb", "l0."))) for n, s in names]
+    base, layout = build_layout(plain, 4 << 20, [1.0, 1.0]), build_layout(marked, 4 << 20, [1.0, 1.0])
+    assert [[s.name for s in b.segments] for b in base.buckets] == [["l1.weight", "l0.weight"], ["l1.bias", "l0.bias", "emb"]]
+    assert [[s.name for s in b.segments] for b in layout.buckets] == [["l1.bias"], ["l1.weight"], ["l0.weight"], ["l0.bias", "emb"]]
+    assert layout.delayed_buckets() == {2, 3} and base.delayed_buckets() == frozenset()
+    assert layout.hash != base.hash, "workers delaying different parameters bucket differently: refused at HELLO"
+    assert base.hash == build_layout(plain, 4 << 20, [1.0, 1.0]).hash
