@@ -154,6 +154,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"delayed_params must be fnmatch patterns on parameter names, got {delayed_params!r}")
         if self.delayed_params and not delayed_update:
             raise ConfigError(f"delayed_params={self.delayed_params} needs delayed_update=True")
+        self._flat_params()  # a pattern that matches no parameter fails here, before any thread or socket
         self.job = job
         self.compression = compression
         for gi in range(len(self.param_groups)):
