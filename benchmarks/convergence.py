@@ -666,7 +666,7 @@ def topk_findings(rows: list[dict]) -> list[str]:
         )
         w50, dense10 = by.get("topk1%+EF freeze w50"), by.get("topk10%+EF")
         if w50 and w50.get("rel_diff") is not None:
-            line += f" With 50 fp32 steps before top-k and the freeze there: {w50['rel_diff']:+.1%}."
+            line += f" With 50 bf16 warm-up steps before top-k and the freeze there: {w50['rel_diff']:+.1%}."
         if dense10 and dense10.get("rel_diff") is not None:
             line += f" Top-k at 10% density (torch's AdamW): {dense10['rel_diff']:+.1%}."
         sgd, sgd_base = by.get("topk1%+EF SGD"), by.get("uncompressed SGD")
