@@ -232,7 +232,8 @@ class Worker:
             if self.momentum_correction and codec.sparse:
                 momentum = worker_momentum(self.optimizer, hyper)
                 hyper = hyper | {WORKER_MOMENTUM: codec.density}
-            enc = self._feedback.encode(b.id, codec, x, out, num_summands=self.world_size, momentum=momentum)
+            # x is finite (checked above): no second pass over it
+            enc = self._feedback.encode(b.id, codec, x, out, num_summands=self.world_size, momentum=momentum, nonfinite=False)
         else:
             enc = codec.encode(x, out, num_summands=self.world_size)
         self.client.send(
