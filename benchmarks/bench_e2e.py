@@ -18,7 +18,7 @@ loopback:
   link's speed (``--link-gbps``, default 40: loopback moves ~44 Gbit/s between
   two processes here, see bench_links), so its cost rule picks what pays on it
   (on loopback: bf16 both ways, int8's encode costs more than the wire time it
-  saves); after 10 uncompressed warm-up steps, which ``--warmup 12`` skips.
+  saves); after 10 bf16 warm-up steps, which ``--warmup 12`` skips.
 
 Samples/s = global batch / median step time over the steps after warm-up (the
 slower rank's median); configurations alternate over repetitions and the
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 repetition of a few steps, no ddp_default: a smoke run")
     ap.add_argument("--steps", type=int, default=30, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=12, help="untimed steps per run (> the hybrid policy's 10 fp32 warm-up steps)")
+    ap.add_argument("--warmup", type=int, default=12, help="untimed steps per run (> the hybrid policy's 10 warm-up steps)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of every configuration (alternating)")
     ap.add_argument("--configs", nargs="+", default=["single", "ddp", "ddp_default", "ddp_bf16", "luwu_sync", "luwu_delayed", "luwu_hybrid_sync", "luwu_hybrid_delayed"])
     ap.add_argument("--link-gbps", type=float, default=40.0, help="link speed the hybrid configs tell their policy (loopback ~40)")

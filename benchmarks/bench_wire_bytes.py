@@ -3,7 +3,7 @@
 2 worker processes push to 2 node daemons on loopback (``luwu.local_cluster``)
 and count the payload bytes their sockets carried (``opt.client.bytes_sent``:
 gradients pushed; ``bytes_received``: weights pulled) over the steps after the
-policy's warm-up (the first ``CompressionConfig().warmup_steps`` go fp32 by
+policy's warm-up (the first ``CompressionConfig().warmup_steps`` go bf16 by
 design). Models: the 16.7M-parameter MLP 1024 -> 2048x4 -> 1000 (random
 batches: byte counts do not depend on the data) and the character-level
 transformer of benchmarks/convergence.py, each as a user would hand it over
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# bench_wire_bytes: {WORLD_SIZE} workers x {NUM_NODES} nodes, bytes per worker per step, steps {warmup}..{warmup + steps - 1}{' (quick)' if args.quick else ''}",
         "",
         f"Payload bytes on the worker's sockets (push = gradients sent, pull = weights received); x fewer = fp32 / variant. "
-        f"Measured after the policy's {warmup - 1} fp32 warm-up steps and the first compressed step (which carries "
+        f"Measured after the policy's {warmup - 1} bf16 warm-up steps and the first compressed step (which carries "
         "int8_delta's initial full resync; its periodic resync, every `resync_every` = 50 steps, is not in the window). "
         "int8 share = fraction of the gradient's fp32 bytes that went int8 (the rest bf16, or fp32 where the cost rule said so). "
         "Byte counts do not depend on the machine's load.",

@@ -86,7 +86,7 @@ direction, each node link direction, each node's CPU, the worker codec and (with
 
 Not modelled: link latency and per-message overheads (frames are 1-4 MiB),
 unfair incast sharing, CPU contention between compute, codecs and the I/O
-thread on one host (except through ``shared_cores``), the uncompressed warm-up
+thread on one host (except through ``shared_cores``), the bf16 warm-up
 steps of the hybrid policy.
 """
 
