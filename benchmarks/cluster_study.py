@@ -17,7 +17,7 @@ Competitors, per link rate and worker count:
   "int8_delta"``, ``link_gbps`` = the link), on 1, 2 and 4 node hosts separate
   from the worker hosts; partial delays only the first layer's weights
   (``optimizer.delayed_params``: its gradient comes last in backward and its
-  weights first in forward), delayed all of them. Every setting comes from a
+  weights first in forward), delayed every weight. Every setting comes from a
   cluster file, as a real job's would.
 
 Measured (see ``cluster_task.py``): samples/s from the median step time after
