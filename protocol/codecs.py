@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from luwu.protocol import native
 from luwu.protocol.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,11 @@ def _check_numel(codec: str, numel: Any) -> None:
 def _check_summands(num_summands: int) -> None:
     if isinstance(num_summands, bool) or not isinstance(num_summands, int) or num_summands < 1:
         raise ValueError(f"num_summands must be an int >= 1, got {num_summands!r}")
+
+
+def _flat(*ts: torch.Tensor) -> bool:
+    """Whether the fused kernels may take these tensors by address: CPU and contiguous."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
 
 
 def _chunks(n: int, chunk: int = CHUNK):
@@ -485,6 +491,12 @@ class _BlockCodec(Codec):
 
     def _run(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor | None) -> None:
         n, b = x.numel(), self.block
+        lib = native.kernels()
+        if lib is not None and _flat(x, q, scales) and (residual is None or _flat(residual)):
+            lib.luwu_block_encode(x.data_ptr(), 0 if residual is None else residual.data_ptr(), q.data_ptr(),
+                                  scales.data_ptr(), n, b, self.bits, float(self.levels), SCALE_FLOOR,
+                                  self._scratch("native", b).data_ptr())
+            return
         full = n // b * b
         step = max(b, CHUNK // b * b)
         per = 1 if self.bits == 8 else 2
@@ -499,7 +511,7 @@ class _BlockCodec(Codec):
             sc = scales[s // b : e // b]
             tmp = self._quantize(y2, sc)
             if residual is not None:
-                y2.addcmul_(tmp, sc.unsqueeze(1), value=-1.0)
+                y2.sub_(torch.mul(tmp, sc.unsqueeze(1), out=self._scratch("sent", tmp.numel()).view_as(tmp)))
             self._store(tmp, q[s // per : e // per])
         if full < n:
             t = n - full
@@ -515,7 +527,7 @@ class _BlockCodec(Codec):
             sc = scales[-1:]
             tmp = self._quantize(row.view(1, padded), sc)
             if residual is not None:
-                y.addcmul_(tmp.view(-1)[:t], sc, value=-1.0)
+                y.sub_(torch.mul(tmp.view(-1)[:t], sc, out=self._scratch("sent", t)[:t]))
             self._store(tmp, q[full // per :])
 
     def _prepare(self, x: torch.Tensor, out: list[torch.Tensor] | None, num_summands: int) -> list[torch.Tensor]:
@@ -565,18 +577,58 @@ class _BlockCodec(Codec):
 
     def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
         n, b = acc.numel(), int(meta["block"])
-        q = _as(frames[0], torch.int8 if self.bits == 8 else torch.uint8)
-        scales = _as(frames[1], torch.float32)
+        q, scales = self._frames(frames)
+        lib = native.kernels()
+        if lib is not None and _flat(acc, q, scales) and self._fits(n, b, q, scales):
+            lib.luwu_block_decode(acc.data_ptr(), q.data_ptr(), scales.data_ptr(), n, b, self.bits, alpha, 1)
+            return
+        for s, e, tmp in self._decoded(q, scales, n, b, alpha):
+            acc[s:e].add_(tmp)
+
+    def _decoded(self, q: torch.Tensor, scales: torch.Tensor, n: int, b: int, alpha: float):
+        """The torch path: (start, end, code * (scale * alpha) in scratch) chunk by chunk. Each product is
+        rounded on its own (no addcmul, which may fuse a multiply-add), as in ``blockquant.c``."""
         full = n // b * b
         step = max(b, CHUNK // b * b)
         per = 1 if self.bits == 8 else 2
         for s in range(0, full, step):
             e = min(s + step, full)
             tmp = self._dequant(q[s // per : e // per], e - s)
-            acc[s:e].view(-1, b).addcmul_(tmp.view(-1, b), scales[s // b : e // b].unsqueeze(1), value=alpha)
+            sc = torch.mul(scales[s // b : e // b], alpha, out=self._scratch("dsc", (e - s) // b))
+            tmp.view(-1, b).mul_(sc.unsqueeze(1))
+            yield s, e, tmp
         if full < n:
             tmp = self._dequant(q[full // per :], n - full)
-            acc[full:].addcmul_(tmp, scales[-1:], value=alpha)
+            tmp.mul_(torch.mul(scales[-1:], alpha, out=self._scratch("dsc", 1)[:1]))
+            yield full, n, tmp
+
+    def _frames(self, frames: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return _as(frames[0], torch.int8 if self.bits == 8 else torch.uint8), _as(frames[1], torch.float32)
+
+    def _fits(self, n: int, b: int, q: torch.Tensor, scales: torch.Tensor) -> bool:
+        """Whether frames hold what ``n`` elements in blocks of ``b`` need: the C kernels read by
+        address, so a frame that :meth:`validate` did not see must not reach them short."""
+        return 1 <= b <= MAX_BLOCK and q.numel() >= self._qbytes(n) and scales.numel() >= -(-n // b)
+
+    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+        lib = native.kernels()
+        q, scales = self._frames(frames)
+        n, b = out.numel(), int(meta["block"])
+        if lib is not None and _flat(out, q, scales) and self._fits(n, b, q, scales):
+            lib.luwu_block_decode(out.data_ptr(), q.data_ptr(), scales.data_ptr(), n, b, self.bits, alpha, 0)
+            return
+        for s, e, tmp in self._decoded(q, scales, n, b, alpha):
+            out[s:e].copy_(tmp)
+
+    def decode_pair_(self, out: torch.Tensor, first: tuple[list[torch.Tensor], dict], second: tuple[list[torch.Tensor], dict], alpha: float) -> None:
+        lib = native.kernels()
+        (qa, sa), (qb, sb) = self._frames(first[0]), self._frames(second[0])
+        n, b = out.numel(), int(first[1]["block"])
+        if (lib is not None and b == int(second[1]["block"]) and _flat(out, qa, sa, qb, sb)
+                and self._fits(n, b, qa, sa) and self._fits(n, b, qb, sb)):
+            lib.luwu_block_decode_pair(out.data_ptr(), qa.data_ptr(), sa.data_ptr(), qb.data_ptr(), sb.data_ptr(), n, b, self.bits, alpha)
+        else:
+            super().decode_pair_(out, first, second, alpha)
 
 
 class Int8Codec(_BlockCodec):

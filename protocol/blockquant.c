@@ -1,0 +1,143 @@
+/* Fused kernels of the blockwise integer codecs (int8, int4: protocol/codecs.py, _BlockCodec).
+ *
+ * The torch path walks a bucket in chunks with 6-9 elementwise passes (abs, amax, scale, round,
+ * residual, cast); here each block of `block` floats (1 KiB for int8) is read once from memory
+ * and stays in L1 for its two passes (amax, then quantize + residual). Compiled at first use by
+ * protocol/native.py with -O3 -march=native -ffp-contract=off and loaded with ctypes.
+ *
+ * Bit-identical to the torch path for finite input, and the tests check it: the same float32
+ * operations in the same order, each rounded on its own (no fused multiply-add here; the torch
+ * path uses no op that fuses one, such as addcmul), round half to even (rintf under the default
+ * rounding mode, as torch.round). A node and its workers may run either path: the int8 pull
+ * deltas need every worker's copy to equal the node's shadow bit for bit.
+ *
+ *   scale s  = max(amax(block), floor);  inv = (1 / s) * levels;  stored scale = s / levels
+ *   t        = rint(y * inv)                       (y = x, or residual += x first)
+ *   residual = y - t * stored
+ *   decode   = acc + t * (stored * alpha)          (decode_ without acc: t * (stored * alpha))
+ *
+ * A block holding NaN or inf gets a non-finite scale and zero codes, so it decodes as NaN
+ * everywhere (0 * NaN, 0 * inf), as the module docstring of codecs.py promises.
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* Largest |y| of a block, NaN if any is NaN: on the bit patterns, where non-negative floats sort
+ * like unsigned integers and NaN above inf (an integer max reduction vectorizes; a float one
+ * needs -ffast-math, which would break the bit-identity above). */
+static inline float block_amax(const float *y, int64_t m) {
+    const uint32_t *u = (const uint32_t *)y;
+    uint32_t a = 0;
+    for (int64_t i = 0; i < m; i++) {
+        uint32_t v = u[i] & 0x7fffffffu;
+        a = v > a ? v : a;
+    }
+    float f;
+    memcpy(&f, &a, sizeof f);
+    return f;
+}
+
+static inline int finite(float v) { return v - v == 0.0f; }
+
+/* Quantize `m` values of block `y` into `t` (integer-valued floats); returns the stored scale. */
+static inline float quantize(const float *y, float *t, int64_t m, float levels, float floor_) {
+    float s = block_amax(y, m);
+    if (!finite(s)) {
+        for (int64_t i = 0; i < m; i++) t[i] = 0.0f;
+        return s;
+    }
+    if (s < floor_) s = floor_;
+    const float inv = (1.0f / s) * levels;
+    for (int64_t i = 0; i < m; i++) t[i] = __builtin_rintf(y[i] * inv);
+    return s / levels;
+}
+
+/* Encode n floats: x (+= into residual first when residual is not NULL) -> codes q (int8, or int4
+ * packed two per byte: low nibble first, nibble = code + 8; an odd tail pads with code 0) and one
+ * scale per block. `scratch` holds `block` floats. */
+void luwu_block_encode(const float *x, float *residual, void *q, float *scales, int64_t n, int64_t block,
+                       int32_t bits, float levels, float floor_, float *scratch) {
+    int8_t *q8 = (int8_t *)q;
+    uint8_t *q4 = (uint8_t *)q;
+    for (int64_t start = 0, b = 0; start < n; start += block, b++) {
+        const int64_t m = n - start < block ? n - start : block;
+        const float *y = x + start;
+        if (residual) {
+            float *r = residual + start;
+            for (int64_t i = 0; i < m; i++) r[i] = r[i] + y[i];
+            y = r;
+        }
+        const float sc = quantize(y, scratch, m, levels, floor_);
+        scales[b] = sc;
+        if (residual && finite(sc)) {
+            float *r = residual + start;
+            for (int64_t i = 0; i < m; i++) r[i] = r[i] - scratch[i] * sc;
+        }
+        if (bits == 8) {
+            int8_t *o = q8 + start;
+            for (int64_t i = 0; i < m; i++) o[i] = (int8_t)(int32_t)scratch[i];
+        } else {
+            uint8_t *o = q4 + start / 2;  /* block is even: a block starts on a byte */
+            const int64_t pairs = m / 2;
+            for (int64_t j = 0; j < pairs; j++)
+                o[j] = (uint8_t)(((int32_t)scratch[2 * j] + 8) | (((int32_t)scratch[2 * j + 1] + 8) << 4));
+            if (m & 1) o[pairs] = (uint8_t)(((int32_t)scratch[m - 1] + 8) | (8 << 4));
+        }
+    }
+}
+
+/* out[i] = code_i * (scale_block * alpha), added to out[i] when `add` */
+void luwu_block_decode(float *out, const void *q, const float *scales, int64_t n, int64_t block, int32_t bits,
+                       float alpha, int32_t add) {
+    for (int64_t start = 0, b = 0; start < n; start += block, b++) {
+        const int64_t m = n - start < block ? n - start : block;
+        const float sc = scales[b] * alpha;
+        float *o = out + start;
+        if (bits == 8) {
+            const int8_t *c = (const int8_t *)q + start;
+            if (add)
+                for (int64_t i = 0; i < m; i++) o[i] = o[i] + (float)c[i] * sc;
+            else
+                for (int64_t i = 0; i < m; i++) o[i] = (float)c[i] * sc;
+        } else if (add) {  /* block is even (validated), so a block starts on a byte */
+            const uint8_t *c = (const uint8_t *)q + start / 2;
+            int64_t j = 0;
+            for (; 2 * j + 1 < m; j++) {
+                o[2 * j] = o[2 * j] + ((float)(c[j] & 15) - 8.0f) * sc;
+                o[2 * j + 1] = o[2 * j + 1] + ((float)(c[j] >> 4) - 8.0f) * sc;
+            }
+            if (2 * j < m) o[2 * j] = o[2 * j] + ((float)(c[j] & 15) - 8.0f) * sc;
+        } else {
+            const uint8_t *c = (const uint8_t *)q + start / 2;
+            int64_t j = 0;
+            for (; 2 * j + 1 < m; j++) {
+                o[2 * j] = ((float)(c[j] & 15) - 8.0f) * sc;
+                o[2 * j + 1] = ((float)(c[j] >> 4) - 8.0f) * sc;
+            }
+            if (2 * j < m) o[2 * j] = ((float)(c[j] & 15) - 8.0f) * sc;
+        }
+    }
+}
+
+/* out[i] = a_i * (sa * alpha) + b_i * (sb * alpha): two pushes of the same block codec and block
+ * size in one pass (the torch path: decode_ then decode_add_). */
+void luwu_block_decode_pair(float *out, const void *qa, const float *sa, const void *qb, const float *sb, int64_t n,
+                            int64_t block, int32_t bits, float alpha) {
+    for (int64_t start = 0, b = 0; start < n; start += block, b++) {
+        const int64_t m = n - start < block ? n - start : block;
+        const float s1 = sa[b] * alpha, s2 = sb[b] * alpha;
+        float *o = out + start;
+        if (bits == 8) {
+            const int8_t *c1 = (const int8_t *)qa + start, *c2 = (const int8_t *)qb + start;
+            for (int64_t i = 0; i < m; i++) o[i] = (float)c1[i] * s1 + (float)c2[i] * s2;
+        } else {
+            const uint8_t *c1 = (const uint8_t *)qa + start / 2, *c2 = (const uint8_t *)qb + start / 2;
+            int64_t j = 0;
+            for (; 2 * j + 1 < m; j++) {
+                o[2 * j] = ((float)(c1[j] & 15) - 8.0f) * s1 + ((float)(c2[j] & 15) - 8.0f) * s2;
+                o[2 * j + 1] = ((float)(c1[j] >> 4) - 8.0f) * s1 + ((float)(c2[j] >> 4) - 8.0f) * s2;
+            }
+            if (2 * j < m) o[2 * j] = ((float)(c1[j] & 15) - 8.0f) * s1 + ((float)(c2[j] & 15) - 8.0f) * s2;
+        }
+    }
+}

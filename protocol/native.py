@@ -1,0 +1,123 @@
+"""The fused C kernels of the blockwise codecs (``blockquant.c``), compiled at first use.
+
+Like DeepSpeed's CPU Adam, the kernels are built on the machine that runs
+them (``cc -O3 -march=native``), once, into a cache keyed by the source, the
+compiler, the flags and the CPU (a home directory shared between different
+hosts gets one library per CPU kind). Without a C compiler, or with
+``LUWU_NATIVE=0``, the codecs keep their torch path, which gives the same
+bits (``tests/unit/test_native.py``): nodes and workers may mix the two.
+
+``LUWU_CACHE_DIR`` sets the cache folder (default ``$XDG_CACHE_HOME/luwu`` or
+``~/.cache/luwu``; a temporary folder when that cannot be written).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("blockquant.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-math-errno", "-shared", "-fPIC")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+reason: str = ""
+"""Why the kernels are not in use (empty while they are, or before the first :func:`kernels`)."""
+
+
+def _cpu_id() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("LUWU_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "luwu"
+
+
+def _build(cc: str) -> Path:
+    src = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
+    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), "".join(version).encode(), _cpu_id().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"luwu-{os.getuid() if hasattr(os, 'getuid') else 'u'}"):
+        lib = folder / f"blockquant-{key}.so"
+        if lib.exists():
+            return lib
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".blockquant-", suffix=".so", dir=folder)
+            os.close(fd)
+        except OSError:
+            continue
+        try:
+            out = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+            if out.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {out.stderr.strip()[-500:]}")
+            os.replace(tmp, lib)  # atomic: processes building at once all load a whole library
+            return lib
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise RuntimeError(f"no writable cache folder ({_cache_dir()}, or the temporary folder)")
+
+
+def _load() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc or gcc, or $CC)")
+    lib = ctypes.CDLL(str(_build(cc)))
+    i64, i32, f32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+    lib.luwu_block_encode.argtypes = [p, p, p, p, i64, i64, i32, f32, f32, p]
+    lib.luwu_block_decode.argtypes = [p, p, p, i64, i64, i32, f32, i32]
+    lib.luwu_block_decode_pair.argtypes = [p, p, p, p, p, i64, i64, i32, f32]
+    for f in (lib.luwu_block_encode, lib.luwu_block_decode, lib.luwu_block_decode_pair):
+        f.restype = None
+    return lib
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (then :data:`reason` says why, logged once)."""
+    global _lib, _tried, reason
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            if os.environ.get("LUWU_NATIVE", "1") == "0":
+                reason = "LUWU_NATIVE=0"
+            else:
+                try:
+                    _lib = _load()
+                except Exception as exc:  # any failure leaves the torch path, which is correct, only slower
+                    reason = f"{type(exc).__name__}: {exc}"
+                    log.warning("luwu: the fused codec kernels are not available (%s); using the torch path, "
+                                "about 3x slower per byte", reason)
+            _tried = True
+    return _lib
+
+
+def reset() -> None:
+    """Forget the loaded kernels: the next :func:`kernels` reads ``LUWU_NATIVE``, ``CC`` and the cache
+    folder again (tests switch paths with it)."""
+    global _lib, _tried, reason
+    with _lock:
+        _lib, _tried, reason = None, False, ""
