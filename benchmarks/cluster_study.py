@@ -122,6 +122,12 @@ class Settings:
     """Time-to-loss target: DDP fp32's eval loss at this fraction of its steps."""
     timeout_s: float = 120.0
     """Deadline of every wait inside a run (gloo, LuWu transport)."""
+    congestion_control: str | None = "reno"
+    """TCP congestion control inside every host, for every competitor (None: the kernel's default, bbr
+    on these machines). Loss-based like cubic, Linux's default, which namespaces here may not select;
+    at LAN round-trip times cubic runs in its Reno-friendly region. BBR (v1) in the 4 ms tbf queue
+    retransmitted 700-1600 packets per step under a node link's 4-to-1 incast (LuWu, 1 Gbit/s, 4
+    workers; DDP's ring: 2-3); reno about 25."""
 
     def __post_init__(self) -> None:
         if len(self.dims) < 2 or any(d < 1 for d in self.dims):
@@ -441,7 +447,8 @@ def run_many(configs: list[RunConfig], s: Settings, *, reps: int = 1, host_rates
             max_w = max(rc.workers for rc in rcs + first)
             max_n = max(rc.nodes for rc in rcs + first)
             cfg = ClusterConfig(num_hosts=max_w + max(max_n, 0), rate=rate,
-                                host_rates={max_w + j: r for j, r in (host_rates or {}).items()})
+                                host_rates={max_w + j: r for j, r in (host_rates or {}).items()},
+                                congestion_control=s.congestion_control)
             with Cluster(cfg) as cluster:
                 hosts = Hosts(cluster, max_w)
                 for rep in range(reps):
@@ -559,7 +566,8 @@ def h2h_markdown(result: dict) -> str:
         "",
         f"Teacher-student task, student MLP {' -> '.join(map(str, s['dims']))} ({result['num_params'] / 1e6:.1f}M "
         f"params), batch {s['batch']}/worker, {s['steps']} steps (timed: steps {s['warmup']}..{s['steps'] - 1}), "
-        f"1 torch thread per process, every worker and node its own network namespace, tbf links both ways. "
+        f"1 torch thread per process, every worker and node its own network namespace, tbf links both ways, "
+        f"TCP congestion control {s.get('congestion_control') or 'bbr (the kernel default)'}. "
         f"Machine: {result['machine']['cpus']} cores shared by all hosts (and by other users: see the busy cores "
         f"and how many of them others took). "
         f"{result['elapsed_s'] / 60:.0f} min.",
@@ -943,6 +951,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=1, help="repetitions of every configuration (order rotated)")
     ap.add_argument("--dims", type=_csv(int), default=None, help="student widths (default 1024,2048,2048,2048,2048,1000)")
     ap.add_argument("--bucket-mib", type=float, default=None, help="LuWu bucket size in MiB of fp32 gradient (default 4)")
+    ap.add_argument("--cc", default=None, help="TCP congestion control in the hosts (default reno; 'default': the kernel's)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -958,6 +967,8 @@ def main(argv: list[str] | None = None) -> int:
     s = dataclasses.replace(s, **{k: v for k, v in (("steps", args.steps), ("warmup", args.warmup),
                                                      ("dims", tuple(args.dims) if args.dims else None),
                                                      ("bucket_bytes", int(args.bucket_mib * 2**20) if args.bucket_mib else None)) if v is not None})
+    if args.cc is not None:
+        s = dataclasses.replace(s, congestion_control=None if args.cc == "default" else args.cc)
     if args.hetero:
         if args.steps is None and not args.quick:
             s = dataclasses.replace(s, steps=30)  # throughput only: no time-to-loss here
