@@ -127,7 +127,7 @@ class Settings:
     on these machines). Loss-based like cubic, Linux's default, which namespaces here may not select;
     at LAN round-trip times cubic runs in its Reno-friendly region. BBR (v1) in the 4 ms tbf queue
     retransmitted 700-1600 packets per step under a node link's 4-to-1 incast (LuWu, 1 Gbit/s, 4
-    workers; DDP's ring: 2-3); reno about 25."""
+    workers; DDP's ring: 0-3); reno 25-70."""
 
     def __post_init__(self) -> None:
         if len(self.dims) < 2 or any(d < 1 for d in self.dims):

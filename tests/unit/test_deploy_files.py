@@ -293,6 +293,8 @@ def test_dockerfile_installs_cpu_torch_first_and_runs_unprivileged():
     assert torch_line < package_line, "torch must be installed before the package (else pip pulls a CUDA build)"
     user = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert user and user[-1] not in ("root", "0")
+    # A C compiler for the codec kernels, or every node and worker runs the slower torch path.
+    assert re.search(r"apt-get install .*\bgcc\b", text), "the image needs gcc for protocol/blockquant.c"
     # Every source folder the package maps (pyproject package-dir) is copied into the image.
     for folder in ("luwu", "protocol", "switch_nodes", "gpu_workers"):
         assert re.search(rf"^COPY {folder} ", text, re.M), folder
