@@ -112,9 +112,11 @@ def _check_summands(num_summands: int) -> None:
         raise ValueError(f"num_summands must be an int >= 1, got {num_summands!r}")
 
 
-def _flat(*ts: torch.Tensor) -> bool:
-    """Whether the fused kernels may take these tensors by address: CPU and contiguous."""
-    return all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
+def _flat(floats: tuple[torch.Tensor, ...], codes: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the fused kernels may take these tensors by address: CPU, contiguous, fp32 (int8 or
+    uint8 for the codes). Anything else takes the torch path."""
+    return all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == torch.float32 for t in floats) and all(
+        t.device.type == "cpu" and t.is_contiguous() and t.dtype in (torch.int8, torch.uint8) for t in codes)
 
 
 def _chunks(n: int, chunk: int = CHUNK):
@@ -492,7 +494,7 @@ class _BlockCodec(Codec):
     def _run(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor | None) -> None:
         n, b = x.numel(), self.block
         lib = native.kernels()
-        if lib is not None and _flat(x, q, scales) and (residual is None or _flat(residual)):
+        if lib is not None and _flat((x, scales) if residual is None else (x, scales, residual), (q,)):
             lib.luwu_block_encode(x.data_ptr(), 0 if residual is None else residual.data_ptr(), q.data_ptr(),
                                   scales.data_ptr(), n, b, self.bits, float(self.levels), SCALE_FLOOR,
                                   self._scratch("native", b).data_ptr())
@@ -579,7 +581,7 @@ class _BlockCodec(Codec):
         n, b = acc.numel(), int(meta["block"])
         q, scales = self._frames(frames)
         lib = native.kernels()
-        if lib is not None and _flat(acc, q, scales) and self._fits(n, b, q, scales):
+        if lib is not None and _flat((acc, scales), (q,)) and self._fits(n, b, q, scales):
             lib.luwu_block_decode(acc.data_ptr(), q.data_ptr(), scales.data_ptr(), n, b, self.bits, alpha, 1)
             return
         for s, e, tmp in self._decoded(q, scales, n, b, alpha):
@@ -608,13 +610,14 @@ class _BlockCodec(Codec):
     def _fits(self, n: int, b: int, q: torch.Tensor, scales: torch.Tensor) -> bool:
         """Whether frames hold what ``n`` elements in blocks of ``b`` need: the C kernels read by
         address, so a frame that :meth:`validate` did not see must not reach them short."""
-        return 1 <= b <= MAX_BLOCK and q.numel() >= self._qbytes(n) and scales.numel() >= -(-n // b)
+        return (1 <= b <= MAX_BLOCK and (self.bits == 8 or b % 2 == 0) and q.numel() >= self._qbytes(n)
+                and scales.numel() >= -(-n // b))
 
     def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
         lib = native.kernels()
         q, scales = self._frames(frames)
         n, b = out.numel(), int(meta["block"])
-        if lib is not None and _flat(out, q, scales) and self._fits(n, b, q, scales):
+        if lib is not None and _flat((out, scales), (q,)) and self._fits(n, b, q, scales):
             lib.luwu_block_decode(out.data_ptr(), q.data_ptr(), scales.data_ptr(), n, b, self.bits, alpha, 0)
             return
         for s, e, tmp in self._decoded(q, scales, n, b, alpha):
@@ -624,7 +627,7 @@ class _BlockCodec(Codec):
         lib = native.kernels()
         (qa, sa), (qb, sb) = self._frames(first[0]), self._frames(second[0])
         n, b = out.numel(), int(first[1]["block"])
-        if (lib is not None and b == int(second[1]["block"]) and _flat(out, qa, sa, qb, sb)
+        if (lib is not None and b == int(second[1]["block"]) and _flat((out, sa, sb), (qa, qb))
                 and self._fits(n, b, qa, sa) and self._fits(n, b, qb, sb)):
             lib.luwu_block_decode_pair(out.data_ptr(), qa.data_ptr(), sa.data_ptr(), qb.data_ptr(), sb.data_ptr(), n, b, self.bits, alpha)
         else:

@@ -168,3 +168,19 @@ def test_builds_once_into_the_cache(monkeypatch, tmp_path):
         assert list(tmp_path.glob("blockquant-*.so")) == libs and libs[0].stat().st_mtime_ns == stamp
     finally:
         native.reset()
+
+
+def test_what_the_kernels_cannot_take_goes_the_torch_way(path):
+    """A bf16 accumulator or a non-contiguous one is never written by address as fp32."""
+    path(True)
+    codec = get_codec("int8")
+    x = torch.randn(4096)
+    enc = codec.encode(x)
+    ref = torch.zeros(4096)
+    codec.decode_add_(ref, enc.frames, enc.meta)
+    half = torch.zeros(4096, dtype=torch.bfloat16)
+    codec.decode_add_(half, enc.frames, enc.meta)
+    assert torch.equal(half, ref.to(torch.bfloat16))
+    strided = torch.zeros(4096, 2)[:, 0]  # every other element
+    codec.decode_add_(strided, enc.frames, enc.meta)
+    assert torch.equal(strided, ref)
