@@ -1,39 +1,66 @@
 """LuWu: an in-network optimizer runtime for data-parallel training.
 
 ``RemoteOptimizer`` replaces a ``torch.optim`` optimizer; ``local_cluster``
-starts node daemons on loopback; ``Prefetcher`` keeps workers fed.
+starts node daemons on loopback; ``Prefetcher`` keeps workers fed. The names
+load on first use, so that the command line (``luwu --help``, ``luwu status``)
+does not import torch.
 """
 
-from luwu.cluster import LocalCluster, local_cluster
-from luwu.gpu_workers.prefetch import Prefetcher
-from luwu.optimizer import RemoteOptimizer
-from luwu.protocol.errors import (
-    ConfigError,
-    JobMismatchError,
-    LayoutMismatchError,
-    LuwuError,
-    NodeTimeoutError,
-    ProtocolError,
-    RemoteError,
-    RollbackError,
-    StepMismatchError,
-    WorkerLostError,
-)
+from __future__ import annotations
 
-__all__ = [
-    "RemoteOptimizer",
-    "Prefetcher",
-    "local_cluster",
-    "LocalCluster",
-    "LuwuError",
-    "ConfigError",
-    "ProtocolError",
-    "JobMismatchError",
-    "LayoutMismatchError",
-    "NodeTimeoutError",
-    "RemoteError",
-    "RollbackError",
-    "StepMismatchError",
-    "WorkerLostError",
-]
-__version__ = "0.1.0"
+import importlib
+import typing
+
+_ERRORS = "luwu.protocol.errors"
+_LAZY = {
+    "RemoteOptimizer": "luwu.optimizer",
+    "Prefetcher": "luwu.gpu_workers.prefetch",
+    "local_cluster": "luwu.cluster",
+    "LocalCluster": "luwu.cluster",
+    "LuwuError": _ERRORS,
+    "ConfigError": _ERRORS,
+    "ProtocolError": _ERRORS,
+    "JobMismatchError": _ERRORS,
+    "LayoutMismatchError": _ERRORS,
+    "NodeTimeoutError": _ERRORS,
+    "RemoteError": _ERRORS,
+    "RollbackError": _ERRORS,
+    "StepMismatchError": _ERRORS,
+    "WorkerLostError": _ERRORS,
+}
+
+__all__ = [*_LAZY, "__version__"]
+
+if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load on first use
+    from luwu.cluster import LocalCluster, local_cluster
+    from luwu.gpu_workers.prefetch import Prefetcher
+    from luwu.optimizer import RemoteOptimizer
+    from luwu.protocol.errors import (
+        ConfigError,
+        JobMismatchError,
+        LayoutMismatchError,
+        LuwuError,
+        NodeTimeoutError,
+        ProtocolError,
+        RemoteError,
+        RollbackError,
+        StepMismatchError,
+        WorkerLostError,
+    )
+
+
+def __getattr__(name: str):
+    if name == "__version__":
+        from luwu.cli.common import version
+
+        value = version()
+    elif name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        raise AttributeError(f"module 'luwu' has no attribute {name!r}")
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY, "__version__"])

@@ -1,3 +1,5 @@
+"""``python -m luwu``: the ``luwu`` command."""
+
 import sys
 
 from luwu.cli import main

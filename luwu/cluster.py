@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from luwu.protocol.errors import NodeTimeoutError
-from luwu.switch_nodes.daemon import METRICS_LINE
-from luwu.switch_nodes.server import READY_LINE
+from luwu.switch_nodes.lines import METRICS_LINE, READY_LINE
 
 
 @dataclass

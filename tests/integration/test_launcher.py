@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from luwu.config import load_config
-from luwu.launcher import main as launcher_main
-from luwu.launcher import pid_alive, read_pid
+from luwu.cli import main as launcher_main
+from luwu.cli import main as status_main
+from luwu.monitor import query_many, query_stats
 from luwu.protocol.errors import NodeTimeoutError
-from luwu.status import main as status_main
-from luwu.status import query_many, query_stats
+from luwu.rundir import pid_alive, read_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "cluster.example.toml"
@@ -233,7 +233,8 @@ def test_plan_from_a_cluster_file_and_the_file_written_back(tmp_path):
     """Without --nodes, `up` binds the cluster file's addresses; the file it writes back loads to the same settings."""
     import argparse
 
-    from luwu.launcher import _plan_nodes, cluster_file_text
+    from luwu.cluster_file import cluster_file_text
+    from luwu.daemons import plan_nodes as _plan_nodes
 
     cfg = load_config(str(EXAMPLE), env={}, argv=["--node.mode=async", "--metrics.port=9400"])
     args = argparse.Namespace(nodes=None, host="127.0.0.1", base_port=0, metrics_port=None, config=str(EXAMPLE))
@@ -324,7 +325,12 @@ def test_cli_registers_the_commands():
     """`luwu up|down|status|top` are these modules' parsers (luwu/cli.py calls their add_arguments)."""
     import argparse
 
-    from luwu import cli, launcher, status
+    from luwu import cli
+    from luwu.cli import status as status_command
+    from luwu.cli import top as top_command
+    from luwu.cli import updown as launcher
+
+    status = argparse.Namespace(cmd_status=status_command.cmd_status, cmd_top=top_command.cmd_top)
 
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     registered = {name: sub.choices[name] for name in ("up", "down", "status", "top") if name in sub.choices}

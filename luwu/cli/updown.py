@@ -1,0 +1,138 @@
+"""``luwu up`` / ``luwu down``: a local cluster of node daemons in the background."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from luwu.cli.common import add_command
+from luwu.protocol.errors import ConfigError
+from luwu.rundir import RUN_ROOT, default_run_dir
+
+
+def _positive(args, *names: str) -> None:
+    for name in names:
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
+
+
+def _example_script() -> str:
+    """The shipped worker example, as a path to type: relative when it is under the current directory."""
+    from importlib.util import find_spec
+
+    spec = find_spec("luwu.deploy.train_example")
+    path = Path(spec.origin) if spec is not None and spec.origin else Path("deploy/train_example.py")
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def cmd_up(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from luwu import daemons
+    from luwu.config import load_config
+    from luwu.supervisor import Plan
+
+    console, err = Console(), Console(stderr=True)
+    _positive(args, "timeout", "stop_timeout")
+    cfg = load_config(args.config, argv=args.overrides)
+    job = cfg.cluster.job
+    run_dir = Path(args.run_dir or default_run_dir(job)).resolve()
+    plan = Plan(job=job, cwd=os.getcwd(), nodes=daemons.plan_nodes(args, cfg, args.overrides), stop_timeout_s=args.stop_timeout)
+    daemons.launch(run_dir, plan)
+    try:
+        state, problem = daemons.wait_ready(run_dir, len(plan.nodes), args.timeout, err)
+    except KeyboardInterrupt:
+        err.print("luwu up: interrupted: stopping what was started", highlight=False)
+        daemons.stop_run_dir(run_dir, timeout_s=args.stop_timeout, console=err)
+        raise
+    if problem:
+        head, _, body = problem.partition("\n")
+        err.print(f"luwu up: {head}", style="bold red", markup=False, highlight=False, soft_wrap=True)
+        if body:
+            err.print(body, markup=False, highlight=False, soft_wrap=True)
+        err.print("luwu up: stopping what was started", highlight=False)
+        daemons.stop_run_dir(run_dir, timeout_s=args.stop_timeout, console=err)
+        return 1
+    nodes = state["nodes"]
+    daemons.write_outputs(run_dir, cfg, nodes)
+    table = Table(title=f"LuWu job [bold]{job}[/]: {len(nodes)} nodes up", title_justify="left", header_style="bold")
+    for col in ("#", "address", "metrics", "pid"):
+        table.add_column(col, no_wrap=True)
+    for n in nodes:
+        table.add_row(str(n["index"]), n["address"], n["metrics_url"] or "-", str(n["pid"]))
+    console.print(table)
+    cluster_file = run_dir / "cluster.toml"
+    for line in (
+        f"logs:         {run_dir}/node-<i>.log, supervisor.log (restarts)",
+        f"cluster file: {cluster_file}",
+        f"  train:    torchrun --nproc-per-node 2 {_example_script()} --config {cluster_file}",
+        f"  watch:    luwu top --run-dir {run_dir}",
+        f"  stop:     luwu down --run-dir {run_dir}",
+    ):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    return 0
+
+
+def cmd_down(args) -> int:
+    from rich.console import Console
+
+    from luwu import daemons
+    from luwu.config import load_config
+
+    console = Console(stderr=True)
+    _positive(args, "timeout")
+    cfg = load_config(args.config, argv=args.overrides)  # also checks the flags when --run-dir is given
+    run_dir = Path(args.run_dir or default_run_dir(cfg.cluster.job))
+    if not run_dir.is_dir():
+        console.print(f"luwu down: nothing to stop: no run dir {run_dir}", highlight=False)
+        return 0
+    before = sum(1 for _ in run_dir.glob("node-*.pid"))
+    stopped, left = daemons.stop_run_dir(run_dir.resolve(), timeout_s=args.timeout, console=console)
+    if left:
+        console.print(f"[bold red]luwu down: still running after SIGKILL: {', '.join(left)}[/]", highlight=False)
+        return 1
+    if not stopped:
+        console.print(f"luwu down: nothing was running in {run_dir}", highlight=False)
+    else:
+        console.print(f"luwu down: stopped the supervisor and {before} node(s) of {run_dir}", highlight=False)
+    return 0
+
+
+def register(subparsers) -> None:
+    s = add_command(
+        subparsers, "up", func=cmd_up, settings=True,
+        help="start a local cluster of node daemons in the background (pid files, logs, restarts)",
+        description=(
+            "Start N node daemons in the background, detached from the terminal, each with its own log and pid file in the "
+            "run dir, plus one supervisor that restarts a daemon that dies (exponential backoff; restarts are counted in "
+            "supervisor.log). Waits until every node is ready, then writes <run dir>/cluster.toml with the node addresses "
+            "(point workers and `luwu status` at it) and <run dir>/targets.json (Prometheus file_sd targets). "
+            "Addresses: --nodes N gives tcp://HOST:BASE_PORT+i (port 0: any free port, the bound one is reused on restart); "
+            "otherwise [cluster] nodes of --config. Extra --section.field=value flags are passed to every node "
+            "(e.g. --node.checkpoint_dir=ckpt --node.checkpoint_every=100)."
+        ),
+    )
+    s.add_argument("--nodes", type=int, default=None, metavar="N", help="number of nodes (default: the cluster file's node list, else 2)")
+    s.add_argument("--host", default="127.0.0.1", help="interface the nodes bind with --nodes (default 127.0.0.1)")
+    s.add_argument("--base-port", type=int, default=0, metavar="P", help="node i binds port P+i (default 0: any free port)")
+    s.add_argument("--metrics-port", type=int, default=None, metavar="P", help="node i serves /metrics on P+i; 0 = any free port, -1 = off (default: metrics.port of the config if set there, else 0)")
+    s.add_argument("--run-dir", metavar="DIR", help=f"where pid files, logs and cluster.toml go (default ./{RUN_ROOT}/<job>)")
+    s.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds for every node to be ready (default 60)")
+    s.add_argument("--stop-timeout", type=float, default=30.0, metavar="S", help="SIGTERM to SIGKILL when stopping a node, leaving time for its checkpoint (default 30)")
+
+    d = add_command(
+        subparsers, "down", func=cmd_down, settings=True,
+        help="stop the cluster that `luwu up` started (supervisor first, then the nodes)",
+        description=(
+            "Stop the supervisor (so that nothing is restarted), which stops its nodes with SIGTERM and, after --timeout, "
+            "SIGKILL; then stop any node whose pid file outlived its supervisor, and remove the pid files. Logs and "
+            "cluster.toml stay in the run dir. --config and --cluster.job name the default run dir."
+        ),
+    )
+    d.add_argument("--run-dir", metavar="DIR", help=f"the run dir given to `luwu up` (default ./{RUN_ROOT}/<job>)")
+    d.add_argument("--timeout", type=float, default=30.0, metavar="S", help="seconds from SIGTERM to SIGKILL (default 30)")

@@ -1,0 +1,182 @@
+"""Starting and stopping the node daemons of a run directory (``luwu up`` / ``luwu down``).
+
+``up`` writes a :class:`~luwu.supervisor.Plan` and starts one supervisor,
+detached from the shell, which starts the daemons; it then waits until every
+node printed its READY line and writes ``cluster.toml`` (the resolved cluster
+file that training scripts and ``luwu status`` point at) and ``targets.json``
+(Prometheus file_sd targets of the nodes' /metrics). ``down`` stops the
+supervisor first (so nothing it stops is restarted), then makes sure of every
+pid file itself, in case the supervisor was killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from luwu.cluster_file import cluster_file_text
+from luwu.protocol.errors import ConfigError, LuwuError
+from luwu.rundir import (
+    CLUSTER_FILE,
+    SUPERVISOR_LOG,
+    SUPERVISOR_PID,
+    is_luwu,
+    node_log,
+    pid_alive,
+    read_pid,
+    read_state,
+    supervisor_running,
+    tail,
+    write_atomic,
+    write_state,
+)
+from luwu.supervisor import NodeSpec, Plan
+from luwu.switch_nodes.lines import READY_LINE
+
+
+def plan_nodes(options, cfg, overrides: list[str]) -> list[NodeSpec]:
+    """One NodeSpec per node: ``options.nodes`` fresh addresses on ``options.host`` from
+    ``options.base_port``, else the cluster file's ``[cluster] nodes``."""
+    if options.nodes is not None or not cfg.cluster.nodes:
+        num = 2 if options.nodes is None else options.nodes
+        if num < 1:
+            raise ConfigError(f"--nodes must be >= 1, got {num}")
+        if options.base_port < 0 or options.base_port + num - 1 > 65535:
+            raise ConfigError(f"--base-port must be 0 (any free port) or leave room for {num} ports, got {options.base_port}")
+        binds = [f"tcp://{options.host}:{options.base_port + i if options.base_port else 0}" for i in range(num)]
+    else:
+        binds = list(cfg.cluster.nodes)
+    mbase = options.metrics_port
+    if mbase is None:
+        mbase = cfg.metrics.port if cfg.sources.get("metrics.port", "default") != "default" else 0
+    if mbase < -1 or mbase + len(binds) - 1 > 65535:
+        raise ConfigError(f"--metrics-port must be -1 (off), 0 (any free port) or a base port leaving room for {len(binds)} nodes, got {mbase}")
+    base = [sys.executable, "-m", "luwu", "-v", "node"]
+    if options.config:
+        base += ["--config", os.path.abspath(options.config)]
+    return [
+        NodeSpec(index=i, args=[*base, *overrides, "--node.index", str(i), "--cluster.job", cfg.cluster.job], bind=b, metrics_port=mbase if mbase <= 0 else mbase + i)
+        for i, b in enumerate(binds)
+    ]
+
+
+def launch(run_dir: Path, plan: Plan) -> None:
+    """Clear what a previous run left, write the plan and start its supervisor, detached."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    pid = supervisor_running(run_dir)
+    if pid is not None:
+        raise LuwuError(f"job {plan.job!r} is already up in {run_dir} (supervisor pid {pid}): `luwu down --run-dir {run_dir}` first")
+    for stale in ("state.json", CLUSTER_FILE, "targets.json", *(p.name for p in run_dir.glob("node-*.pid"))):
+        (run_dir / stale).unlink(missing_ok=True)
+    for i in range(len(plan.nodes)):  # keep the previous run's log for a post-mortem
+        logf = node_log(run_dir, i)
+        if logf.exists():
+            os.replace(logf, logf.with_suffix(".log.prev"))
+    plan.save(run_dir / "plan.json")
+    with open(run_dir / SUPERVISOR_LOG, "ab") as fh:
+        starter = subprocess.Popen([sys.executable, "-m", "luwu.supervisor", str(run_dir)], stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=plan.cwd, start_new_session=True)
+    starter.wait(30)  # the intermediate exits at once; the supervisor lives on, detached
+
+
+def wait_ready(run_dir: Path, num: int, timeout_s: float, console) -> tuple[dict | None, str]:
+    """Until every node is up: (state, '') or (last state, why not)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    deadline = time.monotonic() + timeout_s
+    state = None
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as progress:
+        task = progress.add_task("starting nodes", total=num)
+        while True:
+            state = read_state(run_dir) or state
+            nodes = (state or {}).get("nodes", [])
+            progress.update(task, completed=sum(n["state"] == "up" for n in nodes))
+            failed = [n for n in nodes if n["state"] in ("failed", "exited")]
+            if failed:
+                n = failed[0]
+                log = node_log(run_dir, n["index"])
+                return state, f"node {n['index']} {n['last_exit'] or 'exited'} before printing {READY_LINE}; its log {log} ends with:\n{tail(log)}"
+            if len(nodes) == num and all(n["state"] == "up" for n in nodes):
+                return state, ""
+            pid = read_pid(run_dir / SUPERVISOR_PID)
+            if state is not None and (pid is None or not pid_alive(pid)):
+                return state, f"the supervisor died; {run_dir / SUPERVISOR_LOG} ends with:\n{tail(run_dir / SUPERVISOR_LOG)}"
+            if time.monotonic() > deadline:
+                waiting = [n for n in nodes if n["state"] != "up"] or [{"index": i} for i in range(num)]
+                logs = "\n".join(f"--- node {n['index']} ({node_log(run_dir, n['index'])}):\n{tail(node_log(run_dir, n['index']), 10)}" for n in waiting)
+                return state, f"nodes {[n['index'] for n in waiting]} not ready within {timeout_s:g} s (--timeout):\n{logs}"
+            time.sleep(0.1)
+
+
+def write_outputs(run_dir: Path, cfg, nodes: list[dict]) -> None:
+    """``cluster.toml`` with the bound addresses and ``targets.json`` for Prometheus."""
+    job = cfg.cluster.job
+    header = f"Written by `luwu up` at {time.strftime('%Y-%m-%d %H:%M:%S')} for job {job!r}; run dir {run_dir}.\nPoint workers at it (--config, RemoteOptimizer(nodes=...) or LUWU_NODES) and `luwu status --config` this file."
+    write_atomic(run_dir / CLUSTER_FILE, cluster_file_text(cfg, [n["address"] for n in nodes], header=header))
+    targets = [{"targets": [n["metrics_url"].split("://", 1)[1]], "labels": {"luwu_job": job, "luwu_node": str(n["index"]), "luwu_role": "node"}} for n in nodes if n["metrics_url"]]
+    write_atomic(run_dir / "targets.json", json.dumps(targets, indent=2))
+
+
+def _terminate(pids: dict[str, int], timeout_s: float, console) -> list[str]:
+    """SIGTERM, wait up to timeout_s, SIGKILL; returns the names still alive after all that."""
+    for pid in pids.values():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids.values()):
+        time.sleep(0.05)
+    for name, pid in pids.items():
+        if pid_alive(pid):
+            console.print(f"{name} (pid {pid}) still running {timeout_s:g} s after SIGTERM: SIGKILL", highlight=False)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids.values()):
+        time.sleep(0.05)
+    return [name for name, pid in pids.items() if pid_alive(pid)]
+
+
+def stop_run_dir(run_dir: Path, *, timeout_s: float = 30.0, console=None) -> tuple[list[str], list[str]]:
+    """Stop the supervisor and the daemons of ``run_dir``; returns (stopped, still alive)."""
+    from rich.console import Console
+
+    console = console or Console(stderr=True)
+    stopped: list[str] = []
+    left: list[str] = []
+    pid = supervisor_running(run_dir)
+    if pid is not None:
+        with console.status(f"stopping supervisor {pid} and its nodes (SIGTERM, up to {timeout_s:g} s each)"):
+            # The supervisor's own SIGTERM -> SIGKILL of the nodes takes up to timeout_s; give it that and a margin.
+            left += _terminate({"supervisor": pid}, timeout_s + 10.0, console)
+        stopped.append(f"supervisor (pid {pid})")
+    (run_dir / SUPERVISOR_PID).unlink(missing_ok=True)
+    nodes = {}
+    for pid_file in sorted(run_dir.glob("node-*.pid")):
+        npid = read_pid(pid_file)
+        if npid is not None and pid_alive(npid) and is_luwu(npid):
+            nodes[pid_file.stem] = npid
+        else:
+            pid_file.unlink(missing_ok=True)
+    if nodes:  # left over by a supervisor that was killed
+        with console.status(f"stopping {len(nodes)} nodes (SIGTERM, up to {timeout_s:g} s)"):
+            still = _terminate(nodes, timeout_s, console)
+        left += still
+        stopped += [f"{name} (pid {p})" for name, p in nodes.items() if name not in still]
+        for name in nodes:
+            if name not in still:
+                (run_dir / f"{name}.pid").unlink(missing_ok=True)
+    state = read_state(run_dir)
+    if state is not None and not left:
+        for n in state.get("nodes", []):
+            if n["state"] not in ("failed", "exited"):
+                n["state"], n["pid"] = "stopped", None
+        write_state(run_dir, state)
+    return stopped, left

@@ -1,0 +1,257 @@
+"""The supervisor: parent of the node daemons of one run directory.
+
+``luwu up`` writes a :class:`Plan` into the run directory and starts one
+supervisor, detached from the shell. The supervisor starts every node daemon and
+is their parent, so it sees a death at once, without polling pids that may be
+reused; it writes their pid files and ``state.json`` and restarts a daemon that
+dies, with an exponential backoff. On SIGTERM it stops its daemons (SIGTERM,
+wait, SIGKILL) and leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from luwu.protocol.errors import ConfigError
+from luwu.rundir import PLAN_FILE, SUPERVISOR_PID, exit_text, node_log, node_pid_file, write_atomic, write_state
+from luwu.switch_nodes.lines import METRICS_LINE, READY_LINE
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class NodeSpec:
+    index: int
+    """Position in the cluster's node list."""
+    args: list[str]
+    """The daemon's command line, less --node.bind and --metrics.port (the supervisor adds them)."""
+    bind: str
+    """Address to bind; port 0 on the first start only: restarts reuse the bound address."""
+    metrics_port: int
+    """Port of /metrics: -1 off, 0 any (restarts reuse the bound port)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Plan:
+    job: str
+    cwd: str
+    """Working directory of the daemons (relative paths in the config resolve against it)."""
+    nodes: list[NodeSpec]
+    backoff_s: float = 0.5
+    """First restart delay; doubles with each quick death, up to max_backoff_s."""
+    max_backoff_s: float = 30.0
+    stable_s: float = 30.0
+    """A daemon that ran this long before dying restarts after backoff_s again."""
+    stop_timeout_s: float = 30.0
+    """SIGTERM to SIGKILL: long enough for the checkpoint a node writes on SIGTERM."""
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ConfigError("a cluster needs at least one node")
+        for name in ("backoff_s", "max_backoff_s", "stable_s", "stop_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def save(self, path: Path) -> None:
+        write_atomic(path, json.dumps(dataclasses.asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> Plan:
+        data = json.loads(path.read_text())
+        data["nodes"] = [NodeSpec(**n) for n in data["nodes"]]
+        return cls(**data)
+
+
+@dataclass(slots=True)
+class _Daemon:
+    spec: NodeSpec
+    proc: subprocess.Popen | None = None
+    state: str = "starting"  # starting | up | backoff | failed | exited | stopped
+    pid: int | None = None
+    address: str = ""
+    metrics_url: str = ""
+    restarts: int = 0
+    quick_deaths: int = 0
+    ever_ready: bool = False
+    started_at: float = 0.0
+    next_start_at: float = 0.0
+    log_offset: int = 0
+    partial: bytes = b""
+    last_exit: str = ""
+
+
+class Supervisor:
+    """Parent of the node daemons of one run dir; restarts the ones that die."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.plan = Plan.load(run_dir / PLAN_FILE)
+        self.daemons = [_Daemon(spec) for spec in self.plan.nodes]
+        self.stopping = False
+
+    def log_path(self, d: _Daemon) -> Path:
+        return node_log(self.run_dir, d.spec.index)
+
+    def pid_path(self, d: _Daemon) -> Path:
+        return node_pid_file(self.run_dir, d.spec.index)
+
+    def _start(self, d: _Daemon) -> None:
+        bind = d.address or d.spec.bind
+        mport = d.spec.metrics_port
+        if d.metrics_url:
+            mport = int(d.metrics_url.rsplit(":", 1)[1])
+        cmd = [*d.spec.args, "--node.bind", bind, "--metrics.port", str(mport)]
+        path = self.log_path(d)
+        with open(path, "ab") as fh:
+            what = f"restart #{d.restarts}" if d.restarts else "start"
+            fh.write(f"---- luwu supervisor: {what} of node {d.spec.index} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n".encode())
+            fh.flush()
+            d.log_offset = fh.tell()
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            d.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=self.plan.cwd, env=env, start_new_session=True)
+        d.partial = b""
+        d.pid = d.proc.pid
+        d.state = "starting"
+        d.started_at = time.monotonic()
+        write_atomic(self.pid_path(d), f"{d.pid}\n")
+        log.info("node %d: started pid %d (%s)", d.spec.index, d.pid, what)
+
+    def _scan_log(self, d: _Daemon) -> None:
+        """Read what the daemon printed since its start, looking for the READY lines."""
+        try:
+            with open(self.log_path(d), "rb") as fh:
+                fh.seek(d.log_offset)
+                data = fh.read(1 << 20)
+        except OSError:
+            return
+        d.log_offset += len(data)
+        *lines, d.partial = (d.partial + data).split(b"\n")
+        for raw in lines:
+            line = raw.decode(errors="replace").strip()
+            if line.startswith(METRICS_LINE):
+                d.metrics_url = line.split()[1]
+            elif line.startswith(READY_LINE):
+                d.address = line.split()[1]
+                d.state = "up"
+                d.ever_ready = True
+                log.info("node %d: up at %s (pid %d)%s", d.spec.index, d.address, d.pid, f", metrics {d.metrics_url}" if d.metrics_url else "")
+
+    def _on_exit(self, d: _Daemon, rc: int) -> None:
+        ran_s = time.monotonic() - d.started_at
+        d.proc = None
+        d.last_exit = f"{exit_text(rc)} after {ran_s:.1f} s"
+        self.pid_path(d).unlink(missing_ok=True)
+        if not d.ever_ready:
+            d.state = "failed"
+            log.error("node %d (pid %d): %s before it was ready; not restarting (see %s)", d.spec.index, d.pid, d.last_exit, self.log_path(d))
+            return
+        if rc == 0:
+            d.state = "exited"
+            log.warning("node %d (pid %d) exited cleanly after %.1f s (stopped by someone); not restarting", d.spec.index, d.pid, ran_s)
+            return
+        d.quick_deaths = d.quick_deaths + 1 if ran_s < self.plan.stable_s else 1
+        delay = min(self.plan.max_backoff_s, self.plan.backoff_s * 2 ** (d.quick_deaths - 1))
+        d.restarts += 1
+        d.state = "backoff"
+        d.next_start_at = time.monotonic() + delay
+        log.warning("node %d (pid %d) died: %s; restart #%d in %.1f s", d.spec.index, d.pid, d.last_exit, d.restarts, delay)
+
+    def state(self) -> dict:
+        return {
+            "job": self.plan.job,
+            "supervisor_pid": os.getpid(),
+            "stopping": self.stopping,
+            "nodes": [
+                {"index": d.spec.index, "state": d.state, "pid": d.pid if d.proc is not None else None, "address": d.address, "metrics_url": d.metrics_url, "restarts": d.restarts, "last_exit": d.last_exit}
+                for d in self.daemons
+            ],
+        }
+
+    def _save_state(self) -> None:
+        write_state(self.run_dir, self.state())
+
+    def _stop_all(self) -> None:
+        live = [d for d in self.daemons if d.proc is not None and d.proc.poll() is None]
+        for d in live:
+            log.info("node %d: SIGTERM to pid %d", d.spec.index, d.pid)
+            d.proc.terminate()
+        deadline = time.monotonic() + self.plan.stop_timeout_s
+        for d in live:
+            try:
+                d.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("node %d: no exit %.0f s after SIGTERM; SIGKILL to pid %d", d.spec.index, self.plan.stop_timeout_s, d.pid)
+                d.proc.kill()
+                d.proc.wait()
+        for d in self.daemons:
+            if d.proc is not None:
+                d.last_exit = exit_text(d.proc.returncode)
+                d.proc = None
+            if d.state not in ("failed", "exited"):
+                d.state = "stopped"
+            self.pid_path(d).unlink(missing_ok=True)
+
+    def run(self) -> int:
+        def on_signal(signum, frame):
+            self.stopping = True
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, on_signal)
+        write_atomic(self.run_dir / SUPERVISOR_PID, f"{os.getpid()}\n")
+        log.info("supervisor of job %r (pid %d): %d nodes", self.plan.job, os.getpid(), len(self.daemons))
+        try:
+            for d in self.daemons:
+                self._start(d)
+            self._save_state()
+            while not self.stopping:
+                before = json.dumps(self.state())
+                for d in self.daemons:
+                    if self.stopping:
+                        break
+                    if d.proc is None:
+                        if d.state == "backoff" and time.monotonic() >= d.next_start_at:
+                            self._start(d)
+                        continue
+                    if d.state == "starting":
+                        self._scan_log(d)
+                    rc = d.proc.poll()
+                    if rc is not None:
+                        self._scan_log(d)
+                        self._on_exit(d, rc)
+                if json.dumps(self.state()) != before:
+                    self._save_state()
+                time.sleep(0.1)
+        finally:
+            log.info("supervisor stopping: %d nodes", sum(d.proc is not None for d in self.daemons))
+            self.stopping = True
+            self._stop_all()
+            self._save_state()
+            (self.run_dir / SUPERVISOR_PID).unlink(missing_ok=True)
+            log.info("supervisor stopped")
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m luwu.supervisor RUN_DIR``: detach once more, then supervise RUN_DIR."""
+    (run_dir,) = sys.argv[1:] if argv is None else argv
+    if os.fork():  # the parent (started by `up`, which waits for it) leaves at once:
+        os._exit(0)  # the supervisor is reparented and never becomes a zombie of `up`
+    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        return Supervisor(Path(run_dir)).run()
+    except Exception:
+        log.exception("supervisor failed")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
