@@ -175,57 +175,69 @@ def row(cur: NodeStatus, prev: NodeStatus | None = None, *, restarts: int | None
 
 
 _COLUMNS = ("#", "address", "state", "step", "workers", "in/s", "out/s", "upd/s", "uptime", "restarts", "checkpoint")
-_WRAPPING = ("address", "checkpoint")
-"""Columns that may wrap onto a second line, so that the table fits 80 columns."""
+_NARROW_COLUMNS = _COLUMNS[:7] + ("uptime",)
+"""Below WIDE_COLUMNS characters the table keeps these, and each node's restarts, updates/s and
+checkpoint go on a line of their own under it."""
+WIDE_COLUMNS = 120
 
 
-def render_table(statuses: list[NodeStatus], prev: dict[str, NodeStatus] | None = None, *, title: str = "", restarts: dict[str, int] | None = None):
-    """A rich Table of the nodes; why a node is DOWN, or idle (up, holding no bucket), is listed
-    under it, by node number.
+def _cells(i: int, st: NodeStatus, r: dict | None, restarts: int | None) -> dict[str, str]:
+    count = "-" if restarts is None else str(restarts)
+    if r is None:
+        return {"#": str(i), "address": st.address, "state": "[bold red]DOWN[/]", "restarts": count, **dict.fromkeys(_COLUMNS[3:9], "-"), "checkpoint": "-"}
+    number = r["node"] if isinstance(r["node"], int) and r["node"] >= 0 else i
+    return {
+        "#": str(number),
+        "address": st.address,
+        "state": "[bold green]UP[/]",
+        "step": str(r["step"]),
+        "workers": f"{r['workers']}/{r['world_size'] or '?'}",
+        "in/s": human_bytes(r["bytes_in_per_s"]),
+        "out/s": human_bytes(r["bytes_out_per_s"]),
+        "upd/s": f"{r['updates_per_s']:.1f}",
+        "uptime": human_seconds(float(r["uptime_s"] or 0.0)),
+        "restarts": count,
+        "checkpoint": checkpoint_text(st.detail),
+    }
 
-    ``restarts`` maps an address to how often its supervisor restarted it (``luwu up``'s
-    state.json); without it the column shows '-'.
+
+def render_table(statuses: list[NodeStatus], prev: dict[str, NodeStatus] | None = None, *, title: str = "", restarts: dict[str, int] | None = None, width: int = WIDE_COLUMNS):
+    """A rich Table of the nodes for a console ``width`` characters wide (80 is enough).
+
+    Under it: totals, each node's details when the table is narrow, and why a node is
+    DOWN or idle (up, holding no bucket yet), by node number. ``restarts`` maps an
+    address to how often its supervisor restarted it (``luwu up``'s state.json);
+    without it the count shows as '-'.
     """
     from rich import box
     from rich.markup import escape
     from rich.table import Table
 
     prev, restarts = prev or {}, restarts or {}
+    columns = _COLUMNS if width >= WIDE_COLUMNS else _NARROW_COLUMNS
     table = Table(title=title or None, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
-    for name in _COLUMNS:
+    for name in columns:
         left = name in ("address", "state", "checkpoint")
-        table.add_column(name, justify="left" if left else "right", no_wrap=name not in _WRAPPING, overflow="fold")
+        table.add_column(name, justify="left" if left else "right", no_wrap=name != "address", overflow="fold")
     total_in = total_out = 0.0
-    notes = []
+    details, notes = [], []
     for i, st in enumerate(statuses):
-        count = restarts.get(st.address)
-        count_text = "-" if count is None else str(count)
-        if not st.up:
-            table.add_row(str(i), st.address, "[bold red]DOWN[/]", *["-"] * 6, count_text, "-")
+        r = row(st, prev.get(st.address), restarts=restarts.get(st.address)) if st.up else None
+        cells = _cells(i, st, r, restarts.get(st.address))
+        table.add_row(*(cells[name] for name in columns))
+        if r is None:
             notes.append(f"[red]node {i}: {escape(st.error)}[/]")
             continue
-        r = row(st, prev.get(st.address), restarts=count)
         total_in += r["bytes_in_per_s"]
         total_out += r["bytes_out_per_s"]
-        number = r["node"] if isinstance(r["node"], int) and r["node"] >= 0 else i
+        if columns is _NARROW_COLUMNS:
+            restarted = "" if r["restarts"] is None else f"restarts {r['restarts']}, "
+            details.append(f"node {cells['#']}: {restarted}{cells['upd/s']} updates/s, checkpoint {cells['checkpoint']}")
         if r["idle"]:
-            notes.append(f"[yellow]node {number}: {escape(r['idle'])}[/]")
-        table.add_row(
-            str(number),
-            st.address,
-            "[bold green]UP[/]",
-            str(r["step"]),
-            f"{r['workers']}/{r['world_size'] or '?'}",
-            human_bytes(r["bytes_in_per_s"]),
-            human_bytes(r["bytes_out_per_s"]),
-            f"{r['updates_per_s']:.1f}",
-            human_seconds(float(r["uptime_s"] or 0.0)),
-            count_text,
-            checkpoint_text(st.detail),
-        )
+            notes.append(f"[yellow]node {cells['#']}: {escape(r['idle'])}[/]")
     num_up = sum(st.up for st in statuses)
     style = "green" if num_up == len(statuses) else "bold red"
-    table.caption = "\n".join([f"[{style}]{num_up}/{len(statuses)} nodes up[/]   in {human_bytes(total_in)}/s   out {human_bytes(total_out)}/s", *notes])
+    table.caption = "\n".join([f"[{style}]{num_up}/{len(statuses)} nodes up[/]   in {human_bytes(total_in)}/s   out {human_bytes(total_out)}/s", *details, *notes])
     table.caption_justify = "left"
     return table
 

@@ -71,7 +71,8 @@ def cmd_status(args) -> int:
         print(json.dumps([row(st, (prev or {}).get(st.address), restarts=restarts.get(st.address)) for st in statuses], indent=2))
     else:
         how = f"rates over the last {args.sample:g} s" if args.sample > 0 else "rates averaged since each node started (--sample S for a window)"
-        console().print(render_table(statuses, prev, title=f"LuWu job [bold]{job}[/] ({source}); {how}", restarts=restarts))
+        out = console()
+        out.print(render_table(statuses, prev, title=f"LuWu job [bold]{job}[/] ({source}); {how}", restarts=restarts, width=out.width))
     return 0 if all(st.up for st in statuses) else 1
 
 

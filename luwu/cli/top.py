@@ -29,7 +29,7 @@ def cmd_top(args) -> int:
         nonlocal prev
         statuses = query_many(addresses, job, timeout_s)
         title = f"luwu top - job [bold]{job}[/] ({source}) - {time.strftime('%H:%M:%S')} - every {args.interval:g} s, Ctrl-C quits"
-        table = render_table(statuses, prev, title=title, restarts=restarts_of(source))
+        table = render_table(statuses, prev, title=title, restarts=restarts_of(source), width=out.width)
         prev = {st.address: st for st in statuses if st.up}
         return table
 

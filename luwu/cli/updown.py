@@ -8,7 +8,7 @@ from pathlib import Path
 
 from luwu.cli.common import add_command
 from luwu.protocol.errors import ConfigError
-from luwu.rundir import RUN_ROOT, default_run_dir
+from luwu.rundir import CLUSTER_FILE, RUN_ROOT, default_run_dir
 
 
 def _positive(args, *names: str) -> None:
@@ -66,16 +66,22 @@ def cmd_up(args) -> int:
     for n in nodes:
         table.add_row(str(n["index"]), n["address"], n["metrics_url"] or "-", str(n["pid"]))
     console.print(table)
-    cluster_file = run_dir / "cluster.toml"
-    for line in (
+    for line in next_steps(run_dir):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    return 0
+
+
+def next_steps(run_dir: Path) -> list[str]:
+    """What ``up`` prints after its table: where things are and the commands to go on with,
+    the training one with the shipped example, which reads the cluster file given by --config."""
+    cluster_file = run_dir / CLUSTER_FILE
+    return [
         f"logs:         {run_dir}/node-<i>.log, supervisor.log (restarts)",
         f"cluster file: {cluster_file}",
         f"  train:    torchrun --nproc-per-node 2 {_example_script()} --config {cluster_file}",
         f"  watch:    luwu top --run-dir {run_dir}",
         f"  stop:     luwu down --run-dir {run_dir}",
-    ):
-        console.print(line, highlight=False, markup=False, soft_wrap=True)
-    return 0
+    ]
 
 
 def cmd_down(args) -> int:

@@ -51,3 +51,42 @@ def test_worker_metrics_break_down_the_step(cluster1):
     finally:
         opt.close()
         pf.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(90)
+def test_a_node_binds_its_entry_of_the_cluster_file(tmp_path):
+    """`luwu node --config FILE --node.index i` listens where workers reading FILE will look."""
+    ports = [_free_port(), _free_port()]
+    nodes = [f"tcp://127.0.0.1:{p}" for p in ports]
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(f'[cluster]\nnodes = ["{nodes[0]}", "{nodes[1]}"]\n')
+    node = subprocess.Popen([sys.executable, "-m", "luwu", "node", "--config", str(cluster), "--node.index", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = node.stdout.readline()
+        assert line.split()[:2] == ["LUWU_NODE_READY", nodes[1]], line
+    finally:
+        node.terminate()
+        node.wait(20)
+
+
+@pytest.mark.timeout(90)
+def test_a_busy_port_is_one_line_that_names_the_address():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
+        r = subprocess.run([sys.executable, "-m", "luwu", "node", "--node.bind", address], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert address in lines[0] and "Address already in use" in lines[0] and "--node.bind" in lines[0], lines[0]

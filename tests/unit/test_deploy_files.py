@@ -298,3 +298,40 @@ def test_dockerfile_installs_cpu_torch_first_and_runs_unprivileged():
     # Every source folder the package maps (pyproject package-dir) is copied into the image.
     for folder in ("luwu", "protocol", "switch_nodes", "gpu_workers"):
         assert re.search(rf"^COPY {folder} ", text, re.M), folder
+
+
+# ----------------------------------------------------------------- packaging
+
+
+def _pyproject() -> dict:
+    import tomllib
+
+    return tomllib.loads((DEPLOY.parent / "pyproject.toml").read_text())
+
+
+def test_requires_python_is_what_the_code_needs():
+    """luwu.config reads TOML with tomllib (3.11+): the metadata says so, or a tomli fallback exists."""
+    project = _pyproject()["project"]
+    config = (DEPLOY.parent / "luwu" / "config.py").read_text()
+    has_fallback = "import tomli" in config and "tomli" in " ".join(project["dependencies"])
+    assert has_fallback or project["requires-python"].replace(" ", "") in (">=3.11", ">=3.11,<4")
+
+
+def test_the_wheel_ships_the_example_and_the_typing_marker():
+    tool = _pyproject()["tool"]["setuptools"]
+    assert "luwu.deploy" in tool["packages"] and tool["package-dir"]["luwu.deploy"] == "deploy"
+    assert (DEPLOY / "__init__.py").is_file() and (DEPLOY / "train_example.py").is_file(), "train_example.py ships as a module of luwu.deploy"
+    data = tool["package-data"]
+    assert "cluster.example.toml" in data["luwu.deploy"] and "README.md" in data["luwu.deploy"]
+    assert "py.typed" in data["luwu"] and (DEPLOY.parent / "luwu" / "py.typed").is_file()
+    folders = {pkg: DEPLOY.parent / tool["package-dir"].get(pkg, pkg.replace(".", "/")) for pkg in tool["packages"]}
+    for pkg, folder in folders.items():  # luwu.cli has no package-dir entry: it lives under luwu/
+        if pkg not in tool["package-dir"]:
+            folder = folders[pkg.rpartition(".")[0]] / pkg.rpartition(".")[2]
+        assert (folder / "__init__.py").is_file(), pkg
+    assert any(dep.startswith("tomli-w") for dep in _pyproject()["project"]["dependencies"]), "config show writes TOML with tomli-w"
+
+
+def test_systemd_unit_points_only_at_what_is_installed():
+    text = (DEPLOY / "systemd" / "luwu-node@.service").read_text()
+    assert "/opt/luwu/deploy" not in text
