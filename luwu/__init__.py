@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import typing
 
+DISTRIBUTION = "luwu-runtime"
+"""The name LuWu is installed under (``luwu`` itself is taken on PyPI)."""
 _ERRORS = "luwu.protocol.errors"
 _LAZY = {
     "RemoteOptimizer": "luwu.optimizer",
@@ -50,10 +52,13 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time these l
 
 
 def __getattr__(name: str):
-    if name == "__version__":
-        from luwu.cli.common import version
+    if name == "__version__":  # from the installed distribution's metadata
+        from importlib.metadata import PackageNotFoundError, version
 
-        value = version()
+        try:
+            value = version(DISTRIBUTION)
+        except PackageNotFoundError:  # a bare checkout, never installed
+            value = "unknown"
     elif name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
     else:

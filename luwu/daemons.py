@@ -99,7 +99,8 @@ def wait_ready(run_dir: Path, num: int, timeout_s: float, console) -> tuple[dict
             if failed:
                 n = failed[0]
                 log = node_log(run_dir, n["index"])
-                return state, f"node {n['index']} {n['last_exit'] or 'exited'} before printing {READY_LINE}; its log {log} ends with:\n{tail(log)}"
+                why = _node_error(tail(log))
+                return state, f"node {n['index']} {n['last_exit'] or 'exited'} before printing {READY_LINE}{why}; its log {log} ends with:\n{tail(log)}"
             if len(nodes) == num and all(n["state"] == "up" for n in nodes):
                 return state, ""
             pid = read_pid(run_dir / SUPERVISOR_PID)
@@ -110,6 +111,13 @@ def wait_ready(run_dir: Path, num: int, timeout_s: float, console) -> tuple[dict
                 logs = "\n".join(f"--- node {n['index']} ({node_log(run_dir, n['index'])}):\n{tail(node_log(run_dir, n['index']), 10)}" for n in waiting)
                 return state, f"nodes {[n['index'] for n in waiting]} not ready within {timeout_s:g} s (--timeout):\n{logs}"
             time.sleep(0.1)
+
+
+def _node_error(log_tail: str) -> str:
+    """': <reason>' from the one-line error a node prints when it cannot start (a busy port), else ''."""
+    prefix = "luwu node: error: "
+    lines = [line for line in log_tail.splitlines() if line.startswith(prefix)]
+    return f": {lines[-1][len(prefix):]}" if lines else ""
 
 
 def write_outputs(run_dir: Path, cfg, nodes: list[dict]) -> None:

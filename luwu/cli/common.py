@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 
-DISTRIBUTION = "luwu-runtime"
-
 
 def add_command(subparsers, name: str, *, help: str, description: str, func, settings: bool) -> argparse.ArgumentParser:
     """A subcommand that runs ``func(args)``; with ``settings``, it takes ``--config`` and
@@ -54,17 +52,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def version() -> str:
-    """The installed distribution's version (package metadata), or 'unknown' in a bare checkout."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version(DISTRIBUTION)
-    except PackageNotFoundError:
-        return "unknown"
-
-
 class VersionAction(argparse.Action):
     """``--version``: reads the package metadata only when asked (it costs an import)."""
 
@@ -72,5 +59,7 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"luwu {version()}")
+        import luwu
+
+        print(f"luwu {luwu.__version__}")
         parser.exit()
