@@ -100,6 +100,8 @@ def wait_ready(run_dir: Path, num: int, timeout_s: float, console) -> tuple[dict
                 n = failed[0]
                 log = node_log(run_dir, n["index"])
                 why = _node_error(tail(log))
+                if "Address already in use" in why:
+                    why += " (with luwu up: --base-port P for other ports, 0 for any free ones)"
                 return state, f"node {n['index']} {n['last_exit'] or 'exited'} before printing {READY_LINE}{why}; its log {log} ends with:\n{tail(log)}"
             if len(nodes) == num and all(n["state"] == "up" for n in nodes):
                 return state, ""
