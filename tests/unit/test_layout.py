@@ -72,7 +72,7 @@ def test_added_group_only_appends_buckets():
     base = specs_of([(10, 10), (10,)])
     more = base + [ParamSpec("extra", (50,), 1)]
     a, b = build_layout(base, 256, [1.0, 1.0]), build_layout(more, 256, [1.0, 1.0])
-    assert [x.spec() for x in b.buckets[: len(a.buckets)]] == [x.spec() for x in a.buckets]
+    assert [x.to_wire() for x in b.buckets[: len(a.buckets)]] == [x.to_wire() for x in a.buckets]
     assert [x.node for x in b.buckets[: len(a.buckets)]] == [x.node for x in a.buckets]
 
 
