@@ -11,15 +11,13 @@ biases, norms, small embeddings) and the *matrix* class (everything else) never
 share a bucket. The compression policy picks one codec per bucket and must keep
 small and 1-D tensors at bf16 at most, so one bias in a bucket of large
 matrices would turn the whole bucket bf16; kept apart, the matrices get their
-int8 (benchmarks/bench_wire_bytes.py, char LM with 4 MiB buckets: 2.0x fewer
-push bytes than fp32 mixed, 3.7x apart). Each class is packed in reverse registration order, the order in
+int8. Each class is packed in reverse registration order, the order in
 which backward produces gradients, and a group's buckets are numbered in the
 order backward completes them (by the last parameter each waits for), so
 pushes still stream during backward. Parameters marked ``delayed`` (their
 weights may land a step late: ``RemoteOptimizer(delayed_params=...)``) form
 classes of their own too, so a bucket is delayed whole or not at all. Small
-parameters are never split; a
-parameter larger than a bucket spans several. Buckets of later groups come
+parameters are never split; a parameter larger than a bucket spans several. Buckets of later groups come
 after earlier ones, so ``add_param_group`` only appends buckets. Owners are
 chosen greedily, each bucket to the node with the least bytes per unit of
 capacity so far.

@@ -139,7 +139,7 @@ class BucketState:
     def apply(self, acc: Accumulator, divisor: float) -> None:
         """Optimizer step with grads = (sum of the pushes) / ``divisor``. The pushes were decoded times
         1 / ``acc.prescale`` already (the expected worker count): when that is the divisor, the kernel
-        runs without ``grad_scale``, which would cost it a write of the gradient back (10-16%)."""
+        runs without ``grad_scale``, which would cost it a write of the gradient back."""
         self.settle(acc)
         params, grads, state, steps = self.grad_views(acc)
         scale = divisor / acc.prescale

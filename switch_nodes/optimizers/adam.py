@@ -36,16 +36,10 @@ from torch.optim import adam as _adam
 from luwu.protocol.feedback import WORKER_MOMENTUM
 from luwu.switch_nodes.optimizers.kinds import OptimizerKind
 
+Tensors = list[torch.Tensor]
 
-def apply_(
-    kind: OptimizerKind,
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    state: dict[str, list[torch.Tensor]],
-    steps: list[torch.Tensor],
-    hyper: dict,
-    grad_scale: torch.Tensor | None = None,
-) -> None:
+
+def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str, Tensors], steps: Tensors, hyper: dict, grad_scale: torch.Tensor | None = None) -> None:
     """One Adam (``kind.name == "adam"``) or AdamW step over segment views. ``grad_scale``: grads are
     divided by it inside the kernel.
 

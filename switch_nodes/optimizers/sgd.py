@@ -15,16 +15,10 @@ from torch.optim import sgd as _sgd
 from luwu.protocol.feedback import WORKER_MOMENTUM
 from luwu.switch_nodes.optimizers.kinds import OptimizerKind
 
+Tensors = list[torch.Tensor]
 
-def apply_(
-    kind: OptimizerKind,
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    state: dict[str, list[torch.Tensor]],
-    steps: list[torch.Tensor],
-    hyper: dict,
-    grad_scale: torch.Tensor | None = None,
-) -> None:
+
+def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str, Tensors], steps: Tensors, hyper: dict, grad_scale: torch.Tensor | None = None) -> None:
     """One SGD step over segment views; grads are divided by ``grad_scale`` (in place) first."""
     momentum = float(hyper["momentum"])
     bufs = state["momentum_buffer"]
