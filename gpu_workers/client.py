@@ -239,8 +239,7 @@ class WorkerClient:
             h = msg.header
             op = h["op"]
             if op == Op.ERROR:
-                err = error_for_code(h["code"], h["message"], node=self.nodes[node])
-                err.step, err.bucket, err.detail, err.ref_op = h["step"], h["bucket"], h.get("detail") or {}, h["ref_op"]  # type: ignore[attr-defined]
+                err = error_for_code(h["code"], h["message"], node=self.nodes[node], step=h["step"], bucket=h["bucket"], detail=h.get("detail") or {}, ref_op=h["ref_op"])
                 with self._cv:
                     self._errors.append((node, err))
                     self._cv.notify_all()

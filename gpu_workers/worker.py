@@ -145,7 +145,7 @@ class Worker:
                     "world_size": self.world_size,
                     "layout": self.layout.hash,
                     "node_index": n,
-                    "buckets": [b.spec() for b in self.layout.buckets_of(n)],
+                    "buckets": [b.to_wire() for b in self.layout.buckets_of(n)],
                     "optimizer": self.optimizer,
                     "mode": self.mode,
                 },

@@ -1,17 +1,43 @@
 """The exception classes of LuWu, shared by every part.
 
-An ERROR message carries a ``code``; :func:`error_for_code` maps it back to the
-class, so a node's refusal is raised on the worker as the same type it was on
-the node. ``luwu`` re-exports all of these.
+Every error takes its facts in the constructor (the node, worker, step and
+bucket it concerns, the op it answers, the node's ``detail`` map, the boot id
+of a restarted node) and keeps them as attributes of the same names, ``None``
+when unknown. An ERROR message carries a ``code``; :func:`error_for_code` maps
+it back to the class, so a node's refusal is raised on the worker as the same
+type it was on the node. ``luwu`` re-exports all of these.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class LuwuError(Exception):
     """Root of every error LuWu raises on purpose."""
 
     code = "luwu"
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        node: str | None = None,
+        worker: int | None = None,
+        step: int | None = None,
+        bucket: int | None = None,
+        detail: dict | None = None,
+        ref_op: int | None = None,
+        boot: str | None = None,
+    ):
+        super().__init__(message)
+        self.node = node
+        self.worker = worker
+        self.step = step
+        self.bucket = bucket
+        self.detail = detail
+        self.ref_op = ref_op
+        self.boot = boot
 
 
 class ConfigError(LuwuError, ValueError):
@@ -58,23 +84,25 @@ class WorkerLostError(LuwuError):
 
 
 class RollbackError(LuwuError):
-    """A node restarted from an older checkpoint; the job must roll back to ``step``."""
+    """A node restarted from an older checkpoint; the job must roll back to ``step``
+    (``boot`` identifies the restarted node process)."""
 
     code = "rollback"
 
-    def __init__(self, message: str, step: int | None = None):
-        super().__init__(message)
-        self.step = step
+
+class CorruptCheckpointError(LuwuError):
+    """A checkpoint file is unreadable: bad magic, malformed header, truncated, or its checksum fails."""
+
+    code = "corrupt_checkpoint"
 
 
 class RemoteError(LuwuError):
-    """A node answered ERROR with a code this side does not know."""
+    """A node answered ERROR with a code this side does not know (kept in ``code``)."""
 
     code = "remote"
 
-    def __init__(self, message: str, node: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.node = node
+    def __init__(self, message: str = "", *, code: str | None = None, **facts: Any):
+        super().__init__(message, **facts)
         if code is not None:
             self.code = code
 
@@ -91,16 +119,16 @@ _BY_CODE: dict[str, type[LuwuError]] = {
         NodeTimeoutError,
         WorkerLostError,
         RollbackError,
+        CorruptCheckpointError,
     )
 }
 
 
-def error_for_code(code: str, message: str, node: str | None = None) -> LuwuError:
-    """The exception a worker raises for an ERROR message from ``node``."""
+def error_for_code(code: str, message: str, *, node: str | None = None, **fields: Any) -> LuwuError:
+    """The exception a worker raises for an ERROR message from ``node``, with the message's facts
+    (``step``, ``bucket``, ``detail``, ``ref_op``...) as ``fields``."""
     cls = _BY_CODE.get(code)
     text = f"node {node}: {message}" if node else message
     if cls is None:
-        return RemoteError(text, node=node, code=code)
-    err = cls(text)
-    err.node = node  # type: ignore[attr-defined]
-    return err
+        return RemoteError(text, node=node, code=code, **fields)
+    return cls(text, node=node, **fields)

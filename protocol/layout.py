@@ -11,15 +11,13 @@ biases, norms, small embeddings) and the *matrix* class (everything else) never
 share a bucket. The compression policy picks one codec per bucket and must keep
 small and 1-D tensors at bf16 at most, so one bias in a bucket of large
 matrices would turn the whole bucket bf16; kept apart, the matrices get their
-int8 (benchmarks/bench_wire_bytes.py, char LM with 4 MiB buckets: 2.0x fewer
-push bytes than fp32 mixed, 3.7x apart). Each class is packed in reverse registration order, the order in
+int8. Each class is packed in reverse registration order, the order in
 which backward produces gradients, and a group's buckets are numbered in the
 order backward completes them (by the last parameter each waits for), so
 pushes still stream during backward. Parameters marked ``delayed`` (their
 weights may land a step late: ``RemoteOptimizer(delayed_params=...)``) form
 classes of their own too, so a bucket is delayed whole or not at all. Small
-parameters are never split; a
-parameter larger than a bucket spans several. Buckets of later groups come
+parameters are never split; a parameter larger than a bucket spans several. Buckets of later groups come
 after earlier ones, so ``add_param_group`` only appends buckets. Owners are
 chosen greedily, each bucket to the node with the least bytes per unit of
 capacity so far.
@@ -31,8 +29,9 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
-from luwu.protocol.errors import ConfigError
+from luwu.protocol.errors import ConfigError, ProtocolError
 
 FP32_BYTES = 4
 
@@ -85,9 +84,36 @@ class Bucket:
     def nbytes(self) -> int:
         return self.numel * FP32_BYTES
 
-    def spec(self) -> list:
-        """A msgpack-able description, compared by nodes when a layout is extended."""
+    def to_wire(self) -> list:
+        """The bucket as HELLO carries it and a node checkpoints it:
+        ``[id, group, numel, [[param, param_offset, offset, numel], ...]]`` (positions only: names and
+        shapes stay with the workers). Compared by nodes when a layout is extended."""
         return [self.id, self.group, self.numel, [[s.param, s.param_offset, s.offset, s.numel] for s in self.segments]]
+
+    @classmethod
+    def from_wire(cls, spec: Any, *, node: int = -1) -> Bucket:
+        """Parse and validate what :meth:`to_wire` wrote (from an untrusted peer: every field checked).
+        The segments carry positions only (empty name and shape). Raises :class:`ProtocolError`."""
+        if not isinstance(spec, list) or len(spec) != 4 or not _ints(spec[:3], 3) or not isinstance(spec[3], list):
+            raise ProtocolError(f"malformed bucket spec {str(spec)[:200]}: expected [id, group, numel, [[param, param_offset, offset, numel], ...]]")
+        bid, group, numel, segs = spec
+        if not all(_ints(x, 4) for x in segs):
+            raise ProtocolError(f"bucket {bid}: each segment must be 4 ints [param, param_offset, offset, numel]")
+        if numel <= 0 or bid < 0 or group < 0 or not segs:
+            raise ProtocolError(f"bad bucket spec header {spec[:3]!r}")
+        segments, off = [], 0
+        for param, param_offset, offset, n in segs:
+            if offset != off or n <= 0 or param < 0 or param_offset < 0:
+                raise ProtocolError(f"bucket {bid}: segments are not contiguous and positive")
+            segments.append(Segment(param, "", (), param_offset, offset, n))
+            off += n
+        if off != numel:
+            raise ProtocolError(f"bucket {bid}: segments cover {off} elements, spec says {numel}")
+        return cls(bid, node, group, numel, tuple(segments))
+
+
+def _ints(xs: Any, n: int) -> bool:
+    return isinstance(xs, list) and len(xs) == n and all(type(x) is int for x in xs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,14 +137,6 @@ class Layout:
     def delayed_buckets(self) -> frozenset[int]:
         """Ids of the buckets of delayed parameters (a bucket holds delayed parameters only, or none)."""
         return frozenset(b.id for b in self.buckets if b.segments and self.params[b.segments[0].param].delayed)
-
-    def param_buckets(self) -> dict[int, list[int]]:
-        """For each parameter index, the ids of the buckets holding part of it."""
-        out: dict[int, list[int]] = {}
-        for b in self.buckets:
-            for s in b.segments:
-                out.setdefault(s.param, []).append(b.id)
-        return out
 
 
 def _split_group(indices: list[int], params: tuple[ParamSpec, ...], cap: int) -> list[list[tuple[int, int, int]]]:

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import torch
 
+from luwu.protocol.errors import CorruptCheckpointError
+
+__all__ = ["Checkpoint", "CheckpointStore", "CorruptCheckpointError"]
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"LUWUCKP1"
 CHUNK = 8 << 20
-
-
-class CorruptCheckpointError(Exception):
-    pass
 
 
 @dataclass

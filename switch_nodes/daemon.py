@@ -7,11 +7,12 @@ import logging
 import signal
 
 from luwu.switch_nodes.config import NodeConfig
+from luwu.switch_nodes.lines import METRICS_LINE
 from luwu.switch_nodes.server import NodeServer
 
-log = logging.getLogger(__name__)
+__all__ = ["METRICS_LINE", "run_node"]
 
-METRICS_LINE = "LUWU_METRICS_READY"
+log = logging.getLogger(__name__)
 
 
 def run_node(cfg: NodeConfig, *, job: str, registry=None, metrics=None, on_start=None) -> int:

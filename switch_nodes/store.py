@@ -13,40 +13,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from luwu.protocol.errors import ProtocolError, StepMismatchError
+from luwu.protocol.errors import StepMismatchError
+from luwu.protocol.layout import Bucket
 from luwu.switch_nodes.optimizers import OptimizerKind, apply_
 
 
 @dataclass(slots=True)
 class SegmentSpec:
+    """Where a segment lies: its parameter, the first element of it covered, its offset in the bucket and
+    its length (the positions of a :class:`luwu.protocol.layout.Segment`; either serves a bucket)."""
+
     param: int
     param_offset: int
     offset: int
     numel: int
-
-
-def parse_spec(spec) -> tuple[int, int, int, list[SegmentSpec]]:
-    """Validate a bucket spec from HELLO: [id, group, numel, [[param, param_offset, offset, numel], ...]]."""
-
-    def ints(xs, n) -> bool:
-        return isinstance(xs, list) and len(xs) == n and all(type(x) is int for x in xs)
-
-    if not isinstance(spec, list) or len(spec) != 4 or not ints(spec[:3], 3) or not isinstance(spec[3], list):
-        raise ProtocolError(f"malformed bucket spec {str(spec)[:200]}: expected [id, group, numel, [[param, param_offset, offset, numel], ...]]")
-    bid, group, numel, segs = spec
-    if not all(ints(x, 4) for x in segs):
-        raise ProtocolError(f"bucket {bid}: each segment must be 4 ints [param, param_offset, offset, numel]")
-    segments = [SegmentSpec(*x) for x in segs]
-    if numel <= 0 or bid < 0 or group < 0 or not segments:
-        raise ProtocolError(f"bad bucket spec header {spec[:3]!r}")
-    off = 0
-    for s in segments:
-        if s.offset != off or s.numel <= 0 or s.param < 0 or s.param_offset < 0:
-            raise ProtocolError(f"bucket {bid}: segments are not contiguous and positive")
-        off += s.numel
-    if off != numel:
-        raise ProtocolError(f"bucket {bid}: segments cover {off} elements, spec says {numel}")
-    return bid, group, numel, segments
 
 
 @dataclass(slots=True)
@@ -67,9 +47,10 @@ class Accumulator:
 
 
 class BucketState:
+    """One owned bucket: master weights, optimizer state, step counters, accumulators of steps in flight."""
+
     def __init__(self, bid: int, group: int, numel: int, segments: list[SegmentSpec], kind: OptimizerKind):
         self.id, self.group, self.numel, self.segments, self.kind = bid, group, numel, segments, kind
-        self.spec = [bid, group, numel, [[s.param, s.param_offset, s.offset, s.numel] for s in segments]]
         self.params = torch.zeros(numel, dtype=torch.float32)
         self.state = {name: torch.zeros(numel, dtype=torch.float32) for name in kind.state_names}
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in segments]
@@ -81,6 +62,10 @@ class BucketState:
         self._pool: list[torch.Tensor] = []
         self.pviews = self._views(self.params)
         self.sviews = {n: self._views(t) for n, t in self.state.items()}
+
+    def to_wire(self) -> list:
+        """The bucket as HELLO described it (:meth:`luwu.protocol.layout.Bucket.to_wire`)."""
+        return Bucket(self.id, -1, self.group, self.numel, tuple(self.segments)).to_wire()
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat.narrow(0, s.offset, s.numel) for s in self.segments]
@@ -154,7 +139,7 @@ class BucketState:
     def apply(self, acc: Accumulator, divisor: float) -> None:
         """Optimizer step with grads = (sum of the pushes) / ``divisor``. The pushes were decoded times
         1 / ``acc.prescale`` already (the expected worker count): when that is the divisor, the kernel
-        runs without ``grad_scale``, which would cost it a write of the gradient back (10-16%)."""
+        runs without ``grad_scale``, which would cost it a write of the gradient back."""
         self.settle(acc)
         params, grads, state, steps = self.grad_views(acc)
         scale = divisor / acc.prescale

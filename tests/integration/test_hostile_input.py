@@ -94,7 +94,7 @@ def templates(layout, node: int, optimizer: str = "adamw") -> dict[Op, tuple[dic
     zeros = bytes(4 * b.numel)
     common = {"job": JOB, "step": 0, "worker": 0}
     t = {
-        Op.HELLO: ({"world_size": WORLD, "layout": layout.hash, "node_index": node, "buckets": [x.spec() for x in mine], "optimizer": optimizer, "mode": "sync", "param_names": {s.param: s.name for x in mine for s in x.segments}}, []),
+        Op.HELLO: ({"world_size": WORLD, "layout": layout.hash, "node_index": node, "buckets": [x.to_wire() for x in mine], "optimizer": optimizer, "mode": "sync", "param_names": {s.param: s.name for x in mine for s in x.segments}}, []),
         Op.WELCOME: ({"layout": layout.hash, "versions": {x.id: 0 for x in mine}, "initialized": [x.id for x in mine]}, []),
         Op.INIT: ({"bucket": b.id, "codec": "none", "cmeta": {}}, [zeros]),
         Op.PUSH: ({"bucket": b.id, "codec": "none", "cmeta": {}, "hyper": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}, "nograd": [], "two_phase": False, "pull": "none"}, [zeros]),
@@ -622,7 +622,7 @@ def train_step(model, opt, seed: int) -> None:
 def own_hello(opt, **change) -> dict:
     """The HELLO the live worker sent, as a stranger would replay it."""
     lay = opt.layout
-    h = {"op": Op.HELLO, "world_size": 1, "layout": lay.hash, "node_index": 0, "buckets": [b.spec() for b in lay.buckets_of(0)], "optimizer": opt.kind.name, "mode": "sync"}
+    h = {"op": Op.HELLO, "world_size": 1, "layout": lay.hash, "node_index": 0, "buckets": [b.to_wire() for b in lay.buckets_of(0)], "optimizer": opt.kind.name, "mode": "sync"}
     return h | change
 
 
@@ -638,7 +638,7 @@ def test_templates_are_what_workers_send():
             assert opt.layout.hash == job_layout(SPEC, 2).hash
             for node in range(2):
                 h = templates(opt.layout, node)[Op.HELLO][0]
-                assert h["buckets"] == [b.spec() for b in opt.layout.buckets_of(node)]
+                assert h["buckets"] == [b.to_wire() for b in opt.layout.buckets_of(node)]
         finally:
             opt.close()
 
@@ -686,7 +686,7 @@ def test_a_heartbeat_claiming_a_live_rank_from_a_stranger_is_refused(live_worker
 @pytest.mark.timeout(90)
 def test_a_malformed_bucket_spec_is_refused_by_validation(live_worker):
     """A bucket spec in HELLO is checked before use: a map where a list belongs is a protocol error, not
-    an exception inside the node (``parse_spec`` formats ``spec[:3]`` of a dict: TypeError, logged with a
+    an exception inside the node (the spec parser would format ``spec[:3]`` of a dict: TypeError, logged with a
     traceback per message)."""
     cluster, model, opt = live_worker
     reply = ask(cluster.addresses[0], own_hello(opt, buckets=[{0: 0, 1: 0, -1: 4, "": 0}]))

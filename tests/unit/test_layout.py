@@ -1,5 +1,6 @@
 """Layout properties: every element owned exactly once, balanced, deterministic, groups apart."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,7 +73,7 @@ def test_added_group_only_appends_buckets():
     base = specs_of([(10, 10), (10,)])
     more = base + [ParamSpec("extra", (50,), 1)]
     a, b = build_layout(base, 256, [1.0, 1.0]), build_layout(more, 256, [1.0, 1.0])
-    assert [x.spec() for x in b.buckets[: len(a.buckets)]] == [x.spec() for x in a.buckets]
+    assert [x.to_wire() for x in b.buckets[: len(a.buckets)]] == [x.to_wire() for x in a.buckets]
     assert [x.node for x in b.buckets[: len(a.buckets)]] == [x.node for x in a.buckets]
 
 
@@ -135,3 +136,37 @@ def test_delayed_parameters_get_buckets_of_their_own():
     assert layout.delayed_buckets() == {2, 3} and base.delayed_buckets() == frozenset()
     assert layout.hash != base.hash, "workers delaying different parameters bucket differently: refused at HELLO"
     assert base.hash == build_layout(plain, 4 << 20, [1.0, 1.0]).hash
+
+
+def test_a_bucket_goes_through_the_wire_unchanged():
+    from luwu.protocol.layout import Bucket
+
+    layout = build_layout([ParamSpec("w", (300, 300)), ParamSpec("b", (300,)), ParamSpec("v", (10, 10), group=1)], 64 << 10, [1.0, 2.0])
+    for b in layout.buckets:
+        back = Bucket.from_wire(b.to_wire(), node=b.node)
+        assert back.to_wire() == b.to_wire() and (back.id, back.node, back.group, back.numel) == (b.id, b.node, b.group, b.numel)
+        assert [(s.param, s.param_offset, s.offset, s.numel) for s in back.segments] == [(s.param, s.param_offset, s.offset, s.numel) for s in b.segments]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        None,
+        {0: 0},
+        [0, 0, 4],
+        [0, 0, 4, [[0, 0, 0]]],
+        [0, 0, 4, [[0, 0, 0, 3]]],  # covers 3 of 4
+        [0, 0, 4, [[0, 0, 1, 4]]],  # not starting at 0
+        [0, 0, 4, []],
+        [-1, 0, 4, [[0, 0, 0, 4]]],
+        [0, 0, 4, [[0, 0, 0, 2], [1, 0, 0, 2]]],  # overlapping
+        [0, 0, 4, [[0, 0, 0, 4.0]]],
+        [0, 0, True, [[0, 0, 0, 4]]],
+    ],
+)
+def test_a_malformed_bucket_spec_is_a_protocol_error(spec):
+    from luwu.protocol.errors import ProtocolError
+    from luwu.protocol.layout import Bucket
+
+    with pytest.raises(ProtocolError):
+        Bucket.from_wire(spec)

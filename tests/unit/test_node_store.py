@@ -106,3 +106,31 @@ def test_node_step_equals_torch_adamw_on_the_averaged_gradient(n):
         opt.step()
     torch.testing.assert_close(b.params, p.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(b.state["exp_avg_sq"], opt.state[p]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+def test_pull_codecs_plain_and_int8_delta_share_one_interface():
+    """A plain pull codec sends the weights; int8_delta sends full fp32 first, then deltas the workers add
+    to their copy, and full weights again after a resync (a restore or a state load)."""
+    from luwu.switch_nodes.replies import DeltaPullCodec, PullCodec, ReplyBuffers
+
+    b, buffers = _bucket(1024), ReplyBuffers()
+    b.params.copy_(torch.randn(1024))
+    plain = PullCodec("bf16")
+    assert plain.full is plain
+    out = plain.encode(b, buffers)
+    assert (out.codec, out.delta) == ("bf16", False)
+    delta = DeltaPullCodec()
+    assert delta.full.name == "none"
+    held = torch.empty(1024)
+    first = delta.encode(b, buffers)
+    assert (first.codec, first.delta) == ("none", False)
+    get_codec("none").decode_(held, first.frames, first.meta)
+    b.params.add_(0.01)
+    b.version += 1
+    step = delta.encode(b, buffers)
+    assert step.delta and step.codec.startswith("int8")
+    get_codec(step.codec).decode_add_(held, step.frames, step.meta)
+    assert torch.allclose(held, b.params, atol=1e-3)
+    delta.resync(b.id)
+    b.version += 1
+    assert delta.encode(b, buffers).delta is False

@@ -106,3 +106,32 @@ def test_no_top_level_protocol_module_loaded():
 
     for name in ("protocol", "switch_nodes", "gpu_workers"):
         assert name not in sys.modules, f"{name} was imported as a top-level module: import it as luwu.{name}"
+
+
+def test_an_error_takes_its_facts_in_the_constructor():
+    from luwu.protocol.errors import CorruptCheckpointError, LuwuError, RemoteError, RollbackError, error_for_code
+    from luwu.switch_nodes.checkpoint import CorruptCheckpointError as FromCheckpoint
+
+    err = error_for_code("rollback", "roll back", node="tcp://n:1", step=4, bucket=2, detail={"boot": "b"}, ref_op=int(Op.PUSH))
+    assert type(err) is RollbackError and str(err) == "node tcp://n:1: roll back"
+    assert (err.node, err.step, err.bucket, err.detail, err.ref_op, err.worker, err.boot) == ("tcp://n:1", 4, 2, {"boot": "b"}, int(Op.PUSH), None, None)
+    other = error_for_code("no_such_code", "what", step=1)
+    assert type(other) is RemoteError and other.code == "no_such_code" and other.step == 1 and other.node is None
+    assert RollbackError("x", step=3, boot="abc").boot == "abc"
+    assert FromCheckpoint is CorruptCheckpointError and issubclass(CorruptCheckpointError, LuwuError)
+    assert type(error_for_code(CorruptCheckpointError.code, "bad")) is CorruptCheckpointError
+
+
+def test_the_kinds_and_the_node_lines_load_without_torch():
+    """The command line names optimizers and reads a node's lines without loading torch."""
+    import ast
+    import pathlib
+
+    import luwu.switch_nodes.optimizers as package
+
+    root = pathlib.Path(package.__file__).parent
+    for path in (root / "kinds.py", root / "__init__.py", root.parent / "lines.py"):
+        tree = ast.parse(path.read_text())
+        imported = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+        imported += [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module]
+        assert not [m for m in imported if m.split(".")[0] in ("torch", "zmq") or m.startswith("luwu.protocol.") and m != "luwu.protocol.errors"], (path, imported)

@@ -1,0 +1,188 @@
+"""Durability: checkpoints, restore, rollback, and a bucket's state read or written whole.
+
+A node checkpoints every ``checkpoint_every`` steps (each bucket waits at that
+step until all have reached it, so one file holds one step), on CHECKPOINT and
+on shutdown; it restores the newest valid checkpoint when it starts. Workers
+of a restarted node are told to roll back (RollbackError with the step and the
+node's boot id); ROLLBACK then brings every other node to the same checkpoint,
+once per (step, boot). STATE gets or sets a bucket's weights and optimizer
+state (``state_dict`` / ``load_state_dict``). Everything touching the shard
+runs on the optimizer thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from luwu.protocol import messages as wire
+from luwu.protocol.errors import ConfigError, ProtocolError, RollbackError, StepMismatchError
+from luwu.protocol.layout import Bucket
+from luwu.protocol.messages import Op
+from luwu.switch_nodes.checkpoint import Checkpoint
+from luwu.switch_nodes.optimizers import get_kind
+from luwu.switch_nodes.store import BucketState
+
+if TYPE_CHECKING:
+    from luwu.switch_nodes.server import NodeServer
+
+log = logging.getLogger(__name__)
+
+
+def _tensors(b: BucketState) -> list[torch.Tensor]:
+    """A bucket's weights, state tensors (``kind.state_names`` order) and step counters, as stored."""
+    return [b.params, *(b.state[n] for n in b.kind.state_names), torch.stack(b.steps) if b.steps else torch.zeros(0)]
+
+
+def _load(b: BucketState, ts: list[torch.Tensor]) -> None:
+    """Copy what :func:`_tensors` gave back into the bucket."""
+    b.params.copy_(ts[0])
+    for n, t in zip(b.kind.state_names, ts[1:-1]):
+        b.state[n].copy_(t)
+    for s, v in zip(b.steps, ts[-1]):
+        s.fill_(v)
+
+
+class Durability:
+    def __init__(self, node: NodeServer):
+        self.node = node
+        self.restored_step: int | None = None
+        self._rollbacks_done: set[tuple[int, str]] = set()
+        self._parked: list[tuple[BucketState, int]] = []  # completions held for a periodic checkpoint
+
+    # ----------------------------------------------------------------- checkpoints
+    def restore_latest(self) -> None:
+        """At start: restore the newest valid checkpoint, if any."""
+        node = self.node
+        ckpt = node.ckpt.latest() if node.ckpt is not None else None
+        if ckpt is not None:
+            self.restore(ckpt)
+            self.restored_step = ckpt.meta["step"]
+            log.warning("node %s restored step %d from %s", node.index, self.restored_step, ckpt.path)
+
+    def write_checkpoint(self) -> None:
+        """Runs on the optimizer thread (nothing else touches the shard meanwhile)."""
+        node = self.node
+        meta = {
+            "job": node.job,
+            "node": node.index,
+            "layout": node.layout_hash,
+            "world_size": node.world_size,
+            "optimizer": node.kind.name if node.kind else None,
+            "step": node.step,
+            "param_names": {str(k): v for k, v in node.param_names.items()},
+            "buckets": [
+                {"id": b.id, "spec": b.to_wire(), "version": b.version, "initialized": b.initialized, "numels": [b.numel] * (1 + len(b.state)) + [len(b.steps)]}
+                for b in node.buckets.values()
+            ],
+        }
+        path = node.ckpt.save(meta, {b.id: _tensors(b) for b in node.buckets.values()})
+        node.metrics.checkpoint_step.set(meta["step"])
+        log.info("node %s wrote checkpoint of step %d: %s", node.index, meta["step"], path)
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Replace the job's buckets by the checkpoint's (on the optimizer thread, or before serving)."""
+        node, m = self.node, ckpt.meta
+        if m["job"] != node.job:
+            raise ConfigError(f"checkpoint {ckpt.path} belongs to job {m['job']!r}, this node serves {node.job!r}")
+        node.kind = get_kind(m["optimizer"])
+        node.layout_hash, node.world_size = m["layout"], m["world_size"]
+        node.param_names = {int(k): v for k, v in m.get("param_names", {}).items()}
+        node.members = set(range(node.world_size))
+        node.buckets = {}
+        node.replies.reset()
+        for saved in m["buckets"]:
+            spec = Bucket.from_wire(saved["spec"])
+            b = BucketState(spec.id, spec.group, spec.numel, list(spec.segments), node.kind)
+            _load(b, ckpt.tensors[spec.id])
+            b.version, b.initialized = saved["version"], saved["initialized"]
+            node.buckets[spec.id] = b
+            node.replies.add(spec.id)
+        node.metrics.step.set(node.step)
+        node.metrics.checkpoint_step.set(m["step"])
+
+    async def park_for_checkpoint(self, b: BucketState, step: int) -> bool:
+        """A periodic checkpoint is due at ``step``: hold this bucket's step (True) until every bucket
+        has reached it, then write the checkpoint and let the held steps go on."""
+        node, every = self.node, self.node.cfg.checkpoint_every
+        if node.ckpt is None or not every or step % every != 0 or step <= 0 or (node.ckpt.last_step or 0) >= step:
+            return False
+        self._parked.append((b, step))
+        if all(x.version >= step for x in node.buckets.values()):
+            await node.run(self.write_checkpoint)
+            parked, self._parked = self._parked, []
+            for pb, pstep in parked:
+                pacc = pb.accs.get(pstep)
+                if pacc is not None and pacc.workers >= node.members:
+                    await node.aggregation.complete(pb, pstep, pacc)
+        return True
+
+    async def on_checkpoint(self, ident: bytes, msg: wire.Message) -> None:
+        if self.node.ckpt is None:
+            raise ConfigError(f"node {self.node.index} has no checkpoint_dir (and a node index) configured")
+        await self.node.run(self.write_checkpoint)
+        self.node.answer(ident, Op.CHECKPOINT, msg.header["worker"])
+
+    async def on_rollback(self, ident: bytes, msg: wire.Message) -> None:
+        """Roll this node back to its checkpoint of ``step`` (once per (step, boot of the restarted node))."""
+        node, h = self.node, msg.header
+        step = h["step"]
+        boot = str((h.get("detail") or {}).get("boot", ""))
+        if (step, boot) not in self._rollbacks_done and not (self.restored_step == step and boot == node.boot):
+            node.gen += 1  # queued steps and replies of the abandoned timeline are dropped
+            if node.ckpt is None:
+                raise ConfigError(f"node {node.index} cannot roll back: no checkpoint_dir configured")
+            ckpt = await node.run(node.ckpt.latest, step)
+            if ckpt is None:
+                raise RollbackError(f"node {node.index} has no valid checkpoint of step {step} to roll back to", step=step)
+            peers = dict(node.peers)
+            await node.run(self.restore, ckpt)
+            node.peers = peers
+            self._parked = []
+            log.warning("node %s rolled back to step %d (restart of boot %s)", node.index, step, boot)
+        self._rollbacks_done.add((step, boot))
+        node.answer(ident, Op.ROLLBACK, h["worker"])
+
+    # ----------------------------------------------------------------- STATE
+    async def on_state(self, ident: bytes, msg: wire.Message) -> None:
+        """Get or set a bucket's weights and optimizer state (``state_dict`` / ``load_state_dict``)."""
+        node, h = self.node, msg.header
+        b = node.bucket(h)
+        names = ["params", *b.kind.state_names, "steps"]
+        reply = {"op": Op.STATE, "job": node.job, "step": b.version, "worker": h["worker"], "bucket": b.id, "action": h["action"], "names": names}
+        if h["action"] == "get":
+
+            def snapshot():
+                reply["step"] = b.version  # as of the snapshot, behind the steps queued before it
+                return [t.clone() for t in _tensors(b)]
+
+            async def get():
+                node.send(ident, wire.encode(reply, await node.run(snapshot)))
+
+            node.submit(get)
+        elif h["action"] == "set":
+            self._check_state_set(b, h, names)
+            frames = [t.view(torch.float32) for t in msg.tensors()]
+
+            def work():
+                node.replies.wait_sent(b.id)
+                _load(b, frames)
+                b.initialized = True
+                node.replies.resync(b.id)
+
+            await node.run(work)
+            node.send(ident, wire.encode(reply))
+        else:
+            raise ProtocolError(f"STATE action must be 'get' or 'set', got {h['action']!r}")
+
+    @staticmethod
+    def _check_state_set(b: BucketState, h: dict, names: list[str]) -> None:
+        if h["names"] != names:
+            raise ProtocolError(f"STATE set of bucket {b.id} must carry {names}, got {h['names']}")
+        want = [b.numel * 4] * (len(names) - 1) + [len(b.steps) * 4]
+        if h["nbytes"] != want:
+            raise ProtocolError(f"STATE set of bucket {b.id}: frame sizes {h['nbytes']}, expected {want}")
+        if b.accs:
+            raise StepMismatchError(f"STATE set of bucket {b.id} while step {sorted(b.accs)} is being aggregated")

@@ -1,0 +1,185 @@
+"""Membership: who is in the job, what they agreed on, and who went missing.
+
+HELLO binds a connection to a worker rank and checks it against the job
+(node index, optimizer, mode, world size, layout hash; a new layout is
+accepted only as an extension of the known buckets, what ``add_param_group``
+sends); INIT seeds a bucket's weights (the first seed wins). The watchdog says
+which ranks the node still waits for and, past ``worker_timeout_s``, fails the
+step naming them (strict) or drops them and goes on (elastic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from luwu.protocol import messages as wire
+from luwu.protocol.codecs import get_codec
+from luwu.protocol.errors import ConfigError, LayoutMismatchError, ProtocolError, WorkerLostError
+from luwu.protocol.layout import Bucket
+from luwu.protocol.messages import Op
+from luwu.switch_nodes.optimizers import OptimizerKind, get_kind
+from luwu.switch_nodes.store import BucketState
+
+if TYPE_CHECKING:
+    from luwu.switch_nodes.server import NodeServer
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(self, node: NodeServer):
+        self.node = node
+        self._lost_reported: set[tuple[int, int]] = set()
+
+    # ----------------------------------------------------------------- HELLO
+    def on_hello(self, ident: bytes, msg: wire.Message) -> None:
+        h, node = msg.header, self.node
+        w = h["worker"]
+        if h["world_size"] < 1 or w >= h["world_size"]:
+            raise ProtocolError(f"worker rank {w} is outside world size {h['world_size']}")
+        if node.index >= 0 and h["node_index"] != node.index:
+            raise LayoutMismatchError(f"this is node {node.index}, worker {w} addressed it as node {h['node_index']}")
+        kind = get_kind(h["optimizer"])
+        if h["mode"] != node.cfg.mode:
+            raise ConfigError(f"worker {w} runs mode {h['mode']!r}, this node runs {node.cfg.mode!r}")
+        buckets = [Bucket.from_wire(s) for s in h["buckets"]]
+        names = h.get("param_names", {})
+        if not all(type(k) is int and isinstance(v, str) and len(v) < 1024 for k, v in names.items()):
+            raise ProtocolError("param_names must map parameter indices (ints) to names (short strings)")
+        bound = node.peers.get(w)
+        if bound is not None and bound != ident and time.monotonic() - node.last_seen.get(w, 0.0) < node.cfg.worker_timeout_s:
+            # a rank is one connection: another peer claiming a live rank is refused (a restarted worker
+            # can take its rank back once the old connection has been silent for worker_timeout_s)
+            raise ProtocolError(f"worker rank {w} is held by a live connection (heard from {time.monotonic() - node.last_seen[w]:.1f} s ago)")
+        self._check_capacity(w, kind, buckets)
+        if node.layout_hash is not None and h["layout"] != node.layout_hash and bound != ident:
+            raise LayoutMismatchError(
+                f"layout hash mismatch: worker {w} has layout {h['layout']}, the job has {node.layout_hash} (only a connected "
+                "worker can extend the layout with add_param_group)"
+            )
+        if node.layout_hash is None:
+            node.index, node.world_size, node.kind = h["node_index"], h["world_size"], kind
+        else:
+            self._check_same_job(h, kind, buckets)
+        self._admit(ident, h, kind, buckets, names)
+
+    def _check_capacity(self, w: int, kind: OptimizerKind, buckets: list[Bucket]) -> None:
+        held = sum(b.numel for b in self.node.buckets.values())
+        new = sum(b.numel for b in buckets if b.id not in self.node.buckets)
+        nbytes = (held + new) * 4 * (1 + len(kind.state_names))
+        if nbytes > self.node.cfg.max_shard_bytes:
+            raise ConfigError(f"HELLO of worker {w} would make this node hold {nbytes / 2**30:.1f} GiB, over node.max_shard_bytes")
+
+    def _check_same_job(self, h: dict, kind: OptimizerKind, buckets: list[Bucket]) -> None:
+        """A worker joining a running job: same world size and optimizer, and a layout that is the job's
+        or extends it (add_param_group: every known bucket unchanged)."""
+        node, w = self.node, h["worker"]
+        if h["world_size"] != node.world_size:
+            raise LayoutMismatchError(f"worker {w} says world size {h['world_size']}, the job has {node.world_size}")
+        if kind is not node.kind:
+            raise LayoutMismatchError(f"worker {w} uses optimizer {kind.name!r}, the job uses {node.kind.name!r}")
+        if h["layout"] == node.layout_hash:
+            return
+        new = {b.id: b.to_wire() for b in buckets}
+        for b in node.buckets.values():
+            if new.get(b.id) != b.to_wire():
+                raise LayoutMismatchError(
+                    f"layout hash mismatch: worker {w} has layout {h['layout']}, the job has {node.layout_hash} "
+                    f"(bucket {b.id} differs: a different model or bucket_bytes)"
+                )
+
+    def _admit(self, ident: bytes, h: dict, kind: OptimizerKind, buckets: list[Bucket], names: dict) -> None:
+        node, w = self.node, h["worker"]
+        for spec in buckets:
+            if spec.id not in node.buckets:
+                b = node.buckets[spec.id] = BucketState(spec.id, spec.group, spec.numel, list(spec.segments), kind)
+                b.version = h["step"]  # a group added mid-training starts at the job's step
+                node.replies.add(spec.id)
+        node.param_names.update(names)
+        node.layout_hash = h["layout"]
+        node.peers[w] = ident
+        if not node.members:
+            node.members = set(range(node.world_size))
+        node.members.add(w)
+        node.last_seen[w] = time.monotonic()
+        node.metrics.workers.set(len(node.peers))
+        versions = {b.id: b.version for b in node.buckets.values()}
+        initialized = [b.id for b in node.buckets.values() if b.initialized]
+        node.answer(ident, Op.WELCOME, w, layout=node.layout_hash, versions=versions, initialized=initialized)
+
+    # ----------------------------------------------------------------- INIT, HEARTBEAT, rank checks
+    def on_init(self, ident: bytes, msg: wire.Message) -> None:
+        h = msg.header
+        b = self.node.bucket(h)
+        if b.initialized:
+            return  # idempotent: the first seed wins (a restarted rank 0 must not reset the weights)
+        codec = get_codec(h["codec"])
+        codec.validate(b.numel, h["nbytes"], h["cmeta"])
+        codec.decode_(b.params, msg.tensors(), h["cmeta"])
+        b.initialized = True
+        self.node.replies.initialized(b)
+
+    def on_heartbeat(self, ident: bytes, msg: wire.Message) -> None:
+        w = msg.header["worker"]
+        self.node.last_seen[w] = time.monotonic()
+        self.node.answer(ident, Op.HEARTBEAT, w)
+
+    def check_worker(self, ident: bytes, h: dict) -> None:
+        """The sender of a ranked op is the connection that said HELLO as that rank, and still a member."""
+        node, w = self.node, h["worker"]
+        if node.world_size is None or w >= node.world_size:
+            raise ProtocolError(f"worker rank {w} is outside world size {node.world_size}")
+        if node.peers.get(w) != ident:
+            raise ProtocolError(f"worker {w}: message from a peer that did not say HELLO as this rank")
+        if w not in node.members and h["op"] == Op.PUSH:
+            raise WorkerLostError(
+                f"worker {w} was dropped from the job after {node.cfg.worker_timeout_s:.0f} s without pushes (elastic mode): call optimizer.recover() to rejoin"
+            )
+        node.last_seen[w] = time.monotonic()
+
+    # ----------------------------------------------------------------- watchdog
+    async def watchdog(self) -> None:
+        """Missing workers: strict mode fails the step naming them; elastic mode drops them and goes on."""
+        node, last_said = self.node, 0.0
+        while True:
+            await asyncio.sleep(min(1.0, node.cfg.worker_timeout_s / 4))
+            now = time.monotonic()
+            if now - last_said >= 5.0 and node.world_size and self._say_waiting(now):
+                last_said = now
+            if node.ckpt is not None and node.ckpt.last_time is not None:
+                node.metrics.checkpoint_age.set(time.time() - node.ckpt.last_time)
+            for b in list(node.buckets.values()):
+                for step, acc in list(b.accs.items()):
+                    missing = node.members - acc.workers
+                    if not missing or not acc.workers or now - acc.first_at < node.cfg.worker_timeout_s:
+                        continue
+                    if node.cfg.worker_policy == "elastic":
+                        await self._drop(missing, step, b.id)
+                    elif (step, b.id) not in self._lost_reported:
+                        self._lost_reported.add((step, b.id))
+                        text = f"workers {sorted(missing)} sent nothing for step {step}, bucket {b.id} within {node.cfg.worker_timeout_s:.0f} s (strict mode)"
+                        for w in acc.workers:
+                            node.tell(w, WorkerLostError.code, text, step=step, bucket=b.id)
+
+    def _say_waiting(self, now: float) -> bool:
+        """Start-up without silent hangs: log which ranks this node still waits for (True if any)."""
+        node = self.node
+        absent = sorted(set(range(node.world_size)) - set(node.peers))
+        waiting = sorted({w for b in node.buckets.values() for acc in b.accs.values() if now - acc.first_at > 5.0 for w in node.members - acc.workers})
+        if absent or waiting:
+            log.warning("node %s at %s: waiting for worker ranks %s (not connected: %s)", node.index, node.address, waiting or absent, absent)
+        return bool(absent or waiting)
+
+    async def _drop(self, missing: set[int], step: int, bid: int) -> None:
+        """Elastic mode: the missing ranks leave the job; the steps waiting only for them go on."""
+        node = self.node
+        node.members -= missing
+        node.metrics.dropped_workers.inc(len(missing))
+        log.warning("node %s: dropped workers %s from step %d (elastic)", node.index, sorted(missing), step)
+        text = f"dropped from step {step} after {node.cfg.worker_timeout_s:.0f} s without a push (elastic mode): call optimizer.recover() to rejoin"
+        for w in missing:  # a stalled worker learns it when it wakes up
+            node.tell(w, WorkerLostError.code, f"worker {w} {text}", step=step, bucket=bid)
+        await node.aggregation.complete_ready()

@@ -1,0 +1,195 @@
+"""What a node sends back: a bucket's weights, encoded for the pull direction.
+
+A reply is the bucket's weights after a step (to every worker that pushed
+it), after INIT (to the workers that asked before the seed came) or on PULL
+(full weights, to a joiner). The pull direction has its own codec, chosen by
+the worker per push: a plain codec of the weights (``none`` = fp32 zero-copy
+from the shard, ``bf16``...) or ``int8_delta``, int8 deltas against a shadow
+copy of what the workers hold, with periodic full resync. Each is a
+:class:`PullCodec`; a full resend (a PULL, a retried push) goes the plain way.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from luwu.protocol import messages as wire
+from luwu.protocol.codecs import get_codec
+from luwu.protocol.feedback import DeltaEncoder
+from luwu.protocol.messages import Op
+from luwu.switch_nodes.store import BucketState
+
+if TYPE_CHECKING:
+    from luwu.switch_nodes.server import NodeServer
+
+log = logging.getLogger(__name__)
+
+#: The pull codec of int8 deltas against the workers' copy (every other name is a plain codec).
+INT8_DELTA = "int8_delta"
+
+
+class ReplyBuffers:
+    """Preallocated encode buffers for a bucket's replies, two per codec (by step parity), each reused
+    only once ZeroMQ has finished sending what was encoded into it last time."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._trackers: dict[tuple[str, int], list] = {}
+
+    def take(self, codec, numel: int, parity: int) -> list[torch.Tensor]:
+        key = (codec.name, parity)
+        for t in self._trackers.pop(key, ()):
+            t.wait(60)
+        buf = self._bufs.get(key)
+        if buf is None:
+            buf = self._bufs[key] = codec.alloc(numel)
+        return buf
+
+    def encode(self, codec, params: torch.Tensor, version: int):
+        """The bucket's weights encoded for the reply of ``version``. fp32 goes zero-copy: the frame is
+        ``params`` itself, so whatever changes them next calls :meth:`wait_all` first."""
+        if codec.name == "none":
+            return codec.encode(params)
+        return codec.encode(params, self.take(codec, params.numel(), version & 1))
+
+    def wait_all(self) -> None:
+        for key in list(self._trackers):
+            for t in self._trackers.pop(key, ()):
+                t.wait(60)
+
+    def sent(self, codec_name: str, parity: int, trackers: list) -> None:
+        self._trackers.setdefault((codec_name, parity), []).extend(t for t in trackers if t is not None)
+
+
+class Payload(NamedTuple):
+    """An encoded reply: the codec it went through, whether it is a delta, the codec's meta, the frames."""
+
+    codec: str
+    delta: bool
+    meta: dict
+    frames: list
+
+
+class PullCodec:
+    """A plain pull codec: the weights themselves, through ``name``'s codec."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.codec = get_codec(name)  # validates the name
+
+    def encode(self, b: BucketState, buffers: ReplyBuffers) -> Payload:
+        """The reply payload of the bucket's weights now (on the optimizer thread)."""
+        enc = buffers.encode(self.codec, b.params, b.version)
+        return Payload(self.name, False, enc.meta, enc.frames)
+
+    @property
+    def full(self) -> PullCodec:
+        """The codec of a full resend (a joiner, a retried push)."""
+        return self
+
+    def resync(self, bucket: int | None = None) -> None:
+        """The weights changed outside a step (a restore, a state load): nothing to forget here."""
+
+
+class DeltaPullCodec(PullCodec):
+    """``int8_delta``: int8 deltas against a shadow of what the workers hold, full weights (fp32) on the
+    first reply, every ``resync_every`` steps, and after :meth:`resync`. One shadow per bucket serves
+    every worker, since they all receive the same replies."""
+
+    def __init__(self) -> None:
+        self.name = INT8_DELTA
+        self._plain = PullCodec("none")
+        self._encoder = DeltaEncoder("int8")
+
+    def encode(self, b: BucketState, buffers: ReplyBuffers) -> Payload:
+        buffers.wait_all()  # the encoder reuses its buffers
+        enc = self._encoder.encode(b.id, b.params, b.version)
+        return Payload(enc.codec, enc.delta, enc.encoded.meta, enc.encoded.frames)
+
+    @property
+    def full(self) -> PullCodec:
+        return self._plain
+
+    def resync(self, bucket: int | None = None) -> None:
+        self._encoder.force_resync(bucket)
+
+
+class Replies:
+    """The reply room: pull codecs, per-bucket reply buffers, PULL, and sending weights to workers."""
+
+    def __init__(self, node: NodeServer):
+        self.node = node
+        self.buffers: dict[int, ReplyBuffers] = {}
+        self._delta: DeltaPullCodec | None = None  # made on first use: it holds a shadow per bucket
+        self._pending: dict[int, list[tuple[int, str]]] = {}  # PULLs that came before the bucket's INIT
+
+    def codec(self, name: str) -> PullCodec:
+        """The pull codec named by a worker (raises on an unknown name)."""
+        if name != INT8_DELTA:
+            return PullCodec(name)
+        if self._delta is None:
+            self._delta = DeltaPullCodec()
+        return self._delta
+
+    def add(self, bid: int) -> None:
+        self.buffers[bid] = ReplyBuffers()
+
+    def reset(self) -> None:
+        """Forget every bucket's buffers and pending PULLs (a restore replaced the buckets)."""
+        self.buffers, self._pending = {}, {}
+        self.resync()
+
+    def resync(self, bid: int | None = None) -> None:
+        """The next delta reply of ``bid`` (or of every bucket) is full weights."""
+        if self._delta is not None:
+            self._delta.resync(bid)
+
+    def wait_sent(self, bid: int) -> None:
+        """Wait until the replies leaving from the bucket's weights are out (before changing them)."""
+        self.buffers[bid].wait_all()
+
+    def encode(self, b: BucketState, codec: PullCodec) -> Payload:
+        """On the optimizer thread."""
+        return codec.encode(b, self.buffers[b.id])
+
+    def on_pull(self, ident: bytes, msg: wire.Message) -> None:
+        """Full weights to one worker, behind the queued steps (or once rank 0 has seeded the bucket)."""
+        h = msg.header
+        b = self.node.bucket(h)
+        codec = self.codec(h["codec"]).full
+        if not b.initialized:
+            self._pending.setdefault(b.id, []).append((h["worker"], codec.name))
+            return
+        self.node.submit(lambda: self.send_current(b, [h["worker"]], codec))
+
+    def initialized(self, b: BucketState) -> None:
+        """Answer the PULLs that waited for the bucket's INIT."""
+        for w, name in self._pending.pop(b.id, []):
+            self.send(b, [w], self.encode(b, PullCodec(name)))
+
+    async def send_current(self, b: BucketState, workers: list[int], codec: PullCodec, seq: int | None = None) -> None:
+        """Encode the bucket's weights on the optimizer thread (behind the queued steps) and send them."""
+        gen = self.node.gen
+        payload = await self.node.run(self.encode, b, codec)
+        if gen == self.node.gen:
+            self.send(b, workers, payload, seq=seq)
+
+    def send(self, b: BucketState, workers: list[int], payload: Payload, *, skipped: bool = False, seq: int | None = None) -> None:
+        """Send an UPDATE with ``payload`` to ``workers``. ``seq``: the step it answers (absent for a PULL)."""
+        header = {"op": Op.UPDATE, "job": self.node.job, "step": b.version, "worker": 0, "bucket": b.id, "codec": payload.codec, "cmeta": payload.meta, "skipped": skipped}
+        if payload.delta:
+            header["delta"] = True
+        if seq is not None:
+            header["seq"] = seq
+        data = wire.encode(header, payload.frames)
+        nbytes = sum(f.nbytes for f in data[1:])
+        metrics, trackers = self.node.metrics, []
+        for w in workers:
+            if w in self.node.peers:
+                trackers.append(self.node.send_to(w, data, track=True))
+                metrics.bytes_out.labels("update").inc(nbytes)
+                metrics.raw_out.labels("update").inc(b.numel * 4)
+        self.buffers[b.id].sent(payload.codec, b.version & 1, trackers)
