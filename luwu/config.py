@@ -15,8 +15,9 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 
-from luwu.gpu_workers.config import TransportConfig
+from luwu.gpu_workers.config import PrefetchConfig, TransportConfig
 from luwu.protocol.errors import ConfigError
+from luwu.protocol.policy import CompressionConfig
 from luwu.switch_nodes.config import NodeConfig
 
 
@@ -84,13 +85,15 @@ class MetricsConfig:
 
 
 def _sections() -> dict[str, type]:
-    out = {"cluster": ClusterConfig, "optimizer": OptimizerConfig, "transport": TransportConfig, "metrics": MetricsConfig, "node": NodeConfig}
-    from luwu.gpu_workers.prefetch import PrefetchConfig
-    from luwu.protocol.policy import CompressionConfig
-
-    out["compression"] = CompressionConfig
-    out["prefetch"] = PrefetchConfig
-    return out
+    return {
+        "cluster": ClusterConfig,
+        "optimizer": OptimizerConfig,
+        "transport": TransportConfig,
+        "compression": CompressionConfig,
+        "prefetch": PrefetchConfig,
+        "metrics": MetricsConfig,
+        "node": NodeConfig,
+    }
 
 
 @dataclass(kw_only=True)
