@@ -14,11 +14,14 @@ import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from luwu.gpu_workers.config import PrefetchConfig, TransportConfig
 from luwu.protocol.errors import ConfigError
-from luwu.protocol.policy import CompressionConfig
 from luwu.switch_nodes.config import NodeConfig
+
+if TYPE_CHECKING:
+    from luwu.protocol.policy import CompressionConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,6 +88,8 @@ class MetricsConfig:
 
 
 def _sections() -> dict[str, type]:
+    from luwu.protocol.policy import CompressionConfig  # here: the policy module loads the codecs
+
     return {
         "cluster": ClusterConfig,
         "optimizer": OptimizerConfig,
@@ -98,22 +103,71 @@ def _sections() -> dict[str, type]:
 
 @dataclass(kw_only=True)
 class LuwuConfig:
+    """The whole tree, one section per part, and where each value came from."""
+
     cluster: ClusterConfig
     optimizer: OptimizerConfig
     transport: TransportConfig
-    compression: typing.Any = None
-    prefetch: typing.Any = None
+    compression: CompressionConfig
+    prefetch: PrefetchConfig
     metrics: MetricsConfig
     node: NodeConfig
     sources: dict[str, str] = field(default_factory=dict)
-    """'section.field' -> where its value came from (default, file path, env VAR, --flag)."""
+    """'section.field' -> where its value came from (default, file path, env VAR, --flag, argument)."""
 
     def as_dict(self) -> dict:
         return {name: _to_plain(getattr(self, name)) for name in _sections()}
 
+    def replace(self, settings: dict, source: str = "argument") -> LuwuConfig:
+        """A copy with ``settings`` over this tree: ``{"section.field": value}`` sets one field (a string
+        is parsed as from the environment), ``{"section": SectionConfig(...)}`` replaces a whole section.
+        Whole sections apply first, so a field named too wins over its section. Each section touched is
+        checked again; ``sources`` records ``source`` for what changed."""
+        sections = _sections()
+        built = {name: getattr(self, name) for name in sections}
+        sources = dict(self.sources)
+        fields: dict[str, dict] = {}
+        for key, value in settings.items():
+            section, dot, name = key.partition(".")
+            if dot:
+                fields.setdefault(section, {})[name] = _checked(section, name, value, source)
+                sources[key] = source
+                continue
+            cls = sections.get(section)
+            if cls is None:
+                raise ConfigError(f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}")
+            if not isinstance(value, cls):
+                raise ConfigError(f"{section} must be a {cls.__name__}, got {type(value).__name__} (from {source})")
+            built[section] = value
+            sources.update({f"{section}.{f.name}": source for f in dataclasses.fields(cls)})
+        for section, values in fields.items():
+            built[section] = _build(section, dataclasses.replace, built[section], **values)
+        return LuwuConfig(**built, sources=sources)
+
 
 def _to_plain(obj):
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _checked(section: str, name: str, value, source: str):
+    """``value`` for ``section.name`` in the field's type; unknown sections and keys are errors."""
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}")
+    fields = {f.name: f for f in dataclasses.fields(sections[section])}
+    if name not in fields:
+        raise ConfigError(f"unknown config key {section}.{name} (from {source}); {section} has {sorted(fields)}")
+    return _coerce(section, name, fields[name].type, value, source)
+
+
+def _build(section: str, make, *args, **values):
+    """``make(*args, **values)`` (a section's class, or ``dataclasses.replace``), its errors as ConfigError."""
+    try:
+        return make(*args, **values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[{section}]: {exc}") from None
 
 
 def _coerce(section: str, name: str, typ, value, source: str):
@@ -159,6 +213,47 @@ def _coerce(section: str, name: str, typ, value, source: str):
         raise ConfigError(f"{key} = {value!r} (from {source}) is not a valid {getattr(typ, '__name__', typ)}") from None
 
 
+#: Keyword arguments of RemoteOptimizer that are settings of the configuration tree.
+KEYWORD_SETTINGS = {
+    "optimizer": "optimizer.name",
+    "nodes": "cluster.nodes",
+    "capacities": "cluster.capacities",
+    "world_size": "cluster.world_size",
+    "job": "cluster.job",
+    "mode": "node.mode",
+    "delayed_update": "optimizer.delayed_update",
+    "delayed_update_warmup": "optimizer.delayed_update_warmup",
+    "delayed_params": "optimizer.delayed_params",
+    "max_grad_norm": "optimizer.max_grad_norm",
+    "bucket_bytes": "transport.bucket_bytes",
+    "timeout_s": "transport.timeout_s",
+    "metrics_host": "metrics.host",
+}
+
+
+def keyword_settings(**kw) -> dict:
+    """The ``LuwuConfig.replace`` settings that RemoteOptimizer's keyword arguments stand for (None:
+    not given). ``transport`` and a ``CompressionConfig`` replace their section; ``compression=False``
+    / ``True`` switch the section's policy off / on."""
+    out: dict = {}
+    transport, compression = kw.pop("transport", None), kw.pop("compression", None)
+    if transport is not None:
+        out["transport"] = transport
+    if isinstance(compression, bool):
+        out["compression.enabled"] = compression
+    elif compression is not None:
+        out["compression"] = compression
+    for name, value in kw.items():
+        if value is None:
+            continue
+        if name == "max_grad_norm" and not (isinstance(value, (int, float)) and value > 0):
+            raise ConfigError(f"max_grad_norm must be > 0, got {value}")
+        if name == "optimizer" and isinstance(value, str):
+            value = value.lower()
+        out[KEYWORD_SETTINGS[name]] = value
+    return out
+
+
 def load_config(path: str | None = None, *, env: dict | None = None, argv: list[str] | None = None, overrides: dict | None = None) -> LuwuConfig:
     """Resolve the configuration: defaults < TOML file < LUWU_SECTION__FIELD env < --section.field=value."""
     sections = _sections()
@@ -166,12 +261,7 @@ def load_config(path: str | None = None, *, env: dict | None = None, argv: list[
     sources: dict[str, str] = {}
 
     def put(section: str, name: str, value, source: str) -> None:
-        if section not in sections:
-            raise ConfigError(f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}")
-        fields = {f.name: f for f in dataclasses.fields(sections[section])}
-        if name not in fields:
-            raise ConfigError(f"unknown config key {section}.{name} (from {source}); {section} has {sorted(fields)}")
-        values[section][name] = _coerce(section, name, fields[name].type, value, source)
+        values[section][name] = _checked(section, name, value, source)
         sources[f"{section}.{name}"] = source
 
     if path:
@@ -209,14 +299,7 @@ def load_config(path: str | None = None, *, env: dict | None = None, argv: list[
         section, _, fld = key.partition(".")
         put(section, fld, value, f"--{key}")
         i += 1
-    built = {}
-    for section, cls in sections.items():
-        try:
-            built[section] = cls(**values[section])
-        except ConfigError:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"[{section}]: {exc}") from None
+    built = {section: _build(section, cls, **values[section]) for section, cls in sections.items()}
     for section, cls in sections.items():
         for f in dataclasses.fields(cls):
             sources.setdefault(f"{section}.{f.name}", "default")
