@@ -5,6 +5,11 @@ Sections: ``cluster``, ``optimizer``, ``transport``, ``compression``,
 part that owns it. Sources, lowest first: defaults, a TOML cluster file,
 environment ``LUWU_SECTION__FIELD``, command-line ``--section.field=value``.
 Unknown keys and bad values are :class:`ConfigError` naming key and value.
+
+The Python API takes the same path: ``RemoteOptimizer(...)`` resolves defaults
+and the environment like a daemon without a cluster file, and its keyword
+arguments are settings of this tree placed over them (:func:`resolve_config`);
+``RemoteOptimizer.from_config`` starts from a tree already resolved.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
         if self.delayed_update_warmup < 0:  # the loader already made it an int, as every other key
             raise ConfigError(f"optimizer.delayed_update_warmup must be >= 0, got {self.delayed_update_warmup}")
+        if any(not isinstance(p, str) or not p for p in self.delayed_params):
+            raise ConfigError(f"optimizer.delayed_params must be fnmatch patterns on parameter names, got {self.delayed_params!r}")
         if self.delayed_params and not self.delayed_update:
             raise ConfigError(f"optimizer.delayed_params = {self.delayed_params} needs optimizer.delayed_update = true")
 
@@ -252,6 +259,26 @@ def keyword_settings(**kw) -> dict:
             value = value.lower()
         out[KEYWORD_SETTINGS[name]] = value
     return out
+
+
+def resolve_config(config: LuwuConfig | None = None, *, env: dict | None = None, **keywords) -> LuwuConfig:
+    """The tree RemoteOptimizer runs on: ``config`` (default: defaults < ``LUWU_SECTION__FIELD`` of ``env``,
+    default ``os.environ``) with the keyword arguments given over it; with no node configured, the
+    comma-separated ``LUWU_NODES``."""
+    env = os.environ if env is None else env
+    base = config if config is not None else load_config(None, env=env)
+    patterns = keywords.get("delayed_params")
+    if isinstance(patterns, str):
+        patterns = keywords["delayed_params"] = [v.strip() for v in patterns.split(",") if v.strip()]
+    delayed = keywords.get("delayed_update")
+    if patterns and not (delayed if delayed is not None else base.optimizer.delayed_update):
+        raise ConfigError(f"delayed_params={patterns} needs delayed_update=True")  # in the caller's words
+    cfg = base.replace(keyword_settings(**keywords))
+    if not cfg.cluster.nodes:
+        cfg = cfg.replace({"cluster.nodes": env.get("LUWU_NODES", "")}, "env LUWU_NODES")
+    if not cfg.cluster.nodes:
+        raise ConfigError("no nodes: pass nodes=[...] (see luwu.local_cluster), set cluster.nodes or LUWU_NODES")
+    return cfg
 
 
 def load_config(path: str | None = None, *, env: dict | None = None, argv: list[str] | None = None, overrides: dict | None = None) -> LuwuConfig:

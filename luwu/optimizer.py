@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from luwu.config import LuwuConfig, keyword_settings, load_config
+from luwu.config import LuwuConfig, resolve_config
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers.metrics import WorkerMetrics
@@ -122,23 +122,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         metrics_port: int | None = None,
         metrics_host: str | None = None,
     ):
-        base = config if config is not None else load_config(None, env=os.environ)
-        if isinstance(delayed_params, str):
-            delayed_params = [v.strip() for v in delayed_params.split(",") if v.strip()]
-        if delayed_params and not (delayed_update if delayed_update is not None else base.optimizer.delayed_update):
-            raise ConfigError(f"delayed_params={delayed_params} needs delayed_update=True")  # in the caller's words
-        cfg = base.replace(
-            keyword_settings(
-                optimizer=optimizer, nodes=nodes, capacities=capacities, world_size=world_size, job=job, mode=mode,
-                delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup, delayed_params=delayed_params,
-                max_grad_norm=max_grad_norm, bucket_bytes=bucket_bytes, timeout_s=timeout_s, metrics_host=metrics_host,
-                transport=transport, compression=compression,
-            )
+        cfg = resolve_config(
+            config, optimizer=optimizer, nodes=nodes, capacities=capacities, world_size=world_size, job=job, mode=mode,
+            delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup, delayed_params=delayed_params,
+            max_grad_norm=max_grad_norm, bucket_bytes=bucket_bytes, timeout_s=timeout_s, metrics_host=metrics_host,
+            transport=transport, compression=compression,
         )
-        if not cfg.cluster.nodes:
-            cfg = cfg.replace({"cluster.nodes": os.environ.get("LUWU_NODES", "")}, "env LUWU_NODES")
-        if not cfg.cluster.nodes:
-            raise ConfigError("no nodes: pass nodes=[...] (see luwu.local_cluster), set cluster.nodes or LUWU_NODES")
         self.config = cfg
         kind = get_kind(cfg.optimizer.name)
         defaults = dict(kind.defaults)

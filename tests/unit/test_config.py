@@ -153,3 +153,19 @@ def test_prefetch_config_keeps_its_old_import_path():
     from luwu.gpu_workers import config, prefetch
 
     assert prefetch.PrefetchConfig is config.PrefetchConfig
+
+
+def test_resolve_config_reads_env_and_falls_back_to_luwu_nodes():
+    from luwu.config import resolve_config
+
+    env = {"LUWU_NODES": "tcp://127.0.0.1:1,tcp://127.0.0.1:2", "LUWU_OPTIMIZER__NAME": "sgd", "LUWU_CLUSTER__JOB": "envjob"}
+    cfg = resolve_config(env=env, job="kwjob")
+    assert cfg.cluster.nodes == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"] and cfg.sources["cluster.nodes"] == "env LUWU_NODES"
+    assert cfg.optimizer.name == "sgd" and cfg.cluster.job == "kwjob"
+    assert resolve_config(env=env, nodes=["tcp://127.0.0.1:3"]).cluster.nodes == ["tcp://127.0.0.1:3"]
+    with pytest.raises(ConfigError, match="no nodes"):
+        resolve_config(env={})
+    with pytest.raises(ConfigError, match=r"delayed_params=\['a\*', 'b'\] needs delayed_update=True"):
+        resolve_config(env=env, delayed_params="a*, b")
+    on = resolve_config(env=dict(env, LUWU_OPTIMIZER__DELAYED_UPDATE="true"), delayed_params="a*")
+    assert on.optimizer.delayed_update and on.optimizer.delayed_params == ["a*"]
