@@ -7,6 +7,13 @@ nodes during ``backward()`` from post-accumulate-grad hooks; ``step()``
 pushes what is left, waits for the new weights and writes them into the
 parameters. Hyperparameters are read from ``param_groups`` when each bucket is
 pushed, so every ``torch.optim.lr_scheduler`` works unchanged.
+
+Settings come from the configuration tree (:mod:`luwu.config`), as for the
+node daemons: the hybrid compression policy is on by default, and
+``compression=False`` sends fp32 both ways, bit-exact against ``torch.optim``.
+The worker (:class:`luwu.gpu_workers.worker.Worker`) runs each step and
+returns its :class:`~luwu.gpu_workers.worker.StepReport` (``last_report``),
+from which the metrics are recorded.
 """
 
 from __future__ import annotations
@@ -169,8 +176,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     @classmethod
     def from_config(cls, params, cfg: LuwuConfig, **kwargs) -> RemoteOptimizer:
-        """The optimizer ``cfg`` describes (nodes, job, optimizer, transport, compression, delayed update,
-        clipping, metrics endpoint); ``kwargs`` are the constructor's: hyperparameters (``lr``...),
+        """The optimizer ``cfg`` describes (nodes and capacities, job, world size, optimizer, node mode,
+        transport, compression, delayed update, clipping, metrics host); ``kwargs`` are the constructor's: hyperparameters (``lr``...),
         ``rank``, ``amp``, ``registry``, and any setting to override."""
         return cls(params, config=cfg, **kwargs)
 
