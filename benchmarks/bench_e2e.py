@@ -102,7 +102,7 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
             import luwu
 
             net = model
-            compression = None
+            compression = False  # fp32 both ways unless the kind says hybrid
             if "hybrid" in kind:
                 from luwu.protocol.policy import CompressionConfig
 
@@ -150,7 +150,7 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
                 if timed is not None:
                     r["finish"] = timed["finish"]
                     r["wait_all"] = timed["wait"]
-                    r["wait"] = opt.last_report["update_wait_s"]
+                    r["wait"] = opt.last_report.update_wait_s
                 recs.append(r)
         elapsed = time.perf_counter() - t_start
         cpu_s = time.process_time() - c_start

@@ -249,12 +249,7 @@ def _setup_luwu(spec: dict, model: torch.nn.Module):
     from luwu.config import load_config
 
     cfg = load_config(spec["cluster_file"], env={})
-    compression = cfg.compression if cfg.compression.enabled else None
-    opt = luwu.RemoteOptimizer(
-        model, cfg.optimizer.name, nodes=cfg.cluster.nodes, capacities=cfg.cluster.capacities or None,
-        rank=spec["rank"], world_size=spec["world"], job=cfg.cluster.job, lr=spec["lr"],
-        weight_decay=spec["weight_decay"], delayed_update=cfg.optimizer.delayed_update,
-        delayed_update_warmup=cfg.optimizer.delayed_update_warmup, delayed_params=cfg.optimizer.delayed_params, compression=compression, transport=cfg.transport)
+    opt = luwu.RemoteOptimizer.from_config(model, cfg, rank=spec["rank"], world_size=spec["world"], lr=spec["lr"], weight_decay=spec["weight_decay"])
     return model, opt
 
 

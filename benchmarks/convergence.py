@@ -343,7 +343,7 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
     if variant.get("variance_freeze_step") is not None:
         for g in groups:
             g["variance_freeze_step"] = variant["variance_freeze_step"]
-    cc = CompressionConfig(**variant["compression"]) if variant["compression"] is not None else None
+    cc = CompressionConfig(**variant["compression"]) if variant["compression"] is not None else False  # None: fp32
     opt = luwu.RemoteOptimizer(
         groups, variant["optimizer"], nodes=nodes, rank=rank, world_size=world, job=variant["job"], compression=cc, bucket_bytes=run.bucket_bytes, timeout_s=120.0, **hyper
     )

@@ -60,31 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads of this worker (default 1)")
     args, rest = p.parse_known_args(argv)
     cfg = load_config(args.config, argv=rest)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.set_num_threads(args.threads)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: close sockets and endpoint
 
     model = make_model()
     port = None if args.metrics_port < 0 else args.metrics_port + local_rank if args.metrics_port else 0
-    compression = cfg.compression if cfg.compression is not None and cfg.compression.enabled else None
-    opt = RemoteOptimizer(
-        model,
-        cfg.optimizer.name,
-        nodes=cfg.cluster.nodes,
-        job=cfg.cluster.job,
-        rank=rank,
-        world_size=world,
-        lr=args.lr,
-        transport=cfg.transport,
-        compression=compression,
-        delayed_update=cfg.optimizer.delayed_update,
-        delayed_update_warmup=cfg.optimizer.delayed_update_warmup,
-        delayed_params=cfg.optimizer.delayed_params,
-        max_grad_norm=cfg.optimizer.max_grad_norm or None,
-        metrics_port=port,
-        metrics_host=args.metrics_host or cfg.metrics.host,
-    )
+    # every setting of the cluster file (nodes, capacities, job, optimizer, transport, compression, delayed
+    # update, clipping); rank and world size from torchrun's variables
+    opt = RemoteOptimizer.from_config(model, cfg, lr=args.lr, metrics_port=port, metrics_host=args.metrics_host)
+    rank = opt.rank
     try:
         if opt.metrics_url:
             print(f"LUWU_WORKER_METRICS {opt.metrics_url}", flush=True)

@@ -1,6 +1,10 @@
-"""Prometheus metrics of a worker (``luwu_worker_*``)."""
+"""Prometheus metrics of a worker (``luwu_worker_*``) and of its data prefetch (``luwu_prefetch_*``)."""
 
 from __future__ import annotations
+
+import threading
+import types
+import weakref
 
 from prometheus_client import CollectorRegistry
 
@@ -30,3 +34,35 @@ class WorkerMetrics:
         self.staleness = f.gauge("staleness_steps", "Steps between the weights used and the newest (delayed update / async)")
         self.errors = f.counter("errors_total", "Errors raised to the training loop, by code", ("code",))
         self.names = list(f.names)
+
+
+class PrefetchMetrics:
+    """The prefetch metrics of one registry; loaders sharing it differ by the ``loader`` label."""
+
+    def __init__(self, registry: CollectorRegistry):
+        f = MetricsFactory("prefetch", registry)
+        label = ("loader",)
+        self.wait = f.histogram("data_wait_seconds", "Seconds the training loop waited in next() for a batch.", label)
+        self.stall = f.gauge(
+            "stall_fraction", "Share of the step time spent waiting for data, over the current epoch.", label
+        )
+        self.depth = f.gauge("queue_depth_batches", "Batches fetched ahead and ready.", label)
+        self.bytes = f.gauge("queue_bytes", "Bytes of the batches fetched ahead and ready.", label)
+        self.produced = f.counter("batches_produced_total", "Batches fetched from the source.", label)
+        self.consumed = f.counter("batches_consumed_total", "Batches handed to the training loop.", label)
+
+    def child(self, name: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(**{k: getattr(self, k).labels(loader=name) for k in vars(self)})
+
+
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, PrefetchMetrics] = weakref.WeakKeyDictionary()
+_METRICS_LOCK = threading.Lock()
+
+
+def prefetch_metrics_for(registry: CollectorRegistry, name: str) -> types.SimpleNamespace:
+    """The prefetch metrics of loader ``name`` in ``registry`` (created once per registry)."""
+    with _METRICS_LOCK:
+        metrics = _METRICS.get(registry)
+        if metrics is None:
+            metrics = _METRICS[registry] = PrefetchMetrics(registry)
+    return metrics.child(name)

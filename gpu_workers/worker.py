@@ -3,10 +3,13 @@
 A :class:`Worker` knows the layout and the parameters. Gradient hooks call
 :meth:`grad_ready`; when every segment of a bucket is filled it is encoded and
 handed to the I/O thread at once, so pushes overlap the rest of backward.
-:meth:`finish` pushes what the hooks did not (parameters without a gradient are
-marked "no gradient" on the wire), runs the global norm / found-inf round when
-clipping or AMP asks for it, and :meth:`wait` writes the new weights into the
-parameters in forward order. Buffers are allocated once and reused.
+:meth:`step` ends a step: :meth:`finish` pushes what the hooks did not
+(parameters without a gradient are marked "no gradient" on the wire),
+:meth:`global_round` runs the global norm / found-inf round when clipping or AMP
+asks for it, and :meth:`wait` writes the new weights into the parameters in
+forward order. The worker owns its step counter and what a delayed update still
+owes; :meth:`step` returns a :class:`StepReport` of what the step found out.
+Buffers are allocated once and reused.
 """
 
 from __future__ import annotations
@@ -31,13 +34,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class StepReport:
-    """What one step found out globally (the same on every worker)."""
+    """What one step found out: whether the nodes skipped it and the gradient norm (the same on every
+    worker), and how long this worker waited for the nodes."""
 
     step: int
     skipped: bool = False
     grad_norm: float | None = None
+    """Norm of the unscaled averaged gradient (only with the two-phase round: clipping or AMP)."""
     push_wait_s: float = 0.0
+    """Seconds waited for the partial gradient norms (two-phase round)."""
     update_wait_s: float = 0.0
+    """Seconds waited for the new weights (writing them in excluded)."""
+    delayed: bool = False
+    """The step's delayed buckets land a step late (delayed update past its warm-up)."""
 
 
 @dataclass(slots=True)
@@ -67,6 +76,7 @@ class Worker:
         feedback=None,
         hyper_of=None,
         momentum_correction: bool = False,
+        two_phase: bool = False,
     ):
         self.params, self.layout, self.client = params, layout, client
         self.rank, self.world_size, self.optimizer, self.mode = rank, world_size, optimizer, mode
@@ -86,12 +96,10 @@ class Worker:
             for si, s in enumerate(b.segments):
                 self.where.setdefault(s.param, []).append((b.id, si))
         self.node_buckets = [[b.id for b in layout.buckets_of(n)] for n in range(layout.num_nodes)]
-        self.step_num = 0
-        self.pending: int | None = None  # delayed update: the step whose delayed buckets' weights are still to come
+        self.step_num = 0  # the step the next push belongs to
+        self._pending: int | None = None  # delayed update: the step whose delayed buckets' weights are still to come
         self._lock = threading.Lock()
-        self.two_phase = False
-        self.push_wait_s = 0.0
-        self.update_wait_s = 0.0
+        self.two_phase = two_phase  # gradient norms and found-inf decided across all shards before the update
 
     # ----------------------------------------------------------------- start-up
     def connect(self, step: int = 0) -> list[dict]:
@@ -117,7 +125,7 @@ class Worker:
         """Rejoin after a node restart (roll every node back to ``rollback_to``) or after being dropped
         (elastic mode); returns the step to resume from."""
         self.client.reset()
-        self.pending = None
+        self._pending = None
         for buf in self.bufs:
             buf.filled, buf.pushed_step = 0, -1
         if self._feedback is not None:
@@ -254,13 +262,38 @@ class Worker:
         buf.filled = 0
 
     # ----------------------------------------------------------------- the end of a step
-    def global_round(self, step: int, inv_scale: float, max_norm: float | None) -> tuple[bool, float]:
+    def step(self, *, delay: bool = False, inv_scale: float = 1.0, max_norm: float | None = None) -> StepReport:
+        """End the current step: push what is left, run the two-phase round if asked, wait for the new
+        weights and move to the next step. ``delay``: the delayed buckets' weights of this step land at
+        the next one (those of the previous step land now); ``inv_scale``: 1 / the GradScaler's scale;
+        ``max_norm``: clip by the global norm."""
+        step = self.step_num
+        self.finish()
+        skipped, norm, push_wait = False, None, 0.0
+        if self.two_phase:
+            skipped, norm, push_wait = self.global_round(step, inv_scale, max_norm)
+        if delay:
+            # the buckets not delayed (partial delay) land now, the delayed ones bring the last step's
+            late, update_wait = self.wait(step, self._pending)
+            self._pending = step
+        else:
+            late, update_wait = self.wait(step, step)
+        self.step_num = step + 1
+        return StepReport(step, skipped or late, norm, push_wait, update_wait, delay)
+
+    def synchronize(self) -> None:
+        """Delayed update: wait for the weights a delayed step still owes."""
+        if self._pending is not None:
+            self.wait(None, self._pending)
+            self._pending = None
+
+    def global_round(self, step: int, inv_scale: float, max_norm: float | None) -> tuple[bool, float, float]:
         """Two-phase step: gather the partial norms, decide skip / clip coefficient alike on every worker,
-        and COMMIT. Returns (skipped, grad norm of the unscaled averaged gradient)."""
+        and COMMIT. Returns (skipped, grad norm of the unscaled averaged gradient, seconds waited)."""
         keys = [(Op.NORM, b.node, step, b.id) for b in self.layout.buckets]
         t0 = time.perf_counter()
         msgs = self.client.wait(keys, what="gradient norm")
-        self.push_wait_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
         sq = math.fsum(m.header["sqnorm"] for m in msgs)
         nonfinite = any(m.header["nonfinite"] for m in msgs)
         norm = math.sqrt(sq) * inv_scale if not nonfinite else float("inf")
@@ -272,14 +305,15 @@ class Worker:
         for n, bids in enumerate(self.node_buckets):
             if bids:
                 self.client.send(n, {"op": Op.COMMIT, "step": step, "coef": float(coef), "skip": nonfinite, "buckets": bids})
-        return nonfinite, norm
+        return nonfinite, norm, waited
 
-    def wait(self, step: int | None, delayed_step: int | None) -> bool:
+    def wait(self, step: int | None, delayed_step: int | None) -> tuple[bool, float]:
         """Wait for the weights after ``step`` of the buckets not delayed and after ``delayed_step`` of
         the delayed ones (None: nothing to wait for) and write each bucket into the parameters as it
         arrives (asked for in forward order), so writing overlaps receiving and each reply's buffer is
         freed for reuse at once. Returns whether the nodes skipped ``step`` in a bucket waited for at
-        ``step`` (what a delayed bucket says of ``delayed_step`` is not counted, as with full delay)."""
+        ``step`` (what a delayed bucket says of ``delayed_step`` is not counted, as with full delay),
+        and the seconds spent waiting (writing excluded)."""
         keys = []
         for b in reversed(self.layout.buckets):
             s = delayed_step if b.id in self.delayed else step
@@ -295,8 +329,7 @@ class Worker:
                 skipped |= m.header["skipped"]
             self._write(self.bufs[key[3]], m)
             t0 = time.perf_counter()
-        self.update_wait_s = waited
-        return skipped
+        return skipped, waited
 
     def _write(self, buf: _BucketBuf, msg) -> None:
         b = buf.bucket

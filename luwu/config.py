@@ -5,6 +5,11 @@ Sections: ``cluster``, ``optimizer``, ``transport``, ``compression``,
 part that owns it. Sources, lowest first: defaults, a TOML cluster file,
 environment ``LUWU_SECTION__FIELD``, command-line ``--section.field=value``.
 Unknown keys and bad values are :class:`ConfigError` naming key and value.
+
+The Python API takes the same path: ``RemoteOptimizer(...)`` resolves defaults
+and the environment like a daemon without a cluster file, and its keyword
+arguments are settings of this tree placed over them (:func:`resolve_config`);
+``RemoteOptimizer.from_config`` starts from a tree already resolved.
 """
 
 from __future__ import annotations
@@ -14,10 +19,14 @@ import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from luwu.gpu_workers.config import TransportConfig
+from luwu.gpu_workers.config import PrefetchConfig, TransportConfig
 from luwu.protocol.errors import ConfigError
 from luwu.switch_nodes.config import NodeConfig
+
+if TYPE_CHECKING:
+    from luwu.protocol.policy import CompressionConfig
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,6 +76,8 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
         if self.delayed_update_warmup < 0:  # the loader already made it an int, as every other key
             raise ConfigError(f"optimizer.delayed_update_warmup must be >= 0, got {self.delayed_update_warmup}")
+        if any(not isinstance(p, str) or not p for p in self.delayed_params):
+            raise ConfigError(f"optimizer.delayed_params must be fnmatch patterns on parameter names, got {self.delayed_params!r}")
         if self.delayed_params and not self.delayed_update:
             raise ConfigError(f"optimizer.delayed_params = {self.delayed_params} needs optimizer.delayed_update = true")
 
@@ -84,33 +95,86 @@ class MetricsConfig:
 
 
 def _sections() -> dict[str, type]:
-    out = {"cluster": ClusterConfig, "optimizer": OptimizerConfig, "transport": TransportConfig, "metrics": MetricsConfig, "node": NodeConfig}
-    from luwu.gpu_workers.prefetch import PrefetchConfig
-    from luwu.protocol.policy import CompressionConfig
+    from luwu.protocol.policy import CompressionConfig  # here: the policy module loads the codecs
 
-    out["compression"] = CompressionConfig
-    out["prefetch"] = PrefetchConfig
-    return out
+    return {
+        "cluster": ClusterConfig,
+        "optimizer": OptimizerConfig,
+        "transport": TransportConfig,
+        "compression": CompressionConfig,
+        "prefetch": PrefetchConfig,
+        "metrics": MetricsConfig,
+        "node": NodeConfig,
+    }
 
 
 @dataclass(kw_only=True)
 class LuwuConfig:
+    """The whole tree, one section per part, and where each value came from."""
+
     cluster: ClusterConfig
     optimizer: OptimizerConfig
     transport: TransportConfig
-    compression: typing.Any = None
-    prefetch: typing.Any = None
+    compression: CompressionConfig
+    prefetch: PrefetchConfig
     metrics: MetricsConfig
     node: NodeConfig
     sources: dict[str, str] = field(default_factory=dict)
-    """'section.field' -> where its value came from (default, file path, env VAR, --flag)."""
+    """'section.field' -> where its value came from (default, file path, env VAR, --flag, argument)."""
 
     def as_dict(self) -> dict:
         return {name: _to_plain(getattr(self, name)) for name in _sections()}
 
+    def replace(self, settings: dict, source: str = "argument") -> LuwuConfig:
+        """A copy with ``settings`` over this tree: ``{"section.field": value}`` sets one field (a string
+        is parsed as from the environment), ``{"section": SectionConfig(...)}`` replaces a whole section.
+        Whole sections apply first, so a field named too wins over its section. Each section touched is
+        checked again; ``sources`` records ``source`` for what changed."""
+        sections = _sections()
+        built = {name: getattr(self, name) for name in sections}
+        sources = dict(self.sources)
+        fields: dict[str, dict] = {}
+        for key, value in settings.items():
+            section, dot, name = key.partition(".")
+            if dot:
+                fields.setdefault(section, {})[name] = _checked(section, name, value, source)
+                sources[key] = source
+                continue
+            cls = sections.get(section)
+            if cls is None:
+                raise ConfigError(f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}")
+            if not isinstance(value, cls):
+                raise ConfigError(f"{section} must be a {cls.__name__}, got {type(value).__name__} (from {source})")
+            built[section] = value
+            sources.update({f"{section}.{f.name}": source for f in dataclasses.fields(cls)})
+        for section, values in fields.items():
+            built[section] = _build(section, dataclasses.replace, built[section], **values)
+        return LuwuConfig(**built, sources=sources)
+
 
 def _to_plain(obj):
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _checked(section: str, name: str, value, source: str):
+    """``value`` for ``section.name`` in the field's type; unknown sections and keys are errors."""
+    sections = _sections()
+    if section not in sections:
+        raise ConfigError(f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}")
+    fields = {f.name: f for f in dataclasses.fields(sections[section])}
+    if name not in fields:
+        raise ConfigError(f"unknown config key {section}.{name} (from {source}); {section} has {sorted(fields)}")
+    return _coerce(section, name, fields[name].type, value, source)
+
+
+def _build(section: str, make, *args, **values):
+    """``make(*args, **values)`` (a section's class, or ``dataclasses.replace``), its errors as ConfigError."""
+    try:
+        return make(*args, **values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[{section}]: {exc}") from None
 
 
 def _coerce(section: str, name: str, typ, value, source: str):
@@ -156,6 +220,67 @@ def _coerce(section: str, name: str, typ, value, source: str):
         raise ConfigError(f"{key} = {value!r} (from {source}) is not a valid {getattr(typ, '__name__', typ)}") from None
 
 
+#: Keyword arguments of RemoteOptimizer that are settings of the configuration tree.
+KEYWORD_SETTINGS = {
+    "optimizer": "optimizer.name",
+    "nodes": "cluster.nodes",
+    "capacities": "cluster.capacities",
+    "world_size": "cluster.world_size",
+    "job": "cluster.job",
+    "mode": "node.mode",
+    "delayed_update": "optimizer.delayed_update",
+    "delayed_update_warmup": "optimizer.delayed_update_warmup",
+    "delayed_params": "optimizer.delayed_params",
+    "max_grad_norm": "optimizer.max_grad_norm",
+    "bucket_bytes": "transport.bucket_bytes",
+    "timeout_s": "transport.timeout_s",
+    "metrics_host": "metrics.host",
+}
+
+
+def keyword_settings(**kw) -> dict:
+    """The ``LuwuConfig.replace`` settings that RemoteOptimizer's keyword arguments stand for (None:
+    not given). ``transport`` and a ``CompressionConfig`` replace their section; ``compression=False``
+    / ``True`` switch the section's policy off / on."""
+    out: dict = {}
+    transport, compression = kw.pop("transport", None), kw.pop("compression", None)
+    if transport is not None:
+        out["transport"] = transport
+    if isinstance(compression, bool):
+        out["compression.enabled"] = compression
+    elif compression is not None:
+        out["compression"] = compression
+    for name, value in kw.items():
+        if value is None:
+            continue
+        if name == "max_grad_norm" and not (isinstance(value, (int, float)) and value > 0):
+            raise ConfigError(f"max_grad_norm must be > 0, got {value}")
+        if name == "optimizer" and isinstance(value, str):
+            value = value.lower()
+        out[KEYWORD_SETTINGS[name]] = value
+    return out
+
+
+def resolve_config(config: LuwuConfig | None = None, *, env: dict | None = None, **keywords) -> LuwuConfig:
+    """The tree RemoteOptimizer runs on: ``config`` (default: defaults < ``LUWU_SECTION__FIELD`` of ``env``,
+    default ``os.environ``) with the keyword arguments given over it; with no node configured, the
+    comma-separated ``LUWU_NODES``."""
+    env = os.environ if env is None else env
+    base = config if config is not None else load_config(None, env=env)
+    patterns = keywords.get("delayed_params")
+    if isinstance(patterns, str):
+        patterns = keywords["delayed_params"] = [v.strip() for v in patterns.split(",") if v.strip()]
+    delayed = keywords.get("delayed_update")
+    if patterns and not (delayed if delayed is not None else base.optimizer.delayed_update):
+        raise ConfigError(f"delayed_params={patterns} needs delayed_update=True")  # in the caller's words
+    cfg = base.replace(keyword_settings(**keywords))
+    if not cfg.cluster.nodes:
+        cfg = cfg.replace({"cluster.nodes": env.get("LUWU_NODES", "")}, "env LUWU_NODES")
+    if not cfg.cluster.nodes:
+        raise ConfigError("no nodes: pass nodes=[...] (see luwu.local_cluster), set cluster.nodes or LUWU_NODES")
+    return cfg
+
+
 def load_config(path: str | None = None, *, env: dict | None = None, argv: list[str] | None = None, overrides: dict | None = None) -> LuwuConfig:
     """Resolve the configuration: defaults < TOML file < LUWU_SECTION__FIELD env < --section.field=value."""
     sections = _sections()
@@ -163,12 +288,7 @@ def load_config(path: str | None = None, *, env: dict | None = None, argv: list[
     sources: dict[str, str] = {}
 
     def put(section: str, name: str, value, source: str) -> None:
-        if section not in sections:
-            raise ConfigError(f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}")
-        fields = {f.name: f for f in dataclasses.fields(sections[section])}
-        if name not in fields:
-            raise ConfigError(f"unknown config key {section}.{name} (from {source}); {section} has {sorted(fields)}")
-        values[section][name] = _coerce(section, name, fields[name].type, value, source)
+        values[section][name] = _checked(section, name, value, source)
         sources[f"{section}.{name}"] = source
 
     if path:
@@ -206,14 +326,7 @@ def load_config(path: str | None = None, *, env: dict | None = None, argv: list[
         section, _, fld = key.partition(".")
         put(section, fld, value, f"--{key}")
         i += 1
-    built = {}
-    for section, cls in sections.items():
-        try:
-            built[section] = cls(**values[section])
-        except ConfigError:
-            raise
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"[{section}]: {exc}") from None
+    built = {section: _build(section, cls, **values[section]) for section, cls in sections.items()}
     for section, cls in sections.items():
         for f in dataclasses.fields(cls):
             sources.setdefault(f"{section}.{f.name}", "default")

@@ -7,6 +7,13 @@ nodes during ``backward()`` from post-accumulate-grad hooks; ``step()``
 pushes what is left, waits for the new weights and writes them into the
 parameters. Hyperparameters are read from ``param_groups`` when each bucket is
 pushed, so every ``torch.optim.lr_scheduler`` works unchanged.
+
+Settings come from the configuration tree (:mod:`luwu.config`), as for the
+node daemons: the hybrid compression policy is on by default, and
+``compression=False`` sends fp32 both ways, bit-exact against ``torch.optim``.
+The worker (:class:`luwu.gpu_workers.worker.Worker`) runs each step and
+returns its :class:`~luwu.gpu_workers.worker.StepReport` (``last_report``),
+from which the metrics are recorded.
 """
 
 from __future__ import annotations
@@ -15,16 +22,18 @@ import contextlib
 import fnmatch
 import logging
 import os
+import time
 import warnings
 
 import torch
 
+from luwu.config import LuwuConfig, resolve_config
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers.metrics import WorkerMetrics
-from luwu.gpu_workers.worker import Worker
-from luwu.protocol.metrics import serve_metrics
+from luwu.gpu_workers.worker import StepReport, Worker
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
+from luwu.protocol.metrics import serve_metrics
 from luwu.protocol.feedback import WORKER_MOMENTUM
 from luwu.protocol.layout import ParamSpec, build_layout
 from luwu.switch_nodes.optimizers import EXTRA_HYPER, check_hyper, get_kind
@@ -49,13 +58,22 @@ def _num(v):
 class RemoteOptimizer(torch.optim.Optimizer):
     """An optimizer that lives on LuWu nodes.
 
+    Every setting comes from one :class:`luwu.config.LuwuConfig`: :meth:`from_config` takes a resolved
+    one (e.g. ``load_config("cluster.toml")``); the keyword constructor resolves defaults and the
+    ``LUWU_SECTION__FIELD`` environment variables as ``luwu`` does for a cluster file. A keyword given
+    (not None) wins over the configuration: keyword > environment > cluster file > default. The
+    resolved tree is ``self.config``.
+
     Args:
         params: an ``nn.Module`` (parameter names come from it), an iterable of tensors, or param-group dicts;
             as in ``torch.optim``, ``model.named_parameters()`` or groups of ``(name, tensor)`` pairs give the
             names too (per-name compression rules match them; unnamed parameters are ``param<i>``).
-        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"``; the hyperparameters are torch's.
-        nodes: node addresses (``tcp://host:port``), a comma-separated string, or None for ``LUWU_NODES``.
+        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (``optimizer.name``); the hyperparameters are torch's.
+        nodes: node addresses (``tcp://host:port``) or a comma-separated string (``cluster.nodes``; when
+            none is configured, ``LUWU_NODES``).
         rank, world_size: this worker's identity; default torchrun's ``RANK`` / ``WORLD_SIZE``.
+        job, capacities: ``cluster.job``, ``cluster.capacities`` (relative node capacities for the layout).
+        mode: ``node.mode``, the nodes' aggregation mode (``sync`` or ``async``).
         delayed_update: ZeRO-Offload's DPU: ``step()`` returns at once, the weights land at the next step.
         delayed_update_warmup: with ``delayed_update``, the steps (from 0) run in sync before the delay
             starts, as ZeRO-Offload turns DPU on only after a warm-up: early gradients change the weights
@@ -67,6 +85,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
             full delay's cost in loss. The rest stays sync.
         max_grad_norm: clip by the global norm of the averaged gradient across all shards.
         amp: set when a ``torch.amp.GradScaler`` drives this optimizer (the overflow decision is global).
+        transport, bucket_bytes, timeout_s: the ``transport`` section, or two of its fields.
+        compression: the hybrid codec policy (``compression`` section, on by default): a
+            ``CompressionConfig``, or False for bit-exact fp32 both ways (True: the configured policy, on).
+        registry: the Prometheus registry of the worker metrics (default: a new one).
+        metrics_port, metrics_host: serve ``/metrics`` on this port (0: any free one; None: not served)
+            of this host (``metrics.host``). ``metrics.port`` is the nodes' (``luwu up`` gives node i
+            port + i), so a worker serves its endpoint only when asked here.
     """
 
     _step_supports_amp_scaling = True
@@ -74,8 +99,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params,
-        optimizer: str = "adamw",
+        optimizer: str | None = None,
         *,
+        config: LuwuConfig | None = None,
         nodes=None,
         lr: float | torch.Tensor | None = None,
         betas=None,
@@ -87,10 +113,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         maximize: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
-        job: str = "luwu",
-        mode: str = "sync",
-        delayed_update: bool = False,
-        delayed_update_warmup: int = 0,
+        job: str | None = None,
+        mode: str | None = None,
+        delayed_update: bool | None = None,
+        delayed_update_warmup: int | None = None,
         delayed_params=None,
         max_grad_norm: float | None = None,
         amp: bool = False,
@@ -101,9 +127,16 @@ class RemoteOptimizer(torch.optim.Optimizer):
         capacities=None,
         registry=None,
         metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
+        metrics_host: str | None = None,
     ):
-        kind = get_kind(optimizer)
+        cfg = resolve_config(
+            config, optimizer=optimizer, nodes=nodes, capacities=capacities, world_size=world_size, job=job, mode=mode,
+            delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup, delayed_params=delayed_params,
+            max_grad_norm=max_grad_norm, bucket_bytes=bucket_bytes, timeout_s=timeout_s, metrics_host=metrics_host,
+            transport=transport, compression=compression,
+        )
+        self.config = cfg
+        kind = get_kind(cfg.optimizer.name)
         defaults = dict(kind.defaults)
         for k, v in (("lr", lr), ("betas", betas), ("eps", eps), ("weight_decay", weight_decay), ("momentum", momentum), ("dampening", dampening), ("nesterov", nesterov)):
             if v is not None:
@@ -121,68 +154,54 @@ class RemoteOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._names = names
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
-        self.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        self.world_size = cfg.cluster.world_size or int(os.environ.get("WORLD_SIZE", 1))
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world_size {self.world_size}")
-        if nodes is None:
-            nodes = os.environ.get("LUWU_NODES", "")
-        if isinstance(nodes, str):
-            nodes = [n.strip() for n in nodes.split(",") if n.strip()]
-        if not nodes:
-            raise ConfigError("no nodes: pass nodes=[...] (see luwu.local_cluster) or set LUWU_NODES")
-        self.nodes = list(nodes)
-        self.capacities = list(capacities) if capacities else [1.0] * len(self.nodes)
-        tc = transport or TransportConfig()
-        if bucket_bytes is not None or timeout_s is not None:
-            import dataclasses
-
-            tc = dataclasses.replace(tc, **{k: v for k, v in (("bucket_bytes", bucket_bytes), ("timeout_s", timeout_s)) if v is not None})
-        self.transport = tc
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-        self.max_grad_norm = max_grad_norm
+        self.nodes = list(cfg.cluster.nodes)
+        self.job = cfg.cluster.job
         self.amp = amp
-        self.mode = mode
-        if isinstance(delayed_update_warmup, bool) or not isinstance(delayed_update_warmup, int) or delayed_update_warmup < 0:
-            raise ConfigError(f"delayed_update_warmup must be an int >= 0, got {delayed_update_warmup!r}")
-        self.delayed_update = delayed_update
-        self.delayed_update_warmup = delayed_update_warmup
-        if isinstance(delayed_params, str):
-            delayed_params = [v.strip() for v in delayed_params.split(",") if v.strip()]
-        self.delayed_params = list(delayed_params or [])
-        if any(not isinstance(v, str) or not v for v in self.delayed_params):
-            raise ConfigError(f"delayed_params must be fnmatch patterns on parameter names, got {delayed_params!r}")
-        if self.delayed_params and not delayed_update:
-            raise ConfigError(f"delayed_params={self.delayed_params} needs delayed_update=True")
         self._flat_params()  # a pattern that matches no parameter fails here, before any thread or socket
-        self.job = job
-        self.compression = compression
-        for gi in range(len(self.param_groups)):
-            self._check_group(gi)
         self._sync_grads = True
         self._hooks: list = []
         self.metrics = WorkerMetrics(registry, rank=self.rank)
         self.metrics_url = None
         self._http = None
         if metrics_port is not None:
-            self._http, port = serve_metrics(self.metrics.registry, metrics_host, metrics_port)
-            self.metrics_url = f"http://{metrics_host}:{port}"
-        self.client = WorkerClient(self.nodes, job=job, rank=self.rank, cfg=tc)
+            self._http, port = serve_metrics(self.metrics.registry, cfg.metrics.host, metrics_port)
+            self.metrics_url = f"http://{cfg.metrics.host}:{port}"
+        self.client = WorkerClient(self.nodes, job=self.job, rank=self.rank, cfg=cfg.transport)
         self._build()
-        self.last_report: dict = {}
+        self.last_report: StepReport | None = None
         self._last_error: LuwuError | None = None
+
+    @classmethod
+    def from_config(cls, params, cfg: LuwuConfig, **kwargs) -> RemoteOptimizer:
+        """The optimizer ``cfg`` describes (nodes and capacities, job, world size, optimizer, node mode,
+        transport, compression, delayed update, clipping, metrics host); ``kwargs`` are the constructor's: hyperparameters (``lr``...),
+        ``rank``, ``amp``, ``registry``, and any setting to override."""
+        return cls(params, config=cfg, **kwargs)
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The global-norm clipping threshold (None: off)."""
+        return self.config.optimizer.max_grad_norm or None
+
+    @property
+    def capacities(self) -> list[float]:
+        return list(self.config.cluster.capacities) or [1.0] * len(self.nodes)
 
     # ----------------------------------------------------------------- layout and connection
     def _flat_params(self) -> tuple[list[torch.Tensor], list[ParamSpec]]:
         params, specs = [], []
+        patterns = self.config.optimizer.delayed_params
         for gi, g in enumerate(self.param_groups):
             names = g.get("param_names") or [None] * len(g["params"])  # torch keeps named parameters' names here
             for p, name in zip(g["params"], names):
                 params.append(p)
                 name = name or self._names.get(id(p), f"param{len(specs)}")
-                delayed = any(fnmatch.fnmatchcase(name, pat) for pat in self.delayed_params)
+                delayed = any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
                 specs.append(ParamSpec(name, tuple(p.shape), gi, delayed))
-        for pat in self.delayed_params:
+        for pat in patterns:
             if not any(fnmatch.fnmatchcase(s.name, pat) for s in specs):
                 raise ConfigError(f"delayed_params pattern {pat!r} matches no parameter (names: {', '.join(s.name for s in specs[:8])}{', ...' if len(specs) > 8 else ''})")
         return params, specs
@@ -192,13 +211,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
         for p in params:
             if p.dtype != torch.float32:
                 raise ConfigError(f"parameter {self._names.get(id(p), '?')} has dtype {p.dtype}: LuWu keeps fp32 master weights (use autocast for bf16 compute)")
-        self.layout = build_layout(specs, self.transport.bucket_bytes, self.capacities)
+        self.layout = build_layout(specs, self.config.transport.bucket_bytes, self.capacities)
         codec_for = pull_for = feedback = None
-        if self.compression is not None:
+        cc = self.config.compression
+        if cc.enabled:
             from luwu.protocol.feedback import ErrorFeedback
             from luwu.protocol.policy import choose_codec, choose_pull_codec
 
-            cc = self.compression
             codec_for = lambda b, step: choose_codec(b, step, cc)  # noqa: E731
             pull_for = lambda b, step: choose_pull_codec(b, step, cc)  # noqa: E731
             feedback = ErrorFeedback()
@@ -209,15 +228,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
             rank=self.rank,
             world_size=self.world_size,
             optimizer=self.kind.name,
-            mode=self.mode,
+            mode=self.config.node.mode,
             delayed=self._delayed_buckets(),
             codec_for=codec_for,
             pull_codec_for=pull_for,
             feedback=feedback,
             hyper_of=self._hyper_of,
-            momentum_correction=self.compression is not None and self.compression.momentum_correction,
+            momentum_correction=cc.enabled and cc.momentum_correction,
+            two_phase=self.max_grad_norm is not None or self.amp,
         )
-        self.worker.two_phase = self.max_grad_norm is not None or self.amp
         self.worker.connect(step)
         for h in self._hooks:
             h.remove()
@@ -225,9 +244,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _delayed_buckets(self) -> frozenset[int]:
         """Ids of the buckets whose weights land a step late once the delay starts."""
-        if not self.delayed_update:
+        if not self.config.optimizer.delayed_update:
             return frozenset()
-        if not self.delayed_params:
+        if not self.config.optimizer.delayed_params:
             return frozenset(b.id for b in self.layout.buckets)
         return self.layout.delayed_buckets()
 
@@ -246,12 +265,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _check_group(self, gi: int) -> None:
         """What the compression config asks of a param group: momentum correction needs an update linear
         in the momentum the workers send (the node checks it again at every push)."""
-        cc = self.compression
-        if cc is None or not cc.enabled or not cc.momentum_correction:
+        cc = self.config.compression
+        if not cc.enabled or not cc.momentum_correction:
             return
         try:
-            if self.mode != "sync":
-                raise ConfigError(f"compression.momentum_correction needs mode='sync', not {self.mode!r}")
+            mode = self.config.node.mode
+            if mode != "sync":
+                raise ConfigError(f"compression.momentum_correction needs mode='sync', not {mode!r}")
             h = self._hyper_of(gi) | {WORKER_MOMENTUM: cc.topk_density}
             check_hyper(self.kind, h)
             freeze = h.get("variance_freeze_step")
@@ -284,7 +304,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         except ConfigError as exc:
             self.param_groups.pop()
             raise ConfigError(f"param group {len(self.param_groups)}: {exc}") from None
-        if hasattr(self, "compression"):  # (torch's constructor adds the first groups before it is set)
+        if hasattr(self, "kind"):  # (set before torch's constructor adds the first groups)
             try:
                 self._check_group(len(self.param_groups) - 1)
             except ConfigError:
@@ -388,41 +408,28 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        w = self.worker
-        step = w.step_num
         inv_scale = 1.0
         if grad_scaler is not None:
-            if not w.two_phase:
+            if not self.worker.two_phase:
                 raise ConfigError("a GradScaler drives this optimizer: construct RemoteOptimizer(..., amp=True) so the overflow decision is made globally")
             inv_scale = 1.0 / float(grad_scaler.get_scale())
-        w.finish()
-        skipped, norm = False, None
-        if w.two_phase:
-            skipped, norm = w.global_round(step, inv_scale, self.max_grad_norm)
-        if self._delaying(step):
-            # the buckets not delayed (partial delay) land now, the delayed ones bring the last step's
-            skipped |= w.wait(step, w.pending)
-            w.pending = step
-        else:
-            skipped |= w.wait(step, step)
-        w.step_num = step + 1
+        report = self.worker.step(delay=self._delaying(self.worker.step_num), inv_scale=inv_scale, max_norm=self.max_grad_norm)
         if grad_scaler is not None:
             # Every worker's scaler backs off alike: the decision is the nodes', not this worker's grads.
             state = grad_scaler._per_optimizer_states[id(self)]
-            state["found_inf_per_device"] = {torch.device("cpu"): torch.full((), float(skipped))}
-        self.last_report = {"step": step, "skipped": skipped, "grad_norm": norm, "push_wait_s": w.push_wait_s, "update_wait_s": w.update_wait_s}
-        self._record(skipped)
+            state["found_inf_per_device"] = {torch.device("cpu"): torch.full((), float(report.skipped))}
+        self.last_report = report
+        self._record(report)
         return loss
 
     def _delaying(self, step: int) -> bool:
         """Whether ``step``'s weights land a step late (delayed update, past its warm-up)."""
-        return self.delayed_update and step >= self.delayed_update_warmup
+        o = self.config.optimizer
+        return o.delayed_update and step >= o.delayed_update_warmup
 
-    def _record(self, skipped: bool) -> None:
-        """Per-step metrics: counters from the I/O thread's totals, the step-time breakdown from the waits."""
-        import time
-
-        m, c, w = self.metrics, self.client, self.worker
+    def _record(self, report: StepReport) -> None:
+        """Per-step metrics: counters from the I/O thread's totals, the step-time breakdown from the report."""
+        m, c = self.metrics, self.client
         now = time.perf_counter()
         sent, recv = c.bytes_sent, c.bytes_received
         prev = getattr(self, "_last_totals", (0, 0, None))
@@ -434,20 +441,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if sent > prev[0]:
             m.compression_ratio.set(raw / (sent - prev[0]))
         m.steps.inc()
-        if skipped:
+        if report.skipped:
             m.skipped.inc()
         pf = getattr(self, "_prefetcher", None)
         data_wait = pf.last_wait_s if pf is not None else 0.0
         if pf is not None:
             m.data_wait.observe(data_wait)
-        m.push_wait.observe(w.push_wait_s)
-        m.update_wait.observe(w.update_wait_s)
-        m.staleness.set(1 if self._delaying(self.worker.step_num - 1) else 0)
+        m.push_wait.observe(report.push_wait_s)
+        m.update_wait.observe(report.update_wait_s)
+        m.staleness.set(1 if report.delayed else 0)
         if prev[2] is not None:
             step_s = now - prev[2]
             m.step_seconds.observe(step_s)
-            m.compute.observe(max(0.0, step_s - w.push_wait_s - w.update_wait_s - data_wait))
-        w.push_wait_s = w.update_wait_s = 0.0
+            m.compute.observe(max(0.0, step_s - report.push_wait_s - report.update_wait_s - data_wait))
         self._last_totals = (sent, recv, now)
 
     def attach_prefetcher(self, prefetcher) -> None:
@@ -456,10 +462,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Delayed update: wait for the last step's weights (call before eval, checkpoint or exit)."""
-        w = self.worker
-        if w.pending is not None:
-            w.wait(None, w.pending)
-            w.pending = None
+        self.worker.synchronize()
 
     def close(self) -> None:
         for h in self._hooks:

@@ -61,7 +61,7 @@ def train(model, opt, data, sched=None, steps=None, closure=False):
 def test_every_scheduler_matches_local_adamw(name, cluster1):
     model, data = model_and_data()
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=0.02, weight_decay=0.01, bucket_bytes=1024)
+    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=0.02, weight_decay=0.01, bucket_bytes=1024, compression=False)
     lopt = torch.optim.AdamW(ref.parameters(), lr=0.02, weight_decay=0.01)
     try:
         got = train(model, ropt, data, SCHEDULERS[name](ropt))
@@ -77,7 +77,7 @@ def test_every_scheduler_matches_local_adamw(name, cluster1):
 def test_tensor_lr_and_cycled_betas_travel(cluster1):
     model, data = model_and_data()
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=torch.tensor(0.01), bucket_bytes=1024)
+    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=torch.tensor(0.01), bucket_bytes=1024, compression=False)
     lopt = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(0.01))
     try:
         for opt in (ropt, lopt):
@@ -100,7 +100,7 @@ def test_param_groups_and_add_param_group(cluster2):
     ref = clone_model(model)
     extra, extra_ref = torch.nn.Parameter(torch.randn(4)), None
     extra_ref = torch.nn.Parameter(extra.detach().clone())
-    ropt = luwu.RemoteOptimizer(grouped(model), "adamw", nodes=cluster2.addresses, lr=0.02, bucket_bytes=512)
+    ropt = luwu.RemoteOptimizer(grouped(model), "adamw", nodes=cluster2.addresses, lr=0.02, bucket_bytes=512, compression=False)
     lopt = torch.optim.AdamW(grouped(ref), lr=0.02)
     try:
         for g, w in zip(train(model, ropt, data, steps=4), train(ref, lopt, data, steps=4)):
@@ -156,7 +156,7 @@ def test_variance_freeze_step_travels_in_the_param_groups(cluster1):
     ref = clone_model(model)
     groups = grouped(model)
     groups[0]["variance_freeze_step"] = 2
-    ropt = luwu.RemoteOptimizer(groups, "adamw", nodes=cluster1.addresses, lr=0.02, bucket_bytes=1024)
+    ropt = luwu.RemoteOptimizer(groups, "adamw", nodes=cluster1.addresses, lr=0.02, bucket_bytes=1024, compression=False)
     lopt = torch.optim.AdamW(grouped(ref), lr=0.02)
     try:
         train(model, ropt, data, steps=2)
@@ -203,7 +203,7 @@ def test_bad_hyperparameters_fail_in_the_constructor_naming_the_group(group, mat
 def test_add_param_group_with_a_bad_value_leaves_the_optimizer_as_it_was(cluster1):
     model, _ = model_and_data()
     params = list(model.parameters())
-    ropt = luwu.RemoteOptimizer(params[:-1], "adamw", nodes=cluster1.addresses, lr=0.01)
+    ropt = luwu.RemoteOptimizer(params[:-1], "adamw", nodes=cluster1.addresses, lr=0.01, compression=False)
     try:
         with pytest.raises(ConfigError, match="param group 1: invalid learning rate: -0.5"):
             ropt.add_param_group({"params": params[-1:], "lr": -0.5})
@@ -229,7 +229,7 @@ def test_state_dict_roundtrip_with_torch_and_resharding(tmp_path):
     ref = clone_model(model)
     lopt = torch.optim.AdamW(ref.parameters(), lr=0.02, weight_decay=0.01)
     with luwu.local_cluster(2) as c2:
-        ropt = luwu.RemoteOptimizer(model, "adamw", nodes=c2.addresses, lr=0.02, weight_decay=0.01, bucket_bytes=512)
+        ropt = luwu.RemoteOptimizer(model, "adamw", nodes=c2.addresses, lr=0.02, weight_decay=0.01, bucket_bytes=512, compression=False)
         train(model, ropt, data, steps=5)
         train(ref, lopt, data, steps=5)
         sd = ropt.state_dict()
@@ -247,7 +247,7 @@ def test_state_dict_roundtrip_with_torch_and_resharding(tmp_path):
     # torch checkpoint -> RemoteOptimizer on 3 nodes (re-sharded) continues identically
     m_remote, _ = model_and_data(seed=5)  # other weights: load_state_dict must set the nodes' weights
     with luwu.local_cluster(3) as c3:
-        r3 = luwu.RemoteOptimizer(m_remote, "adamw", nodes=c3.addresses, lr=0.5, bucket_bytes=512)
+        r3 = luwu.RemoteOptimizer(m_remote, "adamw", nodes=c3.addresses, lr=0.5, bucket_bytes=512, compression=False)
         try:
             m_remote.load_state_dict(ref.state_dict())
             r3.load_state_dict(lopt.state_dict())
@@ -266,7 +266,7 @@ def test_state_dict_roundtrip_with_torch_and_resharding(tmp_path):
 def test_sgd_momentum_state_dict_matches_torch(cluster1):
     model, data = model_and_data()
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, "sgd", nodes=cluster1.addresses, lr=0.05, momentum=0.9, bucket_bytes=512)
+    ropt = luwu.RemoteOptimizer(model, "sgd", nodes=cluster1.addresses, lr=0.05, momentum=0.9, bucket_bytes=512, compression=False)
     lopt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     try:
         train(model, ropt, data, steps=3)
@@ -284,7 +284,7 @@ def test_grad_none_parameter_is_skipped_like_torch(cluster1):
     trunk, side = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
     model = torch.nn.ModuleDict({"trunk": trunk, "side": side})
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=0.05, bucket_bytes=64)
+    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=0.05, bucket_bytes=64, compression=False)
     lopt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     try:
         for step in range(6):
@@ -384,7 +384,7 @@ def test_gradient_accumulation_pushes_once_per_step(cluster2, tmp_path):
 def test_bf16_autocast_on_cpu(cluster1):
     model, data = model_and_data()
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=0.01)
+    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=0.01, compression=False)
     lopt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     try:
         for x, y in data[:4]:

@@ -53,3 +53,119 @@ def test_plan_cli_prints_bottleneck():
     out = subprocess.run([sys.executable, "-m", "luwu", "plan", "--params", "16.7M", "--workers", "4", "--nodes", "1", "--worker-gbps", "1", "--compute-ms", "200"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "node" in out.stdout.lower() and "recommend" in out.stdout.lower()
+
+
+# ---------------------------------------------------------------- the Python API's path through the tree
+
+
+def test_keyword_over_env_over_file_over_default(tmp_path):
+    from luwu.config import keyword_settings
+
+    f = tmp_path / "cluster.toml"
+    f.write_text('[cluster]\njob = "fromfile"\nnodes = ["tcp://127.0.0.1:5555"]\n[transport]\ntimeout_s = 5.0\nbucket_bytes = 2048\nsndhwm = 8\n')
+    env = {"LUWU_TRANSPORT__TIMEOUT_S": "7", "LUWU_TRANSPORT__BUCKET_BYTES": "4096", "LUWU_COMPRESSION__ENABLED": "false"}
+    cfg = load_config(str(f), env=env).replace(keyword_settings(bucket_bytes=1024, job=None, compression=None))
+    assert cfg.transport.bucket_bytes == 1024 and cfg.sources["transport.bucket_bytes"] == "argument"  # keyword
+    assert cfg.transport.timeout_s == 7.0 and cfg.sources["transport.timeout_s"] == "env LUWU_TRANSPORT__TIMEOUT_S"  # env
+    assert cfg.transport.sndhwm == 8 and cfg.sources["transport.sndhwm"] == str(f)  # file
+    assert cfg.transport.heartbeat_s == 5.0 and cfg.sources["transport.heartbeat_s"] == "default"
+    assert cfg.cluster.job == "fromfile"  # a keyword left at None does not override
+    assert cfg.compression.enabled is False and cfg.sources["compression.enabled"] == "env LUWU_COMPRESSION__ENABLED"
+    on = cfg.replace(keyword_settings(compression=True))
+    assert on.compression.enabled is True and on.transport.bucket_bytes == 1024
+
+
+def test_compression_is_on_by_default_and_false_turns_it_off():
+    from luwu.config import keyword_settings
+    from luwu.protocol.policy import CompressionConfig
+
+    cfg = load_config(None, env={})
+    assert cfg.compression.enabled is True
+    assert cfg.replace(keyword_settings(compression=False)).compression.enabled is False
+    mine = CompressionConfig(large_codec="int4")
+    assert cfg.replace(keyword_settings(compression=mine)).compression is mine
+
+
+def test_keyword_settings_map_onto_the_sections():
+    from luwu.config import keyword_settings
+    from luwu.gpu_workers.config import TransportConfig
+
+    tc = TransportConfig(timeout_s=3.0, bucket_bytes=512)
+    cfg = load_config(None, env={}).replace(
+        keyword_settings(optimizer="SGD", nodes="tcp://127.0.0.1:1, tcp://127.0.0.1:2", capacities=[1, 3], world_size=2, mode="async",
+                         delayed_update=True, delayed_params="0.*", max_grad_norm=1, transport=tc, bucket_bytes=2048)
+    )
+    assert cfg.optimizer.name == "sgd" and cfg.cluster.nodes == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+    assert cfg.cluster.capacities == [1.0, 3.0] and cfg.cluster.world_size == 2 and cfg.node.mode == "async"
+    assert cfg.optimizer.delayed_params == ["0.*"] and cfg.optimizer.max_grad_norm == 1.0
+    assert cfg.transport.timeout_s == 3.0 and cfg.transport.bucket_bytes == 2048  # a field wins over its section
+
+
+@pytest.mark.parametrize(
+    "settings,match",
+    [
+        ({"nosuch.key": 1}, "unknown config section 'nosuch'"),
+        ({"transport.nosuch": 1}, "unknown config key transport.nosuch"),
+        ({"transport.timeout_s": -1.0}, "transport.timeout_s must be > 0"),
+        ({"cluster.capacities": [1.0, 2.0]}, "cluster.capacities has 2 entries for 0 nodes"),
+        ({"transport": "fast"}, "transport must be a TransportConfig"),
+    ],
+)
+def test_replace_names_bad_settings(settings, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, env={}).replace(settings)
+
+
+def test_bad_keyword_values_are_refused():
+    from luwu.config import keyword_settings
+
+    with pytest.raises(ConfigError, match="max_grad_norm must be > 0, got 0"):
+        keyword_settings(max_grad_norm=0)
+
+
+BLOCK_TORCH = """
+import importlib.abc, sys
+class NoTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked")
+sys.meta_path.insert(0, NoTorch())
+try:
+    import luwu
+except ImportError:
+    print("SKIP")
+    raise SystemExit(0)
+import {module}
+print("torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("module", ["luwu.config", "luwu.gpu_workers.config"])
+def test_config_modules_import_without_torch(module):
+    out = subprocess.run([sys.executable, "-c", BLOCK_TORCH.format(module=module)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "SKIP":
+        pytest.skip("the luwu package itself imports torch")
+    assert out.stdout.strip() == "False"
+
+
+def test_prefetch_config_keeps_its_old_import_path():
+    from luwu.gpu_workers import config, prefetch
+
+    assert prefetch.PrefetchConfig is config.PrefetchConfig
+
+
+def test_resolve_config_reads_env_and_falls_back_to_luwu_nodes():
+    from luwu.config import resolve_config
+
+    env = {"LUWU_NODES": "tcp://127.0.0.1:1,tcp://127.0.0.1:2", "LUWU_OPTIMIZER__NAME": "sgd", "LUWU_CLUSTER__JOB": "envjob"}
+    cfg = resolve_config(env=env, job="kwjob")
+    assert cfg.cluster.nodes == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"] and cfg.sources["cluster.nodes"] == "env LUWU_NODES"
+    assert cfg.optimizer.name == "sgd" and cfg.cluster.job == "kwjob"
+    assert resolve_config(env=env, nodes=["tcp://127.0.0.1:3"]).cluster.nodes == ["tcp://127.0.0.1:3"]
+    with pytest.raises(ConfigError, match="no nodes"):
+        resolve_config(env={})
+    with pytest.raises(ConfigError, match=r"delayed_params=\['a\*', 'b'\] needs delayed_update=True"):
+        resolve_config(env=env, delayed_params="a*, b")
+    on = resolve_config(env=dict(env, LUWU_OPTIMIZER__DELAYED_UPDATE="true"), delayed_params="a*")
+    assert on.optimizer.delayed_update and on.optimizer.delayed_params == ["a*"]

@@ -19,7 +19,10 @@ import torch
 from prometheus_client import CollectorRegistry
 from torch.utils.data import DataLoader, Dataset
 
-from luwu.gpu_workers.prefetch import PrefetchConfig, Prefetcher, _map_tensors, batch_nbytes
+from luwu.gpu_workers.batches import batch_nbytes
+from luwu.gpu_workers.batches import map_tensors as _map_tensors
+from luwu.gpu_workers.config import PrefetchConfig
+from luwu.gpu_workers.prefetch import Prefetcher
 from luwu.protocol.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)

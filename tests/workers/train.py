@@ -141,7 +141,7 @@ def main(path: str) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    compression = None
+    compression = False  # no compression in the spec: fp32 both ways, bit-exact against the reference
     if spec["compression"] is not None:
         from luwu.protocol.policy import CompressionConfig
 
