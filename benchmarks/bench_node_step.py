@@ -11,7 +11,7 @@
    into the accumulator times 1/2 (``decode_``) and adds the second times 1/2
    (``decode_add_``), applies AdamW, and encodes the reply from the new weights
    into its reused reply buffer (fp32 replies are the weights themselves,
-   zero-copy), exactly the calls of ``NodeServer._on_push`` / ``_apply``
+   zero-copy), exactly the calls of ``Aggregation.on_push`` / ``_apply`` (switch_nodes/aggregation.py)
    (``BucketState.add_push``, ``BucketState.apply``, ``ReplyBuffers.encode``)
    without the socket. Against the same work as plain torch calls in the
    allocate-and-convert style (``frombuffer -> .float() -> add -> /2 ->
@@ -230,7 +230,7 @@ def bench_whole_step(numel: int, bucket_numel: int, push: str, pull: str, thread
             per.append((received([f.clone() for f in enc.frames]), enc.meta))
         pushes.append(per)
 
-    # -- the node's way: the calls of NodeServer._on_push and _apply
+    # -- the node's way: the calls of Aggregation.on_push and _apply
     buckets = make_shard(numel, bucket_numel, 1, init)
     replies = [ReplyBuffers() for _ in buckets]
 

@@ -151,8 +151,8 @@ def run(args) -> dict:
     sgd_s = []
     with luwu.local_cluster(1, job=JOB, node_args=["--metrics.port", "0"]) as cluster, luwu.local_cluster(1, job=JOB + "-sgd") as sgd_cluster:
         url = cluster.metrics_urls[0]
-        opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster.addresses, rank=0, world_size=1, job=JOB, lr=1e-4, bucket_bytes=args.bucket_mib * MIB)
-        sgd = luwu.RemoteOptimizer(model, "sgd", nodes=sgd_cluster.addresses, rank=0, world_size=1, job=JOB + "-sgd", lr=1e-6, bucket_bytes=args.bucket_mib * MIB)
+        opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster.addresses, rank=0, world_size=1, job=JOB, lr=1e-4, bucket_bytes=args.bucket_mib * MIB, compression=False)
+        sgd = luwu.RemoteOptimizer(model, "sgd", nodes=sgd_cluster.addresses, rank=0, world_size=1, job=JOB + "-sgd", lr=1e-6, bucket_bytes=args.bucket_mib * MIB, compression=False)
         timed = TimedFinish(opt.worker)
         try:
             node_pid, server_pid = cluster.procs[0].pid, tcp.proc.pid
@@ -184,7 +184,7 @@ def run(args) -> dict:
                     opt_s.append(m1["luwu_node_optimizer_step_seconds_sum"] - m0["luwu_node_optimizer_step_seconds_sum"])
                     opt_count.append(m1["luwu_node_optimizer_step_seconds_count"] - m0["luwu_node_optimizer_step_seconds_count"])
                     finish_s.append(timed.seconds)
-                    wait_s.append(opt.last_report["update_wait_s"])
+                    wait_s.append(opt.last_report.update_wait_s)
             buckets = len(opt.layout.buckets)
         finally:
             opt.close()

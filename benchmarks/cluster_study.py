@@ -71,6 +71,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from netns_cluster import Cluster, ClusterConfig, netns_available, parse_rate  # noqa: E402
 from netns_cluster import list_namespaces  # noqa: E402,F401  (for the system test: what teardown left)
+from luwu.switch_nodes.lines import READY_LINE  # noqa: E402  (torch-free)
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,6 @@ NODE_PORT = 5555
 DDP_PORT = 29500
 DDP_VARIANTS = ("fp32", "bf16", "powersgd")
 LUWU_VARIANTS = ("sync", "partial", "delayed")
-READY_LINE = "LUWU_NODE_READY"  # luwu.switch_nodes.server.READY_LINE (importing it would load torch at start)
 
 
 # ----------------------------------------------------------------------------- settings

@@ -21,6 +21,7 @@ _LAZY = {
     "LocalCluster": "luwu.cluster",
     "LuwuError": _ERRORS,
     "ConfigError": _ERRORS,
+    "CorruptCheckpointError": _ERRORS,
     "ProtocolError": _ERRORS,
     "JobMismatchError": _ERRORS,
     "LayoutMismatchError": _ERRORS,
@@ -39,6 +40,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time these l
     from luwu.optimizer import RemoteOptimizer
     from luwu.protocol.errors import (
         ConfigError,
+        CorruptCheckpointError,
         JobMismatchError,
         LayoutMismatchError,
         LuwuError,

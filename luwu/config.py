@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from luwu.gpu_workers.config import PrefetchConfig, TransportConfig
 from luwu.protocol.errors import ConfigError
 from luwu.switch_nodes.config import NodeConfig
+from luwu.switch_nodes.optimizers.kinds import OPTIMIZER_NAMES
 
 if TYPE_CHECKING:
     from luwu.protocol.policy import CompressionConfig
@@ -57,7 +58,7 @@ class ClusterConfig:
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
     name: str = "adamw"
-    """Optimizer the nodes run: adamw, adam or sgd."""
+    """Optimizer the nodes run (luwu.switch_nodes.optimizers.kinds.OPTIMIZER_NAMES)."""
     delayed_update: bool = False
     """ZeRO-Offload's delayed parameter update: step t's forward runs on the weights of t-1."""
     delayed_update_warmup: int = 0
@@ -70,8 +71,8 @@ class OptimizerConfig:
     """Clip by the global norm of the averaged gradient across all shards (0 = off)."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("adamw", "adam", "sgd"):
-            raise ConfigError(f"optimizer.name must be adamw, adam or sgd, got {self.name!r}")
+        if self.name not in OPTIMIZER_NAMES:
+            raise ConfigError(f"optimizer.name must be one of {', '.join(OPTIMIZER_NAMES)}, got {self.name!r}")
         if self.max_grad_norm < 0:
             raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
         if self.delayed_update_warmup < 0:  # the loader already made it an int, as every other key

@@ -147,7 +147,7 @@ def decode(frames: Sequence, *, job: str | None = None, max_message_bytes: int =
             raise ProtocolError(f"{op.name} field {name!r} has type {type(header[name]).__name__} ({_where(header)})")
     unknown = set(header) - set(COMMON) - set(SCHEMA[op]) - set(OPTIONAL) - {"nbytes"}
     if unknown:
-        raise ProtocolError(f"{op.name} header has unknown fields {sorted(unknown)} ({_where(header)})")
+        raise ProtocolError(f"{op.name} header has unknown fields {sorted(map(repr, unknown))} ({_where(header)})")
     if header["step"] < 0 or header["worker"] < 0:
         raise ProtocolError(f"negative step or worker ({_where(header)})")
     if job is not None and header["job"] != job:
