@@ -14,6 +14,8 @@ from luwu.protocol.errors import ConfigError
 
 @dataclass(kw_only=True, slots=True)
 class TransportConfig:
+    """The ``[transport]`` section: a worker's connection to the nodes (buckets, deadlines, queues, keys)."""
+
     timeout_s: float = 60.0
     """Deadline of every wait for a node (weights, norms, welcome); the error names node, rank, step, bucket."""
     connect_timeout_s: float = 30.0

@@ -55,14 +55,16 @@ class Prefetcher:
     in the training loop as the same object, with its original traceback.
 
     The arguments are the fields of :class:`PrefetchConfig` (documented there);
-    ``registry`` receives the metrics (default: a private one, ``self.registry``)::
+    ``registry`` receives the metrics (default: a private one, ``self.registry``).
 
-        batches = Prefetcher(loader, device="cuda", registry=registry)
-        batches.load_state_dict(checkpoint["data"])      # on restart
-        for epoch in range(batches.epoch, num_epochs):
-            for batch in batches:
-                ...
-                checkpoint["data"] = batches.state_dict()
+    ```python
+    batches = Prefetcher(loader, device="cuda", registry=registry)
+    batches.load_state_dict(checkpoint["data"])      # on restart
+    for epoch in range(batches.epoch, num_epochs):
+        for batch in batches:
+            ...
+            checkpoint["data"] = batches.state_dict()
+    ```
     """
 
     def __init__(

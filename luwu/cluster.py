@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from luwu.protocol.errors import NodeTimeoutError
@@ -22,14 +23,22 @@ from luwu.switch_nodes.lines import METRICS_LINE, READY_LINE
 
 @dataclass
 class LocalCluster:
+    """The node daemons a :func:`local_cluster` started: their addresses, processes and how to restart them."""
+
     addresses: list[str]
+    """The bound address of each node (``tcp://127.0.0.1:port``), in node-index order: pass them as
+    ``RemoteOptimizer(..., nodes=cluster.addresses)``."""
     procs: list[subprocess.Popen] = field(repr=False)
+    """The node processes, in node-index order."""
     job: str = "luwu"
+    """The job id the nodes serve (``cluster.job``)."""
     args: list[list[str]] = field(default_factory=list, repr=False)
+    """The command-line arguments each node was started with (``restart`` reuses them)."""
     metrics_urls: list[str] = field(default_factory=list)
     """http://host:port of each node's /metrics endpoint (when started with --metrics.port)."""
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop every node: SIGTERM (a node then writes its checkpoint), SIGKILL after ``timeout_s``."""
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -97,8 +106,22 @@ def _await_ready(proc: subprocess.Popen, lines: queue.Queue, args: list[str], ti
 
 
 @contextlib.contextmanager
-def local_cluster(num_nodes: int = 2, *, job: str = "luwu", node_args: list[str] | None = None, per_node_args=None, start_timeout_s: float = 60.0):
-    """Start ``num_nodes`` real node daemons on 127.0.0.1 and yield a :class:`LocalCluster`."""
+def local_cluster(num_nodes: int = 2, *, job: str = "luwu", node_args: list[str] | None = None, per_node_args: Callable[[int], list[str]] | None = None, start_timeout_s: float = 60.0):
+    """Start ``num_nodes`` real node daemons on 127.0.0.1 and yield a :class:`LocalCluster`.
+
+    Each node runs ``luwu node`` in a subprocess of its own, binds a free port and prints the address it
+    bound; the nodes are started together and waited for together. Leaving the ``with`` block stops
+    them all (:meth:`LocalCluster.stop`), also on an exception.
+
+    Args:
+        num_nodes: how many nodes (node indices 0..num_nodes-1).
+        job: the job id the nodes serve; workers must use the same (``RemoteOptimizer(job=...)``).
+        node_args: extra ``--section.field value`` arguments for every node, e.g.
+            ``["--node.checkpoint_dir", "ckpt", "--node.checkpoint_every", "5"]``.
+        per_node_args: ``index -> list of arguments`` for settings that differ between nodes.
+        start_timeout_s: how long each node may take to report its address; past it,
+            ``NodeTimeoutError`` with the node's output.
+    """
     procs, addrs, all_args, murls = [], [], [], []
     try:
         spawned = []

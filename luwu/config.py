@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 @dataclass(kw_only=True, slots=True)
 class ClusterConfig:
+    """The ``[cluster]`` section: which nodes serve which job, as workers and nodes both see it."""
+
     job: str = "luwu"
     """Job id: every message carries it; a node refuses messages of another job."""
     nodes: list[str] = field(default_factory=list)
@@ -57,6 +59,11 @@ class ClusterConfig:
 
 @dataclass(kw_only=True, slots=True)
 class OptimizerConfig:
+    """The ``[optimizer]`` section: the algorithm the nodes run and when its updates reach the workers.
+
+    Hyperparameters (``lr``, ``betas``...) are not settings of the tree: they are RemoteOptimizer's
+    keywords and travel with every push from ``param_groups``, so schedulers keep working."""
+
     name: str = "adamw"
     """Optimizer the nodes run (luwu.switch_nodes.optimizers.kinds.OPTIMIZER_NAMES)."""
     delayed_update: bool = False
@@ -66,7 +73,7 @@ class OptimizerConfig:
     delayed_params: list[str] = field(default_factory=list)
     """With delayed_update: delay only the parameters whose names match one of these fnmatch patterns
     (empty: all). The first layers' round trip is the tail of a sync step: delaying only them (e.g.
-    ["embed*", "layers.0.*"]) takes it off the critical path for a fraction of full delay's loss."""
+    ``["embed*", "layers.0.*"]``) takes it off the critical path for a fraction of full delay's loss."""
     max_grad_norm: float = 0.0
     """Clip by the global norm of the averaged gradient across all shards (0 = off)."""
 
@@ -85,6 +92,9 @@ class OptimizerConfig:
 
 @dataclass(kw_only=True, slots=True)
 class MetricsConfig:
+    """The ``[metrics]`` section: where a node serves ``/metrics`` and ``/healthz`` (and a worker its
+    ``/metrics``, when ``RemoteOptimizer(metrics_port=...)`` asks for it)."""
+
     host: str = "127.0.0.1"
     """Address the /metrics (and, on nodes, /healthz) HTTP endpoint binds."""
     port: int = -1

@@ -12,6 +12,9 @@ WORKER_POLICIES = ("strict", "elastic")
 
 @dataclass(kw_only=True, slots=True)
 class NodeConfig:
+    """The ``[node]`` section: one node daemon's address, aggregation mode, worker policy, checkpoints,
+    limits and keys."""
+
     bind: str = "tcp://127.0.0.1:0"
     """ZeroMQ address to bind; port 0 picks a free port (the node prints the bound address).
     Loopback unless told otherwise: binding a public address without CURVE keys is refused."""
