@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-all bench bench-cluster bench-cluster-quick
+.PHONY: setup demo test test-all docs bench bench-cluster bench-cluster-quick
 setup:
 	@bash scripts/setup.sh
 
@@ -17,6 +17,11 @@ test: setup
 # The long studies too (convergence, 100k-message fuzzing, emulated cluster head-to-head).
 test-all: setup
 	$(PY) -m pytest -q --runslow
+
+# The docs site (mkdocs.yml; API pages from docstrings) into site/. --strict: any warning fails it,
+# as in tests/unit/test_docs.py, which `make test` runs.
+docs: setup
+	$(PY) -m mkdocs build --strict
 
 bench: setup
 	$(PY) benchmarks/run_all.py
