@@ -41,6 +41,13 @@ def build_tree() -> Path:
     return TREE
 
 
+def on_config(config):
+    """Snippets (``--8<--``) read from the repository root wherever mkdocs is started: pymdownx takes
+    a relative ``base_path`` from the current directory, not from mkdocs.yml."""
+    config["mdx_configs"]["pymdownx.snippets"]["base_path"] = [str(ROOT)]
+    return config
+
+
 def on_page_content(html, page, config, files):
     """Docstrings name other objects with Sphinx roles (``:class:`Layout```); show them as code."""
     return SPHINX_ROLE.sub(r"\1", html)

@@ -36,7 +36,7 @@ def test_docs_build_strict(tmp_path):
         pytest.skip(f"docs packages not installed ({', '.join(missing)}): pip install -e '.[test]' installs them")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=150,
+        cwd=tmp_path, capture_output=True, text=True, timeout=150,  # not the root: paths must not hang on the cwd
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"mkdocs build --strict failed (rc {proc.returncode}):\n{log[-6000:]}"
