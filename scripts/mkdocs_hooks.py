@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import re
 import shutil
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    import tomli as tomllib
 from pathlib import Path
 
 #: A Sphinx cross-reference role as Markdown renders it (``:class:`X``` -> ``:class:<code>X</code>``).
