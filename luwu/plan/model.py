@@ -77,7 +77,7 @@ and both step formulas above take ``max(step, shared cpu)``: the cores must do
 all the step's work once per step. Streaming needs a core the workers leave
 free (the I/O threads, the kernel's network work and the nodes' decoding run
 there while backward goes on): with ``W >= S`` the default overlap is ``f = 0``
-(measured on the emulated cluster: 4 workers on 2 cores push after backward).
+(on the emulated cluster, 4 workers on 2 cores push after backward).
 Without ``shared_cores`` every host has its own CPU and none of this applies.
 
 The bottleneck is the resource busiest per step among compute, each worker link
@@ -102,8 +102,8 @@ from luwu.plan.profiles import codec_profile
 from luwu.protocol.errors import ConfigError
 
 ADAMW_PARAMS_PER_S_PER_THREAD = 1.3e9
-"""torch fused AdamW on CPU, one thread, 16M fp32 params: measured 1.29e9 params/s
-on the 2-core dev machine (a server core with more memory bandwidth does more)."""
+"""torch fused AdamW on CPU, one thread (benchmarks/bench_node_step.py); a core with more memory
+bandwidth does more: pass ``--opt-rate``."""
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 BACKWARD_FRACTION = 2.0 / 3.0
