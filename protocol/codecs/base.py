@@ -205,6 +205,15 @@ class Codec:
             buf = bufs[key] = torch.empty(max(numel, 1), dtype=dtype)
         return buf[:numel]
 
+    def _prepare(self, x: torch.Tensor, out: list[torch.Tensor] | None, num_summands: int) -> list[torch.Tensor]:
+        """Check an encode's arguments; ``out``, or new frames when it is None."""
+        self._check_input(x)
+        _check_summands(num_summands)
+        if out is None:
+            return self.alloc(x.numel())
+        self._check_out(out, x.numel())
+        return out
+
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 1 or x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError(f"codec {self.name!r} encodes 1-D contiguous fp32 tensors, got {x.dtype} {tuple(x.shape)}")

@@ -8,7 +8,7 @@ import torch
 from luwu.protocol import native
 from luwu.protocol.codec_facts import BLOCK
 from luwu.protocol.codecs.base import (CHUNK, MAX_BLOCK, SCALE_FLOOR, Codec, Encoded, _as, _check_frames,
-                                       _check_meta, _check_numel, _check_summands, _flat)
+                                       _check_meta, _check_numel, _flat)
 from luwu.protocol.errors import ConfigError, ProtocolError
 
 
@@ -117,14 +117,6 @@ class _BlockCodec(Codec):
             if residual is not None:
                 y.sub_(torch.mul(tmp.view(-1)[:t], sc, out=self._scratch("sent", t)[:t]))
             self._store(tmp, q[full // per :])
-
-    def _prepare(self, x: torch.Tensor, out: list[torch.Tensor] | None, num_summands: int) -> list[torch.Tensor]:
-        self._check_input(x)
-        _check_summands(num_summands)
-        if out is None:
-            return self.alloc(x.numel())
-        self._check_out(out, x.numel())
-        return out
 
     def encode(self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1) -> Encoded:
         out = self._prepare(x, out, num_summands)

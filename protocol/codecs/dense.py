@@ -88,12 +88,7 @@ class _DenseCodec(Codec):
                 torch.add(ta, tb, out=out[s:e]).mul_(alpha)
 
     def encode_feedback_(self, x, residual, out=None, *, num_summands: int = 1) -> Encoded:
-        self._check_input(x)
-        _check_summands(num_summands)
-        if out is None:
-            out = self.alloc(x.numel())
-        else:
-            self._check_out(out, x.numel())
+        out = self._prepare(x, out, num_summands)
         q = out[0]
         if not self.lossy:
             torch.add(x, residual, out=q)
@@ -162,24 +157,14 @@ class Fp16Codec(Codec):
             q[s:e].copy_(tmp)
 
     def encode(self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1) -> Encoded:
-        self._check_input(x)
-        _check_summands(num_summands)
-        if out is None:
-            out = self.alloc(x.numel())
-        else:
-            self._check_out(out, x.numel())
+        out = self._prepare(x, out, num_summands)
         amax = _amax(x)
         scale = self.scale_for(amax, num_summands)
         self._encode_into(x, out[0], scale)
         return Encoded({"scale": scale}, [out[0]])
 
     def encode_feedback_(self, x, residual, out=None, *, num_summands: int = 1) -> Encoded:
-        self._check_input(x)
-        _check_summands(num_summands)
-        if out is None:
-            out = self.alloc(x.numel())
-        else:
-            self._check_out(out, x.numel())
+        out = self._prepare(x, out, num_summands)
         residual.add_(x)
         scale = self.scale_for(_amax(residual), num_summands)
         q = out[0]

@@ -7,8 +7,7 @@ import math
 
 import torch
 
-from luwu.protocol.codecs.base import (CHUNK, Codec, Encoded, _as, _check_frames, _check_meta, _check_numel,
-                                       _check_summands, _chunks)
+from luwu.protocol.codecs.base import CHUNK, Codec, Encoded, _as, _check_frames, _check_meta, _check_numel, _chunks
 from luwu.protocol.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -126,14 +125,8 @@ class TopkCodec(Codec):
         return g
 
     def _select(self, y: torch.Tensor, out: list[torch.Tensor] | None, num_summands: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        self._check_input(y)
-        _check_summands(num_summands)
-        n = y.numel()
-        if out is None:
-            out = self.alloc(n)
-        else:
-            self._check_out(out, n)
-        idx = topk_indices(y, self.k_for(n), generator=self._generator())
+        out = self._prepare(y, out, num_summands)
+        idx = topk_indices(y, self.k_for(y.numel()), generator=self._generator())
         vals = y[idx]
         out[0].copy_(vals)
         out[1].copy_(idx)
