@@ -6,11 +6,12 @@ relative error (||decoded - x|| / ||x||), the int8 block-size sweep, the
 per-message cost on small tensors, and the top-k selection time against
 ``torch.topk`` measured side by side in the same run.
 
-    python3 benchmarks/bench_codecs.py [--quick] [--numel N] [--reps R] [--threads T]
+    python3 benchmarks/bench_codecs.py [--quick] [--numel N] [--reps R] [--threads T] [--write-facts]
 
 Writes benchmarks/results/bench_codecs.json and .md (``--quick``:
-bench_codecs.quick.*). The policy's cost-rule
-constants (luwu.protocol.policy.CODEC_GBPS) were calibrated from this script.
+bench_codecs.quick.*). ``--write-facts`` re-calibrates the codec table that the
+compression policy and ``luwu plan`` read: it rewrites the MEASURED block of
+``protocol/codec_facts.py`` with this run's throughputs and per-message costs.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -26,7 +29,9 @@ from pathlib import Path
 
 import torch
 
+from luwu.protocol import codec_facts
 from luwu.protocol.codecs import get_codec, has_nonfinite, topk_indices
+from luwu.protocol.feedback import DeltaEncoder, apply_pull_
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -77,6 +82,25 @@ def bench_codec(name: str, x: torch.Tensor, reps: int, *, values: str = "fp32") 
     }
 
 
+def bench_delta(x: torch.Tensor, reps: int) -> dict:
+    """The pull direction's int8 deltas: weights - shadow, int8 encode, decode into the shadow (node); the
+    worker's decode-add of the delta."""
+    n = x.numel()
+    gb = 4 * n / 1e9
+    enc = DeltaEncoder("int8", resync_every=1 << 60)
+    enc.encode("b", x, 0)  # the first reply is a full resync
+    step = iter(range(1, 1 << 60))
+    t_enc = median_s(lambda: enc.encode("b", x, next(step)), reps)
+    reply = enc.encode("b", x, next(step))
+    frames = as_received(reply.encoded.frames)
+    acc = torch.zeros(n)
+    t_dec = median_s(lambda: apply_pull_(acc, reply.codec, True, frames, reply.encoded.meta), reps)
+    codec = get_codec("int8")
+    return {"codec": "int8_delta", "bytes_per_element": codec.bytes_per_element(), "wire_bytes": codec.wire_bytes(n),
+            "ratio_vs_fp32": 4 * n / codec.wire_bytes(n), "encode_gbps": gb / t_enc, "encode_ef_gbps": gb / t_enc,
+            "decode_add_gbps": gb / t_dec, "rel_error": math.nan}
+
+
 def bench_blocks(x: torch.Tensor, reps: int) -> list[dict]:
     rows = []
     for name in ("int8", "int4"):
@@ -100,7 +124,62 @@ def bench_small(reps: int) -> list[dict]:
             acc = torch.zeros(n)
             t = median_s(lambda: (c.encode(x, out), c.decode_add_(acc, frames, enc.meta)), max(reps, 20))
             rows.append({"numel": n, "codec": name, "encode_decode_us": t * 1e6})
+        enc = DeltaEncoder("int8", resync_every=1 << 60)
+        enc.encode("b", x, 0)
+        step = iter(range(1, 1 << 60))
+        reply = enc.encode("b", x, next(step))
+        frames = as_received(reply.encoded.frames)
+        acc = torch.zeros(n)
+        t = median_s(lambda: (enc.encode("b", x, next(step)), apply_pull_(acc, "int8", True, frames, reply.encoded.meta)),
+                     max(reps, 20))
+        rows.append({"numel": n, "codec": "int8_delta", "encode_decode_us": t * 1e6})
     return rows
+
+
+def _sig(v: float) -> float:
+    """Three significant digits (inf stays inf)."""
+    return v if not math.isfinite(v) or v == 0 else float(f"{v:.3g}")
+
+
+def measured_facts(codecs: list[dict], small: list[dict]) -> dict[str, dict[str, float]]:
+    """The MEASURED table of luwu.protocol.codec_facts from this run's rows."""
+    by_name = {r["codec"]: r for r in codecs}
+    us = {r["codec"]: r["encode_decode_us"] for r in small if r["numel"] == 1024}
+    facts = {}
+    for name in codec_facts.MEASURED:
+        r = by_name[name]
+        free = name == "none"  # fp32 is sent as is: no encode pass
+        facts[name] = {
+            "encode_gbps": math.inf if free else _sig(r["encode_gbps"]),
+            "encode_ef_gbps": math.inf if free else _sig(r["encode_ef_gbps"]),
+            "decode_gbps": _sig(r["decode_add_gbps"]),
+            "overhead_us": 0.0 if free else _sig(max(0.0, us[name] - us["none"])),
+        }
+    return facts
+
+
+def write_facts(facts: dict[str, dict[str, float]], measured_on: str) -> Path:
+    """Rewrite the MEASURED block of protocol/codec_facts.py: the one home of these numbers."""
+    path = Path(codec_facts.__file__)
+    text = path.read_text()
+    fmt = lambda v: "math.inf" if v == math.inf else repr(float(v))  # noqa: E731
+    rows = "\n".join(f'    "{n}": {{' + ", ".join(f'"{k}": {fmt(v)}' for k, v in row.items()) + "}," for n, row in facts.items())
+    block = (f'MEASURED_ON = "{measured_on}"\n'
+             f"MEASURED: dict[str, dict[str, float]] = {{\n{rows}\n}}\n")
+    pattern = re.compile(r'MEASURED_ON = .*?\n}\n(?=# END MEASURED)', re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{path}: MEASURED block not found")
+    path.write_text(pattern.sub(lambda _: block, text, count=1))
+    return path
+
+
+def facts_table(before: dict, after: dict) -> str:
+    rows = []
+    for name in after:
+        for key in after[name]:
+            rows.append({"codec": name, "fact": key, "before": before.get(name, {}).get(key, math.nan),
+                         "after": after[name][key]})
+    return table(rows, ["codec", "fact", "before", "after"])
 
 
 def bench_topk(x: torch.Tensor, reps: int, density: float) -> dict:
@@ -144,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--write-facts", action="store_true",
+                    help="rewrite the MEASURED table of protocol/codec_facts.py with this run's numbers")
     args = ap.parse_args(argv)
     if args.quick:
         args.numel, args.reps = 1 << 20, 3
@@ -153,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
     codecs = [bench_codec(n, x, args.reps) for n in CODECS[:-1]]
     codecs.append(bench_codec("topk", x, args.reps, values="bf16"))
+    codecs.append(bench_delta(x, args.reps))
     blocks = bench_blocks(x, args.reps)
     small = bench_small(args.reps)
     topk = [bench_topk(x, args.reps, d) for d in (0.01, 0.001, 0.05)]
@@ -171,7 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         "small_messages": small,
         "topk": topk,
         "has_nonfinite_gbps": nonfinite_gbps,
+        "loadavg": _loadavg(),
     }
+    facts = measured_facts(codecs, small)
+    result["facts"] = facts
     cols = ["codec", "bytes_per_element", "ratio_vs_fp32", "encode_gbps", "encode_ef_gbps", "decode_add_gbps", "rel_error"]
     md = [
         f"# bench_codecs: {args.numel} fp32 elements, {args.threads} thread(s), median of {args.reps}",
@@ -194,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"has_nonfinite (the check before encoding): {nonfinite_gbps:.3g} GB/s",
         "",
+        f"## Codec facts (luwu.protocol.codec_facts.MEASURED), load average {result['loadavg']}",
+        "",
+        facts_table(codec_facts.MEASURED, facts),
+        "",
     ]
     text = "\n".join(md)
     print(text)
@@ -201,7 +290,17 @@ def main(argv: list[str] | None = None) -> int:
     stem = "bench_codecs.quick" if args.quick else "bench_codecs"  # a smoke run keeps the real results
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(text)
+    if args.write_facts:
+        note = f"{args.numel} elements, {args.threads} thread(s), median of {args.reps}, loadavg {result['loadavg']}"
+        print(f"wrote {write_facts(facts, note)}")
     return 0
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown" if not hasattr(os, "getloadavg") else " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 if __name__ == "__main__":

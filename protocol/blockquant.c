@@ -1,4 +1,4 @@
-/* Fused kernels of the blockwise integer codecs (int8, int4: protocol/codecs.py, _BlockCodec).
+/* Fused kernels of the blockwise integer codecs (int8, int4: protocol/codecs/block.py, _BlockCodec).
  *
  * The torch path walks a bucket in chunks with 6-9 elementwise passes (abs, amax, scale, round,
  * residual, cast); here each block of `block` floats (1 KiB for int8) is read once from memory
@@ -17,7 +17,7 @@
  *   decode   = acc + t * (stored * alpha)          (decode_ without acc: t * (stored * alpha))
  *
  * A block holding NaN or inf gets a non-finite scale and zero codes, so it decodes as NaN
- * everywhere (0 * NaN, 0 * inf), as the module docstring of codecs.py promises.
+ * everywhere (0 * NaN, 0 * inf), as protocol/codecs/base.py's docstring promises.
  */
 #include <stdint.h>
 #include <string.h>

@@ -3,7 +3,7 @@
 ZeroMQ allocates every received message anew, autograd every gradient, torch
 every temporary; a block of 4 MiB or more is, by glibc's default, an mmap of
 its own, and each 4 KiB page of it costs a page fault on first touch: fresh
-memory fills at ~2.4 GB/s here against ~30 GB/s for memory already touched.
+memory fills an order of magnitude slower than memory already touched.
 At 67 MB of gradients out and 67 MB of weights in per step, that is ~60 ms a
 step on a worker. glibc adapts its mmap threshold to the process's history,
 so a process may or may not land in the fast regime; this pins it: blocks up

@@ -105,7 +105,7 @@ def test_unknown_codec_and_bad_params_are_config_errors_naming_them():
 
 
 def test_register_codec_adds_a_codec(monkeypatch):
-    from luwu.protocol import codecs
+    from luwu.protocol.codecs import registry as codecs
 
     monkeypatch.setattr(codecs, "_FACTORIES", dict(codecs._FACTORIES))  # leave no trace
 

@@ -271,3 +271,44 @@ def test_small_numel_off_the_layout_line_still_holds_per_tensor():
     assert [choose_codec(b, STEP, lower) for b in layout.buckets] == [("int8", True), ("bf16", False)]
     higher = CompressionConfig(small_numel=100_000, **slow)  # b.weight is small now
     assert [choose_codec(b, STEP, higher) for b in layout.buckets] == [("bf16", False), ("bf16", False)]
+
+
+# -- the codec facts table ---------------------------------------------------------
+
+
+def test_codec_facts_cover_every_codec_and_take_sizes_from_the_codecs():
+    from luwu.protocol import codec_facts
+    from luwu.protocol.codecs import codec_names
+
+    assert set(codec_facts.BUILTIN_CODECS) == set(codec_names())
+    assert set(codec_facts.MEASURED) == {*codec_facts.BUILTIN_CODECS, "int8_delta"}
+    for name, block in codec_facts.BLOCK.items():
+        assert get_codec(name).block == block
+    assert codec_facts.bytes_per_element("int8") == get_codec("int8").bytes_per_element() == 1.0 + 4.0 / 256
+    assert codec_facts.bytes_per_element("int8_delta") == get_codec("int8").bytes_per_element()
+    for name in codec_facts.MEASURED:
+        cost = codec_facts.throughput(name)
+        assert cost.encode_gbps > 0 and cost.decode_gbps > 0 and cost.overhead_s >= 0
+
+
+def test_one_list_of_pull_and_feedback_codecs():
+    from luwu import plan
+    from luwu.protocol import codec_facts, policy
+
+    assert plan.PULL_CODECS is policy.PULL_CODECS is codec_facts.PULL_CODECS
+    assert policy.FEEDBACK_CODECS is codec_facts.FEEDBACK_CODECS
+    assert not hasattr(policy, "AGGRESSIVE_CODECS") and not hasattr(policy, "CODEC_GBPS")
+
+
+def test_compression_config_modules_import_no_torch():
+    """The configuration tree loads CompressionConfig without torch: its modules import none at load."""
+    import ast
+    import importlib
+
+    for mod in ("luwu.protocol.compression", "luwu.protocol.codec_facts", "luwu.protocol.layout", "luwu.protocol.errors"):
+        tree = ast.parse(open(importlib.import_module(mod).__file__).read())
+        top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name for n in top for a in n.names} | {n.module for n in top if isinstance(n, ast.ImportFrom)}
+        assert not any(n and n.split(".")[0] == "torch" for n in names), mod
+        assert not any(n and n.startswith("luwu.protocol.codecs") for n in names), mod
+    assert CompressionConfig.__module__ == "luwu.protocol.compression"

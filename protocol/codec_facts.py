@@ -1,0 +1,122 @@
+"""What each codec costs: the one table that the compression policy and ``luwu plan`` read.
+
+* Bytes per element come from the codec objects themselves
+  (:func:`bytes_per_element`), never retyped here.
+* The default block of the blockwise codecs is :data:`BLOCK`; the codecs take
+  their default from it.
+* Throughputs (GB/s of fp32 input, one thread) and the fixed cost of one
+  message are measured by ``benchmarks/bench_codecs.py``, which rewrites the
+  :data:`MEASURED` block below (``--write-facts``). They are constants, so that
+  every process running the policy decides alike.
+
+Importing this module does not import torch: the configuration path reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from luwu.protocol.errors import ConfigError
+
+#: Elements per fp32 scale of the blockwise codecs, by default.
+BLOCK: dict[str, int] = {"int8": 256, "int4": 64}
+
+#: The codecs the registry builds without any plug-in.
+BUILTIN_CODECS = ("none", "bf16", "fp16", "int8", "int4", "topk")
+
+#: Codecs whose error is large enough to need error feedback; bf16 and fp16
+#: round to nearest (unbiased, ~2**-9 relative), so they go without.
+FEEDBACK_CODECS = frozenset({"int8", "int4", "topk"})
+
+#: Codecs that round each element alone (no residual to carry): the warm-up's choice.
+ROUNDING_CODECS = ("none", "bf16", "fp16")
+
+#: Codecs that send a subset of the elements.
+SPARSE_CODECS = frozenset({"topk"})
+
+#: What the nodes may send the weights back with. ``int8_delta`` is not a registry codec: the
+#: node runs :class:`luwu.protocol.feedback.DeltaEncoder` (int8 deltas against a shadow).
+PULL_CODECS = ("none", "bf16", "fp16", "int8_delta")
+
+#: How much a codec loses, for ranking options: 0 is exact.
+LOSSINESS: dict[str, int] = {"none": 0, "bf16": 1, "fp16": 1, "int8": 2, "int8_delta": 2, "int4": 3, "topk": 4}
+
+# BEGIN MEASURED (benchmarks/bench_codecs.py --write-facts rewrites this block)
+#: Per codec: encode, encode with error feedback and decode-add throughput, GB/s of fp32 input, one
+#: thread; overhead_us: fixed cost of one message (encode + decode-add of 1024 elements, less ``none``'s).
+MEASURED_ON = "4194304 elements, 1 thread(s), median of 5, loadavg 2.45 1.46 1.81"
+MEASURED: dict[str, dict[str, float]] = {
+    "none": {"encode_gbps": math.inf, "encode_ef_gbps": math.inf, "decode_gbps": 21.7, "overhead_us": 0.0},
+    "bf16": {"encode_gbps": 27.6, "encode_ef_gbps": 6.66, "decode_gbps": 14.3, "overhead_us": 6.15},
+    "fp16": {"encode_gbps": 10.2, "encode_ef_gbps": 2.42, "decode_gbps": 15.0, "overhead_us": 19.2},
+    "int8": {"encode_gbps": 24.1, "encode_ef_gbps": 6.57, "decode_gbps": 34.9, "overhead_us": 9.4},
+    "int4": {"encode_gbps": 15.0, "encode_ef_gbps": 8.24, "decode_gbps": 26.0, "overhead_us": 8.74},
+    "topk": {"encode_gbps": 1.44, "encode_ef_gbps": 1.31, "decode_gbps": 132.0, "overhead_us": 22.0},
+    "int8_delta": {"encode_gbps": 4.27, "encode_ef_gbps": 4.27, "decode_gbps": 24.7, "overhead_us": 22.7},
+}
+# END MEASURED
+
+
+class Throughput(NamedTuple):
+    encode_gbps: float
+    """GB/s of fp32 input as the codec is used: with error feedback for :data:`FEEDBACK_CODECS`."""
+    decode_gbps: float
+    """Decode-add, GB/s of fp32 output."""
+    overhead_s: float
+    """Fixed seconds per message beyond what ``none`` costs."""
+
+
+def base_name(name: str) -> str:
+    """``"topk:0.05"`` -> ``"topk"``: the codec without its parameter."""
+    return name.partition(":")[0]
+
+
+def throughput(name: str) -> Throughput | None:
+    """The measured cost of codec ``name`` (a parameter after ``:`` is ignored), or None if unmeasured."""
+    row = MEASURED.get(base_name(name))
+    if row is None:
+        return None
+    ef = base_name(name) in FEEDBACK_CODECS
+    return Throughput(row["encode_ef_gbps" if ef else "encode_gbps"], row["decode_gbps"], row["overhead_us"] * 1e-6)
+
+
+def codec_for(name: str):
+    """The registry codec behind ``name`` (``int8_delta`` sends int8 frames). Imports torch."""
+    from luwu.protocol.codecs import get_codec
+
+    return get_codec("int8" if name == "int8_delta" else name)
+
+
+def bytes_per_element(name: str) -> float:
+    """Average wire bytes per fp32 element of codec ``name``, from the codec object."""
+    return float(codec_for(name).bytes_per_element())
+
+
+def wire_bytes(name: str, numel: int) -> int:
+    """Exact payload bytes of ``numel`` elements sent with codec ``name``."""
+    return codec_for(name).wire_bytes(numel)
+
+
+def check_codec_name(what: str, name) -> None:
+    """Raise ConfigError unless ``name`` names a codec. A built-in name is checked without torch; a
+    parametrized or plug-in one is built by the registry, which checks its parameters."""
+    if not isinstance(name, str):
+        raise ConfigError(f"{what} must be a codec name, got {name!r}")
+    if name in BUILTIN_CODECS:
+        return
+    from luwu.protocol.codecs import get_codec
+
+    try:
+        get_codec(name)
+    except ConfigError as exc:
+        raise ConfigError(f"{what} = {name!r}: {exc}") from None
+
+
+def is_sparse(name: str) -> bool:
+    """Whether codec ``name`` sends a subset of the elements (torch-free for built-in codecs)."""
+    if base_name(name) in BUILTIN_CODECS:
+        return base_name(name) in SPARSE_CODECS
+    from luwu.protocol.codecs import get_codec
+
+    return bool(get_codec(name).sparse)
