@@ -46,7 +46,7 @@ from common import LoadMonitor, machine_info, md_table, verdict, write_results  
 TARGET = 3.0
 WORLD_SIZE = 2
 NUM_NODES = 2
-AGGRESSIVE = ("int8", "int4", "topk")
+from luwu.protocol.codec_facts import FEEDBACK_CODECS as AGGRESSIVE  # the compressing codecs (int8, int4, topk)
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,7 +70,7 @@ WORLD_SIZE = 2
 NUM_NODES = 2
 #: Bytes are compared from this step on (the default policy's warm-up, sent uncompressed).
 MEASURE_FROM = 10
-AGGRESSIVE = ("int8", "int4", "topk")
+from luwu.protocol.codec_facts import FEEDBACK_CODECS as AGGRESSIVE  # the compressing codecs (int8, int4, topk)
 
 
 # ----------------------------------------------------------------------------- tasks
