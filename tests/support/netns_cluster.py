@@ -19,8 +19,12 @@ new cluster first removes clusters whose owner pid is dead.
 
 The module imports nothing of LuWu (``import luwu`` pulls in torch, 1+ s): the
 CLI and the watchdog must start in milliseconds. Bad settings raise ValueError.
+The settings, the ``ip``/``tc`` commands and the cleanup live in ``netns_base``;
+this module re-exports what a user needs, so one import is enough.
 
-Module use::
+Module use (``tests/`` on ``sys.path``, as the test configuration sets it)::
+
+    from support.netns_cluster import Cluster, ClusterConfig
 
     with Cluster(ClusterConfig(num_hosts=3, rate="1gbit", host_rates={2: "500mbit"})) as c:
         server = c.popen("h1", ["python3", "server.py", c.addr("h1")])
