@@ -22,6 +22,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from luwu.rundir import pid_alive  # torch-free: the CLI and the watchdog start in milliseconds
+
 log = logging.getLogger(__name__)
 
 _NS_RE = re.compile(r"^luwu-(?P<owner>\d+|cli)-(?P<tag>[A-Za-z0-9_]+)-(?P<role>br|h\d+)$")
@@ -179,16 +181,6 @@ def list_clusters() -> dict[str, list[str]]:
     return out
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup(prefix: str) -> list[str]:
     """Remove every namespace of cluster ``prefix`` (and its links), killing what runs inside.
 
@@ -221,18 +213,10 @@ def _kill_pids(pids: set[int], grace_s: float = 2.0) -> None:
                 pass
         deadline = time.monotonic() + grace_s
         while pids and time.monotonic() < deadline:
-            pids = {p for p in pids if pid_alive(p) and not _is_zombie(p)}
+            pids = {p for p in pids if pid_alive(p)}  # a zombie counts as gone
             time.sleep(0.02)
         if not pids:
             return
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def cleanup_stale() -> list[str]:
