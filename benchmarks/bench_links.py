@@ -33,7 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from netns_cluster import Cluster, ClusterConfig, netns_available
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # `support`: the emulated cluster
+from support.netns_cluster import Cluster, ClusterConfig, netns_available  # noqa: E402
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # convergence.py: the LM and the codec recorder
-from common import LoadMonitor, machine_info, md_table, verdict, write_results  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` as a package, also when run as a script
+from benchmarks.common import LoadMonitor, machine_info, md_table, verdict, write_results  # noqa: E402
 
 TARGET = 3.0
 WORLD_SIZE = 2
@@ -89,7 +89,7 @@ def build(setting: Setting):
             return torch.nn.functional.cross_entropy(m(b[0]), b[1])
 
     elif setting.model == "charlm":
-        from convergence import CharLMTask
+        from benchmarks.convergence import CharLMTask
 
         task = CharLMTask()
         model = task.model()
@@ -101,7 +101,7 @@ def build(setting: Setting):
     else:
         raise ValueError(f"unknown model {setting.model!r}")
     if setting.groups:
-        from convergence import param_groups
+        from benchmarks.convergence import param_groups
 
         params, names = param_groups(model, 0.01)
     else:
@@ -111,7 +111,7 @@ def build(setting: Setting):
 
 def _worker(rank: int, setting: Setting, compression: dict, job: str, nodes: list[str], warmup: int, measure: int, q) -> None:
     import luwu
-    from convergence import CodecRecorder
+    from benchmarks.convergence import CodecRecorder
     from luwu.protocol.policy import CompressionConfig
 
     torch.set_num_threads(1)

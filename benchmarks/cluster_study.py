@@ -68,9 +68,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from netns_cluster import Cluster, ClusterConfig, netns_available, parse_rate  # noqa: E402
-from netns_cluster import list_namespaces  # noqa: E402,F401  (for the system test: what teardown left)
+sys.path.insert(0, str(HERE.parent / "tests"))  # `support`: the emulated cluster is test infrastructure
+from support.netns_cluster import Cluster, ClusterConfig, netns_available, parse_rate  # noqa: E402
+from support.netns_cluster import list_namespaces  # noqa: E402,F401  (for the system test: what teardown left)
 from luwu.switch_nodes.lines import READY_LINE  # noqa: E402  (torch-free)
 
 log = logging.getLogger(__name__)

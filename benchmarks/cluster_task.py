@@ -39,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, when run by path inside a host
-from common import bf16_allreduce_hook, make_student, node_threads_delta, threads_cpu_s  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` as a package, also when run by path inside a host
+from benchmarks.common import bf16_allreduce_hook, make_student, node_threads_delta, threads_cpu_s  # noqa: E402
 
 IFACE = "eth0"
 

@@ -63,8 +63,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, also when a test loads this file
-from common import RESULTS, machine_info, write_results  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` as a package, also when run as a script
+from benchmarks.common import RESULTS, machine_info, write_results  # noqa: E402
 
 WORLD_SIZE = 2
 NUM_NODES = 2

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from cluster_study import Settings  # noqa: E402
-from cluster_task import TeacherTask, eval_loss  # noqa: E402
-from common import make_student, write_results  # noqa: E402
+sys.path.insert(0, str(HERE.parent))  # the repo root: `benchmarks` as a package, also when run as a script
+from benchmarks.cluster_study import Settings  # noqa: E402
+from benchmarks.cluster_task import TeacherTask, eval_loss  # noqa: E402
+from benchmarks.common import make_student, write_results  # noqa: E402
 
 
 def train(s: Settings, workers: int, lr: float, delay_from: int | None, only: tuple[str, ...] | None = None) -> dict:

@@ -3,7 +3,9 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/harness.py
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+# tests/: `harness` and `support` (the emulated cluster); the repo root: `benchmarks` as a package.
+sys.path[:0] = [_TESTS, os.path.dirname(_TESTS)]
 
 
 def pytest_addoption(parser):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,19 +13,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 TRAIN = ROOT / "workers" / "train.py"
-BENCHMARKS = ROOT.parent / "benchmarks"
-
-
-def load_benchmark(stem: str):
-    """A script of benchmarks/ as a module (loaded once, under a name of its own so it never shadows
-    anything): the tests drive its real code on small inputs."""
-    name = f"luwu_benchmarks_{stem}"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{stem}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the class is built
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 def start_workers(script: Path, spec: dict, world_size: int, tmp: Path, env: dict | None = None) -> list[subprocess.Popen]:

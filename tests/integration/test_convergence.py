@@ -11,9 +11,8 @@ bound. The long study of benchmarks/convergence.py is marked slow.
 from __future__ import annotations
 
 import pytest
-from harness import load_benchmark
 
-conv = load_benchmark("convergence")
+from benchmarks import convergence as conv
 
 #: |final eval loss / uncompressed - 1| allowed after 30 compressed steps. int8 with error feedback
 #: lands ~0.1% away; top-k 1% without it ends tens of percent higher.

@@ -10,7 +10,9 @@ warm-up for that reason): 400 steps let both settle.
 
 import pytest
 import torch
-from harness import load_benchmark, run_training
+from harness import run_training
+
+from benchmarks import dpu_reference
 
 import luwu
 
@@ -64,7 +66,7 @@ def test_plain_torch_dpu_reference_is_sync_until_the_delay_starts():
     """benchmarks/dpu_reference.py (the plain-torch cost of a delayed update, against which
     cluster.md's delayed rows are read) on a tiny student: a delay that never starts is sync to the
     bit; a delay from step 1 trains differently."""
-    ref = load_benchmark("dpu_reference")
+    ref = dpu_reference
     s = ref.Settings(dims=(32, 64, 10), batch=16, steps=8, warmup=2, eval_every=4, eval_samples=128, subspace=4, lr=3e-3)
     sync = ref.train(s, 2, s.lr, None)
     never = ref.train(s, 2, s.lr, s.steps)

@@ -14,11 +14,10 @@ import os
 import statistics
 
 import pytest
-from harness import load_benchmark
+
+from benchmarks import cluster_study as cs
 
 pytestmark = pytest.mark.system
-
-cs = load_benchmark("cluster_study")
 
 # 85k parameters, 2 workers of 32 samples: a few seconds of compute per run; the buckets of 64 KiB
 # make six of them, so a 2:1 capacity split is visible in the bytes of each node's link.

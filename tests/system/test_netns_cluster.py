@@ -1,4 +1,4 @@
-"""The emulated cluster (benchmarks/netns_cluster.py): real namespaces, real TCP, real teardown.
+"""The emulated cluster (tests/support/netns_cluster.py): real namespaces, real TCP, real teardown.
 
 Needs root and iproute2; skipped with the reason otherwise. Only addresses inside
 the namespaces these tests create are ever contacted.
@@ -15,14 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import load_benchmark
+from support import netns_cluster as nc
 
 pytestmark = pytest.mark.system
 
-_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "netns_cluster.py"
-
-
-nc = load_benchmark("netns_cluster")
+_TESTS = Path(__file__).resolve().parents[1]
+_SCRIPT = _TESTS / "support" / "netns_cluster.py"
 
 # Receives exactly N bytes on an ephemeral port; reports the time from first to last byte.
 _SERVER = r"""
@@ -54,9 +52,9 @@ assert sock.recv(1) == b"k"
 
 # Builds a cluster, prints its prefix, then waits to be killed.
 _CREATOR = r"""
-import importlib.util, sys, time
-spec = importlib.util.spec_from_file_location("netns_cluster", sys.argv[1])
-nc = importlib.util.module_from_spec(spec); sys.modules["netns_cluster"] = nc; spec.loader.exec_module(nc)
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from support import netns_cluster as nc
 c = nc.Cluster(num_hosts=2, rate="1gbit", watchdog=sys.argv[2] == "1").up()
 c.popen("h1", ["sleep", "30"])
 print(c.prefix, flush=True)
@@ -184,7 +182,7 @@ def test_failed_build_and_normal_exit_leave_nothing(available):
 
 
 def _start_creator(watchdog: bool) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", _CREATOR, str(_SCRIPT), "1" if watchdog else "0"],
+    proc = subprocess.Popen([sys.executable, "-c", _CREATOR, str(_TESTS), "1" if watchdog else "0"],
                             stdout=subprocess.PIPE, text=True)
     prefix = proc.stdout.readline().strip()
     assert prefix.startswith(f"luwu-{proc.pid}-"), prefix
