@@ -170,7 +170,7 @@ def write_outputs(run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = N
     addresses = [n["address"] for n in nodes]
     server_key = keys.node[0] if keys else ""
     if server_key or cfg.node.curve_public_key:
-        point = f"CURVE is on: worker rank r uses --config {run_dir / KEYS_DIR}/worker<r>.toml (this file plus its keys)" if keys else "CURVE is on: each worker adds its own [transport] curve_public_key / curve_secret_key (luwu keys)"
+        point = f"CURVE is on: worker rank r uses --config {run_dir / KEYS_DIR}/worker<r>.toml (this file plus its keys)" if keys else "CURVE is on: each worker adds its own key pair (worker<r>.toml of luwu keys, or LUWU_TRANSPORT__* variables)"
     else:
         point = "Point workers at it (--config, RemoteOptimizer(nodes=...) or LUWU_NODES)"
     header = f"Written by `luwu up` at {time.strftime('%Y-%m-%d %H:%M:%S')} for job {job!r}; run dir {run_dir}.\n{point} and `luwu status --run-dir` the run dir."
