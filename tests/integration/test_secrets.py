@@ -159,3 +159,49 @@ def test_up_on_a_public_address_makes_curve_keys(tmp_path):
     finally:
         down(run)
         down(plain)
+
+
+@pytest.mark.timeout(180)
+def test_ssh_launcher_runs_curve_with_keys_off_argv(tmp_path):
+    """deploy/ssh/launch.sh with ssh/scp shims that run here: keys made, node.env in a 0700 remote dir,
+    the node's argv free of keys, a client without keys refused, the monitor's keys answered."""
+    import socket
+
+    shims = {"ssh": '#!/bin/sh\nshift\nexec sh -c "$*"\n', "scp": '#!/bin/sh\nexec cp "$1" "${2#*:}"\n'}
+    for name, text in shims.items():
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "hosts").write_text(f"127.0.0.1 {port}\n")
+    (tmp_path / "base.toml").write_text('[cluster]\njob = "sshkeys"\n')
+    here, remote = tmp_path / "here", tmp_path / "remote"
+    env = dict(
+        os.environ, LUWU_SSH=str(tmp_path / "ssh"), LUWU_SCP=str(tmp_path / "scp"), LUWU_PYTHON=sys.executable, LUWU_REMOTE_PYTHON=sys.executable,
+        LUWU_RUN_DIR=str(here), LUWU_REMOTE_DIR=str(remote), LUWU_START_TIMEOUT="60", LUWU_STOP_TIMEOUT="10", LUWU_WORKERS="2", COLUMNS="200",
+    )
+    script = str(ROOT / "deploy" / "ssh" / "launch.sh")
+    pid = None
+    try:
+        r = subprocess.run([script, "start", str(tmp_path / "hosts"), str(tmp_path / "base.toml")], capture_output=True, text=True, timeout=120, env=env)
+        pid = read_pid(remote / "node-0.pid")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert " UP " in r.stdout
+        assert mode(here / "keys") == 0o700 and mode(remote) == 0o700 and mode(remote / "node.env") == 0o600
+        worker = load_config(str(here / "keys" / "worker1.toml"), env={})
+        node_secret = [line for line in (remote / "node.env").read_text().splitlines() if "SECRET" in line][0].split("=", 1)[1].strip("'")
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+        assert node_secret not in cmdline and "insecure" not in cmdline and "curve" not in cmdline
+        assert "secret" not in (here / "cluster.toml").read_text() and "secret" not in (remote / "cluster.toml").read_text()
+        address = worker.cluster.nodes[0]
+        assert not query_many([address], "sshkeys", 1.5)[0].up, "no keys, no answer"
+        t = worker.transport
+        assert query_many([address], "sshkeys", 10, curve=(t.curve_server_key, t.curve_public_key, t.curve_secret_key))[0].up
+        st = subprocess.run([script, "status", str(tmp_path / "hosts"), "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert st.returncode == 0 and json.loads(st.stdout)[0]["up"], st.stdout + st.stderr
+        stop = subprocess.run([script, "stop", str(tmp_path / "hosts")], capture_output=True, text=True, timeout=60, env=env)
+        assert stop.returncode == 0, stop.stderr
+    finally:
+        if pid is not None and pid_alive(pid):
+            os.kill(pid, 9)
