@@ -47,11 +47,16 @@ from luwu.supervisor import NodeSpec, Plan
 from luwu.switch_nodes.lines import READY_LINE
 
 
+ENV_SETTINGS = ("node.curve_authorized_keys",)
+"""Settings that reach the nodes through node.env even when given as flags: ``up`` adds the
+monitor's key to the list, and the environment ranks below the command line."""
+
+
 def plan_nodes(options, cfg, overrides: list[str]) -> list[NodeSpec]:
     """One NodeSpec per node: ``options.nodes`` fresh addresses on ``options.host`` from
     ``options.base_port``, else the cluster file's ``[cluster] nodes``. Secret flags among
     ``overrides`` are left out of the command lines (:func:`node_secrets` has them)."""
-    overrides, _ = split_secrets(overrides)
+    overrides, _ = split_secrets(overrides, to_env=ENV_SETTINGS)
     if options.nodes is not None or not cfg.cluster.nodes:
         num = 2 if options.nodes is None else options.nodes
         if num < 1:
@@ -79,16 +84,20 @@ def node_secrets(options, cfg, overrides: list[str], nodes: list[NodeSpec]) -> t
     """What the nodes get through their environment, and what ``up`` warns about.
 
     Returns (LUWU_* variables: the secret flags of ``overrides`` and, when made here, the node's
-    CURVE keys; the job's new key set or None; warning lines). Keys are made when a node binds
-    an address other hosts can reach, no node key is configured and node.insecure_public_bind
-    is not set: one pair for the nodes, one per worker rank (--workers, else cluster.world_size,
-    else DEFAULT_WORKER_KEYS) and one for ``luwu status``.
+    CURVE keys; the job's key set or None; warning lines). With node keys configured, the key
+    set is those plus a new pair for ``luwu status``, added to the authorized keys. Without, keys
+    are made when a node binds an address other hosts can reach and node.insecure_public_bind is
+    not set: one pair for the nodes, one per worker rank (--workers, else cluster.world_size, else
+    DEFAULT_WORKER_KEYS) and one for ``luwu status``.
     """
-    _, env = split_secrets(overrides)
+    _, env = split_secrets(overrides, to_env=ENV_SETTINGS)
     warnings: list[str] = []
     keys = None
     public = [n.bind for n in nodes if not is_loopback(n.bind)]
-    if public and not cfg.node.curve_secret_key:
+    if cfg.node.curve_secret_key:
+        keys = KeySet.generate(0, node=(cfg.node.curve_public_key, cfg.node.curve_secret_key))
+        env["LUWU_NODE__CURVE_AUTHORIZED_KEYS"] = ",".join([*cfg.node.curve_authorized_keys, keys.monitor[0]])
+    elif public:
         if cfg.node.insecure_public_bind:
             warnings.append(f"nodes bind {', '.join(public)} WITHOUT encryption (node.insecure_public_bind): anyone who reaches these ports can join the job and read its traffic")
         else:
@@ -164,13 +173,13 @@ def _node_error(log_tail: str) -> str:
 
 def write_outputs(run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = None) -> None:
     """``cluster.toml`` with the bound addresses (no secret: mode 0644) and ``targets.json`` for
-    Prometheus; with ``keys`` (made by ``up``), ``keys/worker<r>.toml`` for each rank and
+    Prometheus; with ``keys``, ``keys/worker<r>.toml`` for each rank ``up`` made keys for and
     ``keys/monitor.toml``: the cluster file's settings plus that client's keys, mode 0600."""
     job = cfg.cluster.job
     addresses = [n["address"] for n in nodes]
     server_key = keys.node[0] if keys else ""
-    if server_key or cfg.node.curve_public_key:
-        point = f"CURVE is on: worker rank r uses --config {run_dir / KEYS_DIR}/worker<r>.toml (this file plus its keys)" if keys else "CURVE is on: each worker adds its own key pair (worker<r>.toml of luwu keys, or LUWU_TRANSPORT__* variables)"
+    if server_key:
+        point = f"CURVE is on: worker rank r uses --config {run_dir / KEYS_DIR}/worker<r>.toml (this file plus its keys)" if keys.workers else "CURVE is on: each worker adds its own key pair (worker<r>.toml of luwu keys, or LUWU_TRANSPORT__* variables)"
     else:
         point = "Point workers at it (--config, RemoteOptimizer(nodes=...) or LUWU_NODES)"
     header = f"Written by `luwu up` at {time.strftime('%Y-%m-%d %H:%M:%S')} for job {job!r}; run dir {run_dir}.\n{point} and `luwu status --run-dir` the run dir."

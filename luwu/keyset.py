@@ -45,9 +45,19 @@ def is_loopback(address: str) -> bool:
     return host in LOOPBACK_HOSTS or host.startswith("127.")
 
 
-def split_secrets(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+def argv_secret_warning(cfg) -> str:
+    """A warning naming the secrets of ``cfg`` that came from --flags ('' when none did): while the
+    program runs, every local user reads its command line (``ps``)."""
+    flags = sorted(key for key, source in cfg.sources.items() if is_secret(key) and source.startswith("--"))
+    if not flags:
+        return ""
+    return f"{', '.join(flags)} given on the command line, where every local user can read it: use --config FILE (mode 600) or LUWU_SECTION__FIELD variables"
+
+
+def split_secrets(overrides: list[str], *, to_env: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
     """``--section.field=value`` flags as (the flags without secrets, the secrets as
-    LUWU_SECTION__FIELD environment variables)."""
+    LUWU_SECTION__FIELD environment variables); the settings named in ``to_env`` go to the
+    environment too."""
     public: list[str] = []
     env: dict[str, str] = {}
     i = 0
@@ -57,7 +67,7 @@ def split_secrets(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
         step = 1
         if not eq and i + 1 < len(overrides):
             value, step = overrides[i + 1], 2
-        if is_secret(key):
+        if is_secret(key) or key in to_env:
             section, _, name = key.partition(".")
             env[f"LUWU_{section.upper()}__{name.upper()}"] = value
         else:
@@ -116,14 +126,15 @@ class KeySet:
     """The operator's tools (``luwu status``, ``luwu top``)."""
 
     @classmethod
-    def generate(cls, num_workers: int) -> KeySet:
+    def generate(cls, num_workers: int, *, node: tuple[str, str] | None = None) -> KeySet:
+        """New pairs for ``num_workers`` ranks and the monitor; new node pair unless ``node`` is given."""
         import zmq
 
         def pair() -> tuple[str, str]:
             public, secret = zmq.curve_keypair()
             return public.decode(), secret.decode()
 
-        return cls(node=pair(), workers=[pair() for _ in range(num_workers)], monitor=pair())
+        return cls(node=node or pair(), workers=[pair() for _ in range(num_workers)], monitor=pair())
 
     def node_settings(self) -> dict:
         """The [node] keys: the node's pair and every authorized public key (workers, then the monitor)."""

@@ -49,15 +49,12 @@ def _busy(what: str, address: str, hint: str) -> int:
 def warnings_for(cfg, node) -> list[str]:
     """What a node started this way should be told: no encryption on a network address, a secret on
     the command line (every local user reads it in ``ps``)."""
-    from luwu.keyset import is_loopback, is_secret
+    from luwu.keyset import argv_secret_warning, is_loopback
 
     out = []
     if not is_loopback(node.bind) and not node.curve_secret_key and node.insecure_public_bind:
         out.append(f"node.insecure_public_bind: {node.bind} is served WITHOUT encryption; anyone who reaches it can join the job (luwu keys makes CURVE keys)")
-    flags = sorted(key for key, source in cfg.sources.items() if is_secret(key) and source.startswith("--"))
-    if flags:
-        out.append(f"{', '.join(flags)} given on the command line, where every local user can read it: use --config FILE (mode 600) or LUWU_SECTION__FIELD variables")
-    return out
+    return [*out, argv_secret_warning(cfg)] if argv_secret_warning(cfg) else out
 
 
 def cmd_node(args) -> int:

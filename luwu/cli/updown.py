@@ -36,6 +36,7 @@ def cmd_up(args) -> int:
 
     from luwu import daemons
     from luwu.config import load_config
+    from luwu.keyset import argv_secret_warning
     from luwu.supervisor import Plan
 
     console, err = Console(), Console(stderr=True)
@@ -45,8 +46,8 @@ def cmd_up(args) -> int:
     run_dir = Path(args.run_dir or default_run_dir(job)).resolve()
     nodes = daemons.plan_nodes(args, cfg, args.overrides)
     secrets, keys, warnings = daemons.node_secrets(args, cfg, args.overrides, nodes)
-    if len(secrets) > len(keys.node_env() if keys else {}):
-        warnings.append("a secret given as a --flag is visible to every local user (ps) while `luwu up` runs: prefer --config FILE (mode 600) or LUWU_NODE__CURVE_SECRET_KEY")
+    if argv_secret_warning(cfg):
+        warnings.append(argv_secret_warning(cfg))
     for line in warnings:
         err.print(f"luwu up: warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     plan = Plan(job=job, cwd=os.getcwd(), nodes=nodes, stop_timeout_s=args.stop_timeout, warnings=warnings)
@@ -73,9 +74,10 @@ def cmd_up(args) -> int:
     for n in nodes:
         table.add_row(str(n["index"]), n["address"], n["metrics_url"] or "-", str(n["pid"]))
     console.print(table)
-    if keys is not None:
+    made = keys is not None and bool(keys.workers)
+    if made:
         console.print(f"CURVE on: keys made for {len(keys.workers)} worker ranks in {run_dir / KEYS_DIR} (mode 600; --workers N for more)", highlight=False, soft_wrap=True)
-    for line in next_steps(run_dir, keys is not None):
+    for line in next_steps(run_dir, made):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0
 

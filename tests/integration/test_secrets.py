@@ -92,7 +92,10 @@ def test_up_with_a_node_key_file_and_secret_flags_leaks_nothing(tmp_path):
         assert st.up, st.error
         # The worker adds its own keys (here from the environment) to the shared file.
         mine = {"LUWU_TRANSPORT__CURVE_PUBLIC_KEY": worker.curve_public_key, "LUWU_TRANSPORT__CURVE_SECRET_KEY": worker.curve_secret_key}
-        s = luwu("status", "--run-dir", str(run_a), env=mine)
+        assert load_config(str(run_a / "cluster.toml"), env=mine).transport.curve_server_key == node.curve_public_key
+        # `luwu status --run-dir` uses the monitor key up added to the nodes' authorized keys.
+        assert sorted(p.name for p in (run_a / "keys").iterdir()) == ["monitor.toml"]
+        s = luwu("status", "--run-dir", str(run_a))
         assert s.returncode == 0, s.stdout + s.stderr
         assert "checkpoints are off" in s.stdout, "status repeats up's warnings"
 
@@ -100,7 +103,7 @@ def test_up_with_a_node_key_file_and_secret_flags_leaks_nothing(tmp_path):
         flags = [f"--node.curve_public_key={node.curve_public_key}", f"--node.curve_secret_key={node.curve_secret_key}", f"--node.curve_authorized_keys={','.join(node.curve_authorized_keys)}"]
         r = luwu("up", "--nodes", "1", "--run-dir", str(run_b), "--cluster.job=sb", "--timeout", "90", *flags)
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "visible to every local user" in r.stderr
+        assert "given on the command line" in r.stderr
         secret = node.curve_secret_key
         for f in run_b.iterdir():
             if f.is_file() and f.name != "node.env":
@@ -116,6 +119,9 @@ def test_up_with_a_node_key_file_and_secret_flags_leaks_nothing(tmp_path):
         address = json.loads((run_b / "state.json").read_text())["nodes"][0]["address"]
         assert not query_many([address], "sb", 1.5)[0].up
         assert query_many([address], "sb", 10, curve=(worker.curve_server_key, worker.curve_public_key, worker.curve_secret_key))[0].up
+        assert node.curve_authorized_keys[0] not in (run_b / "plan.json").read_text(), "the authorized keys go by node.env too"
+        s = luwu("status", "--run-dir", str(run_b), "--json")
+        assert s.returncode == 0 and json.loads(s.stdout)[0]["up"], s.stdout + s.stderr
 
         # 3. Modes: the run dir 0700; plan, state, logs, env file 0600; pid files may be 0644.
         for run in (run_a, run_b):
