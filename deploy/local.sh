@@ -54,6 +54,11 @@ case "$cmd" in
       echo "local.sh: no $run_dir/cluster.toml: run '$0 up' first" >&2
       exit 1
     fi
+    if [ -f "$run_dir/keys/worker0.toml" ]; then  # up made CURVE keys: rank r runs with its own file
+      # shellcheck disable=SC2016 # expanded by each rank's shell (torchrun sets RANK)
+      exec "$py" -m torch.distributed.run --standalone --nproc-per-node "$nproc" --no-python \
+        bash -c 'exec "$0" "$1" --config "$2/keys/worker$RANK.toml" "${@:3}"' "$py" "$here/train_example.py" "$run_dir" "$@"
+    fi
     exec "$py" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
       "$here/train_example.py" --config "$run_dir/cluster.toml" "$@"
     ;;

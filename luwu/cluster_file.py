@@ -3,17 +3,25 @@
 Two writers share one TOML encoder (``tomli_w``): :func:`cluster_file_text`, the
 file ``luwu up`` and the Slurm/SSH launchers hand to workers, and
 :func:`config_text`, what ``luwu config show`` prints. Both load back with
-``--config``.
+``--config``. Neither ever writes a secret: a cluster file handed to workers
+carries the nodes' public key (``transport.curve_server_key``) and no key of
+the nodes' own; each worker gets its own key pair in a file of its own
+(:mod:`luwu.keyset`).
 """
 
 from __future__ import annotations
 
 import tomli_w
 
+from luwu.keyset import is_secret
 from luwu.protocol.errors import ConfigError
 
 PER_NODE_KEYS = ("node.bind", "node.index", "metrics.port")
 """Settings that differ per node: never copied into a shared cluster file."""
+NODE_KEYS = ("node.curve_public_key", "node.curve_secret_key", "node.curve_authorized_keys")
+"""The nodes' own CURVE identity: a cluster file gets the public key as transport.curve_server_key."""
+CLIENT_KEYS = ("transport.curve_public_key", "transport.curve_secret_key", "transport.curve_server_key")
+"""One client's CURVE identity: each worker has its own (luwu.keyset), never the shared file."""
 
 
 def _dumps(table: dict) -> str:
@@ -27,9 +35,11 @@ def _comment(text: str) -> list[str]:
     return [f"# {line}".rstrip() for line in text.splitlines()]
 
 
-def cluster_file_text(cfg, nodes: list[str], *, header: str = "") -> str:
-    """[cluster] with the bound node addresses, plus every setting given to ``up`` that is shared
-    by nodes and workers (file, env, flags: not the defaults, not the per-node ones)."""
+def cluster_sections(cfg, nodes: list[str], *, server_key: str = "") -> dict[str, dict]:
+    """[cluster] with ``nodes``, plus every setting given that nodes and workers share (file, env,
+    flags: not the defaults, not the per-node ones, no secret, not the nodes' keys). The nodes'
+    public key (``server_key``, else node.curve_public_key of ``cfg``) goes in as
+    transport.curve_server_key."""
     sections: dict[str, dict] = {"cluster": {"job": cfg.cluster.job, "nodes": list(nodes)}}
     if cfg.cluster.capacities:
         sections["cluster"]["capacities"] = list(cfg.cluster.capacities)
@@ -37,16 +47,20 @@ def cluster_file_text(cfg, nodes: list[str], *, header: str = "") -> str:
         sections["cluster"]["world_size"] = cfg.cluster.world_size
     for key, source in sorted(cfg.sources.items()):
         section, _, name = key.partition(".")
-        if source == "default" or key in PER_NODE_KEYS or section == "cluster":
+        if source == "default" or key in (*PER_NODE_KEYS, *NODE_KEYS, *CLIENT_KEYS) or section == "cluster" or is_secret(name):
             continue
         value = getattr(getattr(cfg, section), name)
         if value is not None:
             sections.setdefault(section, {})[name] = value
-    return "\n".join([*_comment(header), _dumps(sections)]).lstrip("\n")
+    server_key = server_key or cfg.node.curve_public_key or cfg.transport.curve_server_key
+    if server_key:
+        sections.setdefault("transport", {})["curve_server_key"] = server_key
+    return sections
 
 
-def _is_secret(name: str) -> bool:
-    return "secret" in name
+def cluster_file_text(cfg, nodes: list[str], *, header: str = "", server_key: str = "") -> str:
+    """:func:`cluster_sections` as TOML, under a comment ``header``."""
+    return "\n".join([*_comment(header), _dumps(cluster_sections(cfg, nodes, server_key=server_key))]).lstrip("\n")
 
 
 def config_text(cfg, *, header: str = "") -> str:
@@ -62,7 +76,7 @@ def config_text(cfg, *, header: str = "") -> str:
             source = cfg.sources.get(f"{section}.{name}", "default")
             if value is None:
                 out.append(f"# {name} is unset (from {source})")
-            elif _is_secret(name) and value:
+            elif is_secret(name) and value:
                 out.append(f"# {name} = <hidden> (set, from {source})")
             else:
                 text = _dumps({name: value}).rstrip("\n")

@@ -4,7 +4,10 @@
 detached from the shell, which starts the daemons; it then waits until every
 node printed its READY line and writes ``cluster.toml`` (the resolved cluster
 file that training scripts and ``luwu status`` point at) and ``targets.json``
-(Prometheus file_sd targets of the nodes' /metrics). ``down`` stops the
+(Prometheus file_sd targets of the nodes' /metrics). Secrets given to ``up``
+reach the nodes through a 0600 environment file, never their argv; when a node
+binds an address other hosts can reach and no keys are configured, ``up`` makes
+the job's CURVE keys itself (:mod:`luwu.keyset`). ``down`` stops the
 supervisor first (so nothing it stops is restarted), then makes sure of every
 pid file itself, in case the supervisor was killed.
 """
@@ -19,14 +22,19 @@ import sys
 import time
 from pathlib import Path
 
-from luwu.cluster_file import cluster_file_text
+from luwu.cluster_file import cluster_file_text, cluster_sections
+from luwu.keyset import DEFAULT_WORKER_KEYS, KeySet, env_file_text, is_loopback, split_secrets, write_keyset
 from luwu.protocol.errors import ConfigError, LuwuError
 from luwu.rundir import (
     CLUSTER_FILE,
+    KEYS_DIR,
+    NODE_ENV_FILE,
     SUPERVISOR_LOG,
     SUPERVISOR_PID,
     is_luwu,
+    make_run_dir,
     node_log,
+    open_log,
     pid_alive,
     read_pid,
     read_state,
@@ -39,9 +47,16 @@ from luwu.supervisor import NodeSpec, Plan
 from luwu.switch_nodes.lines import READY_LINE
 
 
+ENV_SETTINGS = ("node.curve_authorized_keys",)
+"""Settings that reach the nodes through node.env even when given as flags: ``up`` adds the
+monitor's key to the list, and the environment ranks below the command line."""
+
+
 def plan_nodes(options, cfg, overrides: list[str]) -> list[NodeSpec]:
     """One NodeSpec per node: ``options.nodes`` fresh addresses on ``options.host`` from
-    ``options.base_port``, else the cluster file's ``[cluster] nodes``."""
+    ``options.base_port``, else the cluster file's ``[cluster] nodes``. Secret flags among
+    ``overrides`` are left out of the command lines (:func:`node_secrets` has them)."""
+    overrides, _ = split_secrets(overrides, to_env=ENV_SETTINGS)
     if options.nodes is not None or not cfg.cluster.nodes:
         num = 2 if options.nodes is None else options.nodes
         if num < 1:
@@ -65,20 +80,54 @@ def plan_nodes(options, cfg, overrides: list[str]) -> list[NodeSpec]:
     ]
 
 
-def launch(run_dir: Path, plan: Plan) -> None:
-    """Clear what a previous run left, write the plan and start its supervisor, detached."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+def node_secrets(options, cfg, overrides: list[str], nodes: list[NodeSpec]) -> tuple[dict[str, str], KeySet | None, list[str]]:
+    """What the nodes get through their environment, and what ``up`` warns about.
+
+    Returns (LUWU_* variables: the secret flags of ``overrides`` and, when made here, the node's
+    CURVE keys; the job's key set or None; warning lines). With node keys configured, the key
+    set is those plus a new pair for ``luwu status``, added to the authorized keys. Without, keys
+    are made when a node binds an address other hosts can reach and node.insecure_public_bind is
+    not set: one pair for the nodes, one per worker rank (--workers, else cluster.world_size, else
+    DEFAULT_WORKER_KEYS) and one for ``luwu status``.
+    """
+    _, env = split_secrets(overrides, to_env=ENV_SETTINGS)
+    warnings: list[str] = []
+    keys = None
+    public = [n.bind for n in nodes if not is_loopback(n.bind)]
+    if cfg.node.curve_secret_key:
+        keys = KeySet.generate(0, node=(cfg.node.curve_public_key, cfg.node.curve_secret_key))
+        env["LUWU_NODE__CURVE_AUTHORIZED_KEYS"] = ",".join([*cfg.node.curve_authorized_keys, keys.monitor[0]])
+    elif public:
+        if cfg.node.insecure_public_bind:
+            warnings.append(f"nodes bind {', '.join(public)} WITHOUT encryption (node.insecure_public_bind): anyone who reaches these ports can join the job and read its traffic")
+        else:
+            keys = KeySet.generate(getattr(options, "workers", None) or cfg.cluster.world_size or DEFAULT_WORKER_KEYS)
+            env.update(keys.node_env())
+    if not cfg.node.checkpoint_dir:
+        warnings.append("checkpoints are off (no node.checkpoint_dir): a node the supervisor restarts comes back empty and the job cannot go on; set --node.checkpoint_dir=DIR")
+    return env, keys, warnings
+
+
+def launch(run_dir: Path, plan: Plan, secrets: dict[str, str] | None = None) -> None:
+    """Clear what a previous run left, write the plan (and ``secrets``, the nodes' LUWU_* variables,
+    into a 0600 environment file) and start its supervisor, detached."""
+    make_run_dir(run_dir)
     pid = supervisor_running(run_dir)
     if pid is not None:
         raise LuwuError(f"job {plan.job!r} is already up in {run_dir} (supervisor pid {pid}): `luwu down --run-dir {run_dir}` first")
-    for stale in ("state.json", CLUSTER_FILE, "targets.json", *(p.name for p in run_dir.glob("node-*.pid"))):
+    for stale in ("state.json", CLUSTER_FILE, "targets.json", NODE_ENV_FILE, *(p.name for p in run_dir.glob("node-*.pid"))):
         (run_dir / stale).unlink(missing_ok=True)
+    for stale in (run_dir / KEYS_DIR).glob("*"):  # the keys of an earlier run of this dir
+        stale.unlink()
+    if secrets:
+        write_atomic(run_dir / NODE_ENV_FILE, env_file_text(secrets), 0o600)
+        plan.env_file = NODE_ENV_FILE
     for i in range(len(plan.nodes)):  # keep the previous run's log for a post-mortem
         logf = node_log(run_dir, i)
         if logf.exists():
             os.replace(logf, logf.with_suffix(".log.prev"))
     plan.save(run_dir / "plan.json")
-    with open(run_dir / SUPERVISOR_LOG, "ab") as fh:
+    with open_log(run_dir / SUPERVISOR_LOG) as fh:
         starter = subprocess.Popen([sys.executable, "-m", "luwu.supervisor", str(run_dir)], stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=plan.cwd, start_new_session=True)
     starter.wait(30)  # the intermediate exits at once; the supervisor lives on, detached
 
@@ -122,13 +171,23 @@ def _node_error(log_tail: str) -> str:
     return f": {lines[-1][len(prefix):]}" if lines else ""
 
 
-def write_outputs(run_dir: Path, cfg, nodes: list[dict]) -> None:
-    """``cluster.toml`` with the bound addresses and ``targets.json`` for Prometheus."""
+def write_outputs(run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = None) -> None:
+    """``cluster.toml`` with the bound addresses (no secret: mode 0644) and ``targets.json`` for
+    Prometheus; with ``keys``, ``keys/worker<r>.toml`` for each rank ``up`` made keys for and
+    ``keys/monitor.toml``: the cluster file's settings plus that client's keys, mode 0600."""
     job = cfg.cluster.job
-    header = f"Written by `luwu up` at {time.strftime('%Y-%m-%d %H:%M:%S')} for job {job!r}; run dir {run_dir}.\nPoint workers at it (--config, RemoteOptimizer(nodes=...) or LUWU_NODES) and `luwu status --config` this file."
-    write_atomic(run_dir / CLUSTER_FILE, cluster_file_text(cfg, [n["address"] for n in nodes], header=header))
+    addresses = [n["address"] for n in nodes]
+    server_key = keys.node[0] if keys else ""
+    if server_key:
+        point = f"CURVE is on: worker rank r uses --config {run_dir / KEYS_DIR}/worker<r>.toml (this file plus its keys)" if keys.workers else "CURVE is on: each worker adds its own key pair (worker<r>.toml of luwu keys, or LUWU_TRANSPORT__* variables)"
+    else:
+        point = "Point workers at it (--config, RemoteOptimizer(nodes=...) or LUWU_NODES)"
+    header = f"Written by `luwu up` at {time.strftime('%Y-%m-%d %H:%M:%S')} for job {job!r}; run dir {run_dir}.\n{point} and `luwu status --run-dir` the run dir."
+    write_atomic(run_dir / CLUSTER_FILE, cluster_file_text(cfg, addresses, header=header, server_key=server_key), 0o644)
+    if keys is not None:
+        write_keyset(run_dir / KEYS_DIR, keys, shared=cluster_sections(cfg, addresses, server_key=server_key), node_files=False)
     targets = [{"targets": [n["metrics_url"].split("://", 1)[1]], "labels": {"luwu_job": job, "luwu_node": str(n["index"]), "luwu_role": "node"}} for n in nodes if n["metrics_url"]]
-    write_atomic(run_dir / "targets.json", json.dumps(targets, indent=2))
+    write_atomic(run_dir / "targets.json", json.dumps(targets, indent=2), 0o644)
 
 
 def _terminate(pids: dict[str, int], timeout_s: float, console) -> list[str]:

@@ -54,8 +54,11 @@ def _parse_reply(address: str, frames: list) -> dict:
     return msg.header["detail"]
 
 
-def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, context=None) -> list[NodeStatus]:
-    """Ask every node at once; one deadline for all. Never raises for a node's fault."""
+def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, context=None, curve: tuple[str, str, str] | None = None) -> list[NodeStatus]:
+    """Ask every node at once; one deadline for all. Never raises for a node's fault.
+
+    ``curve`` = (nodes' public key, our public key, our secret key) for nodes with CURVE on
+    (``luwu up`` makes a monitor key pair the nodes accept: keys/monitor.toml)."""
     import zmq
 
     if not timeout_s > 0:
@@ -71,6 +74,8 @@ def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOU
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.SNDTIMEO, 0)
             socks[s] = i
+            if curve is not None:
+                s.curve_serverkey, s.curve_publickey, s.curve_secretkey = (k.encode() for k in curve)
             try:
                 s.connect(address)
                 s.send_multipart(_stats_request(job), flags=zmq.NOBLOCK)
@@ -99,9 +104,9 @@ def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOU
     return out
 
 
-def query_stats(address: str, job: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+def query_stats(address: str, job: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, curve: tuple[str, str, str] | None = None) -> dict:
     """The STATS ``detail`` of one node; raises NodeTimeoutError naming the address if it does not answer."""
-    (st,) = query_many([address], job, timeout_s)
+    (st,) = query_many([address], job, timeout_s, curve=curve)
     if not st.up:
         if st.error.startswith("no answer"):
             raise NodeTimeoutError(f"node {address} did not answer STATS within {timeout_s:g} s (is it up? is job {job!r} right?)")

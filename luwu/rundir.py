@@ -3,12 +3,17 @@
 ``luwu up`` writes the plan, the supervisor writes what it sees, ``luwu down``,
 ``luwu status`` and ``luwu top`` read it. Layout (default ``./.luwu-run/<job>/``)::
 
-    plan.json         what the supervisor runs (written by up)
+    plan.json         what the supervisor runs (written by up; secrets as <hidden>)
+    node.env          secrets for the nodes, as LUWU_SECTION__FIELD variables (only when there are any)
     state.json        what the supervisor sees: pid, address, restarts of each node
     supervisor.pid    supervisor.log
     node-<i>.pid      node-<i>.log   (the daemon's stdout and stderr; kept across restarts)
-    cluster.toml      [cluster] job, nodes = [...] and the settings given to up
+    cluster.toml      [cluster] job, nodes = [...] and the settings given to up; no secret
+    keys/             the job's CURVE keys when up made them: worker<r>.toml (one per rank), monitor.toml
     targets.json      Prometheus file_sd_configs targets of the nodes' /metrics
+
+The folder is mode 0700 and every file but the pid files, cluster.toml and
+targets.json 0600: a run's keys, logs and plan are its owner's alone.
 
 Nothing here imports torch or ZeroMQ: the supervisor and ``luwu down`` stay light.
 """
@@ -24,6 +29,8 @@ RUN_ROOT = ".luwu-run"
 CLUSTER_FILE = "cluster.toml"
 STATE_FILE = "state.json"
 PLAN_FILE = "plan.json"
+NODE_ENV_FILE = "node.env"
+KEYS_DIR = "keys"
 SUPERVISOR_PID = "supervisor.pid"
 SUPERVISOR_LOG = "supervisor.log"
 
@@ -86,11 +93,31 @@ def supervisor_running(run_dir: Path) -> int | None:
     return pid if pid is not None and pid_alive(pid) and is_luwu(pid) else None
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Readers see the old file or the new one, never half of one."""
+def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    """Readers see the old file or the new one, never half of one; the file has ``mode``
+    (0600 unless said otherwise: only the owner reads a run's files)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w") as fh:
+            fd = -1
+            fh.write(text)
+    finally:
+        if fd >= 0:
+            os.close(fd)
     os.replace(tmp, path)
+
+
+def open_log(path: Path):
+    """A log file for appending, created 0600 (a node's log may name its peers and settings)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` (and its parents) with mode 0700; an existing run dir is made 0700 too."""
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(run_dir, 0o700)
 
 
 def read_state(run_dir: Path) -> dict | None:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from luwu.protocol.errors import ConfigError
-from luwu.rundir import PLAN_FILE, SUPERVISOR_PID, exit_text, node_log, node_pid_file, write_atomic, write_state
+from luwu.keyset import read_env_file, redact_args
+from luwu.rundir import PLAN_FILE, SUPERVISOR_PID, exit_text, node_log, node_pid_file, open_log, write_atomic, write_state
 from luwu.switch_nodes.lines import METRICS_LINE, READY_LINE
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,8 @@ class NodeSpec:
     index: int
     """Position in the cluster's node list."""
     args: list[str]
-    """The daemon's command line, less --node.bind and --metrics.port (the supervisor adds them)."""
+    """The daemon's command line, less --node.bind and --metrics.port (the supervisor adds them).
+    Never a secret: those reach the daemon through its environment (:attr:`Plan.env_file`)."""
     bind: str
     """Address to bind; port 0 on the first start only: restarts reuse the bound address."""
     metrics_port: int
@@ -53,6 +55,11 @@ class Plan:
     """A daemon that ran this long before dying restarts after backoff_s again."""
     stop_timeout_s: float = 30.0
     """SIGTERM to SIGKILL: long enough for the checkpoint a node writes on SIGTERM."""
+    env_file: str = ""
+    """An environment file (mode 0600, relative to the run dir) whose LUWU_SECTION__FIELD variables
+    every daemon gets: the secrets (CURVE keys), kept out of argv, this plan and the logs."""
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    """What ``up`` warned about when it started the run (checkpoints off, no encryption): ``luwu status`` repeats it."""
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -62,7 +69,11 @@ class Plan:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
 
     def save(self, path: Path) -> None:
-        write_atomic(path, json.dumps(dataclasses.asdict(self), indent=2))
+        """Write the plan (0600), any secret flag of a command line as <hidden>."""
+        data = dataclasses.asdict(self)
+        for node in data["nodes"]:
+            node["args"] = redact_args(node["args"])
+        write_atomic(path, json.dumps(data, indent=2))
 
     @classmethod
     def load(cls, path: Path) -> Plan:
@@ -111,18 +122,20 @@ class Supervisor:
             mport = int(d.metrics_url.rsplit(":", 1)[1])
         cmd = [*d.spec.args, "--node.bind", bind, "--metrics.port", str(mport)]
         path = self.log_path(d)
-        with open(path, "ab") as fh:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.plan.env_file:  # read at every start: the file may have been rotated since
+            env.update(read_env_file(self.run_dir / self.plan.env_file))
+        with open_log(path) as fh:
             what = f"restart #{d.restarts}" if d.restarts else "start"
-            fh.write(f"---- luwu supervisor: {what} of node {d.spec.index} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(cmd)}\n".encode())
+            fh.write(f"---- luwu supervisor: {what} of node {d.spec.index} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(redact_args(cmd))}\n".encode())
             fh.flush()
             d.log_offset = fh.tell()
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
             d.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=self.plan.cwd, env=env, start_new_session=True)
         d.partial = b""
         d.pid = d.proc.pid
         d.state = "starting"
         d.started_at = time.monotonic()
-        write_atomic(self.pid_path(d), f"{d.pid}\n")
+        write_atomic(self.pid_path(d), f"{d.pid}\n", 0o644)
         log.info("node %d: started pid %d (%s)", d.spec.index, d.pid, what)
 
     def _scan_log(self, d: _Daemon) -> None:
@@ -206,7 +219,7 @@ class Supervisor:
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, on_signal)
-        write_atomic(self.run_dir / SUPERVISOR_PID, f"{os.getpid()}\n")
+        write_atomic(self.run_dir / SUPERVISOR_PID, f"{os.getpid()}\n", 0o644)
         log.info("supervisor of job %r (pid %d): %d nodes", self.plan.job, os.getpid(), len(self.daemons))
         try:
             for d in self.daemons:

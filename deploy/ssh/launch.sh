@@ -13,12 +13,18 @@
 # The cluster file (the base file's settings + [cluster] nodes from the hosts file) is written to
 # $LUWU_RUN_DIR/cluster.toml here and copied to $LUWU_REMOTE_DIR/cluster.toml on every host; give the
 # same file to the workers (RemoteOptimizer(nodes=load_config(FILE).cluster.nodes), train_example.py).
+# Node traffic crosses the network, so the nodes run CURVE: start makes the job's keys in $LUWU_RUN_DIR/keys
+# (luwu keys, mode 600): node.env goes to every host (into a mode 700 dir) and is read by the node's
+# shell, never put on its command line; worker rank r uses keys/worker<r>.toml (the cluster file plus
+# its own key pair) as its --config; status uses keys/monitor.toml. A later start keeps the keys (and
+# the node list in the worker files): remove $LUWU_RUN_DIR/keys after changing the hosts file.
 #
 # Environment: LUWU_SSH (default "ssh -o BatchMode=yes"), LUWU_SCP (default "scp -q -o BatchMode=yes"),
 # LUWU_PYTHON (here, default python3), LUWU_REMOTE_PYTHON (on the hosts, default python3),
 # LUWU_RUN_DIR (here, default .luwu-run/ssh), LUWU_REMOTE_DIR (on the hosts, default .luwu-run/ssh,
-# relative to the remote home), LUWU_START_TIMEOUT (default 120), LUWU_STOP_TIMEOUT (default 60).
-# Nodes on non-loopback addresses should use CURVE keys (see deploy/README.md).
+# relative to the remote home), LUWU_START_TIMEOUT (default 120), LUWU_STOP_TIMEOUT (default 60),
+# LUWU_WORKERS (worker key files to make, default 8), LUWU_INSECURE_PUBLIC_BIND=1 (no keys, no encryption:
+# anyone who reaches the node ports joins the job; a trusted private network only, with a warning).
 set -euo pipefail
 
 read -r -a ssh_cmd <<<"${LUWU_SSH:-ssh -o BatchMode=yes}"
@@ -29,6 +35,9 @@ run_dir=${LUWU_RUN_DIR:-.luwu-run/ssh}
 remote_dir=${LUWU_REMOTE_DIR:-.luwu-run/ssh}
 start_timeout=${LUWU_START_TIMEOUT:-120}
 stop_timeout=${LUWU_STOP_TIMEOUT:-60}
+workers=${LUWU_WORKERS:-8}
+insecure=${LUWU_INSECURE_PUBLIC_BIND:-0}
+keys_dir=$run_dir/keys
 
 usage() {
   awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "${BASH_SOURCE[0]}"
@@ -91,6 +100,7 @@ node_list() {
 write_cluster_file() {
   local base=${1:-}
   mkdir -p "$run_dir"
+  chmod 700 "$run_dir"
   "$py" - "$run_dir/cluster.toml" "$(node_list)" "$base" <<'PY'
 import sys
 from luwu.config import load_config
@@ -105,10 +115,33 @@ print(f"cluster file {out}: job {cfg.cluster.job!r}, {len(cfg.cluster.nodes)} no
 PY
 }
 
+# The job's CURVE keys (once: a restart keeps the workers' files valid), or the warned opt-out.
+make_keys() {
+  if [ "$insecure" = 1 ]; then
+    echo "launch.sh: WARNING: LUWU_INSECURE_PUBLIC_BIND=1: the nodes run without encryption; anyone who reaches their ports can join the job" >&2
+    rm -f "$keys_dir/node.env"
+  elif [ ! -f "$keys_dir/node.env" ]; then
+    "$py" -m luwu keys --out "$keys_dir" --workers "$workers" --cluster "$run_dir/cluster.toml"
+  fi
+}
+
+# What luwu status reads: the monitor's keys when there are keys.
+status_file() {
+  if [ -f "$keys_dir/monitor.toml" ] && [ "$insecure" != 1 ]; then
+    printf '%s' "$keys_dir/monitor.toml"
+  else
+    printf '%s' "$run_dir/cluster.toml"
+  fi
+}
+
 start_node() {
   local i=$1 target=${targets[$1]} dir=$remote_dir
-  remote "$target" mkdir -p "$dir"
+  # shellcheck disable=SC2016 # expanded by the remote shell
+  remote_sh "$target" 'umask 077 && mkdir -p "$1" && chmod 700 "$1" && rm -f "$1/node.env"' "$dir"
   "${scp_cmd[@]}" "$run_dir/cluster.toml" "$target:$dir/cluster.toml"
+  if [ -f "$keys_dir/node.env" ]; then
+    "${scp_cmd[@]}" "$keys_dir/node.env" "$target:$dir/node.env"
+  fi
   # shellcheck disable=SC2016 # expanded by the remote shell
   remote_sh "$target" '
     cd "$1" || exit 1
@@ -116,11 +149,18 @@ start_node() {
       echo "node $2 already running (pid $(cat "node-$2.pid"))"; exit 0
     fi
     shift
-    i=$1 py=$2; shift 2
+    i=$1 py=$2 insecure=$3; shift 3
+    if [ -f node.env ]; then
+      chmod 600 node.env
+      set -a; . ./node.env; set +a
+    elif [ "$insecure" = 1 ]; then
+      export LUWU_NODE__INSECURE_PUBLIC_BIND=true
+    fi
+    umask 077
     nohup setsid "$py" -m luwu -v node --config cluster.toml --node.index "$i" "$@" >"node-$i.log" 2>&1 </dev/null &
     echo $! >"node-$i.pid"
     echo "node $i started (pid $!)"
-  ' "$dir" "$i" "$remote_py" --node.bind "tcp://${addrs[$i]}:${ports[$i]}" --node.insecure_public_bind true \
+  ' "$dir" "$i" "$remote_py" "$insecure" --node.bind "tcp://${addrs[$i]}:${ports[$i]}" \
     --metrics.host "${addrs[$i]}" --metrics.port "${mports[$i]}"
 }
 
@@ -144,14 +184,14 @@ stop_node() {
 # Until every node answers; prints the status table once they do.
 wait_ready() {
   local deadline=$((SECONDS + start_timeout)) i out
-  until out=$("$py" -m luwu.status status --config "$run_dir/cluster.toml" --timeout 2 2>&1); do
+  until out=$("$py" -m luwu.status status --config "$(status_file)" --timeout 2 2>&1); do
     if [ "$SECONDS" -ge "$deadline" ]; then
       echo "launch.sh: not every node answered within ${start_timeout}s (LUWU_START_TIMEOUT); their logs:" >&2
       for i in "${!targets[@]}"; do
         echo "--- node $i on ${targets[$i]}:" >&2
         remote "${targets[$i]}" tail -n 15 "$remote_dir/node-$i.log" >&2 || true
       done
-      "$py" -m luwu.status status --config "$run_dir/cluster.toml" --timeout 2 >&2 || true
+      "$py" -m luwu.status status --config "$(status_file)" --timeout 2 >&2 || true
       return 1
     fi
     sleep 1
@@ -165,6 +205,7 @@ case "$cmd" in
     [ $# -ge 2 ] || usage 2
     read_hosts "$2"
     write_cluster_file "${3:-}"
+    make_keys
     for i in "${!targets[@]}"; do
       start_node "$i"
     done
@@ -187,7 +228,7 @@ case "$cmd" in
   status)
     [ $# -ge 2 ] || usage 2
     [ -f "$run_dir/cluster.toml" ] || die "no $run_dir/cluster.toml: run '$0 start $2' first"
-    exec "$py" -m luwu.status status --config "$run_dir/cluster.toml" "${@:3}"
+    exec "$py" -m luwu.status status --config "$(status_file)" "${@:3}"
     ;;
   -h | --help | help) usage 0 ;;
   *) usage 2 ;;

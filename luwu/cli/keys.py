@@ -1,36 +1,26 @@
-"""``luwu keys``: CURVE key pairs for the nodes and the workers."""
+"""``luwu keys``: CURVE key pairs for the nodes, the workers and the operator's tools."""
 
 from __future__ import annotations
-
-import os
 
 from luwu.cli.common import add_command, positive_int
 
 
-def _toml(table: dict) -> str:
-    import tomli_w
-
-    return tomli_w.dumps(table)
-
-
 def cmd_keys(args) -> int:
-    """One key pair for the nodes, one per worker, and the nodes' list of authorized worker keys."""
-    import zmq
+    """One key pair for the nodes, one per worker rank, one for ``luwu status``; files 0600 in a 0700 folder."""
+    from luwu.keyset import KeySet, write_keyset
 
-    os.makedirs(args.out, exist_ok=True)
-    pub, sec = zmq.curve_keypair()
-    workers = [zmq.curve_keypair() for _ in range(args.workers)]
-    node = {"curve_public_key": pub.decode(), "curve_secret_key": sec.decode(), "curve_authorized_keys": [w[0].decode() for w in workers]}
-    files = {"node.toml": _toml({"node": node})}
-    for i, (wp, ws) in enumerate(workers):
-        files[f"worker{i}.toml"] = _toml({"transport": {"curve_server_key": pub.decode(), "curve_public_key": wp.decode(), "curve_secret_key": ws.decode()}})
-    for name, text in files.items():
-        path = os.path.join(args.out, name)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(path, 0o600)
-    print(f"wrote {args.out}/node.toml (node keys + authorized worker keys) and worker0..{args.workers - 1}.toml (mode 600)")
+    shared = None
+    if args.cluster:
+        from luwu.cluster_file import cluster_sections
+        from luwu.config import load_config
+
+        cfg = load_config(args.cluster)
+        shared = cluster_sections(cfg, list(cfg.cluster.nodes))
+    write_keyset(args.out, KeySet.generate(args.workers), shared=shared)
+    print(
+        f"wrote {args.out}/node.toml and node.env (node keys + authorized worker keys), worker0..{args.workers - 1}.toml "
+        f"(rank r's keys{', with the settings of ' + args.cluster if args.cluster else ''}) and monitor.toml (for luwu status); mode 600"
+    )
     return 0
 
 
@@ -38,7 +28,13 @@ def register(subparsers) -> None:
     s = add_command(
         subparsers, "keys", func=cmd_keys, settings=False,
         help="generate CURVE keys for nodes and workers",
-        description="Generate a CURVE key pair for the nodes and one per worker; nodes then accept only the listed worker keys, and all traffic is encrypted.",
+        description=(
+            "Generate a CURVE key pair for the nodes, one per worker rank and one for `luwu status`/`top`; nodes then accept "
+            "only the listed keys, and all traffic is encrypted. Files are written mode 600 into a mode 700 folder. Give the "
+            "nodes node.toml (--config) or node.env (environment: systemd EnvironmentFile, `set -a; . node.env`), and worker "
+            "rank r its own worker<r>.toml."
+        ),
     )
     s.add_argument("--out", default="luwu-keys", help="directory to write the key files into (default ./luwu-keys)")
     s.add_argument("--workers", type=positive_int, default=1, help="number of worker key pairs (default 1)")
+    s.add_argument("--cluster", metavar="FILE", help="a cluster file (no secrets) whose settings are copied into each worker<r>.toml and monitor.toml, so a worker needs one --config")

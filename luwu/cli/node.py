@@ -46,6 +46,17 @@ def _busy(what: str, address: str, hint: str) -> int:
     return 1
 
 
+def warnings_for(cfg, node) -> list[str]:
+    """What a node started this way should be told: no encryption on a network address, a secret on
+    the command line (every local user reads it in ``ps``)."""
+    from luwu.keyset import argv_secret_warning, is_loopback
+
+    out = []
+    if not is_loopback(node.bind) and not node.curve_secret_key and node.insecure_public_bind:
+        out.append(f"node.insecure_public_bind: {node.bind} is served WITHOUT encryption; anyone who reaches it can join the job (luwu keys makes CURVE keys)")
+    return [*out, argv_secret_warning(cfg)] if argv_secret_warning(cfg) else out
+
+
 def cmd_node(args) -> int:
     import zmq
 
@@ -54,6 +65,8 @@ def cmd_node(args) -> int:
 
     cfg = load_config(args.config, argv=args.overrides)
     node = own_node_config(cfg)
+    for line in warnings_for(cfg, node):
+        print(f"luwu node: warning: {line}", file=sys.stderr)
     try:
         return run_node(node, job=cfg.cluster.job, metrics=cfg.metrics)
     except zmq.ZMQError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from luwu.cli.common import add_command
@@ -12,8 +13,31 @@ from luwu.monitor import DEFAULT_TIMEOUT_S
 from luwu.protocol.errors import ConfigError
 
 
-def resolve_cluster(args) -> tuple[list[str], str, str]:
-    """(node addresses, job, where they came from) from --config / --run-dir / env / flags.
+@dataclass(slots=True)
+class Target:
+    """The cluster ``status`` and ``top`` ask."""
+
+    addresses: list[str]
+    job: str
+    source: str
+    """The cluster file read, or 'environment/flags'."""
+    curve: tuple[str, str, str] | None
+    """(nodes' public key, client public key, client secret key) when the nodes run CURVE."""
+    run_dir: Path | None
+    """The ``luwu up`` run dir the cluster file belongs to, if any."""
+
+
+def _run_dir_file(run_dir: str) -> str:
+    """What to read in a run dir: keys/monitor.toml (the cluster file plus the keys the nodes accept
+    from the operator's tools) when ``up`` made keys, else cluster.toml."""
+    from luwu.rundir import CLUSTER_FILE, KEYS_DIR
+
+    monitor = os.path.join(run_dir, KEYS_DIR, "monitor.toml")
+    return monitor if os.path.exists(monitor) else os.path.join(run_dir, CLUSTER_FILE)
+
+
+def resolve_cluster(args) -> Target:
+    """The nodes, job and client keys from --config / --run-dir / env / flags.
 
     Without a cluster file, ``luwu up``'s default run dir is looked at, so that
     ``luwu up --nodes 2`` followed by a bare ``luwu status`` just works.
@@ -23,25 +47,50 @@ def resolve_cluster(args) -> tuple[list[str], str, str]:
 
     path = args.config
     if path is None and args.run_dir:
-        path = os.path.join(args.run_dir, CLUSTER_FILE)
+        path = _run_dir_file(args.run_dir)
         if not os.path.exists(path):
             raise ConfigError(f"run dir {args.run_dir!r} has no {CLUSTER_FILE}: is the cluster up (luwu up --run-dir {args.run_dir})?")
     cfg = load_config(path, argv=args.overrides)
     if not cfg.cluster.nodes and path is None:
-        guess = os.path.join(default_run_dir(cfg.cluster.job), CLUSTER_FILE)
+        guess = _run_dir_file(default_run_dir(cfg.cluster.job))
         if os.path.exists(guess):
             path = guess
             cfg = load_config(path, argv=args.overrides)
     if not cfg.cluster.nodes:
         raise ConfigError("no nodes to ask: pass --config CLUSTER_FILE (luwu up writes <run dir>/cluster.toml), --run-dir DIR, or --cluster.nodes=tcp://host:port,...")
-    return list(cfg.cluster.nodes), cfg.cluster.job, path or "environment/flags"
+    t = cfg.transport
+    curve = (t.curve_server_key, t.curve_public_key, t.curve_secret_key) if t.curve_server_key else None
+    return Target(list(cfg.cluster.nodes), cfg.cluster.job, path or "environment/flags", curve, _run_dir_of(path))
 
 
-def restarts_of(source: str) -> dict[str, int]:
+def _run_dir_of(path: str | None) -> Path | None:
+    from luwu.rundir import KEYS_DIR, PLAN_FILE
+
+    if not path or not path.endswith(".toml"):
+        return None
+    folder = Path(path).parent
+    if folder.name == KEYS_DIR and not (folder / PLAN_FILE).exists():
+        folder = folder.parent
+    return folder if (folder / PLAN_FILE).exists() else None
+
+
+def restarts_of(target: Target) -> dict[str, int]:
     """How often the supervisor restarted each node, when the cluster file is a run dir's."""
     from luwu.monitor import restart_counts
 
-    return restart_counts(Path(source).parent) if source.endswith(".toml") else {}
+    return restart_counts(target.run_dir) if target.run_dir is not None else {}
+
+
+def warnings_of(target: Target) -> list[str]:
+    """What ``luwu up`` warned about when it started the run (checkpoints off, no encryption)."""
+    from luwu.rundir import PLAN_FILE
+
+    if target.run_dir is None:
+        return []
+    try:
+        return list(json.loads((target.run_dir / PLAN_FILE).read_text()).get("warnings", []))
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
 def console():
@@ -55,24 +104,28 @@ def console():
 def cmd_status(args) -> int:
     from luwu.monitor import query_many, render_table, row
 
-    addresses, job, source = resolve_cluster(args)
+    target = resolve_cluster(args)
+    addresses, job, source = target.addresses, target.job, target.source
     if args.sample < 0:
         raise ConfigError(f"--sample must be >= 0 seconds, got {args.sample}")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    statuses = query_many(addresses, job, args.timeout)
+    statuses = query_many(addresses, job, args.timeout, curve=target.curve)
     prev = None
     if args.sample > 0:
         prev = {st.address: st for st in statuses}
         time.sleep(args.sample)
-        statuses = query_many(addresses, job, args.timeout)
-    restarts = restarts_of(source)
+        statuses = query_many(addresses, job, args.timeout, curve=target.curve)
+    restarts = restarts_of(target)
+    warnings = warnings_of(target)
     if args.json:
         print(json.dumps([row(st, (prev or {}).get(st.address), restarts=restarts.get(st.address)) for st in statuses], indent=2))
     else:
         how = f"rates over the last {args.sample:g} s" if args.sample > 0 else "rates averaged since each node started (--sample S for a window)"
         out = console()
         out.print(render_table(statuses, prev, title=f"LuWu job [bold]{job}[/] ({source}); {how}", restarts=restarts, width=out.width))
+        for line in warnings:
+            out.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
     return 0 if all(st.up for st in statuses) else 1
 
 

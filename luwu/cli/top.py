@@ -15,7 +15,8 @@ def cmd_top(args) -> int:
 
     from luwu.monitor import NodeStatus, query_many, render_table
 
-    addresses, job, source = resolve_cluster(args)
+    target = resolve_cluster(args)
+    addresses, job, source = target.addresses, target.job, target.source
     if not args.interval > 0:
         raise ConfigError(f"--interval must be > 0 seconds, got {args.interval}")
     if args.iterations < 0:
@@ -27,9 +28,9 @@ def cmd_top(args) -> int:
 
     def frame():
         nonlocal prev
-        statuses = query_many(addresses, job, timeout_s)
+        statuses = query_many(addresses, job, timeout_s, curve=target.curve)
         title = f"luwu top - job [bold]{job}[/] ({source}) - {time.strftime('%H:%M:%S')} - every {args.interval:g} s, Ctrl-C quits"
-        table = render_table(statuses, prev, title=title, restarts=restarts_of(source), width=out.width)
+        table = render_table(statuses, prev, title=title, restarts=restarts_of(target), width=out.width)
         prev = {st.address: st for st in statuses if st.up}
         return table
 

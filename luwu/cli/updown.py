@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
-from luwu.cli.common import add_command
+from luwu.cli.common import add_command, positive_int
 from luwu.protocol.errors import ConfigError
-from luwu.rundir import CLUSTER_FILE, RUN_ROOT, default_run_dir
+from luwu.rundir import CLUSTER_FILE, KEYS_DIR, RUN_ROOT, default_run_dir
 
 
 def _positive(args, *names: str) -> None:
@@ -35,6 +36,7 @@ def cmd_up(args) -> int:
 
     from luwu import daemons
     from luwu.config import load_config
+    from luwu.keyset import argv_secret_warning
     from luwu.supervisor import Plan
 
     console, err = Console(), Console(stderr=True)
@@ -42,8 +44,14 @@ def cmd_up(args) -> int:
     cfg = load_config(args.config, argv=args.overrides)
     job = cfg.cluster.job
     run_dir = Path(args.run_dir or default_run_dir(job)).resolve()
-    plan = Plan(job=job, cwd=os.getcwd(), nodes=daemons.plan_nodes(args, cfg, args.overrides), stop_timeout_s=args.stop_timeout)
-    daemons.launch(run_dir, plan)
+    nodes = daemons.plan_nodes(args, cfg, args.overrides)
+    secrets, keys, warnings = daemons.node_secrets(args, cfg, args.overrides, nodes)
+    if argv_secret_warning(cfg):
+        warnings.append(argv_secret_warning(cfg))
+    for line in warnings:
+        err.print(f"luwu up: warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+    plan = Plan(job=job, cwd=os.getcwd(), nodes=nodes, stop_timeout_s=args.stop_timeout, warnings=warnings)
+    daemons.launch(run_dir, plan, secrets)
     try:
         state, problem = daemons.wait_ready(run_dir, len(plan.nodes), args.timeout, err)
     except KeyboardInterrupt:
@@ -59,26 +67,34 @@ def cmd_up(args) -> int:
         daemons.stop_run_dir(run_dir, timeout_s=args.stop_timeout, console=err)
         return 1
     nodes = state["nodes"]
-    daemons.write_outputs(run_dir, cfg, nodes)
+    daemons.write_outputs(run_dir, cfg, nodes, keys)
     table = Table(title=f"LuWu job [bold]{job}[/]: {len(nodes)} nodes up", title_justify="left", header_style="bold")
     for col in ("#", "address", "metrics", "pid"):
         table.add_column(col, no_wrap=True)
     for n in nodes:
         table.add_row(str(n["index"]), n["address"], n["metrics_url"] or "-", str(n["pid"]))
     console.print(table)
-    for line in next_steps(run_dir):
+    made = keys is not None and bool(keys.workers)
+    if made:
+        console.print(f"CURVE on: keys made for {len(keys.workers)} worker ranks in {run_dir / KEYS_DIR} (mode 600; --workers N for more)", highlight=False, soft_wrap=True)
+    for line in next_steps(run_dir, made):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0
 
 
-def next_steps(run_dir: Path) -> list[str]:
+def next_steps(run_dir: Path, curve: bool = False) -> list[str]:
     """What ``up`` prints after its table: where things are and the commands to go on with,
-    the training one with the shipped example, which reads the cluster file given by --config."""
+    the training one with the shipped example, which reads the cluster file given by --config
+    (with CURVE keys made by ``up``: each rank its own file, keys/worker<RANK>.toml)."""
     cluster_file = run_dir / CLUSTER_FILE
+    if curve:
+        train = f"torchrun --nproc-per-node 2 --no-python sh -c 'exec {sys.executable} {_example_script()} --config {run_dir / KEYS_DIR}/worker$RANK.toml'"
+    else:
+        train = f"torchrun --nproc-per-node 2 {_example_script()} --config {cluster_file}"
     return [
         f"logs:         {run_dir}/node-<i>.log, supervisor.log (restarts)",
         f"cluster file: {cluster_file}",
-        f"  train:    torchrun --nproc-per-node 2 {_example_script()} --config {cluster_file}",
+        f"  train:    {train}",
         f"  watch:    luwu top --run-dir {run_dir}",
         f"  stop:     luwu down --run-dir {run_dir}",
     ]
@@ -120,7 +136,11 @@ def register(subparsers) -> None:
             "(point workers and `luwu status` at it) and <run dir>/targets.json (Prometheus file_sd targets). "
             "Addresses: --nodes N gives tcp://HOST:BASE_PORT+i (port 0: any free port, the bound one is reused on restart); "
             "otherwise [cluster] nodes of --config. Extra --section.field=value flags are passed to every node "
-            "(e.g. --node.checkpoint_dir=ckpt --node.checkpoint_every=100)."
+            "(e.g. --node.checkpoint_dir=ckpt --node.checkpoint_every=100); secret ones (*secret*) reach the nodes through "
+            "a mode 600 environment file, never their command line. Nodes bound to an address other hosts reach (--host "
+            "0.0.0.0, a cluster file's host names) run CURVE: without keys configured, up makes them (node, one per worker "
+            "rank, one for status) and writes <run dir>/keys/worker<r>.toml for rank r; node.insecure_public_bind = true "
+            "opts out, with a warning. The run dir is mode 700, its plan, state, logs and keys mode 600."
         ),
     )
     s.add_argument("--nodes", type=int, default=None, metavar="N", help="number of nodes (default: the cluster file's node list, else 2)")
@@ -129,6 +149,9 @@ def register(subparsers) -> None:
     s.add_argument("--metrics-port", type=int, default=None, metavar="P", help="node i serves /metrics on P+i; 0 = any free port, -1 = off (default: metrics.port of the config if set there, else 0)")
     s.add_argument("--run-dir", metavar="DIR", help=f"where pid files, logs and cluster.toml go (default ./{RUN_ROOT}/<job>)")
     s.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds for every node to be ready (default 60)")
+    from luwu.keyset import DEFAULT_WORKER_KEYS
+
+    s.add_argument("--workers", type=positive_int, default=None, metavar="N", help=f"worker key files to make when up makes CURVE keys (default cluster.world_size, else {DEFAULT_WORKER_KEYS})")
     s.add_argument("--stop-timeout", type=float, default=30.0, metavar="S", help="SIGTERM to SIGKILL when stopping a node, leaving time for its checkpoint (default 30)")
 
     d = add_command(

@@ -335,3 +335,44 @@ def test_the_wheel_ships_the_example_and_the_typing_marker():
 def test_systemd_unit_points_only_at_what_is_installed():
     text = (DEPLOY / "systemd" / "luwu-node@.service").read_text()
     assert "/opt/luwu/deploy" not in text
+
+
+# ----------------------------------------------------------------- CURVE by default in the recipes
+
+
+def _code_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize("path", [*SCRIPTS, DEPLOY / "docker" / "Dockerfile", DEPLOY / "systemd" / "luwu-node@.service", DEPLOY / "k8s" / "luwu-nodes.yaml"], ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_no_recipe_turns_encryption_off_by_itself(path):
+    """insecure_public_bind is an opt-out the operator asks for (LUWU_INSECURE_PUBLIC_BIND=1), never the default."""
+    for line in _code_lines(path):
+        assert "--node.insecure_public_bind" not in line, f"{path.name}: {line.strip()}"
+
+
+@pytest.mark.parametrize("name", ["slurm/luwu.sbatch", "ssh/launch.sh"])
+def test_network_scripts_make_keys_and_keep_them_off_argv(name):
+    code = "\n".join(_code_lines(DEPLOY / name))
+    assert "-m luwu keys --out" in code and "--cluster" in code, "the job's keys are made by luwu keys"
+    assert re.search(r"\. \S*node\.env", code), "the node's shell reads the keys from node.env"
+    assert "curve_secret_key" not in code.lower().replace("luwu_node__curve_secret_key", ""), "no key on a command line"
+    assert "monitor.toml" in code or "status_file" in code, "status talks CURVE too"
+    assert "LUWU_INSECURE_PUBLIC_BIND" in code and "WARNING" in code
+
+
+def test_systemd_unit_reads_the_keys_from_an_environment_file():
+    text = (DEPLOY / "systemd" / "luwu-node@.service").read_text()
+    assert "EnvironmentFile=-/etc/luwu/keys.env" in text and "install -m 600 keys/node.env /etc/luwu/keys.env" in text
+
+
+@needs_yaml
+def test_k8s_pods_take_their_keys_from_a_secret():
+    docs = _k8s_docs()
+    for kind, arg in (("StatefulSet", "/etc/luwu-keys/node.env"), ("Job", "/etc/luwu-keys/worker${RANK}.toml")):
+        spec = next(d for (k, _), d in docs.items() if k == kind)["spec"]["template"]["spec"]
+        volume = next(v for v in spec["volumes"] if "secret" in v)
+        assert volume["secret"]["secretName"] == "luwu-keys" and volume["secret"]["defaultMode"] == 0o440
+        container = spec["containers"][0]
+        assert any(m["name"] == volume["name"] and m["mountPath"] == "/etc/luwu-keys" for m in container["volumeMounts"])
+        assert arg in " ".join(container["args"]) and "secret_key" not in " ".join(container["args"])

@@ -1,0 +1,179 @@
+"""CURVE key sets for a job, and keeping secrets out of files, logs and command lines.
+
+A key set is one key pair for the nodes, one per worker rank and one for the
+operator's tools (``luwu status``/``top``); the nodes authorize the worker keys
+(in rank order) and the operator key after them. ``luwu keys``, ``luwu up`` and
+the deploy recipes write it as files that only their owner can read:
+
+    node.toml       [node] keys: the node's pair and the authorized public keys
+    node.env        the same as LUWU_NODE__* variables (for scripts, systemd, k8s)
+    worker<r>.toml  [transport] keys of rank r (plus the cluster's settings when given)
+    monitor.toml    [transport] keys of the operator's tools
+
+A secret is any setting whose name contains ``secret``. Secrets reach a node
+daemon through its environment, never its argv (which every local user can
+read in ``ps``), and are replaced by ``<hidden>`` wherever a command line is
+logged or saved.
+
+Nothing here imports ZeroMQ at module level: the supervisor stays light.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from luwu.rundir import write_atomic
+
+HIDDEN = "<hidden>"
+LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")
+DEFAULT_WORKER_KEYS = 8
+"""Worker key pairs ``luwu up`` makes when neither --workers nor cluster.world_size says how many."""
+
+
+def is_secret(key: str) -> bool:
+    """True for a setting ('node.curve_secret_key', 'LUWU_NODE__CURVE_SECRET_KEY') that holds a secret."""
+    return "secret" in key.lower()
+
+
+def is_loopback(address: str) -> bool:
+    """True when a ZeroMQ bind address is reachable from this host only (loopback TCP, ipc, inproc)."""
+    if not address.startswith("tcp://"):
+        return True
+    host = address.split("://", 1)[1].rsplit(":", 1)[0]
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def argv_secret_warning(cfg) -> str:
+    """A warning naming the secrets of ``cfg`` that came from --flags ('' when none did): while the
+    program runs, every local user reads its command line (``ps``)."""
+    flags = sorted(key for key, source in cfg.sources.items() if is_secret(key) and source.startswith("--"))
+    if not flags:
+        return ""
+    return f"{', '.join(flags)} given on the command line, where every local user can read it: use --config FILE (mode 600) or LUWU_SECTION__FIELD variables"
+
+
+def split_secrets(overrides: list[str], *, to_env: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """``--section.field=value`` flags as (the flags without secrets, the secrets as
+    LUWU_SECTION__FIELD environment variables); the settings named in ``to_env`` go to the
+    environment too."""
+    public: list[str] = []
+    env: dict[str, str] = {}
+    i = 0
+    while i < len(overrides):
+        token = overrides[i]
+        key, eq, value = token[2:].partition("=")
+        step = 1
+        if not eq and i + 1 < len(overrides):
+            value, step = overrides[i + 1], 2
+        if is_secret(key) or key in to_env:
+            section, _, name = key.partition(".")
+            env[f"LUWU_{section.upper()}__{name.upper()}"] = value
+        else:
+            public += overrides[i : i + step]
+        i += step
+    return public, env
+
+
+def redact_args(args: list[str]) -> list[str]:
+    """A command line with the value of every secret flag replaced by ``<hidden>``."""
+    out = list(args)
+    for i, token in enumerate(out):
+        if not token.startswith("--"):
+            continue
+        key, eq, _ = token[2:].partition("=")
+        if not is_secret(key):
+            continue
+        if eq:
+            out[i] = f"--{key}={HIDDEN}"
+        elif i + 1 < len(out):
+            out[i + 1] = HIDDEN
+    return out
+
+
+def env_file_text(values: dict[str, str]) -> str:
+    """KEY='value' lines that a shell (``set -a; . FILE``), systemd's EnvironmentFile and
+    :func:`read_env_file` all read the same (Z85 keys hold no quote)."""
+    for key, value in values.items():
+        if "'" in value or "\n" in value:
+            raise ValueError(f"{key}: a value in an environment file cannot hold a quote or a newline")
+    return "".join(f"{key}='{value}'\n" for key, value in values.items())
+
+
+def read_env_file(path: Path | str) -> dict[str, str]:
+    """The variables of an environment file written by :func:`env_file_text`."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition("=")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key.strip()] = value
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class KeySet:
+    """Z85 key pairs (public, secret) of one job."""
+
+    node: tuple[str, str]
+    workers: list[tuple[str, str]]
+    """One pair per worker rank, in rank order."""
+    monitor: tuple[str, str]
+    """The operator's tools (``luwu status``, ``luwu top``)."""
+
+    @classmethod
+    def generate(cls, num_workers: int, *, node: tuple[str, str] | None = None) -> KeySet:
+        """New pairs for ``num_workers`` ranks and the monitor; new node pair unless ``node`` is given."""
+        import zmq
+
+        def pair() -> tuple[str, str]:
+            public, secret = zmq.curve_keypair()
+            return public.decode(), secret.decode()
+
+        return cls(node=node or pair(), workers=[pair() for _ in range(num_workers)], monitor=pair())
+
+    def node_settings(self) -> dict:
+        """The [node] keys: the node's pair and every authorized public key (workers, then the monitor)."""
+        return {"curve_public_key": self.node[0], "curve_secret_key": self.node[1], "curve_authorized_keys": [w[0] for w in self.workers] + [self.monitor[0]]}
+
+    def node_env(self) -> dict[str, str]:
+        """The node's settings as LUWU_NODE__* variables (lists comma-separated)."""
+        return {f"LUWU_NODE__{k.upper()}": ",".join(v) if isinstance(v, list) else v for k, v in self.node_settings().items()}
+
+    def client_settings(self, pair: tuple[str, str]) -> dict:
+        """The [transport] keys of one client (a worker rank or the monitor)."""
+        return {"curve_server_key": self.node[0], "curve_public_key": pair[0], "curve_secret_key": pair[1]}
+
+
+def client_file_sections(keys: KeySet, pair: tuple[str, str], shared: dict | None) -> dict:
+    """A client's whole file: the cluster's shared sections (if any) plus its own [transport] keys."""
+    sections = {name: dict(table) for name, table in (shared or {}).items()}
+    sections["transport"] = {**sections.get("transport", {}), **keys.client_settings(pair)}
+    return sections
+
+
+def write_keyset(out: Path | str, keys: KeySet, *, shared: dict | None = None, node_files: bool = True) -> list[Path]:
+    """Write the files of a key set into ``out`` (created 0700), each 0600; returns their paths.
+
+    With ``shared`` (the sections of a cluster file), every worker file and the monitor file
+    hold those settings too, so a worker needs a single ``--config``. Without ``node_files``,
+    node.toml and node.env are left out (``luwu up`` hands the node keys over by itself).
+    """
+    import tomli_w
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(out, 0o700)
+    files = {"node.toml": tomli_w.dumps({"node": keys.node_settings()}), "node.env": env_file_text(keys.node_env())} if node_files else {}
+    for rank, pair in enumerate(keys.workers):
+        files[f"worker{rank}.toml"] = tomli_w.dumps(client_file_sections(keys, pair, shared))
+    files["monitor.toml"] = tomli_w.dumps(client_file_sections(keys, keys.monitor, shared))
+    paths = []
+    for name, text in files.items():
+        write_atomic(out / name, text, 0o600)
+        paths.append(out / name)
+    return paths
