@@ -38,7 +38,7 @@ class NodeStatus:
 
 
 def _stats_request(job: str) -> list:
-    from luwu.protocol import messages  # imported here: it brings in torch, which `luwu --help` does not need
+    from luwu.protocol import messages  # imported here: `luwu --help` needs no wire code
 
     return messages.encode({"op": messages.Op.STATS, "job": job, "step": 0, "worker": 0})
 

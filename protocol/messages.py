@@ -12,12 +12,14 @@ from __future__ import annotations
 import enum
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import msgpack
-import torch
 
 from luwu.protocol.errors import JobMismatchError, ProtocolError
+
+if TYPE_CHECKING:
+    import torch
 
 VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
@@ -80,6 +82,8 @@ class Message:
 
 def as_uint8(buf) -> torch.Tensor:
     """A zero-copy uint8 tensor over a received frame (read-only: never written)."""
+    import torch  # here, not at the top: headers alone (STATS for `luwu status`) need no torch
+
     mv = memoryview(getattr(buf, "buffer", buf))
     if mv.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
@@ -90,6 +94,8 @@ def as_uint8(buf) -> torch.Tensor:
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor, for ``send_multipart(copy=False)``."""
+    import torch
+
     if not t.is_contiguous():
         raise ValueError("payload tensors must be contiguous")
     if t.numel() == 0:

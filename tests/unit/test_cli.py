@@ -42,6 +42,23 @@ def test_the_command_line_does_not_import_torch(code):
     assert r.stdout.strip().splitlines()[-1] == "False False", f"{code!r} imported torch or zmq"
 
 
+def test_status_against_a_live_node_does_not_import_torch(tmp_path):
+    """``luwu status`` asks a real node for STATS and prints the table without loading torch."""
+    from luwu.cluster import local_cluster
+
+    with local_cluster(1, job="statusjob") as cluster:
+        cfg = tmp_path / "cluster.toml"
+        cfg.write_text(f'[cluster]\nnodes = ["{cluster.addresses[0]}"]\njob = "statusjob"\n')
+        probe = (
+            "import sys\nfrom luwu.cli import main\n"
+            f"rc = main(['status', '--config', {str(cfg)!r}])\n"
+            "print(rc, 'torch' in sys.modules)"
+        )
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "0 False", r.stdout
+
+
 def test_the_package_names_still_import():
     from luwu import ConfigError, LuwuError, Prefetcher, RemoteOptimizer, local_cluster
 
