@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Callable
@@ -27,11 +28,33 @@ from luwu.gpu_workers.config import TransportConfig
 
 log = logging.getLogger(__name__)
 
+#: A wait longer than this logs a progress line this often (INFO), so a slow start is never silent.
+PROGRESS_EVERY_S = 5.0
+
+
+def _check_resolves(addr: str) -> None:
+    """Refuse a tcp:// address whose host does not resolve: ZeroMQ would retry it silently forever."""
+    scheme, _, rest = addr.partition("://")
+    if scheme != "tcp":
+        return
+    host = rest.rpartition(":")[0].strip("[]")
+    if host in ("*", ""):
+        return
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise NodeTimeoutError(
+            f"node address {addr}: host {host!r} does not resolve ({e}): check cluster.nodes (or LUWU_NODES) and DNS",
+            node=addr,
+        ) from None
+
 
 class WorkerClient:
     def __init__(self, nodes: list[str], *, job: str, rank: int, cfg: TransportConfig):
         if not nodes:
             raise ValueError("no node addresses given")
+        for addr in nodes:
+            _check_resolves(addr)
         self.nodes, self.job, self.rank, self.cfg = list(nodes), job, rank, cfg
         if cfg.retain_freed_memory:
             retain_freed_memory()
@@ -105,20 +128,21 @@ class WorkerClient:
 
     def _await_any(self, missing: list[tuple], deadline: float, timeout_s: float, what: str, errors_of, total: int) -> list[tuple]:
         """With the lock held: wait until some of ``missing`` is filed and return those keys."""
-        probed = time.monotonic()
+        probed = told = time.monotonic()
         while True:
             self._raise_errors(errors_of)
             ready = [k for k in missing if k in self._inbox]
             if ready:
                 return ready
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0 or not self._running:
-                k = missing[0]
-                nodes = sorted({m[1] for m in missing})
-                raise NodeTimeoutError(
-                    f"worker {self.rank}: no {what} from node {k[1]} at {self.nodes[k[1]]} for step {k[2]}, bucket {k[3]} "
-                    f"within {timeout_s:.1f} s ({len(missing)} of {total} replies missing, "
-                    f"from nodes {[self.nodes[n] for n in nodes]})"
+                raise self._timeout(missing, what, timeout_s, total)
+            if now - told >= PROGRESS_EVERY_S:
+                told = now
+                log.info(
+                    "worker %d: still waiting for %s from %s (%.0f of %.0f s)",
+                    self.rank, what, ", ".join(self.nodes[n] for n in sorted({m[1] for m in missing})), timeout_s - left, timeout_s,
                 )
             self._cv.wait(min(left, 0.5))
             if time.monotonic() - probed >= 1.0:
@@ -126,6 +150,20 @@ class WorkerClient:
                 probed = time.monotonic()
                 for n in sorted({m[1] for m in missing}):
                     self.send(n, {"op": Op.HEARTBEAT})
+
+    def _timeout(self, missing: list[tuple], what: str, timeout_s: float, total: int) -> NodeTimeoutError:
+        """The error for a wait past its deadline: which node, and (past start-up) which step and bucket."""
+        op, node, step, bucket = missing[0]
+        nodes = [self.nodes[n] for n in sorted({m[1] for m in missing})]
+        where = f" for step {step}, bucket {bucket}" if step is not None and bucket >= 0 else ""
+        hint = ""
+        if op == Op.WELCOME:
+            hint = ": is a node listening there? Start it (luwu up, luwu node) or fix cluster.nodes; raise transport.connect_timeout_s for slow starts"
+        return NodeTimeoutError(
+            f"worker {self.rank}: no {what} from node {node} at {self.nodes[node]}{where} within {timeout_s:.1f} s "
+            f"({len(missing)} of {total} replies missing, from nodes {nodes}){hint}",
+            node=self.nodes[node], worker=self.rank, step=step, bucket=bucket,
+        )
 
     def reset(self) -> None:
         """Forget filed replies and errors (after a rollback or rejoin: they belong to abandoned steps)."""

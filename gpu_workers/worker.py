@@ -159,7 +159,7 @@ class Worker:
                 },
             )
         keys = [(Op.WELCOME, n, None, -1) for n in range(self.layout.num_nodes)]
-        welcomes = [m.header for m in self.client.wait(keys, self.client.cfg.connect_timeout_s, what="WELCOME (is the node up?)", errors_of=(Op.HELLO,))]
+        welcomes = [m.header for m in self.client.wait(keys, self.client.cfg.connect_timeout_s, what="WELCOME", errors_of=(Op.HELLO,))]
         for n, w in enumerate(welcomes):
             if w["layout"] != self.layout.hash:
                 raise LayoutMismatchError(f"node {self.client.nodes[n]} accepted layout {w['layout']}, this worker has {self.layout.hash}")

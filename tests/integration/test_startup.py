@@ -90,3 +90,38 @@ def test_a_busy_port_is_one_line_that_names_the_address():
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert address in lines[0] and "Address already in use" in lines[0] and "--node.bind" in lines[0], lines[0]
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_node_is_named_with_what_to_do(caplog):
+    """Nothing listens at the address: the error names it and says what to do (no 'step None,
+    bucket -1'), and the wait logs progress lines meanwhile instead of staying silent."""
+    import socket
+
+    with socket.socket() as s:  # a free port that nobody listens on
+        s.bind(("127.0.0.1", 0))
+        addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    from luwu.gpu_workers import client
+    from luwu.gpu_workers.config import TransportConfig
+
+    caplog.set_level("INFO", logger="luwu.gpu_workers.client")
+    old, client.PROGRESS_EVERY_S = client.PROGRESS_EVERY_S, 1.0
+    try:
+        with pytest.raises(luwu.NodeTimeoutError) as e:
+            luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=[addr], rank=0, world_size=1, transport=TransportConfig(connect_timeout_s=3.0))
+    finally:
+        client.PROGRESS_EVERY_S = old
+    msg = str(e.value)
+    assert addr in msg and "None" not in msg and "bucket -1" not in msg, msg
+    assert "is a node listening there" in msg and "cluster.nodes" in msg
+    assert e.value.node == addr
+    assert any("still waiting for WELCOME" in r.getMessage() and addr in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(60)
+def test_a_host_that_does_not_resolve_is_named_at_once():
+    t0 = time.monotonic()
+    with pytest.raises(luwu.NodeTimeoutError, match="does not resolve") as e:
+        luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=["tcp://no-such-host.invalid:5555"], rank=0, world_size=1)
+    assert "no-such-host.invalid" in str(e.value) and "cluster.nodes" in str(e.value)
+    assert time.monotonic() - t0 < 20  # not after the 30 s connect deadline
