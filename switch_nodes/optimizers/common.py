@@ -26,3 +26,18 @@ def pair(v) -> tuple[float, float]:
     """A two-float hyperparameter (``betas``, ``etas``, ``step_sizes``) as floats."""
     a, b = v
     return float(a), float(b)
+
+
+def adam_family(hyper: dict) -> dict:
+    """The keyword arguments torch's Adamax, NAdam and RAdam functions share (``foreach=True``: one
+    kernel launch per operation over all the segments)."""
+    beta1, beta2 = pair(hyper["betas"])
+    return dict(
+        foreach=True,
+        maximize=bool(hyper["maximize"]),
+        beta1=beta1,
+        beta2=beta2,
+        lr=float(hyper["lr"]),
+        weight_decay=float(hyper["weight_decay"]),
+        eps=float(hyper["eps"]),
+    )

@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 from torch.optim import nadam as _nadam
 
-from luwu.switch_nodes.optimizers.common import Tensors, pair, unscale_
+from luwu.switch_nodes.optimizers.common import Tensors, adam_family, pair, unscale_
 from luwu.switch_nodes.optimizers.kinds import OptimizerKind
 
 
@@ -42,7 +42,7 @@ def torch_scalars(step: int, hyper: dict) -> dict[str, torch.Tensor]:
 def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str, Tensors], steps: Tensors, hyper: dict, grad_scale: torch.Tensor | None = None) -> None:
     """One NAdam step over segment views; grads are divided by ``grad_scale`` (in place) first."""
     unscale_(grads, grad_scale)
-    beta1, beta2 = pair(hyper["betas"])
+    beta1 = pair(hyper["betas"])[0]
     momentum_decay = float(hyper["momentum_decay"])
     mu_products = [torch.tensor(mu_product(int(s), beta1, momentum_decay), dtype=torch.float32) for s in steps]
     _nadam.nadam(
@@ -53,12 +53,6 @@ def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str
         mu_products,
         steps,
         decoupled_weight_decay=bool(hyper["decoupled_weight_decay"]),
-        foreach=True,
-        maximize=bool(hyper["maximize"]),
-        beta1=beta1,
-        beta2=beta2,
-        lr=float(hyper["lr"]),
-        weight_decay=float(hyper["weight_decay"]),
         momentum_decay=momentum_decay,
-        eps=float(hyper["eps"]),
+        **adam_family(hyper),
     )
