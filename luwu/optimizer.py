@@ -36,7 +36,7 @@ from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
 from luwu.protocol.metrics import serve_metrics
 from luwu.protocol.feedback import WORKER_MOMENTUM
 from luwu.protocol.layout import ParamSpec, build_layout
-from luwu.switch_nodes.optimizers import EXTRA_HYPER, check_hyper, get_kind
+from luwu.switch_nodes.optimizers import EXTRA_HYPER, IMPLEMENTATION_SWITCHES, check_hyper, get_kind, torch_scalars
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +44,11 @@ log = logging.getLogger(__name__)
 # change; LuWu needs the scaler to make the overflow decision global, so the warning is expected.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
 
-HYPER_KEYS = {
-    "adamw": ("lr", "betas", "eps", "weight_decay", "maximize"),
-    "adam": ("lr", "betas", "eps", "weight_decay", "maximize"),
-    "sgd": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
-}
-
 
 def _num(v):
+    """A hyperparameter as it travels: tensors as floats, pairs (``betas``, ``etas``) as lists."""
+    if isinstance(v, (tuple, list)):
+        return [_num(x) for x in v]
     return float(v.item()) if isinstance(v, torch.Tensor) else v
 
 
@@ -68,7 +65,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
         params: an ``nn.Module`` (parameter names come from it), an iterable of tensors, or param-group dicts;
             as in ``torch.optim``, ``model.named_parameters()`` or groups of ``(name, tensor)`` pairs give the
             names too (per-name compression rules match them; unnamed parameters are ``param<i>``).
-        optimizer: ``"adamw"``, ``"adam"`` or ``"sgd"`` (``optimizer.name``); the hyperparameters are torch's.
+        optimizer: a name of ``luwu.switch_nodes.optimizers.OPTIMIZER_NAMES`` (``optimizer.name``): ``"adamw"``,
+            ``"adam"``, ``"sgd"``, ``"adagrad"``, ``"rmsprop"``, ``"adamax"``, ``"nadam"``, ``"radam"``,
+            ``"adadelta"``, ``"rprop"``. Torch's other algorithms are refused with the reason.
+        **hyper: the optimizer's hyperparameters, with torch's names and defaults (``lr``, ``betas``,
+            ``amsgrad``, ``momentum``, ``centered``...); a key the optimizer does not have is a ConfigError.
+            torch's implementation switches (``foreach``, ``fused``, ``capturable``) are accepted and
+            ignored: the nodes choose their kernels.
         nodes: node addresses (``tcp://host:port``) or a comma-separated string (``cluster.nodes``; when
             none is configured, ``LUWU_NODES``).
         rank, world_size: this worker's identity; default torchrun's ``RANK`` / ``WORLD_SIZE``.
@@ -103,14 +106,6 @@ class RemoteOptimizer(torch.optim.Optimizer):
         *,
         config: LuwuConfig | None = None,
         nodes=None,
-        lr: float | torch.Tensor | None = None,
-        betas=None,
-        eps: float | None = None,
-        weight_decay: float | None = None,
-        momentum: float | None = None,
-        dampening: float | None = None,
-        nesterov: bool | None = None,
-        maximize: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
         job: str | None = None,
@@ -128,7 +123,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         registry=None,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
+        **hyper,
     ):
+        if optimizer is not None:
+            get_kind(optimizer)  # torch's algorithms a node cannot run are refused with the reason
         cfg = resolve_config(
             config, optimizer=optimizer, nodes=nodes, capacities=capacities, world_size=world_size, job=job, mode=mode,
             delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup, delayed_params=delayed_params,
@@ -138,13 +136,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.config = cfg
         kind = get_kind(cfg.optimizer.name)
         defaults = dict(kind.defaults)
-        for k, v in (("lr", lr), ("betas", betas), ("eps", eps), ("weight_decay", weight_decay), ("momentum", momentum), ("dampening", dampening), ("nesterov", nesterov)):
-            if v is not None:
-                if k not in defaults:
-                    raise ConfigError(f"{k}={v!r} does not apply to optimizer {kind.name!r}")
-                defaults[k] = v
-        defaults["maximize"] = maximize
-        defaults.pop("amsgrad", None)
+        for k, v in hyper.items():
+            if k == "differentiable" and v:
+                raise ConfigError("differentiable=True: a node's step runs outside autograd, nothing can differentiate through it")
+            if v is None or k in IMPLEMENTATION_SWITCHES:
+                continue
+            if k not in defaults:
+                raise ConfigError(f"{k}={v!r} does not apply to optimizer {kind.name!r} (its hyperparameters: {', '.join(defaults)})")
+            defaults[k] = v
         names: dict[int, str] = {}
         if isinstance(params, torch.nn.Module):
             named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
@@ -259,8 +258,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _hyper_of(self, group: int) -> dict:
         g = self.param_groups[group]
-        keys = HYPER_KEYS[self.kind.name] + tuple(k for k in EXTRA_HYPER[self.kind.name] if g.get(k) is not None)
-        return {k: (list(map(_num, g[k])) if k == "betas" else _num(g[k])) for k in keys}
+        keys = self.kind.hyper_keys + tuple(k for k in EXTRA_HYPER[self.kind.name] if g.get(k) is not None)
+        return {k: _num(g[k]) for k in keys}
 
     def _check_group(self, gi: int) -> None:
         """What the compression config asks of a param group: momentum correction needs an update linear
@@ -335,12 +334,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         for i, d in per.items():
             if d["step"] == 0:
                 continue  # torch creates state lazily: a parameter never stepped has none
-            shape = params[i].shape
-            if self.kind.name == "sgd":
-                if self.param_groups[self._group_of(i)]["momentum"] != 0:
-                    state[i] = {"momentum_buffer": d["momentum_buffer"].view(shape)}
-            else:
-                state[i] = {"step": torch.tensor(d["step"], dtype=torch.float32), **{n: d[n].view(shape) for n in self.kind.state_names}}
+            g = self.param_groups[self._group_of(i)]
+            entry = {"step": torch.tensor(d["step"], dtype=torch.float32)} if self.kind.step_in_state else {}
+            entry |= torch_scalars(self.kind, int(d["step"]), g)  # NAdam's mu_product, derived from the step
+            entry |= {n: d[n].view(params[i].shape) for n in self.kind.state_for(g)}  # the state this group uses
+            if entry:
+                state[i] = entry
         sd["state"] = state
         return sd
 
@@ -356,9 +355,6 @@ class RemoteOptimizer(torch.optim.Optimizer):
         """Load a ``torch.optim`` state dict (from RemoteOptimizer or a local optimizer) and scatter it to the
         nodes, with this worker's current parameters as the master weights; any node count works."""
         self.synchronize()
-        for g in state_dict.get("param_groups", []):
-            if g.get("amsgrad"):
-                raise ConfigError("the state dict uses amsgrad=True, which LuWu nodes do not support")
         super().load_state_dict(state_dict)
         params, _ = self._flat_params()
         flats = {}

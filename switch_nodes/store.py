@@ -3,12 +3,16 @@
 One :class:`BucketState` per owned bucket: the master weights, the optimizer
 state (same numel), one step counter per segment (torch keeps one per
 parameter), and the gradient accumulators of steps in flight, taken from a pool
-and reused, so nothing proportional to the model is allocated per step.
+and reused, so nothing proportional to the model is allocated per step. State
+that torch creates only with some hyperparameters (RMSprop's
+``momentum_buffer``, amsgrad's ``max_exp_avg_sq``) is allocated when first used
+(:class:`FlatState`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -46,13 +50,52 @@ class Accumulator:
     held: tuple | None = None  # (codec, frames, meta) of the first push, not decoded yet (see add_push)
 
 
+class FlatState(Mapping):
+    """A bucket's flat optimizer state by name: every name the kind declares, each a zero-initialised fp32
+    tensor of the bucket's numel, allocated when first read. The optimizer step reads only the names
+    its hyperparameters use (``kind.state_for``), so optional state costs no memory while unused."""
+
+    def __init__(self, names: tuple[str, ...], numel: int, allocate: tuple[str, ...] = ()):
+        self._names, self._numel = names, numel
+        self._tensors: dict[str, torch.Tensor] = {}
+        for n in allocate:
+            self[n]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._tensors.get(name)
+        if t is None:
+            if name not in self._names:
+                raise KeyError(name)
+            t = self._tensors[name] = torch.zeros(self._numel, dtype=torch.float32)
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def allocated(self) -> tuple[str, ...]:
+        return tuple(self._tensors)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor of ``name``, without allocating it when unused (a zero tensor then, not kept)."""
+        t = self._tensors.get(name)
+        return t if t is not None else torch.zeros(self._numel, dtype=torch.float32)
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        """Set ``name`` to ``value``; an all-zero value for a state not allocated stays unallocated."""
+        if name in self._tensors or bool(value.any()):
+            self[name].copy_(value)
+
+
 class BucketState:
     """One owned bucket: master weights, optimizer state, step counters, accumulators of steps in flight."""
 
     def __init__(self, bid: int, group: int, numel: int, segments: list[SegmentSpec], kind: OptimizerKind):
         self.id, self.group, self.numel, self.segments, self.kind = bid, group, numel, segments, kind
         self.params = torch.zeros(numel, dtype=torch.float32)
-        self.state = {name: torch.zeros(numel, dtype=torch.float32) for name in kind.state_names}
+        self.state = FlatState(kind.state_names, numel, allocate=kind.state_for({}))
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in segments]
         self.version = 0  # steps processed (applied or skipped)
         self.initialized = False
@@ -61,7 +104,7 @@ class BucketState:
         self.held: list[tuple[int, int, str]] = []  # async mode: replies waiting for the slowest worker
         self._pool: list[torch.Tensor] = []
         self.pviews = self._views(self.params)
-        self.sviews = {n: self._views(t) for n, t in self.state.items()}
+        self._sviews: dict[str, list[torch.Tensor]] = {}
 
     def to_wire(self) -> list:
         """The bucket as HELLO described it (:meth:`luwu.protocol.layout.Bucket.to_wire`)."""
@@ -70,9 +113,29 @@ class BucketState:
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat.narrow(0, s.offset, s.numel) for s in self.segments]
 
+    def state_views(self, name: str) -> list[torch.Tensor]:
+        """The segment views of state ``name`` (allocating it on first use)."""
+        views = self._sviews.get(name)
+        if views is None:
+            views = self._sviews[name] = self._views(self.state[name])
+        return views
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The weights, every state tensor (``kind.state_names`` order; zeros for state never used, not
+        allocated for it) and the step counters: what a checkpoint or a STATE get holds."""
+        return [self.params, *(self.state.read(n) for n in self.kind.state_names), torch.stack(self.steps) if self.steps else torch.zeros(0)]
+
+    def load(self, ts: list[torch.Tensor]) -> None:
+        """Copy what :meth:`tensors` gave back into the bucket (all-zero unused state stays unallocated)."""
+        self.params.copy_(ts[0])
+        for n, t in zip(self.kind.state_names, ts[1:-1]):
+            self.state.write(n, t)
+        for s, v in zip(self.steps, ts[-1]):
+            s.fill_(v)
+
     @property
     def nbytes(self) -> int:
-        return self.numel * 4 * (1 + len(self.state))
+        return self.numel * 4 * (1 + len(self.state.allocated()))
 
     def accumulator(self, step: int, max_ahead: int) -> Accumulator:
         acc = self.accs.get(step)
@@ -122,7 +185,8 @@ class BucketState:
     def grad_views(self, acc: Accumulator) -> tuple[list, list, dict, list]:
         keep = [i for i in range(len(self.segments)) if i not in acc.nograd]
         g = self._views(acc.buf)
-        return ([self.pviews[i] for i in keep], [g[i] for i in keep], {n: [v[i] for i in keep] for n, v in self.sviews.items()}, [self.steps[i] for i in keep])
+        sv = {n: self.state_views(n) for n in self.kind.state_for(acc.hyper or {})}
+        return ([self.pviews[i] for i in keep], [g[i] for i in keep], {n: [v[i] for i in keep] for n, v in sv.items()}, [self.steps[i] for i in keep])
 
     def sqnorm(self, acc: Accumulator, divisor: float) -> tuple[float, bool]:
         """Squared L2 norm of the gradient sum / ``divisor`` (segments with a gradient) and whether any

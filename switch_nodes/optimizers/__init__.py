@@ -12,13 +12,22 @@ from functools import cache
 from typing import Any, Callable
 
 from luwu.switch_nodes.optimizers.kinds import (
+    ADADELTA,
+    ADAGRAD,
     ADAM,
+    ADAMAX,
     ADAMW,
     EXTRA_HYPER,
     HYPER_KEYS,
+    IMPLEMENTATION_SWITCHES,
     KINDS,
+    NADAM,
     OPTIMIZER_NAMES,
+    RADAM,
+    RMSPROP,
+    RPROP,
     SGD,
+    UNSUPPORTED,
     OptimizerKind,
     check_hyper,
     check_momentum_steps,
@@ -26,15 +35,25 @@ from luwu.switch_nodes.optimizers.kinds import (
 )
 
 __all__ = [
+    "ADADELTA",
+    "ADAGRAD",
     "ADAM",
+    "ADAMAX",
     "ADAMW",
     "EXTRA_HYPER",
     "HYPER_KEYS",
+    "IMPLEMENTATION_SWITCHES",
     "KINDS",
+    "NADAM",
     "OPTIMIZER_NAMES",
+    "RADAM",
+    "RMSPROP",
+    "RPROP",
     "SGD",
+    "UNSUPPORTED",
     "OptimizerKind",
     "apply_",
+    "torch_scalars",
     "check_hyper",
     "check_momentum_steps",
     "get_kind",
@@ -42,8 +61,12 @@ __all__ = [
 
 
 @cache
+def _module(module: str) -> Any:
+    return importlib.import_module(f"{__name__}.{module}")
+
+
 def _update(module: str) -> Callable[..., None]:
-    return importlib.import_module(f"{__name__}.{module}").apply_
+    return _module(module).apply_
 
 
 def apply_(kind: OptimizerKind, params: list, grads: list, state: dict[str, list], steps: list, hyper: dict, grad_scale: Any = None) -> None:
@@ -52,3 +75,10 @@ def apply_(kind: OptimizerKind, params: list, grads: list, state: dict[str, list
     and applies clipping / AMP unscaling without an extra pass."""
     if params:
         _update(kind.module)(kind, params, grads, state, steps, hyper, grad_scale=grad_scale)
+
+
+def torch_scalars(kind: OptimizerKind, step: int, hyper: dict) -> dict:
+    """The per-parameter scalars of torch's state that a node derives from the step instead of storing
+    (NAdam's ``mu_product``), for ``state_dict``; empty for most kinds."""
+    derive = getattr(_module(kind.module), "torch_scalars", None)
+    return derive(step, hyper) if derive is not None else {}

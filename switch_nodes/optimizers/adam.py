@@ -1,4 +1,4 @@
-"""Adam and AdamW on a node: torch's fused CPU kernel over a bucket's segment views.
+"""Adam and AdamW (``amsgrad`` too) on a node: torch's fused CPU kernel over a bucket's segment views.
 
 A bucket holds its parameters as one flat fp32 tensor; a segment (one
 parameter's part of the bucket) is a view of it, and the update is
@@ -79,19 +79,20 @@ def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str
     )
     decoupled = kind.name == "adamw"
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    amsgrad = bool(hyper.get("amsgrad", False))  # check_hyper: never with a frozen variance
     if live:
         _adam.adam(
             [params[i] for i in live],
             [grads[i] for i in live],
             [exp_avg[i] for i in live],
             [exp_avg_sq[i] for i in live],
-            [],
+            [state["max_exp_avg_sq"][i] for i in live] if amsgrad else [],
             [steps[i] for i in live],
             fused=True,
             grad_scale=grad_scale,
             found_inf=None,
             decoupled_weight_decay=decoupled,
-            amsgrad=False,
+            amsgrad=amsgrad,
             **common,
         )
     if frozen:

@@ -5,9 +5,13 @@ optimizers without loading torch. Each kind names the module of this package
 that holds its update (``apply_``); adding an optimizer is one kind here and
 one module beside this one.
 
-A segment's state matches ``torch.optim``'s per-parameter state
-(``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, plus the step counter), so
-that ``state_dict()`` gathers into torch's own format.
+Every kind is a ``torch.optim`` algorithm whose update is elementwise, so it
+runs the same on a slice of a parameter as on the whole (a parameter may span
+buckets and nodes). A segment's state matches ``torch.optim``'s
+per-parameter state (``exp_avg``, ``square_avg``, ``momentum_buffer``...,
+plus the step counter), so that ``state_dict()`` gathers into torch's own
+format. The algorithms that are not elementwise are refused by
+:func:`get_kind`, which says why (:data:`UNSUPPORTED`).
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from luwu.protocol.errors import ConfigError
 class OptimizerKind:
     name: str
     state_names: tuple[str, ...]
-    """Flat state tensors per bucket (same numel as the parameters)."""
+    """Flat state tensors per bucket (same numel as the parameters), torch's state keys."""
     defaults: dict
-    """torch.optim's constructor defaults."""
+    """torch.optim's constructor defaults (less its implementation switches: foreach, fused...)."""
     hyper_keys: tuple[str, ...]
     """The param-group keys a worker sends with every push."""
     extra_hyper: tuple[str, ...]
@@ -33,6 +37,20 @@ class OptimizerKind:
     """The module of this package with the update: ``apply_(kind, params, grads, state, steps, hyper, grad_scale)``."""
     check: Callable[[OptimizerKind, dict], None]
     """Checks of this kind's own hyperparameters (see :func:`check_hyper`)."""
+    optional_state: tuple[tuple[str, str], ...] = ()
+    """(state name, hyperparameter): state torch creates only when that hyperparameter is set (nonzero or
+    True), e.g. RMSprop's ``momentum_buffer``; a node allocates it on first use, so it costs nothing unused."""
+    step_in_state: bool = True
+    """Whether torch's per-parameter state holds ``step`` (SGD's does not)."""
+
+    def state_for(self, h: dict) -> tuple[str, ...]:
+        """The state names torch's update keeps with hyperparameters ``h``."""
+        off = {n for n, key in self.optional_state if not _truthy(h.get(key))}
+        return tuple(n for n in self.state_names if n not in off)
+
+
+def _truthy(v: Any) -> bool:
+    return bool(v) if isinstance(v, bool) or v is None else float(v) != 0.0
 
 
 def _worker_momentum(h: dict) -> Any:
@@ -41,17 +59,35 @@ def _worker_momentum(h: dict) -> Any:
     return WORKER_MOMENTUM, h.get(WORKER_MOMENTUM)
 
 
-def _check_adam(kind: OptimizerKind, h: dict) -> None:
+def _at_least_zero(h: dict, *keys: str) -> None:
+    """torch's ``if not 0.0 <= value: raise ValueError("Invalid <key> value: ...")``."""
+    for key in keys:
+        if not float(h[key]) >= 0.0:
+            raise ConfigError(f"invalid {key} value: {h[key]}")
+
+
+def _betas(h: dict) -> None:
     b1, b2 = h["betas"]
     if not 0.0 <= float(b1) < 1.0 or not 0.0 <= float(b2) < 1.0:
         raise ConfigError(f"invalid beta parameters: {h['betas']}")
+
+
+def _no_luwu_extras(kind: OptimizerKind, h: dict) -> None:
+    if h.get("variance_freeze_step") is not None:
+        raise ConfigError(f"variance_freeze_step applies to adam and adamw, not to {kind.name}")
+    if _worker_momentum(h)[1] is not None:
+        raise ConfigError(f"{_MC} supports sgd and adam/adamw (with variance_freeze_step) only, not {kind.name}")
+
+
+def _check_adam(kind: OptimizerKind, h: dict) -> None:
+    _betas(h)
     if not float(h["eps"]) >= 0.0:
         raise ConfigError(f"invalid epsilon value: {h['eps']}")
-    if h.get("amsgrad"):
-        raise ConfigError("amsgrad=True is not supported by LuWu nodes yet")
     freeze = h.get("variance_freeze_step")
     if freeze is not None and (isinstance(freeze, bool) or not isinstance(freeze, int) or freeze < 1):
         raise ConfigError(f"invalid variance_freeze_step: {freeze!r} (None, or an int >= 1: the steps that update the variance)")
+    if freeze is not None and h.get("amsgrad"):
+        raise ConfigError("variance_freeze_step and amsgrad=True do not combine (amsgrad's maximum is a live variance)")
     if _worker_momentum(h)[1] is None:
         return
     if freeze is None:
@@ -71,13 +107,55 @@ def _check_sgd(kind: OptimizerKind, h: dict) -> None:
         raise ConfigError(f"{_MC} supports sgd without weight_decay or nesterov only")
 
 
-_MC = "momentum correction (compression.momentum_correction)"
-_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize")
-_ADAM_STATE = ("exp_avg", "exp_avg_sq")
-_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "maximize": False}
+def _check_adagrad(kind: OptimizerKind, h: dict) -> None:
+    _no_luwu_extras(kind, h)
+    _at_least_zero(h, "lr_decay", "initial_accumulator_value", "eps")
 
-ADAMW = OptimizerKind("adamw", _ADAM_STATE, _ADAM_DEFAULTS | {"weight_decay": 1e-2}, _ADAM_KEYS, ("variance_freeze_step",), "adam", _check_adam)
-ADAM = OptimizerKind("adam", _ADAM_STATE, _ADAM_DEFAULTS | {"weight_decay": 0.0}, _ADAM_KEYS, ("variance_freeze_step",), "adam", _check_adam)
+
+def _check_rmsprop(kind: OptimizerKind, h: dict) -> None:
+    _no_luwu_extras(kind, h)
+    _at_least_zero(h, "eps", "momentum", "alpha")
+
+
+def _check_adam_like(kind: OptimizerKind, h: dict) -> None:
+    """Adamax, NAdam, RAdam: betas in [0, 1), eps (and NAdam's momentum_decay) >= 0."""
+    _no_luwu_extras(kind, h)
+    _betas(h)
+    _at_least_zero(h, "eps", *(("momentum_decay",) if "momentum_decay" in h else ()))
+
+
+def _check_adadelta(kind: OptimizerKind, h: dict) -> None:
+    _no_luwu_extras(kind, h)
+    if not 0.0 <= float(h["rho"]) <= 1.0:
+        raise ConfigError(f"invalid rho value: {h['rho']}")
+    _at_least_zero(h, "eps")
+
+
+def _check_rprop(kind: OptimizerKind, h: dict) -> None:
+    _no_luwu_extras(kind, h)
+    minus, plus = h["etas"]
+    if not 0.0 < float(minus) < 1.0 < float(plus):
+        raise ConfigError(f"invalid eta values: {minus}, {plus}")
+    lo, hi = h["step_sizes"]
+    if not 0.0 <= float(lo) <= float(hi):
+        raise ConfigError(f"invalid step_sizes: {lo}, {hi} (need 0 <= minimum <= maximum)")
+
+
+_MC = "momentum correction (compression.momentum_correction)"
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+_ADAM_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "maximize": False}
+_AMSGRAD = (("max_exp_avg_sq", "amsgrad"),)
+_NO_EXTRA: tuple[str, ...] = ()
+
+
+def _kind(name: str, state: tuple[str, ...], defaults: dict, check: Callable, module: str | None = None, **more: Any) -> OptimizerKind:
+    """A kind whose worker sends every key of its defaults with each push."""
+    return OptimizerKind(name, state, defaults, tuple(defaults), _NO_EXTRA, module or name, check, **more)
+
+
+ADAMW = OptimizerKind("adamw", _ADAM_STATE, _ADAM_DEFAULTS | {"weight_decay": 1e-2}, _ADAM_KEYS, ("variance_freeze_step",), "adam", _check_adam, _AMSGRAD)
+ADAM = OptimizerKind("adam", _ADAM_STATE, _ADAM_DEFAULTS | {"weight_decay": 0.0}, _ADAM_KEYS, ("variance_freeze_step",), "adam", _check_adam, _AMSGRAD)
 SGD = OptimizerKind(
     "sgd",
     ("momentum_buffer",),
@@ -86,9 +164,51 @@ SGD = OptimizerKind(
     (),
     "sgd",
     _check_sgd,
+    (("momentum_buffer", "momentum"),),
+    step_in_state=False,
 )
-KINDS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW, ADAM, SGD)}
+ADAGRAD = _kind(
+    "adagrad", ("sum",), {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10, "maximize": False}, _check_adagrad
+)
+RMSPROP = _kind(
+    "rmsprop",
+    ("square_avg", "momentum_buffer", "grad_avg"),
+    {"lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "centered": False, "maximize": False},
+    _check_rmsprop,
+    optional_state=(("momentum_buffer", "momentum"), ("grad_avg", "centered")),
+)
+ADAMAX = _kind("adamax", ("exp_avg", "exp_inf"), {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "maximize": False}, _check_adam_like)
+NADAM = _kind(
+    "nadam",
+    ("exp_avg", "exp_avg_sq"),
+    {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "momentum_decay": 4e-3, "decoupled_weight_decay": False, "maximize": False},
+    _check_adam_like,
+)
+RADAM = _kind(
+    "radam",
+    ("exp_avg", "exp_avg_sq"),
+    {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "decoupled_weight_decay": False, "maximize": False},
+    _check_adam_like,
+)
+ADADELTA = _kind("adadelta", ("square_avg", "acc_delta"), {"lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0.0, "maximize": False}, _check_adadelta)
+RPROP = _kind("rprop", ("prev", "step_size"), {"lr": 1e-2, "etas": (0.5, 1.2), "step_sizes": (1e-6, 50.0), "maximize": False}, _check_rprop)
+
+KINDS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW, ADAM, SGD, ADAGRAD, RMSPROP, ADAMAX, NADAM, RADAM, ADADELTA, RPROP)}
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(KINDS)
+
+#: The other torch.optim algorithms, and why a node cannot run them on its slices.
+UNSUPPORTED: dict[str, str] = {
+    "lbfgs": "its update is not elementwise: it needs a closure re-evaluating the loss and a line search over the whole model, "
+    "and keeps a history of whole-model direction vectors",
+    "sparseadam": "it updates only the rows present in sparse gradients, and LuWu streams dense gradients",
+    "asgd": "it keeps per-parameter scalars (eta, mu) computed from the previous step's learning rate, which the nodes do not store",
+    "muon": "its update is not elementwise: it orthogonalises each whole weight matrix (Newton-Schulz iterations)",
+    "adafactor": "its row and column statistics need each matrix whole on one node, which the bucket layout does not guarantee yet",
+}
+
+#: torch.optim's constructor switches that choose an implementation, not the update (a worker drops them;
+#: ``differentiable=True`` asks for autograd through the step, which a node cannot give, and is refused).
+IMPLEMENTATION_SWITCHES: tuple[str, ...] = ("foreach", "fused", "capturable", "differentiable")
 
 #: Per optimizer name, the hyperparameters a node accepts beyond torch's.
 EXTRA_HYPER: dict[str, tuple[str, ...]] = {k.name: k.extra_hyper for k in KINDS.values()}
@@ -97,10 +217,14 @@ HYPER_KEYS: dict[str, tuple[str, ...]] = {k.name: k.hyper_keys for k in KINDS.va
 
 
 def get_kind(name: str) -> OptimizerKind:
-    try:
-        return KINDS[name.lower()]
-    except KeyError:
-        raise ConfigError(f"unknown optimizer {name!r}: choose one of {sorted(KINDS)}") from None
+    """The kind called ``name``; a ConfigError that says why for torch's algorithms a node cannot run."""
+    kind = KINDS.get(name.lower())
+    if kind is not None:
+        return kind
+    why = UNSUPPORTED.get(name.lower())
+    if why is not None:
+        raise ConfigError(f"optimizer {name!r} cannot run on LuWu nodes: {why}; supported: {', '.join(OPTIMIZER_NAMES)}")
+    raise ConfigError(f"unknown optimizer {name!r}: choose one of {sorted(KINDS)}")
 
 
 def check_hyper(kind: OptimizerKind, h: dict) -> None:

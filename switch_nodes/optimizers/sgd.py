@@ -1,5 +1,5 @@
 """SGD (momentum, dampening, Nesterov, weight decay) on a node: torch's own ``sgd`` over a bucket's
-segment views, with the momentum buffers preallocated in the bucket's flat state.
+segment views, with the momentum buffers in the bucket's flat state (allocated when momentum is set).
 
 **Momentum from the workers** (``worker_momentum`` in a push's hyperparameters, momentum correction):
 the pushed sum is the workers' momentum, applied as torch's ``p -= lr * buf`` with that sum as
@@ -21,7 +21,7 @@ Tensors = list[torch.Tensor]
 def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str, Tensors], steps: Tensors, hyper: dict, grad_scale: torch.Tensor | None = None) -> None:
     """One SGD step over segment views; grads are divided by ``grad_scale`` (in place) first."""
     momentum = float(hyper["momentum"])
-    bufs = state["momentum_buffer"]
+    bufs = state.get("momentum_buffer", [])  # allocated only with momentum (kind.optional_state)
     first = [i for i, s in enumerate(steps) if momentum != 0.0 and float(s) == 0.0]
     if grad_scale is not None:
         for g in grads:
@@ -38,7 +38,7 @@ def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str
         maximize=bool(hyper.get("maximize", False)),
     )
     if hyper.get(WORKER_MOMENTUM) is not None:
-        _sgd_worker_momentum_(params, grads, bufs, momentum=momentum, lr=common["lr"], maximize=common["maximize"])
+        _sgd_worker_momentum_(params, grads, bufs, lr=common["lr"], maximize=common["maximize"])
         first = rest = []
     if first:
         tmp: list = [None] * len(first)
@@ -52,11 +52,11 @@ def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str
 
 
 def _sgd_worker_momentum_(
-    params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], *, momentum: float, lr: float, maximize: bool
+    params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], *, lr: float, maximize: bool
 ) -> None:
     """SGD step of a momentum-corrected push: the grads are the workers' momentum, torch's
     ``p -= lr * buf`` with the workers' sum as ``buf``; the node's own buffer is dropped (zeroed)."""
-    for p, g, buf in zip(params, grads, bufs):
-        if momentum != 0.0:
-            buf.zero_()
+    for buf in bufs:
+        buf.zero_()
+    for p, g in zip(params, grads):
         p.add_(g, alpha=lr if maximize else -lr)

@@ -7,7 +7,8 @@ import torch
 
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.feedback import WORKER_MOMENTUM
-from luwu.switch_nodes.optimizers import ADAM, ADAMW, SGD, apply_, check_hyper, check_momentum_steps
+from luwu.switch_nodes.optimizers import ADAM, ADAMW, RMSPROP, SGD, UNSUPPORTED, apply_, check_hyper, check_momentum_steps, get_kind
+from luwu.switch_nodes.store import BucketState, SegmentSpec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -291,3 +292,82 @@ def test_worker_momentum_is_refused_where_the_update_is_not_linear_in_it():
         flat, views = segments()
         apply_(ADAMW, [flat[:3]], [torch.ones(3)], {"exp_avg": [torch.zeros(3)], "exp_avg_sq": [torch.zeros(3)]}, [torch.tensor(0.0)], ok)
 
+
+
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("lbfgs", "not elementwise: it needs a closure"),
+        ("LBFGS", "line search"),
+        ("sparseadam", "sparse gradients"),
+        ("asgd", "per-parameter scalars"),
+        ("muon", "orthogonalises each whole weight matrix"),
+        ("adafactor", "row and column statistics"),
+    ],
+)
+def test_optimizers_a_node_cannot_run_are_refused_with_the_reason(name, why):
+    with pytest.raises(ConfigError, match=f"optimizer {name!r} cannot run on LuWu nodes: .*{why}.*supported: adamw, adam, sgd, adagrad"):
+        get_kind(name)
+    assert set(UNSUPPORTED) == {"lbfgs", "sparseadam", "asgd", "muon", "adafactor"}
+    with pytest.raises(ConfigError, match="unknown optimizer 'adamm'"):
+        get_kind("adamm")
+
+
+@pytest.mark.parametrize(
+    "name,bad,match",
+    [
+        ("adagrad", {"lr_decay": -0.1}, "invalid lr_decay value: -0.1"),
+        ("adagrad", {"initial_accumulator_value": -1.0}, "invalid initial_accumulator_value value: -1.0"),
+        ("adagrad", {"eps": -1e-3}, "invalid eps value"),
+        ("rmsprop", {"alpha": -0.5}, "invalid alpha value: -0.5"),
+        ("rmsprop", {"momentum": -0.1}, "invalid momentum value: -0.1"),
+        ("rmsprop", {"lr": -1.0}, "invalid learning rate: -1.0"),
+        ("adamax", {"betas": (1.0, 0.9)}, "invalid beta parameters"),
+        ("nadam", {"momentum_decay": -1.0}, "invalid momentum_decay value: -1.0"),
+        ("radam", {"weight_decay": -0.1}, "invalid weight_decay value: -0.1"),
+        ("adadelta", {"rho": 1.5}, "invalid rho value: 1.5"),
+        ("rprop", {"etas": (1.2, 0.5)}, "invalid eta values: 1.2, 0.5"),
+    ],
+)
+def test_new_optimizers_check_hyperparameters_as_torch_does(name, bad, match):
+    """Each value torch's constructor refuses (ValueError) is a ConfigError naming the value."""
+    kind = get_kind(name)
+    with pytest.raises(ValueError):
+        getattr(torch.optim, {"adagrad": "Adagrad", "rmsprop": "RMSprop", "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam", "adadelta": "Adadelta", "rprop": "Rprop"}[name])(
+            [torch.zeros(2, requires_grad=True)], **bad
+        )
+    with pytest.raises(ConfigError, match=match):
+        check_hyper(kind, dict(kind.defaults) | bad)
+    check_hyper(kind, dict(kind.defaults))
+    with pytest.raises(ConfigError, match=f"variance_freeze_step applies to adam and adamw, not to {name}"):
+        check_hyper(kind, dict(kind.defaults) | {"variance_freeze_step": 3})
+
+
+def test_amsgrad_runs_but_not_with_a_frozen_variance():
+    check_hyper(ADAM, dict(ADAM.defaults) | {"amsgrad": True})
+    with pytest.raises(ConfigError, match="variance_freeze_step and amsgrad=True do not combine"):
+        check_hyper(ADAMW, dict(ADAMW.defaults) | {"amsgrad": True, "variance_freeze_step": 3})
+
+
+def test_optional_state_costs_nothing_until_used():
+    """RMSprop's momentum_buffer and grad_avg, amsgrad's max_exp_avg_sq, SGD's momentum_buffer: allocated
+    when a step uses them; a state get reads zeros for them without allocating, a set of zeros leaves
+    them unallocated, a set of values allocates them."""
+    segs = [SegmentSpec(0, 0, 0, 6), SegmentSpec(1, 0, 6, 4)]
+    b = BucketState(0, 0, 10, segs, RMSPROP)
+    assert b.state.allocated() == ("square_avg",) and len(b.state) == 3 and b.nbytes == 10 * 4 * 2
+    acc = b.accumulator(0, 2)
+    acc.buf.copy_(torch.arange(10.0))
+    acc.hyper = dict(RMSPROP.defaults)
+    b.apply(acc, 1.0)
+    b.release(0)
+    ts = b.tensors()
+    assert b.state.allocated() == ("square_avg",) and [float(t.abs().sum()) for t in ts[2:4]] == [0.0, 0.0]
+    b.load(ts)
+    assert b.state.allocated() == ("square_avg",)
+    ts[2] = torch.ones(10)  # a loaded momentum_buffer
+    b.load(ts)
+    assert b.state.allocated() == ("square_avg", "momentum_buffer") and float(b.state["momentum_buffer"].sum()) == 10.0
+    for kind, hyper, used in ((ADAM, {}, ("exp_avg", "exp_avg_sq")), (ADAM, {"amsgrad": True}, ADAM.state_names), (SGD, {}, ()), (SGD, {"momentum": 0.9}, ("momentum_buffer",))):
+        assert kind.state_for(dict(kind.defaults) | hyper) == used
+        assert BucketState(0, 0, 10, segs, kind).state.allocated() == kind.state_for({})
