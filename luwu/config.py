@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from luwu.gpu_workers.config import PrefetchConfig, TransportConfig
 from luwu.protocol.errors import ConfigError
 from luwu.switch_nodes.config import NodeConfig
-from luwu.switch_nodes.optimizers.kinds import OPTIMIZER_NAMES
+from luwu.switch_nodes.optimizers.kinds import OPTIMIZER_NAMES, UNSUPPORTED
 
 if TYPE_CHECKING:
     from luwu.protocol.policy import CompressionConfig
@@ -79,7 +79,10 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_NAMES:
-            raise ConfigError(f"optimizer.name must be one of {', '.join(OPTIMIZER_NAMES)}, got {self.name!r}")
+            why = UNSUPPORTED.get(self.name.lower())
+            raise ConfigError(
+                f"optimizer.name must be one of {', '.join(OPTIMIZER_NAMES)}, got {self.name!r}" + (f": {why}" if why else "")
+            )
         if self.max_grad_norm < 0:
             raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
         if self.delayed_update_warmup < 0:  # the loader already made it an int, as every other key

@@ -31,20 +31,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _tensors(b: BucketState) -> list[torch.Tensor]:
-    """A bucket's weights, state tensors (``kind.state_names`` order) and step counters, as stored."""
-    return [b.params, *(b.state[n] for n in b.kind.state_names), torch.stack(b.steps) if b.steps else torch.zeros(0)]
-
-
-def _load(b: BucketState, ts: list[torch.Tensor]) -> None:
-    """Copy what :func:`_tensors` gave back into the bucket."""
-    b.params.copy_(ts[0])
-    for n, t in zip(b.kind.state_names, ts[1:-1]):
-        b.state[n].copy_(t)
-    for s, v in zip(b.steps, ts[-1]):
-        s.fill_(v)
-
-
 class Durability:
     def __init__(self, node: NodeServer):
         self.node = node
@@ -78,7 +64,7 @@ class Durability:
                 for b in node.buckets.values()
             ],
         }
-        path = node.ckpt.save(meta, {b.id: _tensors(b) for b in node.buckets.values()})
+        path = node.ckpt.save(meta, {b.id: b.tensors() for b in node.buckets.values()})
         node.metrics.checkpoint_step.set(meta["step"])
         log.info("node %s wrote checkpoint of step %d: %s", node.index, meta["step"], path)
 
@@ -96,7 +82,7 @@ class Durability:
         for saved in m["buckets"]:
             spec = Bucket.from_wire(saved["spec"])
             b = BucketState(spec.id, spec.group, spec.numel, list(spec.segments), node.kind)
-            _load(b, ckpt.tensors[spec.id])
+            b.load(ckpt.tensors[spec.id])
             b.version, b.initialized = saved["version"], saved["initialized"]
             node.buckets[spec.id] = b
             node.replies.add(spec.id)
@@ -156,7 +142,7 @@ class Durability:
 
             def snapshot():
                 reply["step"] = b.version  # as of the snapshot, behind the steps queued before it
-                return [t.clone() for t in _tensors(b)]
+                return [t.clone() for t in b.tensors()]
 
             async def get():
                 node.send(ident, wire.encode(reply, await node.run(snapshot)))
@@ -168,7 +154,7 @@ class Durability:
 
             def work():
                 node.replies.wait_sent(b.id)
-                _load(b, frames)
+                b.load(frames)
                 b.initialized = True
                 node.replies.resync(b.id)
 

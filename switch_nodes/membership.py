@@ -69,7 +69,7 @@ class Membership:
     def _check_capacity(self, w: int, kind: OptimizerKind, buckets: list[Bucket]) -> None:
         held = sum(b.numel for b in self.node.buckets.values())
         new = sum(b.numel for b in buckets if b.id not in self.node.buckets)
-        nbytes = (held + new) * 4 * (1 + len(kind.state_names))
+        nbytes = (held + new) * 4 * (1 + len(kind.state_for({})))  # the state every step keeps
         if nbytes > self.node.cfg.max_shard_bytes:
             raise ConfigError(f"HELLO of worker {w} would make this node hold {nbytes / 2**30:.1f} GiB, over node.max_shard_bytes")
 
