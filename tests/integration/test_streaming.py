@@ -1,0 +1,67 @@
+"""Streaming mode, 2 workers x 2 nodes in real processes: a worker that holds no weights of its blocks
+between uses trains exactly as local torch AdamW does (compression off)."""
+
+import time
+
+import pytest
+import torch
+from harness import ROOT, start_workers, wait_all
+from workers.stream import reference  # noqa: E402
+
+STREAM = ROOT / "workers" / "stream.py"
+
+
+def run_streaming(spec: dict, nodes: list[str], tmp, world_size: int = 2, timeout_s: float = 150) -> list[dict]:
+    spec = dict(spec, nodes=nodes, world_size=world_size, out=str(tmp / f"result-{time.monotonic_ns()}"))
+    wait_all(start_workers(STREAM, spec, world_size, tmp), timeout_s)
+    return [torch.load(f"{spec['out']}.rank{r}") for r in range(world_size)]
+
+
+# The nodes average two workers' fp32 pushes with ``torch.lerp(first, second, 0.5)``, which rounds
+# differently with the arrival order: where the two half-batch gradients nearly cancel, that last bit
+# is the whole gradient, and AdamW turns it into up to ~1.5e-6 on one weight of this model: two runs
+# of the same job differ by as much from each other. It is the nodes' average, not streaming (resident
+# mode goes through the same one). Everything else agrees to 1e-6; the tolerance covers that element,
+# and the eval loss is held to 1e-6.
+RTOL, ATOL = 1e-5, 5e-6
+
+
+def assert_equals_reference(results: list[dict], spec: dict, rtol: float = RTOL, atol: float = ATOL) -> None:
+    want, want_eval = reference(dict(spec, world_size=2))
+    for r in results:
+        assert r["params"].keys() == want.keys()
+        for name, w in want.items():
+            torch.testing.assert_close(r["params"][name], w, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+        assert r["eval_loss"] == pytest.approx(want_eval, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_streaming_equals_local_adamw_and_holds_no_weights_between_steps(cluster2, tmp_path):
+    spec = {"steps": 10}
+    results = run_streaming(spec, cluster2.addresses, tmp_path)
+    assert_equals_reference(results, spec)
+    for r in results:
+        assert r["num_units"] == 4 and r["num_streamed"] == 4 * 6
+        assert r["held_after_step"] == [0] * 10  # no storage for the streamed blocks between steps
+        assert r["same_as_resident"] == [True, True]  # and the module still works as a module
+        ev = r["evaluation"]  # eval under no_grad: every block fetched once, nothing pushed, nothing kept
+        assert ev["pushes"] == 0 and ev["units_fetched"] == 4 and ev["pulls"] > 0 and ev["held_after"] == 0
+    torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_streaming_with_lr_scheduler_equals_local_torch(cluster2, tmp_path):
+    spec = {"steps": 8, "scheduler": ["StepLR", {"step_size": 3, "gamma": 0.5}], "prefetch": 1}
+    results = run_streaming(spec, cluster2.addresses, tmp_path)
+    assert_equals_reference(results, spec)
+    assert results[0]["lrs"] == [0.01 * 0.5**2]
+
+
+@pytest.mark.timeout(240)
+def test_streaming_with_clipping_and_scheduler_equals_local_torch(cluster2, tmp_path):
+    spec = {"steps": 8, "max_grad_norm": 0.05, "scheduler": ["StepLR", {"step_size": 3, "gamma": 0.5}], "prefetch": 0}
+    results = run_streaming(spec, cluster2.addresses, tmp_path)
+    # The global norm is summed per bucket, torch sums it per parameter: the clip coefficient may differ
+    # in its last bit, and AdamW turns that into ~1e-6 on the few elements whose second moment is tiny
+    # (resident mode on this model differs from torch by ~1e-6 at the same element); the loss agrees.
+    assert_equals_reference(results, spec, rtol=1e-4, atol=1e-5)
