@@ -20,7 +20,7 @@ storage.
 - **Step**: the pushes of streamed buckets are answered by an ``ack`` without
   weights; ``step()`` waits for every ack (so the next fetch sees the new
   weights), then :meth:`Streamer.end_step` releases what is still held and
-  forgets unused prefetches. The root (parameters outside every unit) stays
+  forgets unused prefetches, and gives the heap's free pages back (:func:`trim_heap`). The root (parameters outside every unit) stays
   resident and is updated by ``step()`` as in resident mode.
 
 The worker requests each unit ahead of use; the nodes do not yet push the next
@@ -38,11 +38,17 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten
 
-from luwu.gpu_workers.pool import FP32_BYTES, BufferPool
+from luwu.gpu_workers.pool import FP32_BYTES, BufferPool, trim_heap
 from luwu.gpu_workers.units import Unit, select_units, unit_of_params
 from luwu.gpu_workers.worker import StepReport, Worker
 from luwu.protocol.errors import ConfigError
+from luwu.protocol.memory import retain_freed_memory
 from luwu.protocol.layout import Bucket, Layout
+
+
+#: Streaming mode maps blocks from this size up on their own, so a released unit's pages go back to the
+#: system at once instead of fragmenting the heap between the activations that outlive them.
+STREAM_MMAP_THRESHOLD = 1 << 17
 
 
 def alloc_storage(p: torch.Tensor) -> None:
@@ -165,6 +171,8 @@ class Streamer:
         worker.on_pushed = self._on_pushed
         for u in self.units:
             self._release(u)
+        retain_freed_memory(STREAM_MMAP_THRESHOLD, STREAM_MMAP_THRESHOLD)
+        trim_heap()  # the model was built whole: give its pages back
 
     # ----------------------------------------------------------------- fetch and release
     def _request(self, u: _Unit) -> None:
@@ -251,6 +259,7 @@ class Streamer:
             self.order = list(self._seen)
             self._seen = {}
         report.fetch_wait_s, self.fetch_wait_s = self.fetch_wait_s, 0.0
+        trim_heap()
 
     @contextlib.contextmanager
     def gathered(self):
