@@ -82,7 +82,7 @@ def child(spec: dict) -> dict:
     model = Net()
     weights = sum(p.numel() for p in model.parameters()) * 4
     opt = luwu.RemoteOptimizer(model, nodes=spec["nodes"], lr=1e-3, compression=False, rank=0, world_size=1, stream_weights=spec["stream"], timeout_s=120)
-    built = status_bytes("VmRSS")
+    built, build_peak = status_bytes("VmRSS"), status_bytes("VmHWM")
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
         f.write("5")
     g = torch.Generator().manual_seed(0)
@@ -96,7 +96,7 @@ def child(spec: dict) -> dict:
     mb = 1 / 2**20
     return {
         "mode": "streaming" if spec["stream"] else "resident", "depth": depth, "weights_mb": weights * mb, "floor_mb": floor * mb,
-        "built_mb": (built - floor) * mb, "train_peak_mb": (train_peak - floor) * mb, "peak_mb": (max(train_peak, status_bytes("VmHWM"), built) - floor) * mb,
+        "built_mb": (built - floor) * mb, "train_peak_mb": (train_peak - floor) * mb, "peak_mb": (max(train_peak, build_peak) - floor) * mb,
     }
 
 
