@@ -17,6 +17,9 @@ storage.
   Each parameter's gradient goes to its buckets as usual (post-accumulate-grad
   hooks; a unit's buckets hold only its parameters); when the last bucket of
   the unit has been pushed, the unit's gradients and weights are released.
+- **Activation checkpointing** (``torch.utils.checkpoint``, non-reentrant)
+  re-runs a unit's forward inside backward: the post-hook then keeps the
+  weights, which the unit's backward needs right after.
 - **Step**: the pushes of streamed buckets are answered by an ``ack`` without
   weights; ``step()`` waits for every ack (so the next fetch sees the new
   weights), then :meth:`Streamer.end_step` releases what is still held and
@@ -218,6 +221,8 @@ class Streamer:
         self._ensure(u)
 
     def _post_forward(self, u: _Unit, out) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a forward recomputed inside backward (activation checkpointing): its backward is next
         self._release(u)
         if not torch.is_grad_enabled():
             return

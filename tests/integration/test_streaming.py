@@ -65,3 +65,42 @@ def test_streaming_with_clipping_and_scheduler_equals_local_torch(cluster2, tmp_
     # in its last bit, and AdamW turns that into ~1e-6 on the few elements whose second moment is tiny
     # (resident mode on this model differs from torch by ~1e-6 at the same element); the loss agrees.
     assert_equals_reference(results, spec, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_activation_checkpointing_recomputes_on_the_fetched_weights(cluster1):
+    """``torch.utils.checkpoint`` re-enters a unit's forward during backward: the weights fetched for
+    that backward serve the recomputation (not released in between), and training equals local AdamW."""
+    from torch.utils.checkpoint import checkpoint
+
+    import luwu
+    from workers.stream import make_model
+
+    spec = {"seed": 0, "blocks": 3, "width": 16}
+    ref, model = make_model(spec), make_model(spec)
+
+    def forward(net, x, ck):
+        x = net.inp(x)
+        for b in net.blocks:
+            x = checkpoint(b, x, use_reentrant=False) if ck else b(x)
+        return net.head(x)
+
+    local = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1)
+    try:
+        with pytest.raises(luwu.ConfigError, match="no_sync"):
+            with opt.no_sync():
+                pass
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
+            for net, o, ck in ((ref, local, False), (model, opt, True)):
+                o.zero_grad()
+                torch.nn.functional.cross_entropy(forward(net, x, ck), y).backward()
+                o.step()
+            assert opt.streamer.resident_bytes() == 0
+        got = opt.model_state_dict()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        opt.close()
