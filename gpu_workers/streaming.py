@@ -171,7 +171,7 @@ class Streamer:
             if u.buckets:
                 self._hooks.append(u.unit.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
                 self._hooks.append(u.unit.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
-        worker.on_pushed = self._on_pushed
+        worker.on_pushed, worker.on_reset = self._on_pushed, self._forget
         for u in self.units:
             self._release(u)
         retain_freed_memory(STREAM_MMAP_THRESHOLD, STREAM_MMAP_THRESHOLD)
@@ -266,6 +266,16 @@ class Streamer:
         report.fetch_wait_s, self.fetch_wait_s = self.fetch_wait_s, 0.0
         trim_heap()
 
+    def _forget(self) -> None:
+        """The worker abandoned the step (recover()): its outstanding fetches will not be answered."""
+        for u in self.units:
+            u.state = _State.RELEASED  # not REQUESTED: the replies were dropped with the step
+            u.pushed = 0
+            for p in u.params:
+                p.grad = None
+                free_storage(p)
+        self._seen = {}
+
     @contextlib.contextmanager
     def gathered(self):
         """Every streamed unit resident for the duration (for models that fit: state dicts, checks)."""
@@ -288,4 +298,4 @@ class Streamer:
             h.remove()
         self._hooks = []
         if self.worker.on_pushed == self._on_pushed:
-            self.worker.on_pushed = None
+            self.worker.on_pushed = self.worker.on_reset = None

@@ -104,6 +104,7 @@ class Worker:
             raise ValueError("streamed buckets need a buffer pool and cannot be delayed")
         self.pool = pool
         self.on_pushed = None  # streaming mode: called with each streamed bucket once pushed
+        self.on_reset = None  # streaming mode: called when recover() abandons the step (its replies are gone)
         self._unacked: set[int] = set()  # streamed buckets pushed this step whose buffer is still lent
         self.bufs: list[_BucketBuf] = []
         for b in layout.buckets:
@@ -154,6 +155,8 @@ class Worker:
             buf.filled, buf.pushed_step = 0, -1
         for bid in [b.bucket.id for b in self.bufs if b.bucket.id in self.streamed and b.grads]:
             self._give_back(bid)
+        if self.on_reset is not None:
+            self.on_reset()
         if self._feedback is not None:
             self._feedback.reset()
         welcomes = self.hello(self.step_num)

@@ -104,3 +104,35 @@ def test_activation_checkpointing_recomputes_on_the_fetched_weights(cluster1):
             torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     finally:
         opt.close()
+
+
+@pytest.mark.timeout(120)
+def test_grad_scaler_skips_and_backs_off_in_streaming_mode(cluster1):
+    """AMP's GradScaler drives a streaming optimizer: an inf in one block's gradient makes the nodes skip
+    the step and the scaler back off, as local torch does; the weights stay equal."""
+    import luwu
+    from workers.stream import make_model
+
+    spec = {"seed": 0, "blocks": 3, "width": 16}
+    ref, model = make_model(spec), make_model(spec)
+    local = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1, amp=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    try:
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
+            for net, o, scaler in ((ref, local, scalers[0]), (model, opt, scalers[1])):
+                o.zero_grad()
+                hook = net.blocks[1].fc1.weight.register_hook(lambda g: g * float("inf")) if step == 2 else None
+                scaler.scale(torch.nn.functional.cross_entropy(net(x), y)).backward()
+                if hook is not None:
+                    hook.remove()
+                scaler.step(o)
+                scaler.update()
+        assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**9
+        got = opt.model_state_dict()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        opt.close()
