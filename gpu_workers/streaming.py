@@ -23,8 +23,17 @@ storage.
 - **Step**: the pushes of streamed buckets are answered by an ``ack`` without
   weights; ``step()`` waits for every ack (so the next fetch sees the new
   weights), then :meth:`Streamer.end_step` releases what is still held and
-  forgets unused prefetches, and gives the heap's free pages back (:func:`trim_heap`). The root (parameters outside every unit) stays
+  forgets unused prefetches. The root (parameters outside every unit) stays
   resident and is updated by ``step()`` as in resident mode.
+
+Memory: gradient buffers of streamed buckets come from a bounded
+:class:`~luwu.gpu_workers.pool.BufferPool`. A streaming worker maps blocks of
+:data:`STREAM_MMAP_THRESHOLD` bytes and up on their own (instead of keeping
+freed memory in the heap, as resident workers do) and trims the heap after each
+step (:func:`~luwu.gpu_workers.pool.trim_heap`): released weights would
+otherwise stay mapped between the activations that outlive them, until the
+worker held as much as the model. The price is that each fetch writes into
+fresh pages.
 
 The worker requests each unit ahead of use; the nodes do not yet push the next
 units' weights on their own, so every fetch is one round trip, hidden behind
