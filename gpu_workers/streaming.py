@@ -4,8 +4,9 @@ Between uses a streamed unit's parameters hold no storage: as FSDP2 does, the
 ``nn.Parameter`` objects stay (modules keep working as modules, and the
 references autograd saves stay valid) and their storage is resized to zero
 after use and back just before the next (:func:`alloc_storage`,
-:func:`free_storage`). The fetched fp32 weights are written straight into that
-storage.
+:func:`free_storage`). The fetched weights are written straight into that
+storage: fp32 with compression off (exact parity), else in the policy's pull
+codec (bf16) and widened to fp32 on arrival; the fp32 master stays on the nodes.
 
 - **Forward**: a forward pre-hook asks the nodes for the next ``prefetch``
   units' weights (PULL, in the order the last forward ran them) and waits for
@@ -37,7 +38,7 @@ fresh pages.
 
 The worker requests each unit ahead of use; the nodes do not yet push the next
 units' weights on their own, so every fetch is one round trip, hidden behind
-``prefetch`` units of compute. Weights travel as fp32.
+``prefetch`` units of compute. Parameters stay fp32 on the worker.
 """
 
 from __future__ import annotations
@@ -117,13 +118,18 @@ def plan_units(model, spec, cfg) -> tuple[list[Unit] | None, dict[int, int]]:
     return units, unit_of_params(units)
 
 
-def worker_arguments(layout: Layout, units: list[Unit] | None, prefetch: int) -> dict:
+def worker_arguments(layout: Layout, units: list[Unit] | None, prefetch: int, pull_codec_for=None) -> dict:
     """The :class:`Worker` keyword arguments of streaming mode (none when ``units`` is None): the streamed
-    buckets and their buffer pool."""
+    buckets, their buffer pool, and the codec units' weights are fetched in: the pull codec the
+    compression policy picks (``pull_codec_for``, None: compression off, fp32), as full weights (a
+    delta codec becomes bf16, since a released unit holds nothing to add a delta to)."""
     if units is None:
         return {}
     streamed = frozenset(b for bids in layout.unit_buckets().values() for b in bids)
-    return {"streamed": streamed, "pool": BufferPool(pool_budget_bytes(layout, prefetch))}
+    out = {"streamed": streamed, "pool": BufferPool(pool_budget_bytes(layout, prefetch))}
+    if pull_codec_for is not None:
+        out["fetch_codec_for"] = lambda b, step: "bf16" if pull_codec_for(b, step) == "int8_delta" else pull_codec_for(b, step)
+    return out
 
 
 def restart(old: Streamer | None, worker: Worker, params: list[torch.Tensor], units: list[Unit] | None, prefetch: int) -> Streamer | None:
@@ -187,9 +193,9 @@ class Streamer:
         trim_heap()  # the model was built whole: give its pages back
 
     # ----------------------------------------------------------------- fetch and release
-    def _request(self, u: _Unit) -> None:
+    def _request(self, u: _Unit, exact: bool = False) -> None:
         if u.state is _State.RELEASED:
-            self.worker.request_weights(u.buckets)
+            self.worker.request_weights(u.buckets, exact=exact)
             u.state = _State.REQUESTED
 
     def _ensure(self, u: _Unit) -> None:
@@ -290,7 +296,8 @@ class Streamer:
         """Every streamed unit resident for the duration (for models that fit: state dicts, checks)."""
         try:
             for u in self.units:
-                self._request(u)
+                self._release(u)  # a prefetch may be in the fetch codec: these are the fp32 weights
+                self._request(u, exact=True)
             for u in self.units:
                 self._ensure(u)
             yield

@@ -90,6 +90,7 @@ class Worker:
         two_phase: bool = False,
         streamed: frozenset[int] = frozenset(),
         pool: BufferPool | None = None,
+        fetch_codec_for=None,
     ):
         self.params, self.layout, self.client = params, layout, client
         self.rank, self.world_size, self.optimizer, self.mode = rank, world_size, optimizer, mode
@@ -103,6 +104,7 @@ class Worker:
         if self.streamed and (pool is None or self.streamed & self.delayed):
             raise ValueError("streamed buckets need a buffer pool and cannot be delayed")
         self.pool = pool
+        self._fetch_codec_for = fetch_codec_for or (lambda bucket, step: "none")  # streamed units' weights
         self.on_pushed = None  # streaming mode: called with each streamed bucket once pushed
         self.on_reset = None  # streaming mode: called when recover() abandons the step (its replies are gone)
         self._unacked: set[int] = set()  # streamed buckets pushed this step whose buffer is still lent
@@ -198,13 +200,16 @@ class Worker:
         """Fetch every resident bucket's current weights (fp32) and write them into the parameters
         (streamed buckets are fetched when their unit runs)."""
         bids = [b.id for b in self.layout.buckets if b.id not in self.streamed]
-        self.request_weights(bids)
+        self.request_weights(bids, exact=True)
         self.receive_weights(bids, what="initial weights")
 
-    def request_weights(self, bids: list[int]) -> None:
-        """Ask the owners for the current fp32 weights of these buckets (answered behind queued steps)."""
+    def request_weights(self, bids: list[int], *, exact: bool = False) -> None:
+        """Ask the owners for the current weights of these buckets (answered behind queued steps): fp32
+        when ``exact``, else in the fetch codec of streamed units (bf16 when compression is on)."""
         for bid in bids:
-            self.client.send(self.layout.buckets[bid].node, {"op": Op.PULL, "bucket": bid, "codec": "none"})
+            b = self.layout.buckets[bid]
+            codec = "none" if exact else self._fetch_codec_for(b, self.step_num)
+            self.client.send(b.node, {"op": Op.PULL, "bucket": bid, "codec": codec})
 
     def receive_weights(self, bids: list[int], what: str = "weights") -> None:
         """Wait for the weights asked for with :meth:`request_weights` and write each bucket into the

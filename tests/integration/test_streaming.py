@@ -136,3 +136,30 @@ def test_grad_scaler_skips_and_backs_off_in_streaming_mode(cluster1):
             torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     finally:
         opt.close()
+
+
+@pytest.mark.timeout(120)
+def test_with_compression_units_are_fetched_in_bf16_and_model_state_dict_is_fp32(cluster1):
+    """Compression on: each unit's weights travel as bf16 (half the bytes of fp32) and are widened into
+    the fp32 parameters; ``model_state_dict()`` still gives the nodes' fp32 master weights."""
+    import luwu
+    from workers.stream import make_model
+
+    received = {}
+    for compression in (False, True):
+        model = make_model({"seed": 0, "blocks": 3, "width": 256})
+        with luwu.local_cluster(1) as c:
+            opt = luwu.RemoteOptimizer(model, nodes=c.addresses, lr=1e-3, compression=compression, stream_weights=True, rank=0, world_size=1)
+            try:
+                x, y = torch.randn(8, 20), torch.randint(0, 5, (8,))
+                for _ in range(2):
+                    before = opt.client.bytes_received
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                    opt.step()
+                received[compression] = opt.client.bytes_received - before
+                w = opt.model_state_dict()["blocks.0.fc1.weight"]
+                assert w.dtype == torch.float32 and not torch.equal(w, w.bfloat16().float())  # not rounded to bf16
+            finally:
+                opt.close()
+    assert received[True] < 0.55 * received[False]
