@@ -118,24 +118,27 @@ def plan_units(model, spec, cfg) -> tuple[list[Unit] | None, dict[int, int]]:
     return units, unit_of_params(units)
 
 
-def worker_arguments(layout: Layout, units: list[Unit] | None, prefetch: int, pull_codec_for=None) -> dict:
+def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, pull_codec_for=None) -> dict:
     """The :class:`Worker` keyword arguments of streaming mode (none when ``units`` is None): the streamed
     buckets, their buffer pool, and the codec units' weights are fetched in: the pull codec the
     compression policy picks (``pull_codec_for``, None: compression off, fp32), as full weights (a
-    delta codec becomes bf16, since a released unit holds nothing to add a delta to)."""
+    delta codec becomes bf16, since a released unit holds nothing to add a delta to). ``cfg``: the
+    optimizer section; a unit over ``stream_budget_bytes`` is refused here, before any connection."""
     if units is None:
         return {}
+    check_budget(layout, units, cfg.stream_budget_bytes)
     streamed = frozenset(b for bids in layout.unit_buckets().values() for b in bids)
-    out = {"streamed": streamed, "pool": BufferPool(pool_budget_bytes(layout, prefetch))}
+    out = {"streamed": streamed, "pool": BufferPool(pool_budget_bytes(layout, cfg.stream_prefetch))}
     if pull_codec_for is not None:
         out["fetch_codec_for"] = lambda b, step: "bf16" if pull_codec_for(b, step) == "int8_delta" else pull_codec_for(b, step)
     return out
 
 
-def restart(old: Streamer | None, worker: Worker, params: list[torch.Tensor], units: list[Unit] | None, prefetch: int) -> Streamer | None:
-    """The streamer of a (re)built worker, the old one's hooks removed (None when not streaming)."""
+def restart(old: Streamer | None, worker: Worker, params: list[torch.Tensor], units: list[Unit] | None, cfg) -> Streamer | None:
+    """The streamer of a (re)built worker, the old one's hooks removed (None when not streaming); ``cfg``:
+    the optimizer section."""
     stop(old)
-    return None if units is None else Streamer(worker, params, units, prefetch)
+    return None if units is None else Streamer(worker, params, units, cfg.stream_prefetch)
 
 
 def stop(streamer: Streamer | None) -> None:
@@ -157,6 +160,24 @@ def gathered(streamer: Streamer | None):
 def end_step(streamer: Streamer | None, report: StepReport) -> None:
     if streamer is not None:
         streamer.end_step(report)
+
+
+def check_budget(layout: Layout, units: list[Unit], budget_bytes: int) -> None:
+    """Refuse a unit whose fp32 weights and gradient (8 B per parameter) exceed ``budget_bytes`` (0: none)."""
+    if not budget_bytes:
+        return
+    def size(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+    for unit, bids in sorted(layout.unit_buckets().items()):
+        numel = sum(layout.buckets[b].numel for b in bids)
+        if 2 * FP32_BYTES * numel > budget_bytes:
+            u = units[unit]
+            raise ConfigError(
+                f"streaming unit {u.name!r} ({type(u.module).__name__}) has {numel:,} parameters: its fp32 weights and gradient take "
+                f"{size(2 * FP32_BYTES * numel)}, over optimizer.stream_budget_bytes = {size(budget_bytes)} "
+                "(choose smaller units with stream_units, or raise the budget)"
+            )
 
 
 class Streamer:

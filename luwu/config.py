@@ -77,6 +77,9 @@ class OptimizerConfig:
     blocks of the largest nn.ModuleList / nn.Sequential). Parameters outside every unit stay resident."""
     stream_prefetch: int = 2
     """With stream_weights: how many units ahead the worker asks for weights."""
+    stream_budget_bytes: int = 0
+    """With stream_weights: the most one unit may take on a worker, its fp32 weights and gradient
+    (8 B per parameter); a larger unit is refused at start, named with its size (0 = no limit)."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_NAMES:
@@ -89,6 +92,8 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.delayed_params must be fnmatch patterns on parameter names, got {self.delayed_params!r}")
         if self.delayed_params and not self.delayed_update:
             raise ConfigError(f"optimizer.delayed_params = {self.delayed_params} needs optimizer.delayed_update = true")
+        if self.stream_budget_bytes < 0:
+            raise ConfigError(f"optimizer.stream_budget_bytes must be >= 0 (0 = no limit), got {self.stream_budget_bytes}")
         if self.stream_prefetch < 0:
             raise ConfigError(f"optimizer.stream_prefetch must be >= 0, got {self.stream_prefetch}")
         if any(not isinstance(p, str) or not p for p in self.stream_units):

@@ -241,10 +241,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
             hyper_of=self._hyper_of,
             momentum_correction=cc.enabled and cc.momentum_correction,
             two_phase=self.max_grad_norm is not None or self.amp,
-            **streaming.worker_arguments(self.layout, self._units, self.config.optimizer.stream_prefetch, pull_for),
+            **streaming.worker_arguments(self.layout, self._units, self.config.optimizer, pull_for),
         )
         self.worker.connect(step)
-        self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer.stream_prefetch)
+        self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer)
         for h in self._hooks:
             h.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]

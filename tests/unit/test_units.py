@@ -121,3 +121,18 @@ def test_released_parameters_keep_working_with_autograd():
     ref(x).sum().backward()
     for p, q in zip(lin.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_unit_over_the_budget_is_refused_naming_it_and_its_size():
+    from luwu.gpu_workers.streaming import check_budget
+
+    net = Net(n=2, d=8)
+    units = select_units(net)
+    of = unit_of_params(units)
+    specs = [ParamSpec(n, tuple(p.shape), unit=of.get(id(p), -1)) for n, p in net.named_parameters()]
+    layout = build_layout(specs, 1 << 20, [1.0])
+    per_unit = 8 * 8 + 8 + 8 + 8  # fc weight and bias, norm weight and bias
+    check_budget(layout, units, 8 * per_unit)  # fits exactly
+    check_budget(layout, units, 0)  # no limit
+    with pytest.raises(ConfigError, match=r"unit 'layers.0' \(Block\) has 88 parameters.*stream_budget_bytes"):
+        check_budget(layout, units, 8 * per_unit - 1)
