@@ -21,6 +21,7 @@ gradient arrives and give it back when the node acknowledges the push (an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -31,7 +32,7 @@ import torch
 
 from luwu.gpu_workers.client import WorkerClient
 from luwu.protocol.codecs import get_codec, has_nonfinite
-from luwu.protocol.errors import LayoutMismatchError, ProtocolError
+from luwu.protocol.errors import LayoutMismatchError, LuwuError, ProtocolError
 from luwu.protocol.feedback import WORKER_MOMENTUM, worker_momentum
 from luwu.protocol.layout import Bucket, Layout
 from luwu.protocol.messages import PULL_ACK, Op
@@ -108,6 +109,7 @@ class Worker:
         self.on_pushed = None  # streaming mode: called with each streamed bucket once pushed
         self.on_reset = None  # streaming mode: called when recover() abandons the step (its replies are gone)
         self._unacked: set[int] = set()  # streamed buckets pushed this step whose buffer is still lent
+        self.last_error: LuwuError | None = None  # raised by a wait outside step() (streaming: in hooks), for recover()
         self.bufs: list[_BucketBuf] = []
         for b in layout.buckets:
             multi = len(b.segments) > 1 or not params[b.segments[0].param].is_contiguous()
@@ -153,6 +155,7 @@ class Worker:
         (elastic mode); returns the step to resume from."""
         self.client.reset()
         self._pending = None
+        self.last_error = None
         for buf in self.bufs:
             buf.filled, buf.pushed_step = 0, -1
         for bid in [b.bucket.id for b in self.bufs if b.bucket.id in self.streamed and b.grads]:
@@ -215,12 +218,23 @@ class Worker:
         """Wait for the weights asked for with :meth:`request_weights` and write each bucket into the
         parameters as it arrives (their storage must be allocated)."""
         keys = [(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in bids]
-        for key, m in self.client.arrivals(keys, what=what):
-            self._write(self.bufs[key[3]], m)
+        with self._noting_errors():
+            for key, m in self.client.arrivals(keys, what=what):
+                self._write(self.bufs[key[3]], m)
 
     def discard_weights(self, bids: list[int]) -> None:
         """Wait for and drop the answers to :meth:`request_weights` (a prefetch that was not used)."""
-        self.client.wait([(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in bids], what="prefetched weights")
+        with self._noting_errors():
+            self.client.wait([(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in bids], what="prefetched weights")
+
+    @contextlib.contextmanager
+    def _noting_errors(self):
+        """Keep the error of a wait made outside :meth:`step` (in a hook) for ``recover()`` to act on."""
+        try:
+            yield
+        except LuwuError as exc:
+            self.last_error = exc
+            raise
 
     # ----------------------------------------------------------------- pushes
     def grad_ready(self, param: int, grad: torch.Tensor) -> None:
@@ -255,8 +269,9 @@ class Worker:
         keys = [(op, self.layout.buckets[bid].node, self.step_num, bid) for bid in sorted(self._unacked)]
         if not keys:
             return False
-        for key in self.client.filed(keys, what="acknowledgement of a streamed push"):
-            self._give_back(key[3])
+        with self._noting_errors():
+            for key in self.client.filed(keys, what="acknowledgement of a streamed push"):
+                self._give_back(key[3])
         return True
 
     def _give_back(self, bid: int) -> None:

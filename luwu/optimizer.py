@@ -401,7 +401,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         rolls back to that step and this worker takes its weights) or a ``WorkerLostError`` (dropped in
         elastic mode: take the current weights). Returns the step to resume from: rewind the data to it
         (e.g. ``Prefetcher.load_state_dict``, or a sampler indexed by step)."""
-        err = self._last_error
+        err = self._last_error or self.worker.last_error  # (streaming mode also waits in forward and backward)
         if isinstance(err, RollbackError):
             step = self.worker.recover(err.step, (getattr(err, "detail", None) or {}).get("boot", ""))
         else:

@@ -163,3 +163,40 @@ def test_with_compression_units_are_fetched_in_bf16_and_model_state_dict_is_fp32
             finally:
                 opt.close()
     assert received[True] < 0.55 * received[False]
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_node_mid_training_streaming_workers_recover_and_equal_local_torch(tmp_path):
+    """A node is SIGKILLed and restarted from its checkpoint while streaming workers train: the error
+    reaches them in step() or inside forward / backward (where a streaming worker waits for weights and
+    acknowledgements), recover() rolls every node back, and the final weights equal local torch."""
+    import os
+    import random
+    import signal
+
+    import luwu
+
+    kill_at = random.Random(os.environ.get("LUWU_TEST_SEED", time.time_ns())).randint(6, 16)
+    print(f"killing node 1 after step {kill_at}")
+    spec = {"steps": 22, "resilient": True, "step_sleep": 0.03, "timeout_s": 20.0}
+    args = ["--node.checkpoint_dir", str(tmp_path / "ckpt"), "--node.checkpoint_every", "5"]
+    with luwu.local_cluster(2, node_args=args) as cluster:
+        run = dict(spec, nodes=cluster.addresses, world_size=2, out=str(tmp_path / "res"))
+        procs = start_workers(STREAM, run, 2, tmp_path)
+        seen, deadline = [], time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = procs[0].stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if line.strip() == f"STEP {kill_at}":
+                break
+        cluster.procs[1].send_signal(signal.SIGKILL)
+        cluster.procs[1].wait(10)
+        cluster.restart(1)
+        outs = wait_all(procs, 200)
+    results = [torch.load(f"{run['out']}.rank{r}") for r in range(2)]
+    assert all(r["recoveries"] >= 1 for r in results), "".join(seen) + outs[0][-3000:]
+    assert_equals_reference(results, spec)
+    for r in results:
+        assert r["held_after_step"] == [0] * spec["steps"]

@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train.py, also when imported by a test
 from train import batch, loss_fn, make_scheduler  # noqa: E402
 
-DEFAULTS = {"hyper": {"lr": 0.01, "weight_decay": 0.05}, "steps": 10, "batch": 8, "seed": 0, "blocks": 4, "width": 32, "bucket_bytes": 2048, "timeout_s": 30.0, "scheduler": None, "max_grad_norm": None, "prefetch": 2, "model": "mlp"}
+DEFAULTS = {"hyper": {"lr": 0.01, "weight_decay": 0.05}, "steps": 10, "batch": 8, "seed": 0, "blocks": 4, "width": 32, "bucket_bytes": 2048, "timeout_s": 30.0, "scheduler": None, "max_grad_norm": None, "prefetch": 2, "model": "mlp", "resilient": False, "step_sleep": 0.0}
 
 
 class Block(torch.nn.Module):
@@ -115,20 +116,36 @@ def main(path: str) -> None:
     streamed = [p for u in opt.streamer.units for p in u.params]
     sched = make_scheduler(spec, opt)
     b = spec["batch"]
-    held_after_step, same_as_resident = [], []
-    for step in range(spec["steps"]):
+    held_after_step, same_as_resident = {}, []
+
+    def one_step(step: int) -> None:
         opt.zero_grad()
         x, y = batch(spec, step, ws)
         loss_fn(model, x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]).backward()
         opt.step()
         if sched is not None:
             sched.step()
-        held_after_step.append(sum(p.untyped_storage().nbytes() for p in streamed))
+        held_after_step[step] = sum(p.untyped_storage().nbytes() for p in streamed)
         if step in (0, spec["steps"] - 1):  # the module still works, as a resident copy of its weights does
             resident = make_model(spec)
             resident.load_state_dict(opt.model_state_dict())
             with torch.no_grad():
                 same_as_resident.append(bool(torch.equal(model(x), resident(x))))
+
+    step, recoveries = opt.worker.step_num, 0
+    while step < spec["steps"]:
+        try:
+            one_step(step)
+        except (luwu.RollbackError, luwu.WorkerLostError) as exc:  # raised by step() or, streaming, by forward / backward
+            if not spec["resilient"] or recoveries > 5:
+                raise
+            recoveries += 1
+            step = opt.recover()  # data is indexed by step: resuming at `step` rewinds it too
+            print(f"RECOVERED {step} after {type(exc).__name__}: {exc}", flush=True)
+            continue
+        print(f"STEP {step}", flush=True)
+        step += 1
+        time.sleep(spec["step_sleep"])
     before, fetches = dict(counts), opt.streamer.fetches
     with torch.no_grad():
         ev = float(loss_fn(model, *eval_batch()))
@@ -139,7 +156,7 @@ def main(path: str) -> None:
         "held_after": sum(p.untyped_storage().nbytes() for p in streamed),
     }
     result = {
-        "params": opt.model_state_dict(), "eval_loss": ev, "held_after_step": held_after_step, "same_as_resident": same_as_resident,
+        "params": opt.model_state_dict(), "eval_loss": ev, "held_after_step": [held_after_step[s] for s in sorted(held_after_step)], "recoveries": recoveries, "same_as_resident": same_as_resident,
         "evaluation": evaluation, "num_units": len(opt.streamer.units), "num_streamed": len(streamed),
         "lrs": [g["lr"] for g in opt.param_groups],
     }
