@@ -126,6 +126,13 @@ class WorkerClient:
             pending = [k for k in pending if k not in done]
             yield from got
 
+    def filed(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply") -> list[tuple]:
+        """Wait until some of ``keys`` are filed and return those keys, leaving the messages filed for
+        a later :meth:`wait` (a streaming worker learns that a push arrived without taking its reply)."""
+        timeout_s = timeout_s or self.cfg.timeout_s
+        with self._cv:
+            return self._await_any(list(keys), time.monotonic() + timeout_s, timeout_s, what, None, len(keys))
+
     def _await_any(self, missing: list[tuple], deadline: float, timeout_s: float, what: str, errors_of, total: int) -> list[tuple]:
         """With the lock held: wait until some of ``missing`` is filed and return those keys."""
         probed = told = time.monotonic()

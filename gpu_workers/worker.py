@@ -10,10 +10,18 @@ asks for it, and :meth:`wait` writes the new weights into the parameters in
 forward order. The worker owns its step counter and what a delayed update still
 owes; :meth:`step` returns a :class:`StepReport` of what the step found out.
 Buffers are allocated once and reused.
+
+Streamed buckets (streaming mode, :mod:`luwu.gpu_workers.streaming`) have no
+buffer of their own: they borrow one from a :class:`BufferPool` when their first
+gradient arrives and give it back when the node acknowledges the push (an
+``ack`` reply without weights); their weights are fetched with
+:meth:`request_weights` / :meth:`receive_weights` just before use, and
+:meth:`wait` writes nothing for them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -24,10 +32,11 @@ import torch
 
 from luwu.gpu_workers.client import WorkerClient
 from luwu.protocol.codecs import get_codec, has_nonfinite
-from luwu.protocol.errors import LayoutMismatchError, ProtocolError
+from luwu.protocol.errors import LayoutMismatchError, LuwuError, ProtocolError
 from luwu.protocol.feedback import WORKER_MOMENTUM, worker_momentum
 from luwu.protocol.layout import Bucket, Layout
-from luwu.protocol.messages import Op
+from luwu.protocol.messages import PULL_ACK, Op
+from luwu.gpu_workers.pool import BufferPool
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +56,16 @@ class StepReport:
     """Seconds waited for the new weights (writing them in excluded)."""
     delayed: bool = False
     """The step's delayed buckets land a step late (delayed update past its warm-up)."""
+    fetch_wait_s: float = 0.0
+    """Streaming mode: seconds forward and backward waited for streamed units' weights this step."""
 
 
 @dataclass(slots=True)
 class _BucketBuf:
     bucket: Bucket
-    grads: list[torch.Tensor]  # flat fp32, one per parity in flight
-    staging: torch.Tensor | None  # for multi-segment buckets: decode target before scattering
+    grads: list[torch.Tensor]  # flat fp32, one per parity in flight (streamed: borrowed, or none)
+    staging: torch.Tensor | None  # for multi-segment buckets: decode target before scattering (streamed: borrowed)
+    multi: bool = False  # several segments, or a non-contiguous parameter: written through a staging buffer
     filled: int = 0
     pushed_step: int = -1
     out: dict = field(default_factory=dict)  # (codec, parity) -> preallocated encode frames
@@ -77,6 +89,9 @@ class Worker:
         hyper_of=None,
         momentum_correction: bool = False,
         two_phase: bool = False,
+        streamed: frozenset[int] = frozenset(),
+        pool: BufferPool | None = None,
+        fetch_codec_for=None,
     ):
         self.params, self.layout, self.client = params, layout, client
         self.rank, self.world_size, self.optimizer, self.mode = rank, world_size, optimizer, mode
@@ -86,11 +101,23 @@ class Worker:
         self._feedback = feedback
         self._hyper_of = hyper_of or (lambda group: {})
         self.momentum_correction = momentum_correction  # DGC's, on sparse-codec buckets (luwu.protocol.feedback)
+        self.streamed = frozenset(streamed)  # ids of the buckets of streamed units (streaming mode)
+        if self.streamed and (pool is None or self.streamed & self.delayed):
+            raise ValueError("streamed buckets need a buffer pool and cannot be delayed")
+        self.pool = pool
+        self._fetch_codec_for = fetch_codec_for or (lambda bucket, step: "none")  # streamed units' weights
+        self.on_pushed = None  # streaming mode: called with each streamed bucket once pushed
+        self.on_reset = None  # streaming mode: called when recover() abandons the step (its replies are gone)
+        self._unacked: set[int] = set()  # streamed buckets pushed this step whose buffer is still lent
+        self.last_error: LuwuError | None = None  # raised by a wait outside step() (streaming: in hooks), for recover()
         self.bufs: list[_BucketBuf] = []
         for b in layout.buckets:
             multi = len(b.segments) > 1 or not params[b.segments[0].param].is_contiguous()
+            if b.id in self.streamed:
+                self.bufs.append(_BucketBuf(b, [], None, multi))
+                continue
             nbuf = 2 if b.id in self.delayed else 1  # a delayed bucket's push of t is in flight while t + 1's fills
-            self.bufs.append(_BucketBuf(b, [torch.zeros(b.numel) for _ in range(nbuf)], torch.zeros(b.numel) if multi else None))
+            self.bufs.append(_BucketBuf(b, [torch.zeros(b.numel) for _ in range(nbuf)], torch.zeros(b.numel) if multi else None, multi))
         self.where: dict[int, list[tuple[int, int]]] = {}  # param -> [(bucket, segment index)]
         for b in layout.buckets:
             for si, s in enumerate(b.segments):
@@ -114,8 +141,10 @@ class Worker:
                 for bid in self.node_buckets[n]:
                     if bid not in done:
                         buf = self.bufs[bid]
-                        self._gather(buf, buf.grads[0], lambda p: p.detach())
-                        enc = get_codec("none").encode(buf.grads[0])
+                        # a streamed bucket has no buffer of its own: a one-off copy, kept alive by its frame
+                        flat = buf.grads[0] if buf.grads else torch.empty(buf.bucket.numel)
+                        self._gather(buf, flat, lambda p: p.detach())
+                        enc = get_codec("none").encode(flat)
                         self.client.send(n, {"op": Op.INIT, "bucket": bid, "codec": "none", "cmeta": enc.meta}, enc.frames)
         self.pull_all()
         self.step_num = min(versions.values(), default=0)
@@ -126,8 +155,13 @@ class Worker:
         (elastic mode); returns the step to resume from."""
         self.client.reset()
         self._pending = None
+        self.last_error = None
         for buf in self.bufs:
             buf.filled, buf.pushed_step = 0, -1
+        for bid in [b.bucket.id for b in self.bufs if b.bucket.id in self.streamed and b.grads]:
+            self._give_back(bid)
+        if self.on_reset is not None:
+            self.on_reset()
         if self._feedback is not None:
             self._feedback.reset()
         welcomes = self.hello(self.step_num)
@@ -166,13 +200,41 @@ class Worker:
         return welcomes
 
     def pull_all(self) -> None:
-        """Fetch every bucket's current weights (fp32) and write them into the parameters."""
-        for b in self.layout.buckets:
-            self.client.send(b.node, {"op": Op.PULL, "bucket": b.id, "codec": "none"})
-        keys = [(Op.UPDATE, b.node, -1, b.id) for b in self.layout.buckets]
-        msgs = self.client.wait(keys, what="initial weights")
-        for b, m in zip(self.layout.buckets, msgs):
-            self._write(self.bufs[b.id], m)
+        """Fetch every resident bucket's current weights (fp32) and write them into the parameters
+        (streamed buckets are fetched when their unit runs)."""
+        bids = [b.id for b in self.layout.buckets if b.id not in self.streamed]
+        self.request_weights(bids, exact=True)
+        self.receive_weights(bids, what="initial weights")
+
+    def request_weights(self, bids: list[int], *, exact: bool = False) -> None:
+        """Ask the owners for the current weights of these buckets (answered behind queued steps): fp32
+        when ``exact``, else in the fetch codec of streamed units (bf16 when compression is on)."""
+        for bid in bids:
+            b = self.layout.buckets[bid]
+            codec = "none" if exact else self._fetch_codec_for(b, self.step_num)
+            self.client.send(b.node, {"op": Op.PULL, "bucket": bid, "codec": codec})
+
+    def receive_weights(self, bids: list[int], what: str = "weights") -> None:
+        """Wait for the weights asked for with :meth:`request_weights` and write each bucket into the
+        parameters as it arrives (their storage must be allocated)."""
+        keys = [(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in bids]
+        with self._noting_errors():
+            for key, m in self.client.arrivals(keys, what=what):
+                self._write(self.bufs[key[3]], m)
+
+    def discard_weights(self, bids: list[int]) -> None:
+        """Wait for and drop the answers to :meth:`request_weights` (a prefetch that was not used)."""
+        with self._noting_errors():
+            self.client.wait([(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in bids], what="prefetched weights")
+
+    @contextlib.contextmanager
+    def _noting_errors(self):
+        """Keep the error of a wait made outside :meth:`step` (in a hook) for ``recover()`` to act on."""
+        try:
+            yield
+        except LuwuError as exc:
+            self.last_error = exc
+            raise
 
     # ----------------------------------------------------------------- pushes
     def grad_ready(self, param: int, grad: torch.Tensor) -> None:
@@ -185,13 +247,39 @@ class Worker:
                 if buf.pushed_step == self.step_num:
                     continue
                 s = buf.bucket.segments[si]
-                buf.grads[self._parity(bid)].narrow(0, s.offset, s.numel).copy_(flat.narrow(0, s.param_offset, s.numel))
+                self._grad_buffer(buf, self._parity(bid)).narrow(0, s.offset, s.numel).copy_(flat.narrow(0, s.param_offset, s.numel))
                 buf.filled += 1
                 if buf.filled == len(buf.bucket.segments):
                     buf.pushed_step = self.step_num
                     full.append(buf)
         for buf in full:
             self._push(buf, self._parity(buf.bucket.id), ())
+
+    def _grad_buffer(self, buf: _BucketBuf, parity: int) -> torch.Tensor:
+        """The gradient buffer of ``buf`` this step fills (a streamed bucket borrows one from the pool)."""
+        if not buf.grads:
+            buf.grads.append(self.pool.take(buf.bucket.numel, self._reclaim))
+        return buf.grads[parity]
+
+    def _reclaim(self) -> bool:
+        """Wait until the node has received one of the streamed pushes still holding a buffer (its ack,
+        or in the two-phase round its NORM) and give those buffers back; the replies stay filed for
+        :meth:`wait` and :meth:`global_round`. False when no push holds a buffer."""
+        op = Op.NORM if self.two_phase else Op.UPDATE
+        keys = [(op, self.layout.buckets[bid].node, self.step_num, bid) for bid in sorted(self._unacked)]
+        if not keys:
+            return False
+        with self._noting_errors():
+            for key in self.client.filed(keys, what="acknowledgement of a streamed push"):
+                self._give_back(key[3])
+        return True
+
+    def _give_back(self, bid: int) -> None:
+        buf = self.bufs[bid]
+        for t in buf.grads:
+            self.pool.give(t)
+        buf.grads = []
+        self._unacked.discard(bid)
 
     def _parity(self, bucket: int) -> int:
         """Which gradient buffer of ``bucket`` this step fills: delayed buckets alternate."""
@@ -208,7 +296,7 @@ class Worker:
         for buf in todo:
             nograd = []
             parity = self._parity(buf.bucket.id)
-            g = buf.grads[parity]
+            g = self._grad_buffer(buf, parity)
             for si, s in enumerate(buf.bucket.segments):
                 grad = self.params[s.param].grad
                 view = g.narrow(0, s.offset, s.numel)
@@ -255,11 +343,15 @@ class Worker:
                 "hyper": hyper,
                 "nograd": list(nograd),
                 "two_phase": self.two_phase,
-                "pull": self._pull_codec_for(b, step),
+                "pull": PULL_ACK if b.id in self.streamed else self._pull_codec_for(b, step),
             },
             enc.frames,
         )
         buf.filled = 0
+        if b.id in self.streamed:
+            self._unacked.add(b.id)
+            if self.on_pushed is not None:
+                self.on_pushed(b)
 
     # ----------------------------------------------------------------- the end of a step
     def step(self, *, delay: bool = False, inv_scale: float = 1.0, max_norm: float | None = None) -> StepReport:
@@ -327,7 +419,10 @@ class Worker:
             waited += t1 - t0
             if key[2] == step:
                 skipped |= m.header["skipped"]
-            self._write(self.bufs[key[3]], m)
+            if key[3] in self.streamed:
+                self._give_back(key[3])  # an ack: the node has the push, the buffer is free
+            else:
+                self._write(self.bufs[key[3]], m)
             t0 = time.perf_counter()
         return skipped, waited
 
@@ -339,17 +434,22 @@ class Worker:
         frames = msg.tensors()
         delta = h.get("delta", False)  # int8 deltas against what this worker holds
         with torch.no_grad():
-            if buf.staging is None:
+            if not buf.multi:
                 s = b.segments[0]
                 target = self.params[s.param].data.view(-1).narrow(0, s.param_offset, s.numel)
                 (codec.decode_add_ if delta else codec.decode_)(target, frames, h["cmeta"])
-            else:
+                return
+            staging = buf.staging if buf.staging is not None else self.pool.take(b.numel, self._reclaim)
+            try:
                 if delta:
-                    self._gather(buf, buf.staging, lambda p: p.detach())
-                    codec.decode_add_(buf.staging, frames, h["cmeta"])
+                    self._gather(buf, staging, lambda p: p.detach())
+                    codec.decode_add_(staging, frames, h["cmeta"])
                 else:
-                    codec.decode_(buf.staging, frames, h["cmeta"])
-                self._scatter(buf, buf.staging)
+                    codec.decode_(staging, frames, h["cmeta"])
+                self._scatter(buf, staging)
+            finally:
+                if buf.staging is None:
+                    self.pool.give(staging)
 
     def get_state(self) -> dict[int, list[torch.Tensor]]:
         """Every bucket's [params, *optimizer state, per-segment steps] from its node."""

@@ -76,6 +76,17 @@ class OptimizerConfig:
     ``["embed*", "layers.0.*"]``) takes it off the critical path for a fraction of full delay's loss."""
     max_grad_norm: float = 0.0
     """Clip by the global norm of the averaged gradient across all shards (0 = off)."""
+    stream_weights: bool = False
+    """Streaming mode: the worker holds no weights of the streamed units between uses; it fetches each
+    unit's weights from the nodes just before its forward and its backward (luwu.gpu_workers.streaming)."""
+    stream_units: list[str] = field(default_factory=list)
+    """With stream_weights: fnmatch patterns on module names or class names choosing the units (empty: the
+    blocks of the largest nn.ModuleList / nn.Sequential). Parameters outside every unit stay resident."""
+    stream_prefetch: int = 2
+    """With stream_weights: how many units ahead the worker asks for weights."""
+    stream_budget_bytes: int = 0
+    """With stream_weights: the most one unit may take on a worker, its fp32 weights and gradient
+    (8 B per parameter); a larger unit is refused at start, named with its size (0 = no limit)."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_NAMES:
@@ -91,6 +102,14 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.delayed_params must be fnmatch patterns on parameter names, got {self.delayed_params!r}")
         if self.delayed_params and not self.delayed_update:
             raise ConfigError(f"optimizer.delayed_params = {self.delayed_params} needs optimizer.delayed_update = true")
+        if self.stream_budget_bytes < 0:
+            raise ConfigError(f"optimizer.stream_budget_bytes must be >= 0 (0 = no limit), got {self.stream_budget_bytes}")
+        if self.stream_prefetch < 0:
+            raise ConfigError(f"optimizer.stream_prefetch must be >= 0, got {self.stream_prefetch}")
+        if any(not isinstance(p, str) or not p for p in self.stream_units):
+            raise ConfigError(f"optimizer.stream_units must be fnmatch patterns on module names, got {self.stream_units!r}")
+        if self.stream_weights and self.delayed_update:
+            raise ConfigError("optimizer.stream_weights and optimizer.delayed_update cannot be combined: a streaming worker holds no weights to update late")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -246,6 +265,9 @@ KEYWORD_SETTINGS = {
     "delayed_update_warmup": "optimizer.delayed_update_warmup",
     "delayed_params": "optimizer.delayed_params",
     "max_grad_norm": "optimizer.max_grad_norm",
+    "stream_weights": "optimizer.stream_weights",
+    "stream_units": "optimizer.stream_units",
+    "prefetch": "optimizer.stream_prefetch",
     "bucket_bytes": "transport.bucket_bytes",
     "timeout_s": "transport.timeout_s",
     "metrics_host": "metrics.host",

@@ -30,6 +30,7 @@ import torch
 from luwu.config import LuwuConfig, resolve_config
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
+from luwu.gpu_workers import streaming
 from luwu.gpu_workers.metrics import WorkerMetrics
 from luwu.gpu_workers.worker import StepReport, Worker
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
@@ -95,6 +96,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         metrics_port, metrics_host: serve ``/metrics`` on this port (0: any free one; None: not served)
             of this host (``metrics.host``). ``metrics.port`` is the nodes' (``luwu up`` gives node i
             port + i), so a worker serves its endpoint only when asked here.
+        stream_weights, stream_units, prefetch: streaming mode, ``params`` being the model (``optimizer.stream_*``,
+            :mod:`luwu.gpu_workers.streaming`): no weights of the units held between uses, each fetched before use.
     """
 
     _step_supports_amp_scaling = True
@@ -123,6 +126,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         registry=None,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
+        stream_weights: bool | None = None, stream_units=None, prefetch: int | None = None,
         **hyper,
     ):
         if optimizer is not None:
@@ -131,9 +135,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
             config, optimizer=optimizer, nodes=nodes, capacities=capacities, world_size=world_size, job=job, mode=mode,
             delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup, delayed_params=delayed_params,
             max_grad_norm=max_grad_norm, bucket_bytes=bucket_bytes, timeout_s=timeout_s, metrics_host=metrics_host,
-            transport=transport, compression=compression,
+            transport=transport, compression=compression, stream_weights=stream_weights, prefetch=prefetch, stream_units=streaming.patterns_of(stream_units),
         )
         self.config = cfg
+        self.streamer, (self._units, self._unit_of) = None, streaming.plan_units(params, stream_units, cfg.optimizer)
         kind = get_kind(cfg.optimizer.name)
         defaults = dict(kind.defaults)
         for k, v in hyper.items():
@@ -199,7 +204,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 params.append(p)
                 name = name or self._names.get(id(p), f"param{len(specs)}")
                 delayed = any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
-                specs.append(ParamSpec(name, tuple(p.shape), gi, delayed))
+                specs.append(ParamSpec(name, tuple(p.shape), gi, delayed, self._unit_of.get(id(p), -1)))
         for pat in patterns:
             if not any(fnmatch.fnmatchcase(s.name, pat) for s in specs):
                 raise ConfigError(f"delayed_params pattern {pat!r} matches no parameter (names: {', '.join(s.name for s in specs[:8])}{', ...' if len(specs) > 8 else ''})")
@@ -235,8 +240,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
             hyper_of=self._hyper_of,
             momentum_correction=cc.enabled and cc.momentum_correction,
             two_phase=self.max_grad_norm is not None or self.amp,
+            **streaming.worker_arguments(self.layout, self._units, self.config.optimizer, pull_for),
         )
         self.worker.connect(step)
+        self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer)
         for h in self._hooks:
             h.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
@@ -285,6 +292,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     @contextlib.contextmanager
     def no_sync(self):
         """Gradient accumulation: backward passes inside do not push; the next one outside pushes the sum."""
+        streaming.check_no_sync(self.streamer)
         self._sync_grads = False
         try:
             yield
@@ -356,25 +364,32 @@ class RemoteOptimizer(torch.optim.Optimizer):
         nodes, with this worker's current parameters as the master weights; any node count works."""
         self.synchronize()
         super().load_state_dict(state_dict)
-        params, _ = self._flat_params()
-        flats = {}
-        for b in self.layout.buckets:
-            out = [torch.zeros(b.numel) for _ in range(1 + len(self.kind.state_names))] + [torch.zeros(len(b.segments))]
-            for si, seg in enumerate(b.segments):
-                p = params[seg.param]
-                out[0].narrow(0, seg.offset, seg.numel).copy_(p.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel))
-                st = self.state.get(p, {})
-                for k, n in enumerate(self.kind.state_names, start=1):
-                    t = st.get(n)
-                    if t is not None:
-                        out[k].narrow(0, seg.offset, seg.numel).copy_(t.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel))
-                if "step" in st:
-                    out[-1][si] = float(st["step"])
-                elif st.get("momentum_buffer") is not None:
-                    out[-1][si] = 1.0
-            flats[b.id] = out
+        with streaming.gathered(self.streamer):  # streaming mode: the weights are the master weights too
+            params, _ = self._flat_params()
+            flats = {}
+            for b in self.layout.buckets:
+                out = [torch.zeros(b.numel) for _ in range(1 + len(self.kind.state_names))] + [torch.zeros(len(b.segments))]
+                for si, seg in enumerate(b.segments):
+                    p = params[seg.param]
+                    out[0].narrow(0, seg.offset, seg.numel).copy_(p.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel))
+                    st = self.state.get(p, {})
+                    for k, n in enumerate(self.kind.state_names, start=1):
+                        t = st.get(n)
+                        if t is not None:
+                            out[k].narrow(0, seg.offset, seg.numel).copy_(t.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel))
+                    if "step" in st:
+                        out[-1][si] = float(st["step"])
+                    elif st.get("momentum_buffer") is not None:
+                        out[-1][si] = 1.0
+                flats[b.id] = out
         self.state.clear()
         self.worker.set_state(flats, self._state_names())
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Copies of the current weights by parameter name (streaming mode: fetched), for models that fit."""
+        self.synchronize()
+        with streaming.gathered(self.streamer):
+            return {s.name: p.detach().clone() for p, s in zip(*self._flat_params())}
 
     # ----------------------------------------------------------------- step
     def recover(self) -> int:
@@ -382,7 +397,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         rolls back to that step and this worker takes its weights) or a ``WorkerLostError`` (dropped in
         elastic mode: take the current weights). Returns the step to resume from: rewind the data to it
         (e.g. ``Prefetcher.load_state_dict``, or a sampler indexed by step)."""
-        err = self._last_error
+        err = self._last_error or self.worker.last_error  # (streaming mode also waits in forward and backward)
         if isinstance(err, RollbackError):
             step = self.worker.recover(err.step, (getattr(err, "detail", None) or {}).get("boot", ""))
         else:
@@ -410,6 +425,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 raise ConfigError("a GradScaler drives this optimizer: construct RemoteOptimizer(..., amp=True) so the overflow decision is made globally")
             inv_scale = 1.0 / float(grad_scaler.get_scale())
         report = self.worker.step(delay=self._delaying(self.worker.step_num), inv_scale=inv_scale, max_norm=self.max_grad_norm)
+        streaming.end_step(self.streamer, report)
         if grad_scaler is not None:
             # Every worker's scaler backs off alike: the decision is the nodes', not this worker's grads.
             state = grad_scaler._per_optimizer_states[id(self)]
@@ -461,6 +477,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.worker.synchronize()
 
     def close(self) -> None:
+        self.streamer = streaming.stop(getattr(self, "streamer", None))
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -16,7 +16,9 @@ which backward produces gradients, and a group's buckets are numbered in the
 order backward completes them (by the last parameter each waits for), so
 pushes still stream during backward. Parameters marked ``delayed`` (their
 weights may land a step late: ``RemoteOptimizer(delayed_params=...)``) form
-classes of their own too, so a bucket is delayed whole or not at all. Small
+classes of their own too, so a bucket is delayed whole or not at all; so do the
+parameters of each streaming **unit** (``RemoteOptimizer(stream_weights=True)``),
+so a unit's weights are fetched and its gradient pushed in buckets of its own. Small
 parameters are never split; a parameter larger than a bucket spans several. Buckets of later groups come
 after earlier ones, so ``add_param_group`` only appends buckets. Owners are
 chosen greedily, each bucket to the node with the least bytes per unit of
@@ -54,6 +56,9 @@ class ParamSpec:
     group: int = 0
     delayed: bool = False
     """Its weights may land a step late (partial delayed update): never in a bucket with others."""
+    unit: int = -1
+    """The streaming unit it belongs to (-1: none, resident): a bucket never spans two units, so a
+    unit's weights are fetched and its gradient pushed bucket by bucket, with no other unit's elements."""
 
     @property
     def numel(self) -> int:
@@ -134,6 +139,15 @@ class Layout:
             out[b.node] += b.nbytes
         return out
 
+    def unit_buckets(self) -> dict[int, list[int]]:
+        """Streaming unit -> ids of its buckets (a bucket holds one unit's parameters only, or none's)."""
+        out: dict[int, list[int]] = {}
+        for b in self.buckets:
+            unit = self.params[b.segments[0].param].unit
+            if unit >= 0:
+                out.setdefault(unit, []).append(b.id)
+        return out
+
     def delayed_buckets(self) -> frozenset[int]:
         """Ids of the buckets of delayed parameters (a bucket holds delayed parameters only, or none)."""
         return frozenset(b.id for b in self.buckets if b.segments and self.params[b.segments[0].param].delayed)
@@ -185,10 +199,11 @@ def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: 
     for g in groups:
         idxs = [i for i, p in enumerate(params) if p.group == g]
         parts_of_group = []
-        for delayed in (False, True):
-            for dense in (False, True):
-                cls = [i for i in idxs if is_dense_class(params[i].shape) == dense and params[i].delayed == delayed]
-                parts_of_group += _split_group(cls, params, cap)
+        for unit in sorted({params[i].unit for i in idxs}):
+            for delayed in (False, True):
+                for dense in (False, True):
+                    cls = [i for i in idxs if is_dense_class(params[i].shape) == dense and params[i].delayed == delayed and params[i].unit == unit]
+                    parts_of_group += _split_group(cls, params, cap)
         # in the order backward completes them: a bucket is full when its first-registered
         # parameter's gradient arrives (stable: a parameter spanning buckets keeps its order)
         parts_of_group.sort(key=lambda parts: -min(idx for idx, _, _ in parts))
@@ -210,6 +225,8 @@ def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: 
     }
     if any(p.delayed for p in params):  # (absent otherwise: layouts without delayed parameters keep their hash)
         described["delayed"] = [i for i, p in enumerate(params) if p.delayed]
+    if any(p.unit >= 0 for p in params):  # (likewise: resident layouts keep their hash)
+        described["units"] = [p.unit for p in params]
     digest = hashlib.sha256(
         json.dumps(
             described,

@@ -42,6 +42,9 @@ class Op(enum.IntEnum):
     ROLLBACK = 14  # worker -> node: roll this node back to a checkpointed step
 
 
+#: The ``pull`` of a PUSH whose reply carries no weights, only that the step was applied (streaming mode).
+PULL_ACK = "ack"
+
 I, F, S, B, L, D, N = int, float, str, bool, list, dict, type(None)
 
 # Fields every message carries, then the fields of each op: name -> allowed types.

@@ -7,6 +7,10 @@ the worker per push: a plain codec of the weights (``none`` = fp32 zero-copy
 from the shard, ``bf16``...) or ``int8_delta``, int8 deltas against a shadow
 copy of what the workers hold, with periodic full resync. Each is a
 :class:`PullCodec`; a full resend (a PULL, a retried push) goes the plain way.
+A streaming worker holds no weights between uses: it names ``ack`` as the pull
+codec of its streamed buckets' pushes, and the reply is an UPDATE without
+payload that says the step was applied (or skipped); it fetches the weights
+with PULL just before it needs them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
 from luwu.protocol.feedback import DeltaEncoder
-from luwu.protocol.messages import Op
+from luwu.protocol.messages import PULL_ACK as ACK, Op
 from luwu.switch_nodes.store import BucketState
 
 if TYPE_CHECKING:
@@ -94,6 +98,16 @@ class PullCodec:
         """The weights changed outside a step (a restore, a state load): nothing to forget here."""
 
 
+class AckPullCodec(PullCodec):
+    """``ack``: a reply without weights (a streaming worker fetches them with PULL when it needs them)."""
+
+    def __init__(self) -> None:
+        self.name = ACK
+
+    def encode(self, b: BucketState, buffers: ReplyBuffers) -> Payload:
+        return Payload(ACK, False, {}, [])
+
+
 class DeltaPullCodec(PullCodec):
     """``int8_delta``: int8 deltas against a shadow of what the workers hold, full weights (fp32) on the
     first reply, every ``resync_every`` steps, and after :meth:`resync`. One shadow per bucket serves
@@ -128,6 +142,8 @@ class Replies:
 
     def codec(self, name: str) -> PullCodec:
         """The pull codec named by a worker (raises on an unknown name)."""
+        if name == ACK:
+            return AckPullCodec()
         if name != INT8_DELTA:
             return PullCodec(name)
         if self._delta is None:
@@ -191,5 +207,6 @@ class Replies:
             if w in self.node.peers:
                 trackers.append(self.node.send_to(w, data, track=True))
                 metrics.bytes_out.labels("update").inc(nbytes)
-                metrics.raw_out.labels("update").inc(b.numel * 4)
+                if payload.frames:  # (an ack carries no weights)
+                    metrics.raw_out.labels("update").inc(b.numel * 4)
         self.buffers[b.id].sent(payload.codec, b.version & 1, trackers)

@@ -1,0 +1,338 @@
+"""Streaming mode: a worker that borrows each unit's weights from the nodes just before it needs them.
+
+Between uses a streamed unit's parameters hold no storage: as FSDP2 does, the
+``nn.Parameter`` objects stay (modules keep working as modules, and the
+references autograd saves stay valid) and their storage is resized to zero
+after use and back just before the next (:func:`alloc_storage`,
+:func:`free_storage`). The fetched weights are written straight into that
+storage: fp32 with compression off (exact parity), else in the policy's pull
+codec (bf16) and widened to fp32 on arrival; the fp32 master stays on the nodes.
+
+- **Forward**: a forward pre-hook asks the nodes for the next ``prefetch``
+  units' weights (PULL, in the order the last forward ran them) and waits for
+  its own unit's; the forward post-hook releases them. Under ``no_grad``
+  (evaluation) that is all: nothing is pushed.
+- **Backward**: the forward post-hook puts a hook on the unit's outputs; when
+  their gradient is computed (the unit's backward is next) it asks for the
+  weights of the ``prefetch`` units backward reaches next and waits for its own.
+  Each parameter's gradient goes to its buckets as usual (post-accumulate-grad
+  hooks; a unit's buckets hold only its parameters); when the last bucket of
+  the unit has been pushed, the unit's gradients and weights are released.
+- **Activation checkpointing** (``torch.utils.checkpoint``, non-reentrant)
+  re-runs a unit's forward inside backward: the post-hook then keeps the
+  weights, which the unit's backward needs right after.
+- **Step**: the pushes of streamed buckets are answered by an ``ack`` without
+  weights; ``step()`` waits for every ack (so the next fetch sees the new
+  weights), then :meth:`Streamer.end_step` releases what is still held and
+  forgets unused prefetches. The root (parameters outside every unit) stays
+  resident and is updated by ``step()`` as in resident mode.
+
+Memory: gradient buffers of streamed buckets come from a bounded
+:class:`~luwu.gpu_workers.pool.BufferPool`. A streaming worker maps blocks of
+:data:`STREAM_MMAP_THRESHOLD` bytes and up on their own (instead of keeping
+freed memory in the heap, as resident workers do) and trims the heap after each
+step (:func:`~luwu.gpu_workers.pool.trim_heap`): released weights would
+otherwise stay mapped between the activations that outlive them, until the
+worker held as much as the model. The price is that each fetch writes into
+fresh pages.
+
+The worker requests each unit ahead of use; the nodes do not yet push the next
+units' weights on their own, so every fetch is one round trip, hidden behind
+``prefetch`` units of compute. Parameters stay fp32 on the worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from luwu.gpu_workers.pool import FP32_BYTES, BufferPool, trim_heap
+from luwu.gpu_workers.units import Unit, select_units, unit_of_params
+from luwu.gpu_workers.worker import StepReport, Worker
+from luwu.protocol.errors import ConfigError
+from luwu.protocol.memory import retain_freed_memory
+from luwu.protocol.layout import Bucket, Layout
+
+
+#: Streaming mode maps blocks from this size up on their own, so a released unit's pages go back to the
+#: system at once instead of fragmenting the heap between the activations that outlive them.
+STREAM_MMAP_THRESHOLD = 1 << 17
+
+
+def alloc_storage(p: torch.Tensor) -> None:
+    """Give ``p`` back its storage (contents undefined), as FSDP2's ``alloc_storage``."""
+    size = p.numel() * p.itemsize
+    if (storage := p.untyped_storage()).size() != size:
+        storage.resize_(size)
+
+
+def free_storage(p: torch.Tensor) -> None:
+    """Release ``p``'s storage, keeping the tensor (its shape, its identity, autograd's references)."""
+    if (storage := p.untyped_storage()).size() != 0:
+        storage.resize_(0)
+
+
+class _State(enum.Enum):
+    RELEASED = 0
+    REQUESTED = 1  # the PULLs are out, the weights not yet written
+    RESIDENT = 2
+
+
+@dataclass(slots=True, eq=False)
+class _Unit:
+    unit: Unit
+    params: list[torch.Tensor]  # its trainable parameters (those the optimizer streams)
+    buckets: list[int]
+    state: _State = _State.RELEASED
+    pushed: int = 0  # buckets pushed this step
+
+
+def pool_budget_bytes(layout: Layout, prefetch: int) -> int:
+    """Gradient buffers for ``prefetch + 2`` of the largest units: the unit in backward, the ones whose
+    pushes are in flight, and staging for the weights being fetched."""
+    sizes: dict[int, int] = {}
+    for unit, bids in layout.unit_buckets().items():
+        sizes[unit] = sum(layout.buckets[b].numel for b in bids) * FP32_BYTES
+    return (prefetch + 2) * max(sizes.values(), default=FP32_BYTES)
+
+
+# ----------------------------------------------------------------- what RemoteOptimizer calls
+def patterns_of(spec) -> list[str] | None:
+    """The part of a ``stream_units`` argument the configuration can hold: fnmatch patterns (None when
+    it names module classes, which stay with the optimizer, or when it is not given)."""
+    spec = [spec] if isinstance(spec, str) else spec
+    return list(spec) if spec is not None and all(isinstance(s, str) for s in spec) else None
+
+
+def plan_units(model, spec, cfg) -> tuple[list[Unit] | None, dict[int, int]]:
+    """Streaming mode's units of ``model`` and ``id(parameter)`` -> unit, from the ``stream_units``
+    argument or else ``cfg.stream_units`` (``cfg``: the optimizer section); (None, {}) when not streaming."""
+    if not cfg.stream_weights:
+        return None, {}
+    units = select_units(model, spec if spec is not None else (cfg.stream_units or None))
+    return units, unit_of_params(units)
+
+
+def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, pull_codec_for=None) -> dict:
+    """The :class:`Worker` keyword arguments of streaming mode (none when ``units`` is None): the streamed
+    buckets, their buffer pool, and the codec units' weights are fetched in: the pull codec the
+    compression policy picks (``pull_codec_for``, None: compression off, fp32), as full weights (a
+    delta codec becomes bf16, since a released unit holds nothing to add a delta to). ``cfg``: the
+    optimizer section; a unit over ``stream_budget_bytes`` is refused here, before any connection."""
+    if units is None:
+        return {}
+    check_budget(layout, units, cfg.stream_budget_bytes)
+    streamed = frozenset(b for bids in layout.unit_buckets().values() for b in bids)
+    out = {"streamed": streamed, "pool": BufferPool(pool_budget_bytes(layout, cfg.stream_prefetch))}
+    if pull_codec_for is not None:
+        out["fetch_codec_for"] = lambda b, step: "bf16" if pull_codec_for(b, step) == "int8_delta" else pull_codec_for(b, step)
+    return out
+
+
+def restart(old: Streamer | None, worker: Worker, params: list[torch.Tensor], units: list[Unit] | None, cfg) -> Streamer | None:
+    """The streamer of a (re)built worker, the old one's hooks removed (None when not streaming); ``cfg``:
+    the optimizer section."""
+    stop(old)
+    return None if units is None else Streamer(worker, params, units, cfg.stream_prefetch)
+
+
+def stop(streamer: Streamer | None) -> None:
+    """Remove the streamer's hooks (returns None, the optimizer's streamer from then on)."""
+    if streamer is not None:
+        streamer.close()
+
+
+def check_no_sync(streamer: Streamer | None) -> None:
+    if streamer is not None:
+        raise ConfigError("no_sync() is not supported with stream_weights yet: a streaming worker keeps no gradients between backward passes")
+
+
+def gathered(streamer: Streamer | None):
+    """Every streamed unit resident for the duration (a no-op context in resident mode)."""
+    return streamer.gathered() if streamer is not None else contextlib.nullcontext()
+
+
+def end_step(streamer: Streamer | None, report: StepReport) -> None:
+    if streamer is not None:
+        streamer.end_step(report)
+
+
+def check_budget(layout: Layout, units: list[Unit], budget_bytes: int) -> None:
+    """Refuse a unit whose fp32 weights and gradient (8 B per parameter) exceed ``budget_bytes`` (0: none)."""
+    if not budget_bytes:
+        return
+    def size(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
+
+    for unit, bids in sorted(layout.unit_buckets().items()):
+        numel = sum(layout.buckets[b].numel for b in bids)
+        if 2 * FP32_BYTES * numel > budget_bytes:
+            u = units[unit]
+            raise ConfigError(
+                f"streaming unit {u.name!r} ({type(u.module).__name__}) has {numel:,} parameters: its fp32 weights and gradient take "
+                f"{size(2 * FP32_BYTES * numel)}, over optimizer.stream_budget_bytes = {size(budget_bytes)} "
+                "(choose smaller units with stream_units, or raise the budget)"
+            )
+
+
+class Streamer:
+    """Fetches, releases and pushes the streamed units of one worker (see the module docstring)."""
+
+    def __init__(self, worker: Worker, params: list[torch.Tensor], units: list[Unit], prefetch: int):
+        if prefetch < 0:
+            raise ConfigError(f"prefetch must be >= 0, got {prefetch}")
+        self.worker, self.prefetch = worker, prefetch
+        by_unit = worker.layout.unit_buckets()
+        self.units: list[_Unit] = []
+        for u in units:
+            mine = sorted({s.param for bid in by_unit.get(u.index, ()) for s in worker.layout.buckets[bid].segments})
+            for i in mine:
+                p = params[i]
+                if p.storage_offset() != 0 or p.untyped_storage().size() not in (0, p.numel() * p.itemsize):
+                    name = worker.layout.params[i].name
+                    raise ConfigError(f"parameter {name} of unit {u.name!r} shares its storage with other tensors: it cannot be released")
+            self.units.append(_Unit(u, [params[i] for i in mine], by_unit.get(u.index, [])))
+        self._of_bucket = {bid: u for u in self.units for bid in u.buckets}
+        self.order = [u.unit.index for u in self.units if u.buckets]  # forward order, learned from each step
+        self._seen: dict[int, None] = {}  # this step's forward order (first use of each unit)
+        self.fetch_wait_s = 0.0
+        self.fetches = 0
+        self._hooks = []
+        for u in self.units:
+            if u.buckets:
+                self._hooks.append(u.unit.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
+                self._hooks.append(u.unit.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
+        worker.on_pushed, worker.on_reset = self._on_pushed, self._forget
+        for u in self.units:
+            self._release(u)
+        retain_freed_memory(STREAM_MMAP_THRESHOLD, STREAM_MMAP_THRESHOLD)
+        trim_heap()  # the model was built whole: give its pages back
+
+    # ----------------------------------------------------------------- fetch and release
+    def _request(self, u: _Unit, exact: bool = False) -> None:
+        if u.state is _State.RELEASED:
+            self.worker.request_weights(u.buckets, exact=exact)
+            u.state = _State.REQUESTED
+
+    def _ensure(self, u: _Unit) -> None:
+        """Make the unit's weights resident (asking for them now if no prefetch did)."""
+        if u.state is _State.RESIDENT:
+            return
+        self._request(u)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for p in u.params:
+                alloc_storage(p)
+        self.worker.receive_weights(u.buckets, what=f"weights of unit {u.unit.name!r}")
+        self.fetch_wait_s += time.perf_counter() - t0
+        self.fetches += 1
+        u.state = _State.RESIDENT
+
+    def _release(self, u: _Unit) -> None:
+        if u.state is _State.REQUESTED:
+            self.worker.discard_weights(u.buckets)
+        with torch.no_grad():
+            for p in u.params:
+                free_storage(p)
+        u.state = _State.RELEASED
+
+    def _prefetch(self, order: list[int], index: int) -> None:
+        """Ask for the weights of the ``prefetch`` units after ``index`` in ``order``."""
+        try:
+            pos = order.index(index)
+        except ValueError:
+            return
+        for j in order[pos + 1 : pos + 1 + self.prefetch]:
+            self._request(self.units[j])
+
+    # ----------------------------------------------------------------- hooks
+    def _pre_forward(self, u: _Unit) -> None:
+        self._seen.setdefault(u.unit.index)
+        self._prefetch(self.order, u.unit.index)
+        self._ensure(u)
+
+    def _post_forward(self, u: _Unit, out) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a forward recomputed inside backward (activation checkpointing): its backward is next
+        self._release(u)
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        fired = []
+
+        def pre_backward(grad):
+            if not fired:
+                fired.append(True)
+                self._pre_backward(u)
+            return grad
+
+        for t in tensors:
+            t.register_hook(pre_backward)
+
+    def _pre_backward(self, u: _Unit) -> None:
+        self._prefetch(list(reversed(self._seen or self.order)), u.unit.index)
+        self._ensure(u)
+
+    def _on_pushed(self, bucket: Bucket) -> None:
+        """A streamed bucket went out: once all of its unit's have, free the unit's gradients and weights."""
+        u = self._of_bucket[bucket.id]
+        u.pushed += 1
+        if u.pushed == len(u.buckets):
+            for p in u.params:
+                p.grad = None
+            self._release(u)
+
+    # ----------------------------------------------------------------- steps and whole-model access
+    def end_step(self, report: StepReport) -> None:
+        """After ``step()`` (every push acknowledged): release every unit still held, forget unused
+        prefetches (their weights are a step old), keep this step's forward order for the next."""
+        for u in self.units:
+            for p in u.params:
+                p.grad = None
+            self._release(u)
+            u.pushed = 0
+        if self._seen:
+            self.order = list(self._seen)
+            self._seen = {}
+        report.fetch_wait_s, self.fetch_wait_s = self.fetch_wait_s, 0.0
+        trim_heap()
+
+    def _forget(self) -> None:
+        """The worker abandoned the step (recover()): its outstanding fetches will not be answered."""
+        for u in self.units:
+            u.state = _State.RELEASED  # not REQUESTED: the replies were dropped with the step
+            u.pushed = 0
+            for p in u.params:
+                p.grad = None
+                free_storage(p)
+        self._seen = {}
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Every streamed unit resident for the duration (for models that fit: state dicts, checks)."""
+        try:
+            for u in self.units:
+                self._release(u)  # a prefetch may be in the fetch codec: these are the fp32 weights
+                self._request(u, exact=True)
+            for u in self.units:
+                self._ensure(u)
+            yield
+        finally:
+            for u in self.units:
+                self._release(u)
+
+    def resident_bytes(self) -> int:
+        """Bytes of storage the streamed parameters hold now (0 between steps)."""
+        return sum(p.untyped_storage().nbytes() for u in self.units for p in u.params)
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.worker.on_pushed == self._on_pushed:
+            self.worker.on_pushed = self.worker.on_reset = None
