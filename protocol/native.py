@@ -8,7 +8,8 @@ hosts gets one library per CPU kind). Without a C compiler, or with
 bits (``tests/unit/test_native.py``): nodes and workers may mix the two.
 
 ``LUWU_CACHE_DIR`` sets the cache folder (default ``$XDG_CACHE_HOME/luwu`` or
-``~/.cache/luwu``; a temporary folder when that cannot be written).
+``~/.cache/luwu``; a per-user temporary folder when that cannot be written). A folder or library
+not owned by this user alone is never used: the kernels are then built in a private folder.
 """
 
 from __future__ import annotations
@@ -54,31 +55,67 @@ def _cache_dir() -> Path:
     return Path(base) / "luwu"
 
 
+def _trusted(path: Path) -> bool:
+    """Whether ``path`` (a folder or a library) is ours alone: no link, owned by this user, not writable
+    by group or others. A library another user could have planted is never loaded (its constructor
+    would run as this user, root included)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    uid = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    return not os.path.islink(path) and st.st_uid == uid and not st.st_mode & 0o022
+
+
+def _folders() -> list[Path]:
+    """Cache folders to try, in order: the configured cache, a per-user temporary folder; each is
+    created mode 700 and used only if :func:`_trusted`."""
+    uid = os.getuid() if hasattr(os, "getuid") else "u"
+    return [_cache_dir(), Path(tempfile.gettempdir()) / f"luwu-{uid}"]
+
+
+def _compile(cc: str, folder: Path, lib: Path) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=".blockquant-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        out = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {out.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, lib)  # atomic: processes building at once all load a whole library
+        return lib
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _build(cc: str) -> Path:
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), "".join(version).encode(), _cpu_id().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
-    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"luwu-{os.getuid() if hasattr(os, 'getuid') else 'u'}"):
-        lib = folder / f"blockquant-{key}.so"
-        if lib.exists():
-            return lib
+    name = f"blockquant-{key}.so"
+    for folder in _folders():
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".blockquant-", suffix=".so", dir=folder)
-            os.close(fd)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError:
             continue
+        if not _trusted(folder):
+            log.warning("luwu: not using the kernel cache %s: it is not owned by this user alone (mode or owner)", folder)
+            continue
+        lib = folder / name
+        if lib.exists():
+            if _trusted(lib):
+                return lib
+            log.warning("luwu: ignoring %s: not owned by this user alone; building a private copy", lib)
+            continue
         try:
-            out = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
-            if out.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {out.stderr.strip()[-500:]}")
-            os.replace(tmp, lib)  # atomic: processes building at once all load a whole library
-            return lib
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    raise RuntimeError(f"no writable cache folder ({_cache_dir()}, or the temporary folder)")
+            return _compile(cc, folder, lib)
+        except OSError:
+            continue
+    # no folder to trust: a private one for this process (mkdtemp makes it mode 700)
+    folder = Path(tempfile.mkdtemp(prefix="luwu-kernels-"))
+    return _compile(cc, folder, folder / name)
 
 
 def _load() -> ctypes.CDLL:

@@ -7,7 +7,10 @@ enough here.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -184,3 +187,49 @@ def test_what_the_kernels_cannot_take_goes_the_torch_way(path):
     strided = torch.zeros(4096, 2)[:, 0]  # every other element
     codec.decode_add_(strided, enc.frames, enc.meta)
     assert torch.equal(strided, ref)
+
+
+def _planted_library(folder, marker, key_name):
+    """A library whose constructor writes ``marker``: what another user could plant in a shared cache."""
+    src = folder.parent / "planted.c"
+    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void planted(void) {{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-shared", "-fPIC", "-o", str(folder / key_name), str(src)], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("how", ["folder open to others", "library owned by another user"])
+def test_a_planted_library_is_never_loaded(monkeypatch, tmp_path, how):
+    """Only a folder and a library owned by this user alone are trusted: a library another user planted
+    (world-writable cache, or a file they own) is ignored and the kernels are built in a private folder."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    if how == "library owned by another user" and os.getuid() != 0:
+        pytest.skip("chown to another user needs root")
+    cache, tmp = tmp_path / "cache", tmp_path / "tmp"
+    cache.mkdir(mode=0o700)
+    tmp.mkdir()
+    monkeypatch.setenv("LUWU_CACHE_DIR", str(cache))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    native.reset()
+    try:
+        assert native.kernels() is not None, native.reason  # learn the library's name, then plant over it
+        name = next(cache.glob("blockquant-*.so")).name
+        for p in cache.glob("blockquant-*.so"):
+            p.unlink()
+        marker = tmp_path / "planted-ran"
+        for folder in (cache, tmp / f"luwu-{os.getuid()}"):
+            folder.mkdir(exist_ok=True)
+            _planted_library(folder, marker, name)
+            if how == "folder open to others":
+                os.chmod(folder, 0o777)
+            else:
+                os.chown(folder / name, 65534, 65534)
+        native.reset()
+        assert native.kernels() is not None, native.reason
+        assert not marker.exists(), "a library planted by someone else was loaded"
+        codec = get_codec("int8")  # and the kernels built privately still work
+        x, out = torch.randn(4096), torch.zeros(4096)
+        enc = codec.encode(x)
+        codec.decode_add_(out, enc.frames, enc.meta)
+        assert (out - x).abs().max() <= x.abs().max() / 254 * 1.01
+    finally:
+        native.reset()
