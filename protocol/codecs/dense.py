@@ -72,20 +72,14 @@ class _DenseCodec(Codec):
 
     def decode_pair_(self, out, first, second, alpha: float) -> None:
         a, b = _as(first[0][0], self.dtype), _as(second[0][0], self.dtype)
-        if self.dtype == torch.float32:
-            if alpha == 0.5:
-                torch.lerp(a, b, 0.5, out=out)  # (a + b) / 2 in one pass
-            else:
-                torch.add(a, b, out=out).mul_(alpha)
+        if self.dtype == torch.float32:  # (a + b) * alpha: the same bits whichever push came first (lerp is not)
+            torch.add(a, b, out=out).mul_(alpha)
             return
         for s, e in _chunks(out.numel()):  # convert both in cache-sized chunks, one pass over out
             ta, tb = self._scratch("dec", e - s), self._scratch("dec2", e - s)
             ta.copy_(a[s:e])
             tb.copy_(b[s:e])
-            if alpha == 0.5:
-                torch.lerp(ta, tb, 0.5, out=out[s:e])
-            else:
-                torch.add(ta, tb, out=out[s:e]).mul_(alpha)
+            torch.add(ta, tb, out=out[s:e]).mul_(alpha)
 
     def encode_feedback_(self, x, residual, out=None, *, num_summands: int = 1) -> Encoded:
         out = self._prepare(x, out, num_summands)

@@ -17,13 +17,7 @@ def run_streaming(spec: dict, nodes: list[str], tmp, world_size: int = 2, timeou
     return [torch.load(f"{spec['out']}.rank{r}") for r in range(world_size)]
 
 
-# The nodes average two workers' fp32 pushes with ``torch.lerp(first, second, 0.5)``, which rounds
-# differently with the arrival order: where the two half-batch gradients nearly cancel, that last bit
-# is the whole gradient, and AdamW turns it into up to ~1.5e-6 on one weight of this model: two runs
-# of the same job differ by as much from each other. It is the nodes' average, not streaming (resident
-# mode goes through the same one). Everything else agrees to 1e-6; the tolerance covers that element,
-# and the eval loss is held to 1e-6.
-RTOL, ATOL = 1e-5, 5e-6
+RTOL, ATOL = 1e-6, 1e-6
 
 
 def assert_equals_reference(results: list[dict], spec: dict, rtol: float = RTOL, atol: float = ATOL) -> None:
