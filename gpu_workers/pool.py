@@ -13,33 +13,12 @@ budget is still lent, since nothing else could make room for it.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
 from typing import Callable
 
 import torch
 
 FP32_BYTES = 4
-
-_libc = None
-
-
-def trim_heap() -> None:
-    """Return the heap's free pages to the system (glibc ``malloc_trim``; elsewhere nothing).
-
-    Workers keep freed memory for reuse (:func:`luwu.protocol.memory.retain_freed_memory`); a streaming
-    worker frees a unit's weights and gradients many times a step, in sizes that fragment that kept
-    memory until it is as large as the model. Trimming once a step keeps the worker at the units in
-    flight, at the cost of faulting in the next step's fetch buffers."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc(0)
 
 
 class BufferPool:

@@ -31,7 +31,7 @@ Memory: gradient buffers of streamed buckets come from a bounded
 :class:`~luwu.gpu_workers.pool.BufferPool`. A streaming worker maps blocks of
 :data:`STREAM_MMAP_THRESHOLD` bytes and up on their own (instead of keeping
 freed memory in the heap, as resident workers do) and trims the heap after each
-step (:func:`~luwu.gpu_workers.pool.trim_heap`): released weights would
+step (:func:`~luwu.protocol.memory.trim_heap`): released weights would
 otherwise stay mapped between the activations that outlive them, until the
 worker held as much as the model. The price is that each fetch writes into
 fresh pages.
@@ -51,11 +51,11 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten
 
-from luwu.gpu_workers.pool import FP32_BYTES, BufferPool, trim_heap
+from luwu.gpu_workers.pool import FP32_BYTES, BufferPool
 from luwu.gpu_workers.units import Unit, select_units, unit_of_params
 from luwu.gpu_workers.worker import StepReport, Worker
 from luwu.protocol.errors import ConfigError
-from luwu.protocol.memory import retain_freed_memory
+from luwu.protocol.memory import retain_freed_memory, trim_heap
 from luwu.protocol.layout import Bucket, Layout
 
 

@@ -51,3 +51,23 @@ def retain_freed_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD, trim_threshold
     else:
         log.warning("mallopt refused mmap_threshold=%d / trim_threshold=%d", mmap_threshold, trim_threshold)
     return ok
+
+
+_malloc_trim = None
+
+
+def trim_heap() -> None:
+    """Return the heap's free pages to the system (glibc ``malloc_trim``; elsewhere nothing).
+
+    Workers keep freed memory for reuse (:func:`retain_freed_memory`); a streaming
+    worker frees a unit's weights and gradients many times a step, in sizes that fragment that kept
+    memory until it is as large as the model. Trimming once a step keeps the worker at the units in
+    flight, at the cost of faulting in the next step's fetch buffers."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
