@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -66,3 +67,20 @@ def proc_status(pid: int) -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 out[key] = int(rest.split()[0]) * 1024
     return out
+
+
+def kill_node_after_step(cluster, proc: subprocess.Popen, step: int, node: int = 1, timeout_s: float = 120) -> list[str]:
+    """Read ``proc``'s stdout until it prints ``STEP <step>``, then SIGKILL ``node`` of ``cluster`` and
+    restart it (from its checkpoints). Returns the lines read, for failure messages."""
+    seen, deadline = [], time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if line.strip() == f"STEP {step}":
+            break
+    cluster.procs[node].send_signal(signal.SIGKILL)
+    cluster.procs[node].wait(10)
+    cluster.restart(node)
+    return seen

@@ -2,12 +2,11 @@
 
 import os
 import random
-import signal
 import time
 
 import pytest
 import torch
-from harness import TRAIN, assert_params_close, start_workers, wait_all
+from harness import TRAIN, assert_params_close, kill_node_after_step, start_workers, wait_all
 from workers.train import reference
 
 import luwu
@@ -48,18 +47,7 @@ def test_sigkill_node_at_random_step_restart_final_params_equal(tmp_path):
     with luwu.local_cluster(2, node_args=args) as cluster:
         spec = dict(SPEC, nodes=cluster.addresses, world_size=2, out=str(tmp_path / "res"))
         procs = start_workers(TRAIN, spec, 2, tmp_path)
-        seen = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = procs[0].stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if line.strip() == f"STEP {kill_at}":
-                break
-        cluster.procs[1].send_signal(signal.SIGKILL)
-        cluster.procs[1].wait(10)
-        cluster.restart(1)
+        seen = kill_node_after_step(cluster, procs[0], kill_at)
         outs = wait_all(procs, 180)
     results = [torch.load(f"{spec['out']}.rank{r}") for r in range(2)]
     assert all(r["recoveries"] >= 1 for r in results), "".join(seen) + outs[0][-2000:]

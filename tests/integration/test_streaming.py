@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from harness import ROOT, start_workers, wait_all
+from harness import ROOT, kill_node_after_step, start_workers, wait_all
 from workers.stream import reference  # noqa: E402
 
 STREAM = ROOT / "workers" / "stream.py"
@@ -166,7 +166,6 @@ def test_sigkill_node_mid_training_streaming_workers_recover_and_equal_local_tor
     acknowledgements), recover() rolls every node back, and the final weights equal local torch."""
     import os
     import random
-    import signal
 
     import luwu
 
@@ -177,17 +176,7 @@ def test_sigkill_node_mid_training_streaming_workers_recover_and_equal_local_tor
     with luwu.local_cluster(2, node_args=args) as cluster:
         run = dict(spec, nodes=cluster.addresses, world_size=2, out=str(tmp_path / "res"))
         procs = start_workers(STREAM, run, 2, tmp_path)
-        seen, deadline = [], time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = procs[0].stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            if line.strip() == f"STEP {kill_at}":
-                break
-        cluster.procs[1].send_signal(signal.SIGKILL)
-        cluster.procs[1].wait(10)
-        cluster.restart(1)
+        seen = kill_node_after_step(cluster, procs[0], kill_at)
         outs = wait_all(procs, 200)
     results = [torch.load(f"{run['out']}.rank{r}") for r in range(2)]
     assert all(r["recoveries"] >= 1 for r in results), "".join(seen) + outs[0][-3000:]
