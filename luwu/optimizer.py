@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import logging
+import math
 import os
 import time
 import warnings
@@ -53,6 +54,12 @@ def _num(v):
     return float(v.item()) if isinstance(v, torch.Tensor) else v
 
 
+def _prefix(flat: torch.Tensor, shape) -> torch.Tensor:
+    """The first elements of ``flat`` as a tensor of ``shape``: the whole of it when its size matches."""
+    n = math.prod(shape)
+    return flat.view(shape) if n == flat.numel() else flat[:n].clone().view(shape)
+
+
 class RemoteOptimizer(torch.optim.Optimizer):
     """An optimizer that lives on LuWu nodes.
 
@@ -68,7 +75,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             names too (per-name compression rules match them; unnamed parameters are ``param<i>``).
         optimizer: a name of ``luwu.switch_nodes.optimizers.OPTIMIZER_NAMES`` (``optimizer.name``): ``"adamw"``,
             ``"adam"``, ``"sgd"``, ``"adagrad"``, ``"rmsprop"``, ``"adamax"``, ``"nadam"``, ``"radam"``,
-            ``"adadelta"``, ``"rprop"``. Torch's other algorithms are refused with the reason.
+            ``"adadelta"``, ``"rprop"``, ``"adafactor"`` (each parameter then whole in one bucket).
+            Torch's other algorithms are refused with the reason.
         **hyper: the optimizer's hyperparameters, with torch's names and defaults (``lr``, ``betas``,
             ``amsgrad``, ``momentum``, ``centered``...); a key the optimizer does not have is a ConfigError.
             torch's implementation switches (``foreach``, ``fused``, ``capturable``) are accepted and
@@ -204,7 +212,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 params.append(p)
                 name = name or self._names.get(id(p), f"param{len(specs)}")
                 delayed = any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
-                specs.append(ParamSpec(name, tuple(p.shape), gi, delayed, self._unit_of.get(id(p), -1)))
+                specs.append(ParamSpec(name, tuple(p.shape), gi, delayed, self._unit_of.get(id(p), -1), whole=self.kind.whole_params))
         for pat in patterns:
             if not any(fnmatch.fnmatchcase(s.name, pat) for s in specs):
                 raise ConfigError(f"delayed_params pattern {pat!r} matches no parameter (names: {', '.join(s.name for s in specs[:8])}{', ...' if len(specs) > 8 else ''})")
@@ -216,6 +224,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if p.dtype != torch.float32:
                 raise ConfigError(f"parameter {self._names.get(id(p), '?')} has dtype {p.dtype}: LuWu keeps fp32 master weights (use autocast for bf16 compute)")
         self.layout = build_layout(specs, self.config.transport.bucket_bytes, self.capacities)
+        big = max(self.layout.buckets, key=lambda b: b.nbytes, default=None)
+        if big is not None and big.nbytes > self.config.transport.max_message_bytes:  # a whole parameter (Adafactor) over it
+            raise ConfigError(f"bucket {big.id} holds {big.nbytes} bytes, over transport.max_message_bytes (raise it, and node.max_message_bytes)")
         codec_for = pull_for = feedback = None
         cc = self.config.compression
         if cc.enabled:
@@ -345,7 +356,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             g = self.param_groups[self._group_of(i)]
             entry = {"step": torch.tensor(d["step"], dtype=torch.float32)} if self.kind.step_in_state else {}
             entry |= torch_scalars(self.kind, int(d["step"]), g)  # NAdam's mu_product, derived from the step
-            entry |= {n: d[n].view(params[i].shape) for n in self.kind.state_for(g)}  # the state this group uses
+            shapes = self.kind.state_shapes(params[i].shape)  # (Adafactor's: at the start of the parameter's slot)
+            entry |= {n: _prefix(d[n], shapes[n]) for n in self.kind.state_for(g) if n in shapes}  # the state this group uses
             if entry:
                 state[i] = entry
         sd["state"] = state
@@ -375,8 +387,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
                     st = self.state.get(p, {})
                     for k, n in enumerate(self.kind.state_names, start=1):
                         t = st.get(n)
-                        if t is not None:
-                            out[k].narrow(0, seg.offset, seg.numel).copy_(t.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel))
+                        if t is not None:  # (a shaped state, Adafactor's, may be shorter than its whole parameter's slot)
+                            m = min(seg.numel, t.numel() - seg.param_offset)
+                            out[k].narrow(0, seg.offset, m).copy_(t.detach().reshape(-1).narrow(0, seg.param_offset, m))
                     if "step" in st:
                         out[-1][si] = float(st["step"])
                     elif st.get("momentum_buffer") is not None:

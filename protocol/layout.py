@@ -19,7 +19,9 @@ weights may land a step late: ``RemoteOptimizer(delayed_params=...)``) form
 classes of their own too, so a bucket is delayed whole or not at all; so do the
 parameters of each streaming **unit** (``RemoteOptimizer(stream_weights=True)``),
 so a unit's weights are fetched and its gradient pushed in buckets of its own. Small
-parameters are never split; a parameter larger than a bucket spans several. Buckets of later groups come
+parameters are never split; a parameter larger than a bucket spans several, unless it is
+marked ``whole`` (an optimizer whose update needs the whole parameter, Adafactor): then
+it gets a bucket of its own, larger than ``bucket_bytes``. Buckets of later groups come
 after earlier ones, so ``add_param_group`` only appends buckets. Owners are
 chosen greedily, each bucket to the node with the least bytes per unit of
 capacity so far.
@@ -59,6 +61,9 @@ class ParamSpec:
     unit: int = -1
     """The streaming unit it belongs to (-1: none, resident): a bucket never spans two units, so a
     unit's weights are fetched and its gradient pushed bucket by bucket, with no other unit's elements."""
+    whole: bool = False
+    """Never split across buckets, even when larger than one: the optimizer's update needs the whole
+    parameter on one node (Adafactor's row and column statistics and whole-parameter norms)."""
 
     @property
     def numel(self) -> int:
@@ -75,6 +80,7 @@ class Segment:
     param_offset: int  # first element of the parameter covered
     offset: int  # where it starts inside the bucket
     numel: int
+    whole: bool = False  # the whole parameter, never split (ParamSpec.whole): its shape travels with it
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,25 +98,29 @@ class Bucket:
     def to_wire(self) -> list:
         """The bucket as HELLO carries it and a node checkpoints it:
         ``[id, group, numel, [[param, param_offset, offset, numel], ...]]`` (positions only: names and
-        shapes stay with the workers). Compared by nodes when a layout is extended."""
-        return [self.id, self.group, self.numel, [[s.param, s.param_offset, s.offset, s.numel] for s in self.segments]]
+        shapes stay with the workers, except that a ``whole`` segment carries its parameter's shape as a
+        fifth item, for the optimizer). Compared by nodes when a layout is extended."""
+        return [self.id, self.group, self.numel, [[s.param, s.param_offset, s.offset, s.numel, *([list(s.shape)] if s.whole else [])] for s in self.segments]]
 
     @classmethod
     def from_wire(cls, spec: Any, *, node: int = -1) -> Bucket:
         """Parse and validate what :meth:`to_wire` wrote (from an untrusted peer: every field checked).
-        The segments carry positions only (empty name and shape). Raises :class:`ProtocolError`."""
+        The segments carry positions only (empty name and shape; the shape of a whole one). Raises
+        :class:`ProtocolError`."""
         if not isinstance(spec, list) or len(spec) != 4 or not _ints(spec[:3], 3) or not isinstance(spec[3], list):
             raise ProtocolError(f"malformed bucket spec {str(spec)[:200]}: expected [id, group, numel, [[param, param_offset, offset, numel], ...]]")
         bid, group, numel, segs = spec
-        if not all(_ints(x, 4) for x in segs):
-            raise ProtocolError(f"bucket {bid}: each segment must be 4 ints [param, param_offset, offset, numel]")
+        if not all(_segment_ok(x) for x in segs):
+            raise ProtocolError(f"bucket {bid}: each segment must be 4 ints [param, param_offset, offset, numel] (and a whole one's shape)")
         if numel <= 0 or bid < 0 or group < 0 or not segs:
             raise ProtocolError(f"bad bucket spec header {spec[:3]!r}")
         segments, off = [], 0
-        for param, param_offset, offset, n in segs:
+        for param, param_offset, offset, n, *shape in segs:
             if offset != off or n <= 0 or param < 0 or param_offset < 0:
                 raise ProtocolError(f"bucket {bid}: segments are not contiguous and positive")
-            segments.append(Segment(param, "", (), param_offset, offset, n))
+            if shape and (param_offset != 0 or any(d < 0 for d in shape[0]) or math.prod(shape[0]) != n):
+                raise ProtocolError(f"bucket {bid}: a whole segment of {n} elements at {param_offset} with shape {shape[0]}")
+            segments.append(Segment(param, "", tuple(shape[0]) if shape else (), param_offset, offset, n, bool(shape)))
             off += n
         if off != numel:
             raise ProtocolError(f"bucket {bid}: segments cover {off} elements, spec says {numel}")
@@ -119,6 +129,11 @@ class Bucket:
 
 def _ints(xs: Any, n: int) -> bool:
     return isinstance(xs, list) and len(xs) == n and all(type(x) is int for x in xs)
+
+
+def _segment_ok(x: Any) -> bool:
+    """4 ints, or (a whole segment) 4 ints and a list of ints, its parameter's shape."""
+    return _ints(x, 4) or (isinstance(x, list) and len(x) == 5 and _ints(x[:4], 4) and isinstance(x[4], list) and _ints(x[4], len(x[4])))
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,20 +177,20 @@ def _split_group(indices: list[int], params: tuple[ParamSpec, ...], cap: int) ->
     cur: list[tuple[int, int, int]] = []
     used = 0
     for idx in reversed(indices):
-        n = params[idx].numel
+        n, whole = params[idx].numel, params[idx].whole
         if n == 0:
             continue
-        # A parameter that fits in one bucket is not split across two.
-        if used and n <= cap and used + n > cap:
+        # A parameter that fits in one bucket is not split across two; a whole one is never split.
+        if used and (n <= cap or whole) and used + n > cap:
             buckets.append(cur)
             cur, used = [], 0
         start = 0
         while start < n:
-            take = min(n - start, cap - used)
+            take = n - start if whole else min(n - start, cap - used)
             cur.append((idx, start, take))
             used += take
             start += take
-            if used == cap:
+            if used >= cap:
                 buckets.append(cur)
                 cur, used = [], 0
     if cur:
@@ -211,7 +226,7 @@ def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: 
             segs, off = [], 0
             for idx, poff, n in parts:
                 p = params[idx]
-                segs.append(Segment(idx, p.name, tuple(p.shape), poff, off, n))
+                segs.append(Segment(idx, p.name, tuple(p.shape), poff, off, n, p.whole))
                 off += n
             # least loaded per unit of capacity after adding; ties go to the lower index
             node = min(range(len(capacities)), key=lambda k: ((loads[k] + off) / capacities[k], k))
@@ -227,6 +242,8 @@ def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: 
         described["delayed"] = [i for i, p in enumerate(params) if p.delayed]
     if any(p.unit >= 0 for p in params):  # (likewise: resident layouts keep their hash)
         described["units"] = [p.unit for p in params]
+    if any(p.whole for p in params):  # (likewise)
+        described["whole"] = [i for i, p in enumerate(params) if p.whole]
     digest = hashlib.sha256(
         json.dumps(
             described,

@@ -6,7 +6,9 @@ parameter), and the gradient accumulators of steps in flight, taken from a pool
 and reused, so nothing proportional to the model is allocated per step. State
 that torch creates only with some hyperparameters (RMSprop's
 ``momentum_buffer``, amsgrad's ``max_exp_avg_sq``) is allocated when first used
-(:class:`FlatState`).
+(:class:`FlatState`). A kind whose state is shaped per parameter (Adafactor's
+row and column statistics) keeps it per segment instead (:class:`SegmentState`),
+each segment then being one whole parameter.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from luwu.protocol.errors import StepMismatchError
+from luwu.protocol.errors import ConfigError, StepMismatchError
 from luwu.protocol.layout import Bucket
 from luwu.switch_nodes.optimizers import OptimizerKind, apply_
 
@@ -25,12 +27,15 @@ from luwu.switch_nodes.optimizers import OptimizerKind, apply_
 @dataclass(slots=True)
 class SegmentSpec:
     """Where a segment lies: its parameter, the first element of it covered, its offset in the bucket and
-    its length (the positions of a :class:`luwu.protocol.layout.Segment`; either serves a bucket)."""
+    its length (the positions of a :class:`luwu.protocol.layout.Segment`; either serves a bucket); for a
+    parameter kept whole (``whole``), its shape."""
 
     param: int
     param_offset: int
     offset: int
     numel: int
+    shape: tuple[int, ...] = ()
+    whole: bool = False
 
 
 @dataclass(slots=True)
@@ -88,6 +93,57 @@ class FlatState(Mapping):
         if name in self._tensors or bool(value.any()):
             self[name].copy_(value)
 
+    @property
+    def nbytes(self) -> int:
+        return self._numel * 4 * len(self._tensors)
+
+
+class SegmentState(Mapping):
+    """A bucket's optimizer state shaped per segment, for a kind with ``shaped_state`` (Adafactor): by
+    name, one tensor per segment of torch's shape for that whole parameter (``kind.state_shapes``), None
+    where torch keeps no such state (``variance`` of a matrix). It is a fraction of the parameters' size,
+    allocated whole.
+
+    :meth:`read` and :meth:`write` use the flat form of :class:`FlatState`, which checkpoints and STATE
+    carry: per name a tensor of the bucket's numel, each segment's state flattened at the start of the
+    segment's slot (it never has more elements than the parameter), zeros elsewhere."""
+
+    def __init__(self, kind: OptimizerKind, segments: list, numel: int):
+        self._names, self._numel, self._offsets = kind.state_names, numel, [s.offset for s in segments]
+        for s in segments:
+            if not s.whole or s.param_offset != 0 or torch.Size(s.shape).numel() != s.numel:
+                raise ConfigError(f"optimizer {kind.name!r} needs each parameter whole in one bucket: parameter {s.param} is not (a layout built without ParamSpec.whole)")
+        shapes = [kind.state_shapes(s.shape) for s in segments]
+        self._tensors = {n: [torch.zeros(sh[n], dtype=torch.float32) if n in sh else None for sh in shapes] for n in self._names}
+
+    def __getitem__(self, name: str) -> list[torch.Tensor | None]:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def allocated(self) -> tuple[str, ...]:
+        return tuple(n for n, ts in self._tensors.items() if any(t is not None for t in ts))
+
+    def read(self, name: str) -> torch.Tensor:
+        out = torch.zeros(self._numel, dtype=torch.float32)
+        for off, t in zip(self._offsets, self._tensors[name]):
+            if t is not None:
+                out.narrow(0, off, t.numel()).copy_(t.reshape(-1))
+        return out
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        for off, t in zip(self._offsets, self._tensors[name]):
+            if t is not None:
+                t.copy_(value.narrow(0, off, t.numel()).view(t.shape))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for ts in self._tensors.values() for t in ts if t is not None)
+
 
 class BucketState:
     """One owned bucket: master weights, optimizer state, step counters, accumulators of steps in flight."""
@@ -95,7 +151,7 @@ class BucketState:
     def __init__(self, bid: int, group: int, numel: int, segments: list[SegmentSpec], kind: OptimizerKind):
         self.id, self.group, self.numel, self.segments, self.kind = bid, group, numel, segments, kind
         self.params = torch.zeros(numel, dtype=torch.float32)
-        self.state = FlatState(kind.state_names, numel, allocate=kind.state_for({}))
+        self.state = SegmentState(kind, segments, numel) if kind.whole_params else FlatState(kind.state_names, numel, allocate=kind.state_for({}))
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in segments]
         self.version = 0  # steps processed (applied or skipped)
         self.initialized = False
@@ -114,10 +170,11 @@ class BucketState:
         return [flat.narrow(0, s.offset, s.numel) for s in self.segments]
 
     def state_views(self, name: str) -> list[torch.Tensor]:
-        """The segment views of state ``name`` (allocating it on first use)."""
+        """The segment views of state ``name`` (allocating it on first use); with a :class:`SegmentState`
+        its tensors, shaped as torch's (None for segments without that state)."""
         views = self._sviews.get(name)
         if views is None:
-            views = self._sviews[name] = self._views(self.state[name])
+            views = self._sviews[name] = self.state[name] if isinstance(self.state, SegmentState) else self._views(self.state[name])
         return views
 
     def tensors(self) -> list[torch.Tensor]:
@@ -135,7 +192,7 @@ class BucketState:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * 4 * (1 + len(self.state.allocated()))
+        return self.numel * 4 + self.state.nbytes
 
     def accumulator(self, step: int, max_ahead: int) -> Accumulator:
         acc = self.accs.get(step)

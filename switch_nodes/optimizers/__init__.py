@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from luwu.switch_nodes.optimizers.kinds import (
     ADADELTA,
+    ADAFACTOR,
     ADAGRAD,
     ADAM,
     ADAMAX,
@@ -36,6 +37,7 @@ from luwu.switch_nodes.optimizers.kinds import (
 
 __all__ = [
     "ADADELTA",
+    "ADAFACTOR",
     "ADAGRAD",
     "ADAM",
     "ADAMAX",

@@ -5,12 +5,15 @@ optimizers without loading torch. Each kind names the module of this package
 that holds its update (``apply_``); adding an optimizer is one kind here and
 one module beside this one.
 
-Every kind is a ``torch.optim`` algorithm whose update is elementwise, so it
-runs the same on a slice of a parameter as on the whole (a parameter may span
-buckets and nodes). A segment's state matches ``torch.optim``'s
-per-parameter state (``exp_avg``, ``square_avg``, ``momentum_buffer``...,
-plus the step counter), so that ``state_dict()`` gathers into torch's own
-format. The algorithms that are not elementwise are refused by
+Almost every kind is a ``torch.optim`` algorithm whose update is elementwise,
+so it runs the same on a slice of a parameter as on the whole (a parameter may
+span buckets and nodes). Adafactor's is factored by rows and columns and
+scaled by whole-parameter norms: its kind has ``whole_params``, the layout keeps
+each of its parameters whole in one bucket, and its state is shaped per
+parameter (:meth:`OptimizerKind.state_shapes`). A segment's state matches
+``torch.optim``'s per-parameter state (``exp_avg``, ``square_avg``,
+``row_var``..., plus the step counter), so that ``state_dict()`` gathers into
+torch's own format. The algorithms a node cannot run are refused by
 :func:`get_kind`, which says why (:data:`UNSUPPORTED`).
 """
 
@@ -26,7 +29,8 @@ from luwu.protocol.errors import ConfigError
 class OptimizerKind:
     name: str
     state_names: tuple[str, ...]
-    """Flat state tensors per bucket (same numel as the parameters), torch's state keys."""
+    """torch's state keys: flat state tensors per bucket (same numel as the parameters), or with
+    ``shaped_state`` the names it may give."""
     defaults: dict
     """torch.optim's constructor defaults (less its implementation switches: foreach, fused...)."""
     hyper_keys: tuple[str, ...]
@@ -42,6 +46,21 @@ class OptimizerKind:
     True), e.g. RMSprop's ``momentum_buffer``; a node allocates it on first use, so it costs nothing unused."""
     step_in_state: bool = True
     """Whether torch's per-parameter state holds ``step`` (SGD's does not)."""
+    shaped_state: Callable[[tuple[int, ...]], dict[str, tuple[int, ...]]] | None = None
+    """For a kind whose state is not elementwise (Adafactor's row and column statistics): a parameter's
+    shape -> the shape of each state tensor torch keeps for it. Such a kind needs each parameter whole in
+    one bucket (``whole_params``)."""
+
+    @property
+    def whole_params(self) -> bool:
+        """Whether the update needs each parameter whole, in one bucket on one node (``ParamSpec.whole``)."""
+        return self.shaped_state is not None
+
+    def state_shapes(self, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """torch's shape of each state tensor of a parameter of ``shape`` (the parameter's own for
+        elementwise kinds; each never has more elements than the parameter)."""
+        shape = tuple(shape)
+        return self.shaped_state(shape) if self.shaped_state is not None else {n: shape for n in self.state_names}
 
     def state_for(self, h: dict) -> tuple[str, ...]:
         """The state names torch's update keeps with hyperparameters ``h``."""
@@ -141,6 +160,27 @@ def _check_rprop(kind: OptimizerKind, h: dict) -> None:
         raise ConfigError(f"invalid step_sizes: {lo}, {hi} (need 0 <= minimum <= maximum)")
 
 
+def _check_adafactor(kind: OptimizerKind, h: dict) -> None:
+    _no_luwu_extras(kind, h)
+    if not float(h["beta2_decay"]) <= 0.0:
+        raise ConfigError(f"invalid beta2_decay value: {h['beta2_decay']} (must be <= 0)")
+    eps1, eps2 = h["eps"]
+    if eps1 is not None and not float(eps1) >= 0.0:
+        raise ConfigError(f"invalid epsilon1 value: {eps1}")
+    if not float(eps2) >= 0.0:
+        raise ConfigError(f"invalid epsilon2 value: {eps2}")
+    if not float(h["d"]) >= 1.0:
+        raise ConfigError(f"invalid clipping threshold d: {h['d']} (must be >= 1)")
+
+
+def _adafactor_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """torch's Adafactor state: the row and column means of the squared gradient over the last two
+    dimensions for a parameter of two or more, the full variance for a vector (or scalar)."""
+    if len(shape) >= 2:
+        return {"row_var": (*shape[:-1], 1), "col_var": (*shape[:-2], 1, shape[-1])}
+    return {"variance": shape}
+
+
 _MC = "momentum correction (compression.momentum_correction)"
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 _ADAM_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -191,9 +231,16 @@ RADAM = _kind(
     _check_adam_like,
 )
 ADADELTA = _kind("adadelta", ("square_avg", "acc_delta"), {"lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0.0, "maximize": False}, _check_adadelta)
+ADAFACTOR = _kind(
+    "adafactor",
+    ("row_var", "col_var", "variance"),
+    {"lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0, "maximize": False},
+    _check_adafactor,
+    shaped_state=_adafactor_shapes,
+)
 RPROP = _kind("rprop", ("prev", "step_size"), {"lr": 1e-2, "etas": (0.5, 1.2), "step_sizes": (1e-6, 50.0), "maximize": False}, _check_rprop)
 
-KINDS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW, ADAM, SGD, ADAGRAD, RMSPROP, ADAMAX, NADAM, RADAM, ADADELTA, RPROP)}
+KINDS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW, ADAM, SGD, ADAGRAD, RMSPROP, ADAMAX, NADAM, RADAM, ADADELTA, RPROP, ADAFACTOR)}
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(KINDS)
 
 #: The other torch.optim algorithms, and why a node cannot run them on its slices.
@@ -203,7 +250,6 @@ UNSUPPORTED: dict[str, str] = {
     "sparseadam": "it updates only the rows present in sparse gradients, and LuWu streams dense gradients",
     "asgd": "it keeps per-parameter scalars (eta, mu) computed from the previous step's learning rate, which the nodes do not store",
     "muon": "its update is not elementwise: it orthogonalises each whole weight matrix (Newton-Schulz iterations)",
-    "adafactor": "its row and column statistics need each matrix whole on one node, which the bucket layout does not guarantee yet",
 }
 
 #: torch.optim's constructor switches that choose an implementation, not the update (a worker drops them;

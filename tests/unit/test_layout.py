@@ -170,3 +170,55 @@ def test_a_malformed_bucket_spec_is_a_protocol_error(spec):
 
     with pytest.raises(ProtocolError):
         Bucket.from_wire(spec)
+
+
+@settings(max_examples=100, deadline=None)
+@given(shapes, st.integers(16, 4096), st.integers(1, 4))
+def test_whole_parameters_are_never_split(shape_list, bucket_bytes, num_nodes):
+    """Adafactor's parameters (``whole``): each in exactly one bucket, even one larger than bucket_bytes;
+    a bucket over bucket_bytes holds that one parameter only; every element is still owned once."""
+    specs = [ParamSpec(f"p{i}", s, whole=True) for i, s in enumerate(shape_list)]
+    layout = build_layout(specs, bucket_bytes, [1.0] * num_nodes)
+    cap = bucket_bytes // 4
+    where: dict[int, list[int]] = {}
+    for b in layout.buckets:
+        for s in b.segments:
+            assert s.whole and s.param_offset == 0 and s.numel == specs[s.param].numel and s.shape == specs[s.param].shape
+            where.setdefault(s.param, []).append(b.id)
+        assert b.numel <= cap or len(b.segments) == 1
+    assert sorted(where) == list(range(len(specs))) and all(len(v) == 1 for v in where.values())
+
+
+def test_an_adafactor_matrix_larger_than_a_bucket_stays_whole_and_its_shape_travels():
+    from luwu.protocol.layout import Bucket
+
+    plain = [ParamSpec("w", (300, 300)), ParamSpec("b", (300,)), ParamSpec("v", (10, 10))]
+    whole = [ParamSpec(p.name, p.shape, whole=True) for p in plain]
+    base, layout = build_layout(plain, 64 << 10, [1.0, 1.0]), build_layout(whole, 64 << 10, [1.0, 1.0])
+    assert len([b for b in base.buckets if b.segments[0].name == "w"]) == 6, "split when it may be"
+    (w,) = [b for b in layout.buckets if b.segments[0].name == "w"]
+    assert w.numel == 90000 > (64 << 10) // 4 and len(w.segments) == 1
+    assert layout.hash != base.hash and base.hash == build_layout(plain, 64 << 10, [1.0, 1.0]).hash
+    assert w.to_wire()[3] == [[0, 0, 0, 90000, [300, 300]]]
+    for b in layout.buckets:
+        back = Bucket.from_wire(b.to_wire(), node=b.node)
+        assert back.to_wire() == b.to_wire()
+        assert [(s.param, s.shape, s.whole) for s in back.segments] == [(s.param, s.shape, True) for s in b.segments]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [0, 0, 4, [[0, 0, 0, 4, [2, 3]]]],  # shape of 6 elements
+        [0, 0, 4, [[0, 1, 0, 4, [4]]]],  # a whole parameter from its first element only
+        [0, 0, 4, [[0, 0, 0, 4, 4]]],
+        [0, 0, 4, [[0, 0, 0, 4, [2.0, 2]]]],
+        [0, 0, 4, [[0, 0, 0, 4, [-2, -2]]]],
+    ],
+)
+def test_a_malformed_whole_segment_is_a_protocol_error(spec):
+    from luwu.protocol.errors import ProtocolError
+    from luwu.protocol.layout import Bucket
+
+    with pytest.raises(ProtocolError):
+        Bucket.from_wire(spec)

@@ -7,7 +7,7 @@ import torch
 
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.feedback import WORKER_MOMENTUM
-from luwu.switch_nodes.optimizers import ADAM, ADAMW, RMSPROP, SGD, UNSUPPORTED, apply_, check_hyper, check_momentum_steps, get_kind
+from luwu.switch_nodes.optimizers import ADAFACTOR, ADAM, ADAMW, RMSPROP, SGD, UNSUPPORTED, apply_, check_hyper, check_momentum_steps, get_kind
 from luwu.switch_nodes.store import BucketState, SegmentSpec
 
 pytestmark = pytest.mark.timeout(60)
@@ -302,13 +302,12 @@ def test_worker_momentum_is_refused_where_the_update_is_not_linear_in_it():
         ("sparseadam", "sparse gradients"),
         ("asgd", "per-parameter scalars"),
         ("muon", "orthogonalises each whole weight matrix"),
-        ("adafactor", "row and column statistics"),
     ],
 )
 def test_optimizers_a_node_cannot_run_are_refused_with_the_reason(name, why):
     with pytest.raises(ConfigError, match=f"optimizer {name!r} cannot run on LuWu nodes: .*{why}.*supported: adamw, adam, sgd, adagrad"):
         get_kind(name)
-    assert set(UNSUPPORTED) == {"lbfgs", "sparseadam", "asgd", "muon", "adafactor"}
+    assert set(UNSUPPORTED) == {"lbfgs", "sparseadam", "asgd", "muon"}
     with pytest.raises(ConfigError, match="unknown optimizer 'adamm'"):
         get_kind("adamm")
 
@@ -327,13 +326,18 @@ def test_optimizers_a_node_cannot_run_are_refused_with_the_reason(name, why):
         ("radam", {"weight_decay": -0.1}, "invalid weight_decay value: -0.1"),
         ("adadelta", {"rho": 1.5}, "invalid rho value: 1.5"),
         ("rprop", {"etas": (1.2, 0.5)}, "invalid eta values: 1.2, 0.5"),
+        ("adafactor", {"beta2_decay": 0.5}, "invalid beta2_decay value: 0.5"),
+        ("adafactor", {"eps": (-1.0, 1e-3)}, "invalid epsilon1 value: -1.0"),
+        ("adafactor", {"eps": (None, -1e-3)}, "invalid epsilon2 value: -0.001"),
+        ("adafactor", {"d": 0.5}, "invalid clipping threshold d: 0.5"),
+        ("adafactor", {"weight_decay": -0.1}, "invalid weight_decay value: -0.1"),
     ],
 )
 def test_new_optimizers_check_hyperparameters_as_torch_does(name, bad, match):
     """Each value torch's constructor refuses (ValueError) is a ConfigError naming the value."""
     kind = get_kind(name)
     with pytest.raises(ValueError):
-        getattr(torch.optim, {"adagrad": "Adagrad", "rmsprop": "RMSprop", "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam", "adadelta": "Adadelta", "rprop": "Rprop"}[name])(
+        getattr(torch.optim, {"adagrad": "Adagrad", "rmsprop": "RMSprop", "adamax": "Adamax", "nadam": "NAdam", "radam": "RAdam", "adadelta": "Adadelta", "rprop": "Rprop", "adafactor": "Adafactor"}[name])(
             [torch.zeros(2, requires_grad=True)], **bad
         )
     with pytest.raises(ConfigError, match=match):
@@ -371,3 +375,48 @@ def test_optional_state_costs_nothing_until_used():
     for kind, hyper, used in ((ADAM, {}, ("exp_avg", "exp_avg_sq")), (ADAM, {"amsgrad": True}, ADAM.state_names), (SGD, {}, ()), (SGD, {"momentum": 0.9}, ("momentum_buffer",))):
         assert kind.state_for(dict(kind.defaults) | hyper) == used
         assert BucketState(0, 0, 10, segs, kind).state.allocated() == kind.state_for({})
+
+
+def _adafactor_bucket(seed: int = 0) -> BucketState:
+    """A bucket of three whole parameters (a matrix, a vector, a 3-D tensor) after two Adafactor steps."""
+    segs, off = [], 0
+    for i, s in enumerate(SHAPES):
+        n = torch.Size(s).numel()
+        segs.append(SegmentSpec(i, 0, off, n, s, True))
+        off += n
+    b = BucketState(0, 0, off, segs, ADAFACTOR)
+    g = torch.Generator().manual_seed(seed)
+    b.params.copy_(torch.randn(off, generator=g))
+    for t in range(2):
+        acc = b.accumulator(t, 2)
+        acc.buf.copy_(torch.randn(off, generator=g))
+        acc.hyper = dict(ADAFACTOR.defaults)
+        b.apply(acc, 1.0)
+        b.release(t)
+        b.version += 1
+    return b
+
+
+def test_adafactor_state_is_shaped_per_parameter_and_round_trips_in_the_flat_form():
+    """torch's shapes per whole parameter (row_var (..., R, 1), col_var (..., 1, C), a vector's variance),
+    a fraction of the parameters' bytes; what a checkpoint or STATE carries loads into a fresh bucket
+    unchanged, each segment's state at the start of its slot."""
+    b = _adafactor_bucket()
+    assert [None if t is None else tuple(t.shape) for t in b.state["row_var"]] == [(7, 1), None, (4, 3, 1)]
+    assert [None if t is None else tuple(t.shape) for t in b.state["col_var"]] == [(1, 5), None, (4, 1, 2)]
+    assert [None if t is None else tuple(t.shape) for t in b.state["variance"]] == [None, (13,), None]
+    assert b.nbytes == b.numel * 4 + (7 + 4 * 3 + 5 + 4 * 2 + 13) * 4
+    ts = b.tensors()
+    assert [t.numel() for t in ts] == [b.numel] * 4 + [3]
+    torch.testing.assert_close(ts[1][35 + 13 : 35 + 13 + 12], b.state["row_var"][2].reshape(-1), rtol=0, atol=0)
+    fresh = BucketState(0, 0, b.numel, b.segments, ADAFACTOR)
+    fresh.load(ts)
+    for n in ADAFACTOR.state_names:
+        for got, want in zip(fresh.state[n], b.state[n]):
+            assert (got is None and want is None) or torch.equal(got, want)
+    assert [float(s) for s in fresh.steps] == [2.0, 2.0, 2.0] and torch.equal(fresh.params, b.params)
+
+
+def test_adafactor_needs_each_parameter_whole_in_its_bucket():
+    with pytest.raises(ConfigError, match="'adafactor' needs each parameter whole in one bucket: parameter 1 is not"):
+        BucketState(0, 0, 10, [SegmentSpec(0, 0, 0, 6, (2, 3), True), SegmentSpec(1, 0, 6, 4)], ADAFACTOR)

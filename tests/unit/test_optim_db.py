@@ -2,8 +2,9 @@
 
 For every optimizer a node runs, every CPU case of torch's ``optim_inputs_func`` runs through the
 node's path (``BucketState.apply`` over flat buckets, each parameter's state in the bucket's flat
-tensors, one parameter split across two buckets on purpose) and through the torch optimizer, step by
-step; every parameter and every state tensor must agree, to 1e-6 relative (the fused Adam and Adagrad
+tensors, one parameter split across two buckets on purpose; Adafactor's parameters whole, with their
+shaped state per segment) and through the torch optimizer, step by step; every parameter and every
+state tensor must agree, to 1e-6 relative (the fused Adam and Adagrad
 kernels and RAdam's foreach path round differently from torch's default per-tensor loop; the other
 cases agree to the bit). torch's implementation switches (foreach, fused, capturable, differentiable)
 are dropped: the node picks its kernel.
@@ -16,7 +17,7 @@ import torch
 from torch.testing._internal.common_optimizers import optim_db
 
 from luwu.switch_nodes.optimizers import IMPLEMENTATION_SWITCHES, KINDS, check_hyper, get_kind, torch_scalars
-from luwu.switch_nodes.store import BucketState, SegmentSpec
+from luwu.switch_nodes.store import BucketState, SegmentSpec, SegmentState
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,6 +26,11 @@ SHAPES = [(5, 4), (7,), (3, 2, 2)]
 BUCKETS = [
     [SegmentSpec(0, 0, 0, 20), SegmentSpec(1, 0, 20, 3)],
     [SegmentSpec(1, 3, 0, 4), SegmentSpec(2, 0, 4, 12)],
+]
+# a kind that needs its parameters whole (Adafactor): bucket 0 holds parameters 0 and 1, bucket 1 parameter 2
+WHOLE_BUCKETS = [
+    [SegmentSpec(0, 0, 0, 20, SHAPES[0], True), SegmentSpec(1, 0, 20, 7, SHAPES[1], True)],
+    [SegmentSpec(2, 0, 0, 12, SHAPES[2], True)],
 ]
 STEPS = 6
 WORKERS = 2  # the accumulator holds the sum of two pushes; the step divides by 2 (grad_scale)
@@ -43,7 +49,7 @@ def _cases() -> list:
 
 
 CASES = _cases()
-SUPPORTED_IN_DB = {"Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"}
+SUPPORTED_IN_DB = {"Adadelta", "Adafactor", "Adagrad", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"}
 
 
 def _grads(seed: int = 3) -> list[list[torch.Tensor]]:
@@ -60,7 +66,7 @@ def _node_hyper(kind, kwargs: dict) -> dict:
 
 def _node_buckets(kind, params: list[torch.Tensor]) -> list[BucketState]:
     out = []
-    for bid, segs in enumerate(BUCKETS):
+    for bid, segs in enumerate(WHOLE_BUCKETS if kind.whole_params else BUCKETS):
         b = BucketState(bid, 0, sum(s.numel for s in segs), segs, kind)
         for s, v in zip(segs, b.pviews):
             v.copy_(params[s.param].reshape(-1).narrow(0, s.param_offset, s.numel))
@@ -89,6 +95,12 @@ def _gather(buckets: list[BucketState], read) -> list[torch.Tensor]:
     return [t.view(s) for t, s in zip(out, SHAPES)]
 
 
+def _shaped_state(buckets: list[BucketState], name: str) -> dict[int, torch.Tensor]:
+    """Per parameter, its state ``name`` kept per segment (a kind with shaped state: parameters whole)."""
+    assert all(isinstance(b.state, SegmentState) for b in buckets)
+    return {s.param: t for b in buckets for s, t in zip(b.segments, b.state[name]) if t is not None}
+
+
 def _segment_steps(buckets: list[BucketState]) -> dict[int, set[float]]:
     steps: dict[int, set[float]] = {}
     for b in buckets:
@@ -101,7 +113,7 @@ def test_the_database_covers_every_supported_optimizer():
     names = {p.values[0].__name__ for p in CASES}
     assert names == SUPPORTED_IN_DB
     print(f"optim_db: {len(CASES)} CPU cases of {len(names)} optimizers run on the nodes")
-    assert len(CASES) == 63
+    assert len(CASES) == 68
 
 
 @pytest.mark.parametrize("cls,kwargs", CASES)
@@ -124,13 +136,13 @@ def test_node_matches_torch_on_optim_db_case(cls, kwargs):
     for i, p in enumerate(ref):
         st = opt.state[p]
         flat_names = [k for k in st if k not in ("step", "mu_product")]
-        assert sorted(flat_names) == sorted(kind.state_for(hyper)), "the node keeps the state torch keeps"
+        assert sorted(flat_names) == sorted(n for n in kind.state_for(hyper) if n in kind.state_shapes(p.shape)), "the node keeps the state torch keeps"
         if "step" in st:
             assert steps[i] == {float(st["step"])}
         for k, v in torch_scalars(kind, STEPS, hyper).items():
             torch.testing.assert_close(v, st[k].float(), rtol=0, atol=0)
         for k in flat_names:
-            got = _gather(buckets, lambda b, k=k: b.state.read(k))[i]
+            got = _shaped_state(buckets, k)[i] if kind.whole_params else _gather(buckets, lambda b, k=k: b.state.read(k))[i]
             torch.testing.assert_close(got, st[k], rtol=1e-6, atol=1e-7, msg=lambda m, i=i, k=k: f"parameter {i}, state {k}: {m}")
     unused = {n for n in kind.state_names if n not in kind.state_for(hyper)}
     assert not unused & set(buckets[0].state.allocated()), "state the update does not use is not allocated"
