@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import logging
-import math
 import os
 import time
 import warnings
@@ -38,7 +37,7 @@ from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
 from luwu.protocol.metrics import serve_metrics
 from luwu.protocol.feedback import WORKER_MOMENTUM
 from luwu.protocol.layout import ParamSpec, build_layout
-from luwu.switch_nodes.optimizers import EXTRA_HYPER, IMPLEMENTATION_SWITCHES, check_hyper, get_kind, torch_scalars
+from luwu.switch_nodes.optimizers import EXTRA_HYPER, IMPLEMENTATION_SWITCHES, check_hyper, get_kind, torch_scalars, torch_state
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +51,6 @@ def _num(v):
     if isinstance(v, (tuple, list)):
         return [_num(x) for x in v]
     return float(v.item()) if isinstance(v, torch.Tensor) else v
-
-
-def _prefix(flat: torch.Tensor, shape) -> torch.Tensor:
-    """The first elements of ``flat`` as a tensor of ``shape``: the whole of it when its size matches."""
-    n = math.prod(shape)
-    return flat.view(shape) if n == flat.numel() else flat[:n].clone().view(shape)
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -75,8 +68,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             names too (per-name compression rules match them; unnamed parameters are ``param<i>``).
         optimizer: a name of ``luwu.switch_nodes.optimizers.OPTIMIZER_NAMES`` (``optimizer.name``): ``"adamw"``,
             ``"adam"``, ``"sgd"``, ``"adagrad"``, ``"rmsprop"``, ``"adamax"``, ``"nadam"``, ``"radam"``,
-            ``"adadelta"``, ``"rprop"``, ``"adafactor"`` (each parameter then whole in one bucket).
-            Torch's other algorithms are refused with the reason.
+            ``"adadelta"``, ``"rprop"``, ``"adafactor"``. Torch's other algorithms are refused with the reason.
         **hyper: the optimizer's hyperparameters, with torch's names and defaults (``lr``, ``betas``,
             ``amsgrad``, ``momentum``, ``centered``...); a key the optimizer does not have is a ConfigError.
             torch's implementation switches (``foreach``, ``fused``, ``capturable``) are accepted and
@@ -224,9 +216,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if p.dtype != torch.float32:
                 raise ConfigError(f"parameter {self._names.get(id(p), '?')} has dtype {p.dtype}: LuWu keeps fp32 master weights (use autocast for bf16 compute)")
         self.layout = build_layout(specs, self.config.transport.bucket_bytes, self.capacities)
-        big = max(self.layout.buckets, key=lambda b: b.nbytes, default=None)
-        if big is not None and big.nbytes > self.config.transport.max_message_bytes:  # a whole parameter (Adafactor) over it
-            raise ConfigError(f"bucket {big.id} holds {big.nbytes} bytes, over transport.max_message_bytes (raise it, and node.max_message_bytes)")
+        if max((b.nbytes for b in self.layout.buckets), default=0) > self.config.transport.max_message_bytes:  # a whole parameter (Adafactor)
+            raise ConfigError("a parameter kept whole is over transport.max_message_bytes: raise it (and node.max_message_bytes)")
         codec_for = pull_for = feedback = None
         cc = self.config.compression
         if cc.enabled:
@@ -356,8 +347,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             g = self.param_groups[self._group_of(i)]
             entry = {"step": torch.tensor(d["step"], dtype=torch.float32)} if self.kind.step_in_state else {}
             entry |= torch_scalars(self.kind, int(d["step"]), g)  # NAdam's mu_product, derived from the step
-            shapes = self.kind.state_shapes(params[i].shape)  # (Adafactor's: at the start of the parameter's slot)
-            entry |= {n: _prefix(d[n], shapes[n]) for n in self.kind.state_for(g) if n in shapes}  # the state this group uses
+            shapes = self.kind.state_shapes(params[i].shape)
+            entry |= {n: torch_state(d[n], shapes[n]) for n in self.kind.state_for(g) if n in shapes}  # the state this group uses
             if entry:
                 state[i] = entry
         sd["state"] = state

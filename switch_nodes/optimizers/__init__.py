@@ -8,6 +8,7 @@ update, imported on first use, so importing this package does not load torch.
 from __future__ import annotations
 
 import importlib
+import math
 from functools import cache
 from typing import Any, Callable
 
@@ -56,6 +57,7 @@ __all__ = [
     "OptimizerKind",
     "apply_",
     "torch_scalars",
+    "torch_state",
     "check_hyper",
     "check_momentum_steps",
     "get_kind",
@@ -84,3 +86,11 @@ def torch_scalars(kind: OptimizerKind, step: int, hyper: dict) -> dict:
     (NAdam's ``mu_product``), for ``state_dict``; empty for most kinds."""
     derive = getattr(_module(kind.module), "torch_scalars", None)
     return derive(step, hyper) if derive is not None else {}
+
+
+def torch_state(flat: Any, shape: tuple[int, ...]) -> Any:
+    """A parameter's state tensor in torch's ``shape``, from its slot of the flat form (a tensor of the
+    parameter's numel): the slot itself for elementwise state; for a shaped state (Adafactor's, fewer
+    elements, at the start of the slot) a copy of that start."""
+    n = math.prod(shape)
+    return flat.view(shape) if n == flat.numel() else flat[:n].clone().view(shape)

@@ -155,3 +155,13 @@ def test_hyperparameters_are_the_optimizers_own():
         luwu.RemoteOptimizer(model, "adadelta", nodes=["tcp://127.0.0.1:9"], rho=2.0)
     with pytest.raises(ConfigError, match="differentiable=True"):
         luwu.RemoteOptimizer(model, "rmsprop", nodes=["tcp://127.0.0.1:9"], differentiable=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_whole_parameter_over_the_message_limit_is_refused_before_any_push():
+    """A parameter Adafactor keeps whole travels as one message: one over transport.max_message_bytes
+    could never be pushed, so the constructor says so."""
+    from luwu.gpu_workers.config import TransportConfig
+
+    with pytest.raises(ConfigError, match="kept whole is over transport.max_message_bytes"):
+        luwu.RemoteOptimizer(torch.nn.Linear(64, 64), "adafactor", nodes=["tcp://127.0.0.1:9"], transport=TransportConfig(bucket_bytes=1024, max_message_bytes=4096))
