@@ -55,52 +55,35 @@ def test_remote_matches_local_and_its_state_dict_continues_in_torch(case, cluste
         assert_params_close(g, w)
 
 
+LOADS = {
+    "rmsprop": (torch.optim.RMSprop, {"lr": 0.01, "centered": True, "momentum": 0.5}),
+    "adafactor": (torch.optim.Adafactor, {"lr": 0.02, "beta2_decay": -0.6}),
+}
+
+
 @pytest.mark.timeout(120)
-def test_torch_state_dict_loads_into_remote_rmsprop(cluster2):
-    """A local RMSprop's checkpoint scattered to the nodes (momentum_buffer and grad_avg with it) goes on
-    as the local optimizer does."""
-    hyper = {"lr": 0.01, "centered": True, "momentum": 0.5}
+@pytest.mark.parametrize("name", sorted(LOADS))
+def test_torch_state_dict_loads_into_remote(name, cluster2):
+    """A local optimizer's checkpoint scattered to the nodes (RMSprop's momentum_buffer and grad_avg;
+    Adafactor's row_var / col_var of the matrices and variance of the vectors, each parameter whole in
+    one bucket, the weight matrices larger than bucket_bytes) goes on as the local optimizer does, and
+    gathers back in torch's shapes."""
+    cls, hyper = LOADS[name]
     model, data = model_and_data()
     ref = clone_model(model)
-    lopt = torch.optim.RMSprop(ref.parameters(), **hyper)
+    lopt = cls(ref.parameters(), **hyper)
     train(ref, lopt, data, steps=4)
     model.load_state_dict(ref.state_dict())
-    ropt = luwu.RemoteOptimizer(model, "rmsprop", nodes=cluster2.addresses, bucket_bytes=512, compression=False, **hyper)
+    ropt = luwu.RemoteOptimizer(model, name, nodes=cluster2.addresses, bucket_bytes=512, compression=False, **hyper)
     try:
+        segs = [s for b in ropt.layout.buckets for s in b.segments]
+        assert {s.whole for s in segs} == {name == "adafactor"}
+        if name == "adafactor":
+            assert sorted(s.param for s in segs) == list(range(len(list(model.parameters())))) and max(b.nbytes for b in ropt.layout.buckets) > 512
         ropt.load_state_dict(lopt.state_dict())
         for g, w in zip(train(model, ropt, data[4:]), train(ref, lopt, data[4:])):
             assert_params_close(g, w)
         assert_states_equal(ropt.state_dict(), lopt.state_dict())
-    finally:
-        ropt.close()
-
-
-@pytest.mark.timeout(120)
-def test_adafactor_keeps_each_parameter_whole_and_takes_torchs_state(cluster2):
-    """Each parameter whole in one bucket (the 12x32 and 32x4 weights are larger than bucket_bytes); a
-    local Adafactor's checkpoint (row_var / col_var of the matrices, variance of the vectors) scattered
-    to the nodes goes on as the local optimizer does, and gathers back in torch's shapes."""
-    hyper = {"lr": 0.02, "beta2_decay": -0.6}
-    model, data = model_and_data()
-    ref = clone_model(model)
-    lopt = torch.optim.Adafactor(ref.parameters(), **hyper)
-    train(ref, lopt, data, steps=4)
-    model.load_state_dict(ref.state_dict())
-    ropt = luwu.RemoteOptimizer(model, "adafactor", nodes=cluster2.addresses, bucket_bytes=512, compression=False, **hyper)
-    try:
-        owners = {}
-        for b in ropt.layout.buckets:
-            for s in b.segments:
-                owners.setdefault(s.param, []).append(b.id)
-                assert s.whole and s.param_offset == 0
-        assert sorted(owners) == list(range(len(list(model.parameters())))) and all(len(v) == 1 for v in owners.values())
-        assert max(b.nbytes for b in ropt.layout.buckets) > 512
-        ropt.load_state_dict(lopt.state_dict())
-        for g, w in zip(train(model, ropt, data[4:]), train(ref, lopt, data[4:])):
-            assert_params_close(g, w)
-        sd = ropt.state_dict()
-        assert_states_equal(sd, lopt.state_dict())
-        assert sd["state"][0]["row_var"].shape == (32, 1) and sd["state"][0]["col_var"].shape == (1, 12) and sd["state"][1]["variance"].shape == (32,)
     finally:
         ropt.close()
 
