@@ -11,6 +11,8 @@ the nodes' own; each worker gets its own key pair in a file of its own
 
 from __future__ import annotations
 
+import socket
+
 import tomli_w
 
 from luwu.keyset import is_secret
@@ -22,6 +24,24 @@ NODE_KEYS = ("node.curve_public_key", "node.curve_secret_key", "node.curve_autho
 """The nodes' own CURVE identity: a cluster file gets the public key as transport.curve_server_key."""
 CLIENT_KEYS = ("transport.curve_public_key", "transport.curve_secret_key", "transport.curve_server_key")
 """One client's CURVE identity: each worker has its own (luwu.keyset), never the shared file."""
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
+"""Bind addresses meaning "every interface": a peer cannot connect to them."""
+
+
+def reachable(address: str, host: str | None = None) -> str:
+    """``address`` (``tcp://HOST:PORT`` or ``http://HOST:PORT``) as other hosts reach it: a wildcard
+    bind host (0.0.0.0, ``*``, ``::``) becomes ``host``, else this machine's fully qualified name (its
+    host name where that resolves only to ``localhost``)."""
+    scheme, sep, rest = address.rpartition("://")
+    bind_host, colon, port = rest.rpartition(":")
+    if not colon or bind_host not in WILDCARD_HOSTS:
+        return address
+    if not host:
+        host = socket.getfqdn()
+        host = socket.gethostname() if host.startswith("localhost") else host
+    return f"{scheme}{sep}{host}:{port}"
 
 
 def _dumps(table: dict) -> str:

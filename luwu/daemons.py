@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from luwu.cluster_file import cluster_file_text, cluster_sections
+from luwu.cluster_file import cluster_file_text, cluster_sections, reachable
 from luwu.keyset import DEFAULT_WORKER_KEYS, KeySet, env_file_text, is_loopback, split_secrets, write_keyset
 from luwu.protocol.errors import ConfigError, LuwuError
 from luwu.rundir import (
@@ -176,7 +176,7 @@ def write_outputs(run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = N
     Prometheus; with ``keys``, ``keys/worker<r>.toml`` for each rank ``up`` made keys for and
     ``keys/monitor.toml``: the cluster file's settings plus that client's keys, mode 0600."""
     job = cfg.cluster.job
-    addresses = [n["address"] for n in nodes]
+    addresses = [reachable(n["address"]) for n in nodes]  # a node bound to 0.0.0.0 is listed by this host's name
     server_key = keys.node[0] if keys else ""
     if server_key:
         point = f"CURVE is on: worker rank r uses --config {run_dir / KEYS_DIR}/worker<r>.toml (this file plus its keys)" if keys.workers else "CURVE is on: each worker adds its own key pair (worker<r>.toml of luwu keys, or LUWU_TRANSPORT__* variables)"
@@ -186,7 +186,7 @@ def write_outputs(run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = N
     write_atomic(run_dir / CLUSTER_FILE, cluster_file_text(cfg, addresses, header=header, server_key=server_key), 0o644)
     if keys is not None:
         write_keyset(run_dir / KEYS_DIR, keys, shared=cluster_sections(cfg, addresses, server_key=server_key), node_files=False)
-    targets = [{"targets": [n["metrics_url"].split("://", 1)[1]], "labels": {"luwu_job": job, "luwu_node": str(n["index"]), "luwu_role": "node"}} for n in nodes if n["metrics_url"]]
+    targets = [{"targets": [reachable(n["metrics_url"]).split("://", 1)[1]], "labels": {"luwu_job": job, "luwu_node": str(n["index"]), "luwu_role": "node"}} for n in nodes if n["metrics_url"]]
     write_atomic(run_dir / "targets.json", json.dumps(targets, indent=2), 0o644)
 
 

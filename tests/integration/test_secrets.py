@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from luwu.cluster_file import reachable
 from luwu.config import load_config
 from luwu.keyset import redact_args, split_secrets
 from luwu.monitor import query_many
@@ -39,6 +40,13 @@ def down(run_dir: Path) -> None:
         pid = read_pid(f)
         if pid is not None and pid_alive(pid):
             os.kill(pid, 9)
+
+
+def test_a_wildcard_bind_is_listed_by_a_reachable_name():
+    assert reachable("tcp://0.0.0.0:5555", "n1.example") == "tcp://n1.example:5555"
+    assert reachable("http://[::]:9400", "n1.example") == "http://n1.example:9400"
+    assert reachable("tcp://10.0.0.7:5555", "n1.example") == "tcp://10.0.0.7:5555"
+    assert reachable("tcp://0.0.0.0:5555").split(":")[1] not in ("//0.0.0.0", "//")
 
 
 def loopback(address: str) -> str:
@@ -146,7 +154,9 @@ def test_up_on_a_public_address_makes_curve_keys(tmp_path):
         cluster = load_config(str(run / "keys" / "worker1.toml"), env={})
         assert "worker$RANK.toml" in r.stdout, "the hint hands each rank its own file"
         assert "curve_secret_key" not in (run / "cluster.toml").read_text()
-        address = loopback(cluster.cluster.nodes[0])
+        assert "0.0.0.0" not in (run / "cluster.toml").read_text(), "workers on other hosts get a name they can reach"
+        assert cluster.cluster.nodes[0].startswith(f"tcp://{reachable('tcp://0.0.0.0:1').split('//')[1].rsplit(':', 1)[0]}:")
+        address = loopback(json.loads((run / "state.json").read_text())["nodes"][0]["address"])
         t = cluster.transport
         assert not query_many([address], "sc", 1.5)[0].up, "no keys, no answer"
         assert query_many([address], "sc", 10, curve=(t.curve_server_key, t.curve_public_key, t.curve_secret_key))[0].up
