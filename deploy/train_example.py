@@ -49,7 +49,7 @@ def batches(rank: int, steps: int, batch: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="cluster file ([cluster] job, nodes; what `luwu up` writes)")
+    p.add_argument("--config", required=True, action="append", help="cluster file ([cluster] job, nodes; what `luwu up` writes); repeat to layer a file of your own over it")
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--batch", type=int, default=64, help="samples per worker per step (default 64)")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")

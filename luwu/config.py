@@ -317,8 +317,27 @@ def resolve_config(config: LuwuConfig | None = None, *, env: dict | None = None,
     return cfg
 
 
-def load_config(path: str | None = None, *, env: dict | None = None, argv: list[str] | None = None, overrides: dict | None = None) -> LuwuConfig:
-    """Resolve the configuration: defaults < TOML file < LUWU_SECTION__FIELD env < --section.field=value."""
+def _file_settings(path: str):
+    """(section, name, value) of every setting in the TOML cluster file ``path``."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"cluster file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"cluster file {path!r} is not valid TOML: {exc}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+        for name, value in table.items():
+            yield section, name, value
+
+
+def load_config(path: str | list[str] | tuple[str, ...] | None = None, *, env: dict | None = None, argv: list[str] | None = None, overrides: dict | None = None) -> LuwuConfig:
+    """Resolve the configuration: defaults < TOML files < LUWU_SECTION__FIELD env < --section.field=value.
+
+    ``path`` is one cluster file or several, read in order, a later file's setting over an earlier
+    one's: e.g. the shared cluster file, then a worker's own key file."""
     sections = _sections()
     values: dict[str, dict] = {s: {} for s in sections}
     sources: dict[str, str] = {}
@@ -327,19 +346,9 @@ def load_config(path: str | None = None, *, env: dict | None = None, argv: list[
         values[section][name] = _checked(section, name, value, source)
         sources[f"{section}.{name}"] = source
 
-    if path:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"cluster file {path!r} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"cluster file {path!r} is not valid TOML: {exc}") from None
-        for section, table in data.items():
-            if not isinstance(table, dict):
-                raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
-            for name, value in table.items():
-                put(section, name, value, path)
+    for one in [path] if isinstance(path, str) else list(path or ()):
+        for section, name, value in _file_settings(one):
+            put(section, name, value, one)
     for var, value in sorted((env if env is not None else os.environ).items()):
         if var.startswith("LUWU_") and "__" in var:
             section, _, name = var[5:].partition("__")

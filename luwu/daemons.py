@@ -72,8 +72,8 @@ def plan_nodes(options, cfg, overrides: list[str]) -> list[NodeSpec]:
     if mbase < -1 or mbase + len(binds) - 1 > 65535:
         raise ConfigError(f"--metrics-port must be -1 (off), 0 (any free port) or a base port leaving room for {len(binds)} nodes, got {mbase}")
     base = [sys.executable, "-m", "luwu", "-v", "node"]
-    if options.config:
-        base += ["--config", os.path.abspath(options.config)]
+    for path in options.config or ():
+        base += ["--config", os.path.abspath(path)]
     return [
         NodeSpec(index=i, args=[*base, *overrides, "--node.index", str(i), "--cluster.job", cfg.cluster.job], bind=b, metrics_port=mbase if mbase <= 0 else mbase + i)
         for i, b in enumerate(binds)

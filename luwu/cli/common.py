@@ -16,7 +16,7 @@ def add_command(subparsers, name: str, *, help: str, description: str, func, set
     p = subparsers.add_parser(name, help=help, description=description, allow_abbrev=False)
     p.set_defaults(func=func, parser=p, settings=settings, overrides=[])
     if settings:
-        p.add_argument("--config", metavar="FILE", help="TOML cluster file (settings: --section.field=value flags override it)")
+        p.add_argument("--config", metavar="FILE", action="append", help="TOML cluster file; repeat it to layer files, a later one's settings over an earlier one's (e.g. the cluster file, then a worker's key file); --section.field=value flags override them")
     return p
 
 

@@ -45,7 +45,7 @@ def resolve_cluster(args) -> Target:
     from luwu.config import load_config
     from luwu.rundir import CLUSTER_FILE, default_run_dir
 
-    path = args.config
+    path = args.config[-1] if args.config and len(args.config) == 1 else args.config  # one file, or the layered list
     if path is None and args.run_dir:
         path = _run_dir_file(args.run_dir)
         if not os.path.exists(path):
@@ -60,7 +60,8 @@ def resolve_cluster(args) -> Target:
         raise ConfigError("no nodes to ask: pass --config CLUSTER_FILE (luwu up writes <run dir>/cluster.toml), --run-dir DIR, or --cluster.nodes=tcp://host:port,...")
     t = cfg.transport
     curve = (t.curve_server_key, t.curve_public_key, t.curve_secret_key) if t.curve_server_key else None
-    return Target(list(cfg.cluster.nodes), cfg.cluster.job, path or "environment/flags", curve, _run_dir_of(path))
+    files = [path] if isinstance(path, str) else list(path or ())
+    return Target(list(cfg.cluster.nodes), cfg.cluster.job, " + ".join(files) or "environment/flags", curve, _run_dir_of(files[0] if files else None))
 
 
 def _run_dir_of(path: str | None) -> Path | None:

@@ -258,3 +258,16 @@ def test_status_and_plan_share_one_unit_family():
     assert human_bytes(267.2e6) == "267.2 MB"  # what `luwu plan` prints for 267.2e6 bytes
     assert human_bytes(999) == "999 B" and human_bytes(1.5e9) == "1.5 GB"
     assert "5.6 MB" in _render(200), "status: bytes/s in the same decimal units"
+
+
+def test_config_files_layer_in_order(capsys, tmp_path):
+    """--config twice: the shared cluster file, then a worker's own file over it (a later file's setting wins)."""
+    shared, own = tmp_path / "cluster.toml", tmp_path / "worker1.toml"
+    shared.write_text('[cluster]\njob = "j"\nnodes = ["tcp://n0:1", "tcp://n1:2"]\n[transport]\ntimeout_s = 30.0\n')
+    own.write_text("[transport]\ntimeout_s = 45.0\n")
+    rc, out, err = run(capsys, "config", "show", "--config", str(shared), "--config", str(own))
+    assert rc == 0, err
+    assert f"timeout_s = 45.0  # from {own}" in out and f'job = "j"  # from {shared}' in out
+    cfg = load_config([str(shared), str(own)], env={})
+    assert cfg.transport.timeout_s == 45.0 and cfg.cluster.nodes == ["tcp://n0:1", "tcp://n1:2"]
+    assert load_config([str(own), str(shared)], env={}).transport.timeout_s == 30.0
