@@ -21,6 +21,10 @@ codec (bf16) and widened to fp32 on arrival; the fp32 master stays on the nodes.
 - **Activation checkpointing** (``torch.utils.checkpoint``, non-reentrant)
   re-runs a unit's forward inside backward: the post-hook then keeps the
   weights, which the unit's backward needs right after.
+- **Gradient accumulation** (``no_sync()``): a worker cannot keep every unit's gradient
+  until the last micro-batch, so each micro-batch pushes its units' gradients as they
+  complete, flagged ``partial``; the nodes add them into the step's sum and answer
+  nothing, and the last micro-batch's pushes (outside ``no_sync()``) complete the step.
 - **Step**: the pushes of streamed buckets are answered by an ``ack`` without
   weights; ``step()`` waits for every ack (so the next fetch sees the new
   weights), then :meth:`Streamer.end_step` releases what is still held and
@@ -145,11 +149,6 @@ def stop(streamer: Streamer | None) -> None:
     """Remove the streamer's hooks (returns None, the optimizer's streamer from then on)."""
     if streamer is not None:
         streamer.close()
-
-
-def check_no_sync(streamer: Streamer | None) -> None:
-    if streamer is not None:
-        raise ConfigError("no_sync() is not supported with stream_weights yet: a streaming worker keeps no gradients between backward passes")
 
 
 def gathered(streamer: Streamer | None):
@@ -286,6 +285,7 @@ class Streamer:
             for p in u.params:
                 p.grad = None
             self._release(u)
+            u.pushed = 0  # (under no_sync() the next micro-batch pushes the unit again)
 
     # ----------------------------------------------------------------- steps and whole-model access
     def end_step(self, report: StepReport) -> None:

@@ -68,6 +68,7 @@ class _BucketBuf:
     multi: bool = False  # several segments, or a non-contiguous parameter: written through a staging buffer
     filled: int = 0
     pushed_step: int = -1
+    partials: int = 0  # micro-batch pushes this step (no_sync() in streaming mode: summed on the node)
     out: dict = field(default_factory=dict)  # (codec, parity) -> preallocated encode frames
 
 
@@ -109,6 +110,7 @@ class Worker:
         self.on_pushed = None  # streaming mode: called with each streamed bucket once pushed
         self.on_reset = None  # streaming mode: called when recover() abandons the step (its replies are gone)
         self._unacked: set[int] = set()  # streamed buckets pushed this step whose buffer is still lent
+        self.accumulating = False  # no_sync() in streaming mode: streamed buckets push partial sums for the node to add
         self.last_error: LuwuError | None = None  # raised by a wait outside step() (streaming: in hooks), for recover()
         self.bufs: list[_BucketBuf] = []
         for b in layout.buckets:
@@ -157,7 +159,7 @@ class Worker:
         self._pending = None
         self.last_error = None
         for buf in self.bufs:
-            buf.filled, buf.pushed_step = 0, -1
+            buf.filled, buf.pushed_step, buf.partials = 0, -1, 0
         for bid in [b.bucket.id for b in self.bufs if b.bucket.id in self.streamed and b.grads]:
             self._give_back(bid)
         if self.on_reset is not None:
@@ -240,20 +242,20 @@ class Worker:
     def grad_ready(self, param: int, grad: torch.Tensor) -> None:
         """Gradient hook: copy the parameter's gradient into its buckets; push every bucket it completes."""
         flat = grad.detach().reshape(-1)
-        full = []
+        full, partial = [], self.accumulating
         with self._lock:
             for bid, si in self.where.get(param, ()):
                 buf = self.bufs[bid]
-                if buf.pushed_step == self.step_num:
-                    continue
+                if buf.pushed_step == self.step_num or (partial and bid not in self.streamed):
+                    continue  # (under no_sync() a resident bucket's gradient adds up in .grad, as in torch)
                 s = buf.bucket.segments[si]
                 self._grad_buffer(buf, self._parity(bid)).narrow(0, s.offset, s.numel).copy_(flat.narrow(0, s.param_offset, s.numel))
                 buf.filled += 1
                 if buf.filled == len(buf.bucket.segments):
-                    buf.pushed_step = self.step_num
+                    buf.pushed_step = buf.pushed_step if partial else self.step_num
                     full.append(buf)
         for buf in full:
-            self._push(buf, self._parity(buf.bucket.id), ())
+            self._push(buf, self._parity(buf.bucket.id), (), partial=partial)
 
     def _grad_buffer(self, buf: _BucketBuf, parity: int) -> torch.Tensor:
         """The gradient buffer of ``buf`` this step fills (a streamed bucket borrows one from the pool)."""
@@ -302,12 +304,13 @@ class Worker:
                 view = g.narrow(0, s.offset, s.numel)
                 if grad is None:
                     view.zero_()
-                    nograd.append(si)
+                    if not buf.partials:  # (after micro-batch pushes: the last one adds nothing)
+                        nograd.append(si)
                 else:
                     view.copy_(grad.detach().reshape(-1).narrow(0, s.param_offset, s.numel))
             self._push(buf, parity, tuple(nograd))
 
-    def _push(self, buf: _BucketBuf, parity: int, nograd: tuple) -> None:
+    def _push(self, buf: _BucketBuf, parity: int, nograd: tuple, partial: bool = False) -> None:
         b, step = buf.bucket, self.step_num
         x = buf.grads[parity]
         name, ef = self._codec_for(b, step)
@@ -332,24 +335,14 @@ class Worker:
             enc = self._feedback.encode(b.id, codec, x, out, num_summands=self.world_size, momentum=momentum, nonfinite=False)
         else:
             enc = codec.encode(x, out, num_summands=self.world_size)
-        self.client.send(
-            b.node,
-            {
-                "op": Op.PUSH,
-                "step": step,
-                "bucket": b.id,
-                "codec": name,
-                "cmeta": enc.meta,
-                "hyper": hyper,
-                "nograd": list(nograd),
-                "two_phase": self.two_phase,
-                "pull": PULL_ACK if b.id in self.streamed else self._pull_codec_for(b, step),
-            },
-            enc.frames,
-        )
-        buf.filled = 0
+        header = {"op": Op.PUSH, "step": step, "bucket": b.id, "codec": name, "cmeta": enc.meta, "hyper": hyper, "nograd": list(nograd), "two_phase": self.two_phase}
+        header["pull"] = PULL_ACK if b.id in self.streamed else self._pull_codec_for(b, step)
+        if partial:  # unanswered, and the next micro-batch refills the buffers: the frames go out as copies
+            header["partial"] = True
+        self.client.send(b.node, header, [f.clone() for f in enc.frames] if partial else enc.frames)
+        buf.filled, buf.partials = 0, buf.partials + 1 if partial else 0
         if b.id in self.streamed:
-            self._unacked.add(b.id)
+            self._give_back(b.id) if partial else self._unacked.add(b.id)
             if self.on_pushed is not None:
                 self.on_pushed(b)
 

@@ -260,7 +260,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _make_hook(self, index: int):
         def hook(p: torch.Tensor) -> None:
-            if self._sync_grads and p.grad is not None:
+            if (self._sync_grads or self.worker.accumulating) and p.grad is not None:
                 self.worker.grad_ready(index, p.grad)
 
         return hook
@@ -293,13 +293,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: backward passes inside do not push; the next one outside pushes the sum."""
-        streaming.check_no_sync(self.streamer)
-        self._sync_grads = False
+        """Gradient accumulation: backward passes inside do not push; the next one outside pushes the sum
+        (streaming mode: each streamed unit's micro-batch gradient is pushed and summed on the nodes)."""
+        self._sync_grads, self.worker.accumulating = False, self.streamer is not None
         try:
             yield
         finally:
-            self._sync_grads = True
+            self._sync_grads, self.worker.accumulating = True, False
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch's; every worker must add the same group (the layout grows by new buckets only)."""

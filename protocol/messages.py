@@ -66,7 +66,9 @@ SCHEMA: dict[Op, dict[str, tuple]] = {
     Op.ROLLBACK: {},
 }
 # Optional fields (checked when present).
-OPTIONAL: dict[str, tuple] = {"seq": (I,), "detail": (D,), "ahead": (I,), "delta": (B,), "param_names": (D,)}
+OPTIONAL: dict[str, tuple] = {"seq": (I,), "detail": (D,), "ahead": (I,), "delta": (B,), "param_names": (D,), "partial": (B,)}
+"""``partial`` (PUSH): a micro-batch's gradient under ``no_sync()`` in streaming mode; the node adds it
+to the step's sum and answers nothing; the worker's last push of the step comes without it."""
 
 
 @dataclass(slots=True)

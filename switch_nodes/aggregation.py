@@ -71,18 +71,23 @@ class Aggregation:
         acc = b.accumulator(step, max_ahead=2 + self.node.cfg.staleness)
         if w in acc.workers:
             self.node.metrics.duplicates.inc()
+            if h.get("partial"):
+                raise StepMismatchError(f"bucket {b.id} step {step}: micro-batch push of worker {w} after its last push of the step")
             return
-        codec, nograd, hyper = self.check_push(b, h, first=not acc.workers)
+        codec, nograd, hyper = self.check_push(b, h, first=not acc.workers and not acc.partial)
         if hyper is None:
             self._check_same_nograd(b, h, acc, nograd)
         else:
             check_momentum_steps(b.kind, hyper, b.steps, ahead=step - b.version)
             acc.nograd, acc.hyper, acc.two_phase = nograd, hyper, h["two_phase"]
         members = self.node.members
-        b.add_push(acc, codec, msg.tensors(), h["cmeta"], len(members))
+        b.add_push(acc, codec, msg.tensors(), h["cmeta"], len(members), partial=bool(h.get("partial")))
+        self._count_push(b, h)
+        if h.get("partial"):  # no_sync() micro-batch: summed, nothing answered, the worker's last push completes it
+            acc.partial[w] = acc.partial.get(w, 0) + 1
+            return
         acc.workers.add(w)
         acc.pull = h["pull"]
-        self._count_push(b, h)
         if acc.workers >= members:
             self.node.metrics.agg_wait.observe(time.monotonic() - acc.first_at)
             await self.complete(b, step, acc)
@@ -120,6 +125,8 @@ class Aggregation:
             raise StepMismatchError(f"bucket {b.id}: worker {w} pushed step {step} after step {last}")
         if h["two_phase"]:
             raise ConfigError("global-norm clipping and AMP need sync mode: an async node applies each push alone")
+        if h.get("partial"):
+            raise ConfigError("no_sync() in streaming mode needs sync mode: an async node applies each push alone")
         codec, nograd, hyper = self.check_push(b, h, first=True)
         if hyper.get(WORKER_MOMENTUM) is not None:
             raise ConfigError("momentum correction needs sync mode: an async node applies each worker's momentum alone")

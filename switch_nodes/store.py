@@ -53,6 +53,7 @@ class Accumulator:
     pull: str = "none"  # codec of the weights in the reply
     prescale: float = 1.0  # the pushes were decoded times 1 / prescale (the 1/n of the average, folded in)
     held: tuple | None = None  # (codec, frames, meta) of the first push, not decoded yet (see add_push)
+    partial: dict = field(default_factory=dict)  # worker -> micro-batch pushes summed so far (no_sync on the nodes)
 
 
 class FlatState(Mapping):
@@ -206,23 +207,25 @@ class BucketState:
         acc = self.accs[step] = Accumulator(buf, first_at=time.monotonic())
         return acc
 
-    def add_push(self, acc: Accumulator, codec, frames: list[torch.Tensor], meta: dict, expected: int) -> None:
+    def add_push(self, acc: Accumulator, codec, frames: list[torch.Tensor], meta: dict, expected: int, *, partial: bool = False) -> None:
         """Decode one worker's push into the accumulator, times 1/``expected`` (the number of workers the
         step waits for): the average costs no pass of its own, and :meth:`apply` needs no ``grad_scale``.
 
         The first push of a step is kept as received (its frames stay alive) and decoded together with
-        the second, in one pass over the accumulator (``Codec.decode_pair_``) instead of two."""
-        if not acc.workers:
+        the second, in one pass over the accumulator (``Codec.decode_pair_``) instead of two. A
+        ``partial`` push (a micro-batch's gradient under ``no_sync()``, more of that worker's to come)
+        is decoded at once: its frames belong to a message the worker does not wait an answer for."""
+        if not acc.workers and not acc.partial:
             acc.prescale = float(expected)
-            if expected > 1:
+            if expected > 1 and not partial:
                 acc.held = (codec, frames, meta)
                 return
             codec.decode_(acc.buf, frames, meta, 1.0 / acc.prescale)
         elif acc.held is not None:
             first, acc.held = acc.held, None
-            if first[0] is codec:
+            if first[0] is codec and not partial:
                 codec.decode_pair_(acc.buf, (first[1], first[2]), (frames, meta), 1.0 / acc.prescale)
-            else:  # another codec (a worker fell back to fp32 on a non-finite gradient)
+            else:  # a partial push, or another codec (a worker fell back to fp32 on a non-finite gradient)
                 first[0].decode_(acc.buf, first[1], first[2], 1.0 / acc.prescale)
                 codec.decode_add_(acc.buf, frames, meta, 1.0 / acc.prescale)
         else:

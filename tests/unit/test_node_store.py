@@ -49,6 +49,53 @@ def test_accumulator_holds_the_average(codec_name, n):
     torch.testing.assert_close(acc.buf, want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("order", ["partial_first", "held_then_partial", "partials_between"])
+def test_micro_batch_pushes_add_into_the_step(order):
+    """no_sync() in streaming mode: a worker's partial pushes (micro-batches) and the last pushes of every
+    worker add up to the average of the per-worker sums, whichever arrives first (a held push included)."""
+    numel = 2000
+    g = torch.Generator().manual_seed(7)
+    w0 = [_push("none", torch.randn(numel, generator=g)) for _ in range(3)]  # two partial, one last
+    w1 = [_push("bf16", torch.randn(numel, generator=g)) for _ in range(2)]  # one partial, one last
+    want = (sum(_decoded(c, f, m, numel) for c, f, m in w0) + sum(_decoded(c, f, m, numel) for c, f, m in w1)) / 2
+    seq = {
+        "partial_first": [(0, w0[0], True), (0, w0[1], True), (1, w1[0], True), (1, w1[1], False), (0, w0[2], False)],
+        "held_then_partial": [(1, w1[0], True), (0, w0[0], True), (0, w0[1], True), (0, w0[2], False), (1, w1[1], False)],
+        "partials_between": [(0, w0[0], True), (1, w1[0], True), (0, w0[1], True), (0, w0[2], False), (1, w1[1], False)],
+    }[order]
+    b = _bucket(numel)
+    acc = b.accumulator(0, 0)
+    for w, (c, f, m), partial in seq:
+        b.add_push(acc, c, f, m, expected=2, partial=partial)
+        if not partial:
+            acc.workers.add(w)
+        else:
+            acc.partial[w] = acc.partial.get(w, 0) + 1
+    b.settle(acc)
+    torch.testing.assert_close(acc.buf, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("codec_name", ["none", "bf16"])
+def test_a_last_push_held_before_any_partial_is_still_counted(codec_name):
+    """The first push of a step (a worker's last, held undecoded) followed by the other worker's micro-batch
+    pushes: the held push is decoded before the partial one is added."""
+    numel = 1000
+    g = torch.Generator().manual_seed(3)
+    a, p1, p2 = (_push(codec_name, torch.randn(numel, generator=g)) for _ in range(3))
+    b = _bucket(numel)
+    acc = b.accumulator(0, 0)
+    b.add_push(acc, *a, expected=2)
+    acc.workers.add(0)
+    assert acc.held is not None
+    b.add_push(acc, *p1, expected=2, partial=True)
+    acc.partial[1] = 1
+    b.add_push(acc, *p2, expected=2)
+    acc.workers.add(1)
+    b.settle(acc)
+    want = sum(_decoded(*x, numel) for x in (a, p1, p2)) / 2
+    torch.testing.assert_close(acc.buf, want, rtol=1e-6, atol=1e-6)
+
+
 def test_a_held_push_is_decoded_when_the_step_goes_on_without_the_others():
     """Elastic mode: 2 workers expected, one dropped; the step applies the one push at full weight."""
     numel = 1000

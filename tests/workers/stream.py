@@ -12,6 +12,7 @@ a resident copy, and what an evaluation under ``no_grad`` fetched and pushed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train.py, also when imported by a test
 from train import batch, loss_fn, make_scheduler  # noqa: E402
 
-DEFAULTS = {"hyper": {"lr": 0.01, "weight_decay": 0.05}, "steps": 10, "batch": 8, "seed": 0, "blocks": 4, "width": 32, "bucket_bytes": 2048, "timeout_s": 30.0, "scheduler": None, "max_grad_norm": None, "prefetch": 2, "model": "mlp", "resilient": False, "step_sleep": 0.0}
+DEFAULTS = {"hyper": {"lr": 0.01, "weight_decay": 0.05}, "steps": 10, "batch": 8, "seed": 0, "blocks": 4, "width": 32, "bucket_bytes": 2048, "timeout_s": 30.0, "scheduler": None, "max_grad_norm": None, "prefetch": 2, "model": "mlp", "resilient": False, "step_sleep": 0.0, "accumulate": 1}
 
 
 class Block(torch.nn.Module):
@@ -68,10 +69,12 @@ def reference(spec) -> tuple[dict[str, torch.Tensor], float]:
     model = make_model(spec)
     opt = torch.optim.AdamW(model.parameters(), **spec["hyper"])
     sched = make_scheduler(spec, opt)
+    k = spec["accumulate"]
     for step in range(spec["steps"]):
         opt.zero_grad()
-        x, y = batch(spec, step, spec["world_size"])
-        loss_fn(model, x, y).backward()
+        for micro in range(k):
+            x, y = batch(spec, step * k + micro, spec["world_size"])
+            (loss_fn(model, x, y) / k).backward()
         if spec["max_grad_norm"]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec["max_grad_norm"])
         opt.step()
@@ -89,6 +92,8 @@ def count_ops(client) -> dict:
 
     def counting(node, header, payload=()):
         counts[int(header["op"])] = counts.get(int(header["op"]), 0) + 1
+        if header.get("partial"):
+            counts["partial"] = counts.get("partial", 0) + 1
         return send(node, header, payload)
 
     client.send = counting
@@ -118,10 +123,14 @@ def main(path: str) -> None:
     b = spec["batch"]
     held_after_step, same_as_resident = {}, []
 
+    k = spec["accumulate"]
+
     def one_step(step: int) -> None:
         opt.zero_grad()
-        x, y = batch(spec, step, ws)
-        loss_fn(model, x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]).backward()
+        for micro in range(k):  # gradient accumulation: the micro-batches' sum is added up on the nodes
+            x, y = batch(spec, step * k + micro, ws)
+            with opt.no_sync() if micro < k - 1 else contextlib.nullcontext():
+                (loss_fn(model, x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]) / k).backward()
         opt.step()
         if sched is not None:
             sched.step()
@@ -158,7 +167,7 @@ def main(path: str) -> None:
     result = {
         "params": opt.model_state_dict(), "eval_loss": ev, "held_after_step": [held_after_step[s] for s in sorted(held_after_step)], "recoveries": recoveries, "same_as_resident": same_as_resident,
         "evaluation": evaluation, "num_units": len(opt.streamer.units), "num_streamed": len(streamed),
-        "lrs": [g["lr"] for g in opt.param_groups],
+        "lrs": [g["lr"] for g in opt.param_groups], "partial_pushes": counts.get("partial", 0), "streamed_buckets": len(opt.worker.streamed),
     }
     torch.save(result, f"{spec['out']}.rank{rank}")
     opt.close()
