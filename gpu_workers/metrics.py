@@ -33,6 +33,10 @@ class WorkerMetrics:
         self.step_seconds = f.histogram("step_seconds", "Wall seconds per training step")
         self.staleness = f.gauge("staleness_steps", "Steps between the weights used and the newest (delayed update / async)")
         self.errors = f.counter("errors_total", "Errors raised to the training loop, by code", ("code",))
+        # streaming mode: how long forward and backward waited for the weights of streamed units
+        self.fetch_wait = f.histogram("fetch_wait_seconds", "Seconds per step forward and backward waited for streamed units' weights")
+        self.unit_fetch_wait = f.counter("unit_fetch_wait_seconds_total", "Seconds waited for the weights of each streamed unit", ("unit",))
+        self.unit_fetches = f.counter("unit_fetches_total", "Weight fetches of each streamed unit (forward and backward)", ("unit",))
         self.names = list(f.names)
 
 

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten
 
+from luwu.gpu_workers.metrics import WorkerMetrics
 from luwu.gpu_workers.pool import FP32_BYTES, BufferPool
 from luwu.gpu_workers.units import Unit, select_units, unit_of_params
 from luwu.gpu_workers.worker import StepReport, Worker
@@ -138,11 +139,11 @@ def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, pull_codec_f
     return out
 
 
-def restart(old: Streamer | None, worker: Worker, params: list[torch.Tensor], units: list[Unit] | None, cfg) -> Streamer | None:
+def restart(old: Streamer | None, worker: Worker, params: list[torch.Tensor], units: list[Unit] | None, cfg, metrics: WorkerMetrics | None = None) -> Streamer | None:
     """The streamer of a (re)built worker, the old one's hooks removed (None when not streaming); ``cfg``:
-    the optimizer section."""
+    the optimizer section; ``metrics``: where the fetch waits are recorded."""
     stop(old)
-    return None if units is None else Streamer(worker, params, units, cfg.stream_prefetch)
+    return None if units is None else Streamer(worker, params, units, cfg.stream_prefetch, metrics)
 
 
 def stop(streamer: Streamer | None) -> None:
@@ -182,10 +183,10 @@ def check_budget(layout: Layout, units: list[Unit], budget_bytes: int) -> None:
 class Streamer:
     """Fetches, releases and pushes the streamed units of one worker (see the module docstring)."""
 
-    def __init__(self, worker: Worker, params: list[torch.Tensor], units: list[Unit], prefetch: int):
+    def __init__(self, worker: Worker, params: list[torch.Tensor], units: list[Unit], prefetch: int, metrics: WorkerMetrics | None = None):
         if prefetch < 0:
             raise ConfigError(f"prefetch must be >= 0, got {prefetch}")
-        self.worker, self.prefetch = worker, prefetch
+        self.worker, self.prefetch, self.metrics = worker, prefetch, metrics
         by_unit = worker.layout.unit_buckets()
         self.units: list[_Unit] = []
         for u in units:
@@ -228,8 +229,12 @@ class Streamer:
             for p in u.params:
                 alloc_storage(p)
         self.worker.receive_weights(u.buckets, what=f"weights of unit {u.unit.name!r}")
-        self.fetch_wait_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.fetch_wait_s += waited
         self.fetches += 1
+        if self.metrics is not None:
+            self.metrics.unit_fetch_wait.labels(u.unit.name).inc(waited)
+            self.metrics.unit_fetches.labels(u.unit.name).inc()
         u.state = _State.RESIDENT
 
     def _release(self, u: _Unit) -> None:
@@ -300,6 +305,8 @@ class Streamer:
             self.order = list(self._seen)
             self._seen = {}
         report.fetch_wait_s, self.fetch_wait_s = self.fetch_wait_s, 0.0
+        if self.metrics is not None:
+            self.metrics.fetch_wait.observe(report.fetch_wait_s)
         trim_heap()
 
     def _forget(self) -> None:

@@ -245,7 +245,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             **streaming.worker_arguments(self.layout, self._units, self.config.optimizer, pull_for),
         )
         self.worker.connect(step)
-        self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer)
+        self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer, self.metrics)
         for h in self._hooks:
             h.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]

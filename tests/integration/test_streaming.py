@@ -193,3 +193,30 @@ def test_sigkill_node_mid_training_streaming_workers_recover_and_equal_local_tor
     assert_equals_reference(results, spec)
     for r in results:
         assert r["held_after_step"] == [0] * spec["steps"]
+
+
+@pytest.mark.timeout(120)
+def test_fetch_waits_are_on_the_workers_metrics_endpoint(cluster1):
+    """A real scrape of the worker's /metrics: the weight-fetch wait per step and per streamed unit."""
+    import urllib.request
+
+    import luwu
+    from workers.stream import make_model
+
+    model = make_model({"seed": 0, "blocks": 3, "width": 16})
+    opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1, metrics_port=0)
+    try:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        text = urllib.request.urlopen(f"{opt.metrics_url}/metrics", timeout=10).read().decode()
+    finally:
+        opt.close()
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert samples["luwu_worker_fetch_wait_seconds_count"] == 3
+    for i in range(3):  # each block fetched for forward and again for backward, every step
+        assert samples[f'luwu_worker_unit_fetches_total{{unit="blocks.{i}"}}'] == 6
+        assert samples[f'luwu_worker_unit_fetch_wait_seconds_total{{unit="blocks.{i}"}}'] > 0
