@@ -57,7 +57,8 @@ from torch.utils._pytree import tree_flatten
 
 from luwu.gpu_workers.metrics import WorkerMetrics
 from luwu.gpu_workers.pool import FP32_BYTES, BufferPool
-from luwu.gpu_workers.units import Unit, select_units, unit_of_params
+from luwu.gpu_workers import materialize
+from luwu.gpu_workers.units import Unit, Units, alloc_storage, free_storage, select_units, unit_of_params
 from luwu.gpu_workers.worker import StepReport, Worker
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.memory import retain_freed_memory, trim_heap
@@ -67,19 +68,6 @@ from luwu.protocol.layout import Bucket, Layout
 #: Streaming mode maps blocks from this size up on their own, so a released unit's pages go back to the
 #: system at once instead of fragmenting the heap between the activations that outlive them.
 STREAM_MMAP_THRESHOLD = 1 << 17
-
-
-def alloc_storage(p: torch.Tensor) -> None:
-    """Give ``p`` back its storage (contents undefined), as FSDP2's ``alloc_storage``."""
-    size = p.numel() * p.itemsize
-    if (storage := p.untyped_storage()).size() != size:
-        storage.resize_(size)
-
-
-def free_storage(p: torch.Tensor) -> None:
-    """Release ``p``'s storage, keeping the tensor (its shape, its identity, autograd's references)."""
-    if (storage := p.untyped_storage()).size() != 0:
-        storage.resize_(0)
 
 
 class _State(enum.Enum):
@@ -114,18 +102,21 @@ def patterns_of(spec) -> list[str] | None:
     return list(spec) if spec is not None and all(isinstance(s, str) for s in spec) else None
 
 
-def plan_units(model, spec, cfg) -> tuple[list[Unit] | None, dict[int, int]]:
+def plan_units(model, spec, cfg) -> tuple[Units | None, dict[int, int]]:
     """Streaming mode's units of ``model`` and ``id(parameter)`` -> unit, from the ``stream_units``
     argument or else ``cfg.stream_units`` (``cfg``: the optimizer section); (None, {}) when not streaming."""
     if not cfg.stream_weights:
         return None, {}
-    units = select_units(model, spec if spec is not None else (cfg.stream_units or None))
+    units = Units(select_units(model, spec if spec is not None else (cfg.stream_units or None)), model)
+    if materialize.on_meta(model):  # new parameter objects, released unit by unit: before anyone holds them
+        materialize.empty_model(model, units)
+        units.initializer = materialize.Initializer(model, units)
     return units, unit_of_params(units)
 
 
 def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, pull_codec_for=None) -> dict:
     """The :class:`Worker` keyword arguments of streaming mode (none when ``units`` is None): the streamed
-    buckets, their buffer pool, and the codec units' weights are fetched in: the pull codec the
+    buckets, their buffer pool, a meta-device start's initializer, and the codec units' weights are fetched in: the pull codec the
     compression policy picks (``pull_codec_for``, None: compression off, fp32), as full weights (a
     delta codec becomes bf16, since a released unit holds nothing to add a delta to). ``cfg``: the
     optimizer section; a unit over ``stream_budget_bytes`` is refused here, before any connection."""
@@ -134,6 +125,8 @@ def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, pull_codec_f
     check_budget(layout, units, cfg.stream_budget_bytes)
     streamed = frozenset(b for bids in layout.unit_buckets().values() for b in bids)
     out = {"streamed": streamed, "pool": BufferPool(pool_budget_bytes(layout, cfg.stream_prefetch))}
+    if getattr(units, "initializer", None) is not None:  # a meta-device start: initialized at connect, once
+        out["initialize"] = units.initializer.for_layout(layout)
     if pull_codec_for is not None:
         out["fetch_codec_for"] = lambda b, step: "bf16" if pull_codec_for(b, step) == "int8_delta" else pull_codec_for(b, step)
     return out

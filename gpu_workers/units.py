@@ -30,6 +30,16 @@ class Unit:
     module: torch.nn.Module
 
 
+class Units(list):
+    """The units of one model (a list of :class:`Unit`, in registration order) and the model they belong
+    to; ``initializer``: set when the model started on the meta device (:mod:`~luwu.gpu_workers.materialize`)."""
+
+    def __init__(self, units: list[Unit], model: torch.nn.Module):
+        super().__init__(units)
+        self.model = model
+        self.initializer = None
+
+
 def _matches(name: str, module: torch.nn.Module, spec) -> bool:
     for item in spec:
         if isinstance(item, str):
@@ -92,3 +102,16 @@ def unit_of_params(units: list[Unit]) -> dict[int, int]:
                 shared.add(id(p))
             seen.setdefault(id(p), u.index)
     return {k: v for k, v in seen.items() if k not in shared}
+
+
+def alloc_storage(p: torch.Tensor) -> None:
+    """Give ``p`` back its storage (contents undefined), as FSDP2's ``alloc_storage``."""
+    size = p.numel() * p.itemsize
+    if (storage := p.untyped_storage()).size() != size:
+        storage.resize_(size)
+
+
+def free_storage(p: torch.Tensor) -> None:
+    """Release ``p``'s storage, keeping the tensor (its shape, its identity, autograd's references)."""
+    if (storage := p.untyped_storage()).size() != 0:
+        storage.resize_(0)

@@ -93,6 +93,7 @@ class Worker:
         streamed: frozenset[int] = frozenset(),
         pool: BufferPool | None = None,
         fetch_codec_for=None,
+        initialize=None,
     ):
         self.params, self.layout, self.client = params, layout, client
         self.rank, self.world_size, self.optimizer, self.mode = rank, world_size, optimizer, mode
@@ -109,6 +110,7 @@ class Worker:
         self._fetch_codec_for = fetch_codec_for or (lambda bucket, step: "none")  # streamed units' weights
         self.on_pushed = None  # streaming mode: called with each streamed bucket once pushed
         self.on_reset = None  # streaming mode: called when recover() abandons the step (its replies are gone)
+        self.initialize = initialize  # meta-device start: initialize(buckets to seed, send_init) at connect()
         self._unacked: set[int] = set()  # streamed buckets pushed this step whose buffer is still lent
         self.accumulating = False  # no_sync() in streaming mode: streamed buckets push partial sums for the node to add
         self.last_error: LuwuError | None = None  # raised by a wait outside step() (streaming: in hooks), for recover()
@@ -133,24 +135,31 @@ class Worker:
     # ----------------------------------------------------------------- start-up
     def connect(self, step: int = 0) -> list[dict]:
         """HELLO every node; rank 0 seeds uninitialized buckets; everyone pulls the current weights.
-        ``step``: the job's step when a layout is extended (add_param_group) mid-training."""
+        ``step``: the job's step when a layout is extended (add_param_group) mid-training. A model
+        started on the meta device is initialized here, one unit at a time (``self.initialize``)."""
         welcomes = self.hello(step)
-        versions = {}
+        versions, todo = {}, set()
         for n, w in enumerate(welcomes):
             versions.update({int(k): v for k, v in w["versions"].items()})
             if self.rank == 0:
-                done = set(w["initialized"])
-                for bid in self.node_buckets[n]:
-                    if bid not in done:
-                        buf = self.bufs[bid]
-                        # a streamed bucket has no buffer of its own: a one-off copy, kept alive by its frame
-                        flat = buf.grads[0] if buf.grads else torch.empty(buf.bucket.numel)
-                        self._gather(buf, flat, lambda p: p.detach())
-                        enc = get_codec("none").encode(flat)
-                        self.client.send(n, {"op": Op.INIT, "bucket": bid, "codec": "none", "cmeta": enc.meta}, enc.frames)
+                todo |= set(self.node_buckets[n]) - set(w["initialized"])
+        if self.initialize is not None:
+            self.initialize(todo, self.send_init)
+        else:
+            for bid in sorted(todo):
+                self.send_init(bid)
         self.pull_all()
         self.step_num = min(versions.values(), default=0)
         return welcomes
+
+    def send_init(self, bid: int) -> None:
+        """INIT: the bucket's weights as they are in the parameters, fp32, to its node (rank 0)."""
+        buf = self.bufs[bid]
+        # a streamed bucket has no buffer of its own: a one-off copy, kept alive by its frame
+        flat = buf.grads[0] if buf.grads else torch.empty(buf.bucket.numel)
+        self._gather(buf, flat, lambda p: p.detach())
+        enc = get_codec("none").encode(flat)
+        self.client.send(buf.bucket.node, {"op": Op.INIT, "bucket": bid, "codec": "none", "cmeta": enc.meta}, enc.frames)
 
     def recover(self, rollback_to: int | None, boot: str = "") -> int:
         """Rejoin after a node restart (roll every node back to ``rollback_to``) or after being dropped

@@ -220,3 +220,33 @@ def test_fetch_waits_are_on_the_workers_metrics_endpoint(cluster1):
     for i in range(3):  # each block fetched for forward and again for backward, every step
         assert samples[f'luwu_worker_unit_fetches_total{{unit="blocks.{i}"}}'] == 6
         assert samples[f'luwu_worker_unit_fetch_wait_seconds_total{{unit="blocks.{i}"}}'] > 0
+
+
+@pytest.mark.timeout(180)
+def test_a_model_built_on_the_meta_device_starts_as_the_eager_one(cluster2, tmp_path):
+    """``with torch.device("meta")``: the optimizer initializes one unit at a time (reset_parameters in
+    module order) and seeds the nodes; with the same seed that is the eager start, and training from it
+    equals local AdamW. Two workers: rank 1 never initializes anything the nodes keep."""
+    spec = {"steps": 3, "meta": True}
+    results = run_streaming(spec, cluster2.addresses, tmp_path)
+    assert_equals_reference(results, spec)
+    for r in results:
+        assert r["initial_equals_eager"] and 0 < r["peak_unit_bytes"] <= r["largest_unit_bytes"]  # one block allocated at a time
+
+
+@pytest.mark.timeout(60)
+def test_a_meta_module_without_reset_parameters_is_refused_by_name(cluster1):
+    import luwu
+
+    class Scale(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return x * self.w
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), Scale(), torch.nn.Linear(8, 8))
+    with pytest.raises(luwu.ConfigError, match=r"module '1' \(Scale\) has parameters or buffers on the meta device and no reset_parameters"):
+        luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, stream_weights=True, rank=0, world_size=1)

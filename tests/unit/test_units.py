@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from luwu.gpu_workers.pool import BufferPool
-from luwu.gpu_workers.streaming import alloc_storage, free_storage, patterns_of, pool_budget_bytes
+from luwu.gpu_workers.streaming import patterns_of, pool_budget_bytes
+from luwu.gpu_workers.units import alloc_storage, free_storage
 from luwu.gpu_workers.units import select_units, unit_of_params
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import ParamSpec, build_layout

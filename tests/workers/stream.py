@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train.py, also when imported by a test
 from train import batch, loss_fn, make_scheduler  # noqa: E402
 
-DEFAULTS = {"hyper": {"lr": 0.01, "weight_decay": 0.05}, "steps": 10, "batch": 8, "seed": 0, "blocks": 4, "width": 32, "bucket_bytes": 2048, "timeout_s": 30.0, "scheduler": None, "max_grad_norm": None, "prefetch": 2, "model": "mlp", "resilient": False, "step_sleep": 0.0, "accumulate": 1}
+DEFAULTS = {"hyper": {"lr": 0.01, "weight_decay": 0.05}, "steps": 10, "batch": 8, "seed": 0, "blocks": 4, "width": 32, "bucket_bytes": 2048, "timeout_s": 30.0, "scheduler": None, "max_grad_norm": None, "prefetch": 2, "model": "mlp", "resilient": False, "step_sleep": 0.0, "accumulate": 1, "meta": False}
 
 
 class Block(torch.nn.Module):
@@ -108,16 +108,39 @@ def main(path: str) -> None:
     with open(path) as fh:
         spec = DEFAULTS | json.load(fh)
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    model = make_model(spec)
-    if rank != 0:  # rank 0 seeds the nodes: the others must take its weights
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
+    if spec["meta"]:  # never built whole: the optimizer initializes it unit by unit (rank 1 with another seed)
+        torch.manual_seed(spec["seed"] + rank)
+        with torch.device("meta"):
+            model = Net(spec["blocks"], spec["width"])
+    else:
+        model = make_model(spec)
+        if rank != 0:  # rank 0 seeds the nodes: the others must take its weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+    peak = [0]
+    if spec["meta"]:  # the storage all blocks hold together each time one of their modules is initialized
+
+        def measured(reset):
+            def run():
+                reset()
+                peak[0] = max(peak[0], sum(p.untyped_storage().nbytes() for b in model.blocks for p in b.parameters()))
+
+            return run
+
+        for mod in model.modules():
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters = measured(mod.reset_parameters)
     opt = luwu.RemoteOptimizer(
         model, "adamw", nodes=spec["nodes"], bucket_bytes=spec["bucket_bytes"], timeout_s=spec["timeout_s"], compression=False,
         max_grad_norm=spec["max_grad_norm"], stream_weights=True, prefetch=spec["prefetch"], **spec["hyper"],
     )
     counts = count_ops(opt.client)
+    initial_equals_eager = None
+    if spec["meta"]:
+        eager = make_model(spec)
+        got = opt.model_state_dict()
+        initial_equals_eager = all(torch.equal(got[n], p.detach()) for n, p in eager.named_parameters())
     streamed = [p for u in opt.streamer.units for p in u.params]
     sched = make_scheduler(spec, opt)
     b = spec["batch"]
@@ -167,7 +190,8 @@ def main(path: str) -> None:
     result = {
         "params": opt.model_state_dict(), "eval_loss": ev, "held_after_step": [held_after_step[s] for s in sorted(held_after_step)], "recoveries": recoveries, "same_as_resident": same_as_resident,
         "evaluation": evaluation, "num_units": len(opt.streamer.units), "num_streamed": len(streamed),
-        "lrs": [g["lr"] for g in opt.param_groups], "partial_pushes": counts.get("partial", 0), "streamed_buckets": len(opt.worker.streamed),
+        "lrs": [g["lr"] for g in opt.param_groups], "partial_pushes": counts.get("partial", 0), "initial_equals_eager": initial_equals_eager, "peak_unit_bytes": peak[0],
+        "largest_unit_bytes": max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks), "streamed_buckets": len(opt.worker.streamed),
     }
     torch.save(result, f"{spec['out']}.rank{rank}")
     opt.close()
