@@ -40,9 +40,14 @@ otherwise stay mapped between the activations that outlive them, until the
 worker held as much as the model. The price is that each fetch writes into
 fresh pages.
 
-The worker requests each unit ahead of use; the nodes do not yet push the next
-units' weights on their own, so every fetch is one round trip, hidden behind
-``prefetch`` units of compute. Parameters stay fp32 on the worker.
+Who sends what: after one step the worker knows the forward order. The pushes of
+the first ``prefetch`` units in that order name the fetch codec as their reply
+codec, so the nodes send those units' new weights as they apply the step, without
+a request: the next forward starts on weights already there. Each later unit is
+requested ``prefetch`` units ahead, while the units before it compute, so in steady
+state no forward waits on a round trip. Fetched weights wait as they arrived (bf16
+with compression on: 2 bytes per parameter) and are widened into the parameters'
+fp32 storage only when their unit runs.
 """
 
 from __future__ import annotations
@@ -123,8 +128,7 @@ def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, pull_codec_f
     if units is None:
         return {}
     check_budget(layout, units, cfg.stream_budget_bytes)
-    streamed = frozenset(b for bids in layout.unit_buckets().values() for b in bids)
-    out = {"streamed": streamed, "pool": BufferPool(pool_budget_bytes(layout, cfg.stream_prefetch))}
+    out = {"streamed": layout.streamed_buckets(), "pool": BufferPool(pool_budget_bytes(layout, cfg.stream_prefetch))}
     if getattr(units, "initializer", None) is not None:  # a meta-device start: initialized at connect, once
         out["initialize"] = units.initializer.for_layout(layout)
     if pull_codec_for is not None:
@@ -201,6 +205,7 @@ class Streamer:
                 self._hooks.append(u.unit.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
                 self._hooks.append(u.unit.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
         worker.on_pushed, worker.on_reset = self._on_pushed, self._forget
+        worker.fetch_with_reply = self._first_buckets()
         for u in self.units:
             self._release(u)
         retain_freed_memory(STREAM_MMAP_THRESHOLD, STREAM_MMAP_THRESHOLD)
@@ -249,8 +254,9 @@ class Streamer:
 
     # ----------------------------------------------------------------- hooks
     def _pre_forward(self, u: _Unit) -> None:
-        self._seen.setdefault(u.unit.index)
-        self._prefetch(self.order, u.unit.index)
+        if torch._C._current_graph_task_id() == -1:  # (a forward recomputed in backward: backward's order prefetches)
+            self._seen.setdefault(u.unit.index)
+            self._prefetch(self.order, u.unit.index)
         self._ensure(u)
 
     def _post_forward(self, u: _Unit, out) -> None:
@@ -297,10 +303,32 @@ class Streamer:
         if self._seen:
             self.order = list(self._seen)
             self._seen = {}
+        self._take_pushed_weights()
         report.fetch_wait_s, self.fetch_wait_s = self.fetch_wait_s, 0.0
         if self.metrics is not None:
             self.metrics.fetch_wait.observe(report.fetch_wait_s)
         trim_heap()
+
+    def _first_buckets(self) -> frozenset[int]:
+        """The buckets of the first ``prefetch`` units of the forward order: their pushes ask the nodes to
+        send the new weights with the answer, so the next forward starts without a round trip."""
+        return frozenset(b for i in self.order[: self.prefetch] for b in self.units[i].buckets)
+
+    def _take_pushed_weights(self) -> None:
+        """After a step: the first units' new weights came with the answers to their pushes; those units
+        count as requested (a bucket answered without weights, e.g. when the workers disagreed on the
+        order, is asked for now), any other weights that came are dropped."""
+        got = set(self.worker.prefetched)
+        first = self.order[: self.prefetch]
+        for i in first:
+            u = self.units[i]
+            missing = [b for b in u.buckets if b not in got]
+            if missing:
+                self.worker.request_weights(missing)
+            u.state = _State.REQUESTED
+        for b in got - {b for i in first for b in self.units[i].buckets}:
+            del self.worker.prefetched[b]
+        self.worker.fetch_with_reply = self._first_buckets()
 
     def _forget(self) -> None:
         """The worker abandoned the step (recover()): its outstanding fetches will not be answered."""

@@ -113,6 +113,8 @@ class Worker:
         self.initialize = initialize  # meta-device start: initialize(buckets to seed, send_init) at connect()
         self._unacked: set[int] = set()  # streamed buckets pushed this step whose buffer is still lent
         self.accumulating = False  # no_sync() in streaming mode: streamed buckets push partial sums for the node to add
+        self.fetch_with_reply: frozenset[int] = frozenset()  # streamed buckets whose push asks the node for the new weights
+        self.prefetched: dict[int, object] = {}  # bucket -> the reply that brought them, kept for the unit's next use
         self.last_error: LuwuError | None = None  # raised by a wait outside step() (streaming: in hooks), for recover()
         self.bufs: list[_BucketBuf] = []
         for b in layout.buckets:
@@ -165,6 +167,7 @@ class Worker:
         """Rejoin after a node restart (roll every node back to ``rollback_to``) or after being dropped
         (elastic mode); returns the step to resume from."""
         self.client.reset()
+        self.prefetched.clear()
         self._pending = None
         self.last_error = None
         for buf in self.bufs:
@@ -226,17 +229,21 @@ class Worker:
             self.client.send(b.node, {"op": Op.PULL, "bucket": bid, "codec": codec})
 
     def receive_weights(self, bids: list[int], what: str = "weights") -> None:
-        """Wait for the weights asked for with :meth:`request_weights` and write each bucket into the
-        parameters as it arrives (their storage must be allocated)."""
-        keys = [(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in bids]
+        """Wait for the weights asked for with :meth:`request_weights` (or that came with the answer to a
+        push, :attr:`prefetched`) and write each bucket into the parameters as it arrives (their storage
+        must be allocated)."""
+        keys = [(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in bids if bid not in self.prefetched]
+        for bid in [b for b in bids if b in self.prefetched]:
+            self._write(self.bufs[bid], self.prefetched.pop(bid))
         with self._noting_errors():
             for key, m in self.client.arrivals(keys, what=what):
                 self._write(self.bufs[key[3]], m)
 
     def discard_weights(self, bids: list[int]) -> None:
         """Wait for and drop the answers to :meth:`request_weights` (a prefetch that was not used)."""
+        asked = [bid for bid in bids if self.prefetched.pop(bid, None) is None]
         with self._noting_errors():
-            self.client.wait([(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in bids], what="prefetched weights")
+            self.client.wait([(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in asked], what="prefetched weights")
 
     @contextlib.contextmanager
     def _noting_errors(self):
@@ -326,14 +333,12 @@ class Worker:
         if name != "none" and has_nonfinite(x):
             name, ef = "none", False  # let the node see the inf/nan and decide globally
         codec = get_codec(name)
-        key = (name, parity)
-        out = buf.out.get(key)
-        if out is None and name != "none":
-            out = buf.out[key] = codec.alloc(b.numel)
+        out = buf.out.get(key := (name, parity))
+        if out is None and name != "none":  # a streamed bucket's frames are its message's own: nothing kept per unit
+            out = codec.alloc(b.numel) if b.id in self.streamed else buf.out.setdefault(key, codec.alloc(b.numel))
         hyper = self._hyper_of(b.group)
         if name == "none":
-            # zero-copy: the frame is the bucket buffer, next written a step (delayed: two) later, after
-            # the node's reply to this push has come back
+            # zero-copy: the frame is the bucket buffer, next written after the node's answer (delayed: two steps)
             enc = codec.encode(x)
         elif ef and self._feedback is not None:
             momentum = None
@@ -345,7 +350,10 @@ class Worker:
         else:
             enc = codec.encode(x, out, num_summands=self.world_size)
         header = {"op": Op.PUSH, "step": step, "bucket": b.id, "codec": name, "cmeta": enc.meta, "hyper": hyper, "nograd": list(nograd), "two_phase": self.two_phase}
-        header["pull"] = PULL_ACK if b.id in self.streamed else self._pull_codec_for(b, step)
+        if b.id in self.streamed:  # the next forward's first units: the node sends their new weights as it applies the step
+            header["pull"] = self._fetch_codec_for(b, step + 1) if b.id in self.fetch_with_reply else PULL_ACK
+        else:
+            header["pull"] = self._pull_codec_for(b, step)
         if partial:  # unanswered, and the next micro-batch refills the buffers: the frames go out as copies
             header["partial"] = True
         self.client.send(b.node, header, [f.clone() for f in enc.frames] if partial else enc.frames)
@@ -422,7 +430,9 @@ class Worker:
             if key[2] == step:
                 skipped |= m.header["skipped"]
             if key[3] in self.streamed:
-                self._give_back(key[3])  # an ack: the node has the push, the buffer is free
+                self._give_back(key[3])  # the node has the push: the buffer is free
+                if m.header["codec"] != PULL_ACK:  # with the new weights: kept as received for the unit's next use
+                    self.prefetched[key[3]] = m
             else:
                 self._write(self.bufs[key[3]], m)
             t0 = time.perf_counter()

@@ -224,7 +224,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             from luwu.protocol.feedback import ErrorFeedback
             from luwu.protocol.policy import choose_codec, choose_pull_codec
 
-            codec_for = lambda b, step: choose_codec(b, step, cc)  # noqa: E731
+            streamed = self.layout.streamed_buckets()  # a streamed unit's push keeps no residual between steps
+            codec_for = lambda b, step: choose_codec(b, step, cc, residual=b.id not in streamed)  # noqa: E731
             pull_for = lambda b, step: choose_pull_codec(b, step, cc)  # noqa: E731
             feedback = ErrorFeedback()
         self.worker = Worker(

@@ -163,6 +163,10 @@ class Layout:
                 out.setdefault(unit, []).append(b.id)
         return out
 
+    def streamed_buckets(self) -> frozenset[int]:
+        """Ids of the buckets of streaming units."""
+        return frozenset(b for bids in self.unit_buckets().values() for b in bids)
+
     def delayed_buckets(self) -> frozenset[int]:
         """Ids of the buckets of delayed parameters (a bucket holds delayed parameters only, or none)."""
         return frozenset(b.id for b in self.buckets if b.segments and self.params[b.segments[0].param].delayed)

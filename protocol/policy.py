@@ -85,8 +85,10 @@ def _first_paying(candidates: list[str], numel: int, cfg: CompressionConfig) -> 
     return "none"
 
 
-def choose_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> tuple[str, bool]:
-    """(codec name, use error feedback) for pushing ``bucket``'s gradient at ``step``."""
+def choose_codec(bucket: Bucket, step: int, cfg: CompressionConfig, *, residual: bool = True) -> tuple[str, bool]:
+    """(codec name, use error feedback) for pushing ``bucket``'s gradient at ``step``. ``residual=False``
+    (a streamed unit's bucket: the worker keeps nothing of it between uses, and an error-feedback residual
+    would be a copy of the unit kept for the whole run) leaves out the codecs that need one: bf16 at most."""
     if not cfg.enabled or bucket.numel == 0:
         return "none", False
     name = _rule_codec(bucket, cfg)
@@ -102,6 +104,8 @@ def choose_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> tuple[str
     else:
         name = cfg.codec_name(name)
     ef = cfg.error_feedback and codec_facts.base_name(name) in FEEDBACK_CODECS
+    if ef and not residual:
+        return _first_paying(["bf16"], bucket.numel, cfg), False
     return name, ef
 
 

@@ -40,6 +40,14 @@ def test_streaming_equals_local_adamw_and_holds_no_weights_between_steps(cluster
         assert r["same_as_resident"] == [True, True]  # and the module still works as a module
         ev = r["evaluation"]  # eval under no_grad: every block fetched once, nothing pushed, nothing kept
         assert ev["pushes"] == 0 and ev["units_fetched"] == 4 and ev["pulls"] > 0 and ev["held_after"] == 0
+        # The nodes send the first 2 units' new weights with the answers to their pushes: after the first
+        # step, forward asks only for the later units (ahead of use), never for the first ones (step 1
+        # follows a model_state_dict(), which fetched and released every unit).
+        first = set(r["first_units"])
+        assert first and first <= set(r["forward_pulls"][0])
+        for step in range(2, 10):
+            pulled = set(r["forward_pulls"].get(step, []))
+            assert pulled and not pulled & first, (step, sorted(pulled & first))
     torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)
 
 

@@ -93,6 +93,15 @@ def test_large_matrices_get_int8_with_error_feedback():
     assert choose_codec(LARGE, STEP, CompressionConfig(error_feedback=False)) == ("int8", False)
 
 
+def test_a_streamed_units_push_keeps_no_residual():
+    """Streaming mode: no error-feedback codec for a unit's bucket (its residual would be a copy of the
+    unit held between uses); bf16 instead. Without feedback in the config, int8 stays."""
+    cfg = CompressionConfig()
+    assert choose_codec(LARGE, STEP, cfg, residual=False) == ("bf16", False)
+    assert choose_codec(LARGE, STEP, CompressionConfig(error_feedback=False), residual=False) == ("int8", False)
+    assert choose_codec(TINY, STEP, cfg, residual=False) == choose_codec(TINY, STEP, cfg)
+
+
 def test_small_and_1d_tensors_get_bf16_without_feedback():
     cfg = CompressionConfig()
     assert choose_codec(SMALLS, STEP, cfg) == ("bf16", False)

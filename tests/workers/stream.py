@@ -136,6 +136,15 @@ def main(path: str) -> None:
         max_grad_norm=spec["max_grad_norm"], stream_weights=True, prefetch=spec["prefetch"], **spec["hyper"],
     )
     counts = count_ops(opt.client)
+    forward_pulls: dict[int, list[int]] = {}  # step -> buckets asked for outside backward
+    request = opt.worker.request_weights
+
+    def logged(bids, **kw):
+        if torch._C._current_graph_task_id() == -1:
+            forward_pulls.setdefault(opt.worker.step_num, []).extend(bids)
+        return request(bids, **kw)
+
+    opt.worker.request_weights = logged
     initial_equals_eager = None
     if spec["meta"]:
         eager = make_model(spec)
@@ -190,7 +199,8 @@ def main(path: str) -> None:
     result = {
         "params": opt.model_state_dict(), "eval_loss": ev, "held_after_step": [held_after_step[s] for s in sorted(held_after_step)], "recoveries": recoveries, "same_as_resident": same_as_resident,
         "evaluation": evaluation, "num_units": len(opt.streamer.units), "num_streamed": len(streamed),
-        "lrs": [g["lr"] for g in opt.param_groups], "partial_pushes": counts.get("partial", 0), "initial_equals_eager": initial_equals_eager, "peak_unit_bytes": peak[0],
+        "lrs": [g["lr"] for g in opt.param_groups], "partial_pushes": counts.get("partial", 0), "forward_pulls": forward_pulls,
+        "first_units": sorted(b for u in opt.streamer.units[: spec["prefetch"]] for b in u.buckets), "initial_equals_eager": initial_equals_eager, "peak_unit_bytes": peak[0],
         "largest_unit_bytes": max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks), "streamed_buckets": len(opt.worker.streamed),
     }
     torch.save(result, f"{spec['out']}.rank{rank}")
