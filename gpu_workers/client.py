@@ -126,6 +126,30 @@ class WorkerClient:
             pending = [k for k in pending if k not in done]
             yield from got
 
+    def answers(self, keys: list[tuple], ref_op: Op, timeout_s: float | None = None, what: str = "reply") -> list:
+        """Wait until every key has its answer, the message or an ERROR of its node answering ``ref_op``;
+        pops and returns them in key order, raising nothing: a request sent to several nodes at once
+        leaves no answer behind for a later call, whichever of them refused it."""
+        timeout_s = timeout_s or self.cfg.timeout_s
+        deadline = time.monotonic() + timeout_s
+        out: dict = {}
+        with self._cv:
+            while len(out) < len(keys):
+                for k in [k for k in keys if k not in out]:
+                    if k in self._inbox:
+                        out[k] = self._inbox.pop(k)
+                        continue
+                    i = next((i for i, (n, e) in enumerate(self._errors) if n == k[1] and getattr(e, "ref_op", None) == ref_op), None)
+                    if i is not None:
+                        out[k] = self._errors.pop(i)[1]
+                missing = [k for k in keys if k not in out]
+                if missing:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._running:
+                        raise self._timeout(missing, what, timeout_s, len(keys))
+                    self._cv.wait(min(left, 0.5))
+        return [out[k] for k in keys]
+
     def filed(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply") -> list[tuple]:
         """Wait until some of ``keys`` are filed and return those keys, leaving the messages filed for
         a later :meth:`wait` (a streaming worker learns that a push arrived without taking its reply)."""
@@ -189,7 +213,7 @@ class WorkerClient:
         """Where a reply is filed: (op, node, step, bucket). WELCOME and STATS have no step; an UPDATE
         answering a push carries the pushed step in ``seq`` (-1 for the answer to a PULL)."""
         op = h["op"]
-        if op in (Op.WELCOME, Op.STATS, Op.ROLLBACK, Op.CHECKPOINT):
+        if op in (Op.WELCOME, Op.STATS, Op.ROLLBACK, Op.CHECKPOINT, Op.EXPORT):
             return (op, node, None, -1)
         if op == Op.STATE:
             return (op, node, None, h["bucket"])

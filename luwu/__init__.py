@@ -19,6 +19,7 @@ _LAZY = {
     "Prefetcher": "luwu.gpu_workers.prefetch",
     "local_cluster": "luwu.cluster",
     "LocalCluster": "luwu.cluster",
+    "export_dcp": "luwu.model_io",
     "LuwuError": _ERRORS,
     "ConfigError": _ERRORS,
     "CorruptCheckpointError": _ERRORS,
@@ -37,6 +38,7 @@ __all__ = [*_LAZY, "__version__"]
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load on first use
     from luwu.cluster import LocalCluster, local_cluster
     from luwu.gpu_workers.prefetch import Prefetcher
+    from luwu.model_io import export_dcp
     from luwu.optimizer import RemoteOptimizer
     from luwu.protocol.errors import (
         ConfigError,

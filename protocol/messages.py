@@ -40,6 +40,7 @@ class Op(enum.IntEnum):
     NORM = 12  # node -> worker: partial squared norm / non-finite flag of an aggregated bucket
     COMMIT = 13  # worker -> node: apply step with this clip/unscale coefficient, or skip it
     ROLLBACK = 14  # worker -> node: roll this node back to a checkpointed step
+    EXPORT = 15  # worker -> node: write your shard of the weights into a DCP folder; node -> worker: what was written
 
 
 #: The ``pull`` of a PUSH whose reply carries no weights, only that the step was applied (streaming mode).
@@ -64,6 +65,7 @@ SCHEMA: dict[Op, dict[str, tuple]] = {
     Op.NORM: {"bucket": (I,), "sqnorm": (F,), "nonfinite": (B,)},
     Op.COMMIT: {"coef": (F,), "skip": (B,), "buckets": (L,)},
     Op.ROLLBACK: {},
+    Op.EXPORT: {"path": (S,)},
 }
 # Optional fields (checked when present).
 OPTIONAL: dict[str, tuple] = {"seq": (I,), "detail": (D,), "ahead": (I,), "delta": (B,), "param_names": (D,), "partial": (B,)}

@@ -36,6 +36,9 @@ class NodeConfig:
     """Threads for the optimizer kernel; the event loop needs a core of its own for communication."""
     checkpoint_dir: str = ""
     """Directory for shard checkpoints ('' = no checkpoints)."""
+    export_root: str = ""
+    """Folder below which EXPORT may write weights as torch.distributed.checkpoint folders (empty: checkpoint_dir;
+    neither set: exports are refused)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (0 = only on SIGTERM and on request)."""
     log_every: int = 100

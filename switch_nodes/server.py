@@ -37,6 +37,7 @@ from luwu.switch_nodes.aggregation import Aggregation
 from luwu.switch_nodes.checkpoint import CheckpointStore
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.durability import Durability
+from luwu.switch_nodes.export import Exports
 from luwu.switch_nodes.lines import READY_LINE
 from luwu.switch_nodes.membership import Membership
 from luwu.switch_nodes.metrics import NodeMetrics
@@ -49,7 +50,7 @@ __all__ = ["NodeServer", "READY_LINE", "ReplyBuffers"]
 log = logging.getLogger(__name__)
 
 #: Ops a worker sends as a rank: the sender must be the connection that said HELLO as that rank.
-_RANKED = frozenset({Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE, Op.CHECKPOINT, Op.ROLLBACK})
+_RANKED = frozenset({Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE, Op.CHECKPOINT, Op.ROLLBACK, Op.EXPORT})
 #: Ops served to a connection that has not said HELLO.
 _OPEN = frozenset({Op.HELLO, Op.STATS})
 
@@ -98,6 +99,7 @@ class NodeServer:
         self.membership = Membership(self)
         self.aggregation = Aggregation(self)
         self.durability = Durability(self)
+        self.exports = Exports(self)
         self._handlers: dict[Op, Callable[[bytes, wire.Message], Awaitable[None] | None]] = {
             Op.HELLO: self.membership.on_hello,
             Op.INIT: self.membership.on_init,
@@ -109,6 +111,7 @@ class NodeServer:
             Op.CHECKPOINT: self.durability.on_checkpoint,
             Op.ROLLBACK: self.durability.on_rollback,
             Op.STATS: self._on_stats,
+            Op.EXPORT: self.exports.on_export,
         }
 
     @property

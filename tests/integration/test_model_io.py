@@ -1,0 +1,84 @@
+"""Weights out of the nodes as a torch.distributed.checkpoint folder: written by the nodes in parallel,
+loaded by a plain torch model and converted by torch's dcp_to_torch_save, equal to model_state_dict()."""
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+import luwu
+from luwu.switch_nodes.export import boxes
+
+
+def test_boxes_tile_any_flat_range_of_any_shape():
+    rng = random.Random(0)
+    for shape in [(7,), (5, 6), (3, 4, 5), (2, 3, 1, 4), (1,), (6, 1)]:
+        n = math.prod(shape)
+        ref = torch.arange(n).view(shape)
+        for _ in range(60):
+            a = rng.randrange(n)
+            b = rng.randrange(a + 1, n + 1)
+            got = []
+            for offsets, sizes in boxes(shape, a, b):
+                index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+                got.append(ref[index].reshape(-1))
+            assert torch.equal(torch.cat(got), torch.arange(a, b)), (shape, a, b)
+            assert len(boxes(shape, a, b)) <= 2 * len(shape) - 1
+
+
+def _train(opt, model, steps):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "resident"])
+def test_the_nodes_export_a_dcp_folder_that_plain_torch_loads(tmp_path, stream):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from workers.stream import make_model
+
+    spec = {"seed": 0, "blocks": 3, "width": 16}
+    model = make_model(spec)
+    with luwu.local_cluster(2, node_args=["--node.export_root", str(tmp_path)]) as c:
+        # 700-byte buckets: most parameters are split between buckets and nodes, mid-row
+        opt = luwu.RemoteOptimizer(model if stream else model.named_parameters(), nodes=c.addresses, lr=0.01, compression=False, stream_weights=stream, bucket_bytes=700, rank=0, world_size=1)
+        try:
+            _train(opt, model, 3)
+            want = opt.model_state_dict() if stream else {n: p.detach().clone() for n, p in model.named_parameters()}
+            folder = luwu.export_dcp(opt, tmp_path / "export")
+            with pytest.raises(luwu.LuwuError, match="exists: export into a new folder"):
+                luwu.export_dcp(opt, tmp_path / "export")
+            with pytest.raises(luwu.LuwuError, match="outside node .* export root"):
+                luwu.export_dcp(opt, tmp_path.parent / "elsewhere")
+        finally:
+            opt.close()
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    plain = make_model(dict(spec, seed=7))  # other weights: all of them must come from the folder
+    sd = plain.state_dict()
+    dcp.load(sd, checkpoint_id=str(folder), no_dist=True)
+    assert sd.keys() == want.keys()
+    for name, w in want.items():
+        assert torch.equal(sd[name], w), name
+    dcp_to_torch_save(str(folder), str(tmp_path / "model.pt"))
+    saved = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(saved[n], w) for n, w in want.items())
+
+
+@pytest.mark.timeout(120)
+def test_an_export_needs_an_export_root(cluster1, tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = luwu.RemoteOptimizer(model.parameters(), nodes=cluster1.addresses, lr=0.01, compression=False, rank=0, world_size=1)
+    try:
+        with pytest.raises(luwu.LuwuError, match="no export root: set node.export_root"):
+            luwu.export_dcp(opt, tmp_path / "x")
+    finally:
+        opt.close()
+    assert not (tmp_path / "x").exists()
