@@ -20,10 +20,18 @@ are registered in the order they are built (true of torch's layers and of models
 build their submodules in ``__init__`` in order): the same seed then gives the same
 weights as an eager start. A module with parameters of its own and no
 ``reset_parameters()`` cannot be initialized and is refused, by name.
+
+**Weights in** (``optimizer.init_weights``): the same pass, with each unit's (and the
+root's) parameters then read from a torch state-dict file opened with ``mmap`` or from
+a ``torch.distributed.checkpoint`` folder (:func:`open_weights`), one unit at a time, so
+a model larger than the worker starts from trained weights; buffers are read too where
+the source has them. Nodes that already hold weights (a resumed job) keep theirs.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -76,12 +84,69 @@ def empty_model(model: torch.nn.Module, units: list[Unit]) -> None:
             m.to_empty(device="cpu", recurse=False)
 
 
+class StateDictFile:
+    """Weights from a ``torch.save``-d state dict, opened with ``mmap``: a unit reads only its pages."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if not isinstance(self.tensors, dict):
+            raise ConfigError(f"optimizer.init_weights {path!r} holds a {type(self.tensors).__name__}, not a state dict")
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def read(self, into: dict[str, torch.Tensor]) -> None:
+        for name, t in into.items():
+            src = self.tensors[name]
+            if src.shape != t.shape:
+                raise ConfigError(f"optimizer.init_weights {self.path!r}: {name} has shape {tuple(src.shape)}, the model's is {tuple(t.shape)}")
+            t.copy_(src)
+
+
+class DcpFolder:
+    """Weights from a ``torch.distributed.checkpoint`` folder, read one unit's tensors at a time."""
+
+    def __init__(self, path: str):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = path
+        self.metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+
+    def names(self) -> set[str]:
+        return set(self.metadata)
+
+    def read(self, into: dict[str, torch.Tensor]) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(into, checkpoint_id=self.path, no_dist=True)  # in place, only these keys
+
+
+def open_weights(path: str) -> StateDictFile | DcpFolder | None:
+    """The source ``optimizer.init_weights`` names (None when empty): a DCP folder or a state-dict file."""
+    if not path:
+        return None
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, ".metadata")):
+            raise ConfigError(f"optimizer.init_weights {path!r} is a folder without a .metadata: not a torch.distributed.checkpoint")
+        return DcpFolder(path)
+    if not os.path.exists(path):
+        raise ConfigError(f"optimizer.init_weights {path!r} does not exist")
+    return StateDictFile(path)
+
+
 class Initializer:
     """The worker's ``initialize`` for a model that started on the meta device (see the module docstring).
     Runs once; a later connect (a grown layout) seeds from the parameters as they are."""
 
-    def __init__(self, model: torch.nn.Module, units: list[Unit]):
-        self.model, self.units, self.done = model, units, False
+    def __init__(self, model: torch.nn.Module, units: list[Unit], source: StateDictFile | DcpFolder | None = None):
+        self.model, self.units, self.done, self.source = model, units, False, source
+        if source is not None:
+            missing = [n for n, _ in model.named_parameters() if n not in source.names()]
+            if missing:
+                raise ConfigError(f"optimizer.init_weights {source.path!r} lacks {len(missing)} of the model's parameters: {', '.join(missing[:5])}")
         self.in_unit = _unit_of_modules(model, units)
         self.unit_buckets: dict[int, list[int]] = {}
 
@@ -97,12 +162,13 @@ class Initializer:
             return
         seeded: set[int] = set()
         started: set[int] = set()
-        for m in self.model.modules():
+        for name, m in self.model.named_modules():
             u = self.in_unit.get(id(m))
             if u is None:
                 if _holds_tensors(m):
                     with torch.no_grad():
                         m.reset_parameters()
+                        self._read(m, name, recurse=False)
             elif u.index not in started:
                 started.add(u.index)
                 seeded |= self._unit(u, todo, send_init)
@@ -120,6 +186,7 @@ class Initializer:
                 reset = getattr(m, "reset_parameters", None)
                 if callable(reset):
                     reset()
+            self._read(u.module, u.name, recurse=True)
         mine = [bid for bid in self.unit_buckets.get(u.index, []) if bid in todo]
         for bid in mine:
             send_init(bid)  # copies the weights into the message's own buffer
@@ -127,3 +194,13 @@ class Initializer:
             for p in params:
                 free_storage(p)
         return set(mine)
+
+    def _read(self, module: torch.nn.Module, prefix: str, *, recurse: bool) -> None:
+        """Overwrite ``module``'s parameters (and the buffers the source has) from :attr:`source`."""
+        if self.source is None:
+            return
+        have = self.source.names()
+        named = [*module.named_parameters(prefix=prefix, recurse=recurse), *module.named_buffers(prefix=prefix, recurse=recurse)]
+        into = {n: t.data for n, t in named if n in have}
+        if into:
+            self.source.read(into)

@@ -114,8 +114,10 @@ def plan_units(model, spec, cfg) -> tuple[Units | None, dict[int, int]]:
         return None, {}
     units = Units(select_units(model, spec if spec is not None else (cfg.stream_units or None)), model)
     if materialize.on_meta(model):  # new parameter objects, released unit by unit: before anyone holds them
+        units.initializer = materialize.Initializer(model, units, materialize.open_weights(cfg.init_weights))  # (checked first)
         materialize.empty_model(model, units)
-        units.initializer = materialize.Initializer(model, units)
+    elif cfg.init_weights:
+        raise ConfigError("optimizer.init_weights seeds a model built on the meta device; a model built whole: load_state_dict() it before")
     return units, unit_of_params(units)
 
 

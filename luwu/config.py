@@ -87,6 +87,10 @@ class OptimizerConfig:
     stream_budget_bytes: int = 0
     """With stream_weights: the most one unit may take on a worker, its fp32 weights and gradient
     (8 B per parameter); a larger unit is refused at start, named with its size (0 = no limit)."""
+    init_weights: str = ""
+    """With stream_weights and a model built on the meta device: seed the nodes from these weights instead of
+    reset_parameters(), one unit at a time: a torch state-dict file (read with mmap) or a
+    torch.distributed.checkpoint folder (e.g. luwu.export_dcp's). Nodes that hold weights already keep them."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_NAMES:
@@ -268,6 +272,7 @@ KEYWORD_SETTINGS = {
     "stream_weights": "optimizer.stream_weights",
     "stream_units": "optimizer.stream_units",
     "prefetch": "optimizer.stream_prefetch",
+    "init_weights": "optimizer.init_weights",
     "bucket_bytes": "transport.bucket_bytes",
     "timeout_s": "transport.timeout_s",
     "metrics_host": "metrics.host",

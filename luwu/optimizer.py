@@ -96,7 +96,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         metrics_port, metrics_host: serve ``/metrics`` on this port (0: any free one; None: not served)
             of this host (``metrics.host``). ``metrics.port`` is the nodes' (``luwu up`` gives node i
             port + i), so a worker serves its endpoint only when asked here.
-        stream_weights, stream_units, prefetch: streaming mode, ``params`` being the model (``optimizer.stream_*``,
+        stream_weights, stream_units, prefetch, init_weights: streaming mode, ``params`` being the model (``optimizer.stream_*``,
             :mod:`luwu.gpu_workers.streaming`): no weights of the units held between uses, each fetched before use.
     """
 
@@ -126,7 +126,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         registry=None,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
-        stream_weights: bool | None = None, stream_units=None, prefetch: int | None = None,
+        stream_weights: bool | None = None, stream_units=None, prefetch: int | None = None, init_weights: str | None = None,
         **hyper,
     ):
         if optimizer is not None:
@@ -135,7 +135,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             config, optimizer=optimizer, nodes=nodes, capacities=capacities, world_size=world_size, job=job, mode=mode,
             delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup, delayed_params=delayed_params,
             max_grad_norm=max_grad_norm, bucket_bytes=bucket_bytes, timeout_s=timeout_s, metrics_host=metrics_host,
-            transport=transport, compression=compression, stream_weights=stream_weights, prefetch=prefetch, stream_units=streaming.patterns_of(stream_units),
+            transport=transport, compression=compression, stream_weights=stream_weights, prefetch=prefetch, stream_units=streaming.patterns_of(stream_units), init_weights=init_weights,
         )
         self.config = cfg
         self.streamer, (self._units, self._unit_of) = None, streaming.plan_units(params, stream_units, cfg.optimizer)

@@ -82,3 +82,52 @@ def test_an_export_needs_an_export_root(cluster1, tmp_path):
     finally:
         opt.close()
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("source", ["state_dict_file", "dcp_folder"])
+def test_a_meta_model_starts_from_weights_read_unit_by_unit(tmp_path, source):
+    """optimizer.init_weights: a model built on the meta device is seeded from a torch state-dict file
+    (opened with mmap) or from a DCP folder written by export_dcp, one unit at a time; training then equals
+    local AdamW started from those weights."""
+    from workers.stream import Net, make_model
+
+    spec = {"seed": 3, "blocks": 3, "width": 16}
+    trained = make_model(spec)
+    if source == "state_dict_file":
+        path = tmp_path / "weights.pt"
+        torch.save(trained.state_dict(), path)
+    else:  # the weights a previous job's nodes exported
+        with luwu.local_cluster(2, node_args=["--node.export_root", str(tmp_path)]) as c:
+            opt = luwu.RemoteOptimizer(trained.named_parameters(), nodes=c.addresses, lr=0.01, compression=False, rank=0, world_size=1, bucket_bytes=700)
+            try:
+                path = luwu.export_dcp(opt, tmp_path / "previous")
+            finally:
+                opt.close()
+    with luwu.local_cluster(2) as c:
+        with torch.device("meta"):
+            model = Net(3, 16)
+        opt = luwu.RemoteOptimizer(model, nodes=c.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1, init_weights=str(path))
+        try:
+            start = opt.model_state_dict()
+            assert all(torch.equal(start[n], p.detach()) for n, p in trained.named_parameters())
+            _train(opt, model, 3)
+            got = opt.model_state_dict()
+        finally:
+            opt.close()
+    local = torch.optim.AdamW(trained.parameters(), lr=0.01)
+    _train(local, trained, 3)
+    for name, p in trained.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_init_weights_are_checked_before_anything_starts(tmp_path):
+    from workers.stream import Net
+
+    torch.save({"inp.weight": torch.zeros(3)}, tmp_path / "bad.pt")
+    with torch.device("meta"):
+        model = Net(2, 8)
+    with pytest.raises(luwu.ConfigError, match="lacks .* of the model's parameters"):
+        luwu.RemoteOptimizer(model, nodes=["tcp://127.0.0.1:9"], lr=0.01, stream_weights=True, rank=0, world_size=1, init_weights=str(tmp_path / "bad.pt"))
+    with pytest.raises(luwu.ConfigError, match="does not exist"):
+        luwu.RemoteOptimizer(model, nodes=["tcp://127.0.0.1:9"], lr=0.01, stream_weights=True, rank=0, world_size=1, init_weights=str(tmp_path / "none.pt"))
