@@ -19,6 +19,13 @@ Competitors, per link rate and worker count:
   (``optimizer.delayed_params``: its gradient comes last in backward and its
   weights first in forward), delayed every weight. Every setting comes from a
   cluster file, as a real job's would.
+- ``luwu_stream``: streaming mode (``optimizer.stream_weights``: the nodes own
+  the weights, a worker holds one layer at a time) against ``fsdp_fp32``: torch
+  FSDP2 (``fully_shard`` on every layer and on the model, over gloo, AdamW on
+  the shards) with the same model, batch and links. Both report the worker's
+  peak RSS above the runtime floor (``worker_peak_mb``, rank 0 excluded: it
+  keeps the loss curve's weight copies) and streaming its weight-fetch wait
+  share of the step (``fetch_share``).
 
 Measured (see ``cluster_task.py``): samples/s from the median step time after
 warm-up (slowest rank), eval loss at the final step, wall time (the training
@@ -80,7 +87,8 @@ TASK = HERE / "cluster_task.py"
 NODE_PORT = 5555
 DDP_PORT = 29500
 DDP_VARIANTS = ("fp32", "bf16", "powersgd")
-LUWU_VARIANTS = ("sync", "partial", "delayed")
+LUWU_VARIANTS = ("sync", "partial", "delayed", "stream")
+FSDP_VARIANTS = ("fp32",)
 
 
 # ----------------------------------------------------------------------------- settings
@@ -192,6 +200,7 @@ def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str
     if rc.capacities:
         lines.append("capacities = [" + ", ".join(f"{c:g}" for c in rc.capacities) + "]")
     lines += ["", "[optimizer]", 'name = "adamw"', f"delayed_update = {str(rc.variant in ('delayed', 'partial')).lower()}",
+              f"stream_weights = {str(rc.variant == 'stream').lower()}",
               f"delayed_update_warmup = {s.dpu_warmup}",
               "delayed_params = [" + (", ".join(f'"{p}"' for p in s.partial_params) if rc.variant == "partial" else "") + "]",
               "", "[compression]", f"enabled = {str(rc.compression).lower()}", 'pull_codec = "int8_delta"',
@@ -349,6 +358,11 @@ def summarize(rc: RunConfig, s: Settings, results: list[dict], hosts: Hosts) -> 
         "fb_cpu_ms": statistics.fmean(x["fb_cpu_s"] for recs in timed for x in recs) * 1e3,
         "opt_cpu_ms": statistics.fmean(x["opt_cpu_s"] for recs in timed for x in recs) * 1e3,
         "step_ms_per_rank": [m * 1e3 for m in meds],
+        # worker peak RSS above the runtime floor (a process that imported torch and luwu), the largest rank's
+        # but rank 0's, which also keeps the weight snapshots of the loss curve
+        "worker_peak_mb": max(r.get("peak_mb", float("nan")) for r in (results[1:] or results)),
+        # streaming: the share of the step forward and backward waited for weights (slowest rank, median)
+        "fetch_share": median([x.get("fetch_s", 0.0) / x["step_s"] for x in timed[slow]]),
         "curve": results[0]["curve"], "eval_loss": results[0]["curve"][-1]["eval_loss"],
         "train_clock_s": results[0]["train_clock_s"],
         "worker_tx_bytes": [w["tx_bytes_per_step"] for w in win], "worker_rx_bytes": [w["rx_bytes_per_step"] for w in win],
@@ -416,6 +430,7 @@ def h2h_configs(rates: list[str], workers: list[int], nodes: list[int], only: li
     for rate in rates:
         for w in workers:
             out += [RunConfig("ddp", v, w, rate=rate) for v in DDP_VARIANTS]
+            out += [RunConfig("fsdp", v, w, rate=rate) for v in FSDP_VARIANTS]
             out += [RunConfig("luwu", v, w, n, rate=rate) for n in nodes for v in LUWU_VARIANTS]
     if only:
         out = [rc for rc in out if any(o in rc.name for o in only)]
@@ -494,6 +509,10 @@ def add_comparisons(rows: list[dict], s: Settings) -> None:
             r["vs_ddp_fp32"] = r["samples_per_s"] / fp32["samples_per_s"] if fp32 else float("nan")
             r["vs_ddp_bf16"] = r["samples_per_s"] / bf16["samples_per_s"] if bf16 else float("nan")
             r["loss_vs_fp32"] = r["eval_loss"] / fp32["eval_loss"] - 1 if fp32 else float("nan")
+            fsdp, resident = ref.get("fsdp_fp32"), ref.get(r["config"].replace("_stream_", "_sync_"))
+            r["vs_fsdp"] = r["samples_per_s"] / fsdp["samples_per_s"] if fsdp else float("nan")
+            r["memory_vs_fsdp"] = r["worker_peak_mb"] / fsdp["worker_peak_mb"] if fsdp else float("nan")
+            r["vs_resident"] = r["samples_per_s"] / resident["samples_per_s"] if resident and "_stream_" in r["config"] else float("nan")
 
 
 def verdicts(rows: list[dict], *, rate: str = "1gbit", workers: int = 4, nodes: int = 2) -> list[dict]:
@@ -504,6 +523,9 @@ def verdicts(rows: list[dict], *, rate: str = "1gbit", workers: int = 4, nodes: 
     for v in LUWU_VARIANTS:
         r = group.get(f"luwu_{v}_n{nodes}")
         if r is None:
+            continue
+        if v == "stream":  # the model in the network: against FSDP2 and LuWu's own resident mode
+            out += _stream_verdicts(r, f"luwu_stream, {nodes} nodes, {workers} workers, {rate}", "fsdp_fp32" in group)
             continue
         where = f"luwu_{v}, {nodes} nodes, {workers} workers, {rate}"
         if "ddp_fp32" in ddp:
@@ -516,6 +538,18 @@ def verdicts(rows: list[dict], *, rate: str = "1gbit", workers: int = 4, nodes: 
             ok = all(r["time_to_loss_s"] < d["time_to_loss_s"] for d in ddp.values())
             out.append(_verdict(f"{where}: time to eval loss {r['target_loss']:.3f} vs the fastest DDP ({best['config']}, "
                                 f"{_secs(best['time_to_loss_s'])})", r["time_to_loss_s"], "less than every DDP", ok, secs=True))
+    return out
+
+
+def _stream_verdicts(r: dict, where: str, fsdp: bool) -> list[dict]:
+    out = []
+    if fsdp:
+        out.append(_verdict(f"{where}: samples/s vs FSDP2", r["vs_fsdp"], ">= 3x", r["vs_fsdp"] >= 3))
+        out.append(_verdict(f"{where}: worker peak memory vs FSDP2", r["memory_vs_fsdp"], "<= 0.5x", r["memory_vs_fsdp"] <= 0.5))
+    if r["vs_resident"] == r["vs_resident"]:
+        out.append(_verdict(f"{where}: samples/s vs resident mode (luwu_sync)", r["vs_resident"], ">= 0.8x", r["vs_resident"] >= 0.8))
+    out.append(_verdict(f"{where}: weight-fetch wait share of the step", r["fetch_share"], "<= 10%", r["fetch_share"] <= 0.10, pct=True))
+    out.append(_verdict(f"{where}: eval loss vs DDP fp32", r["loss_vs_fp32"], "<= +2%", r["loss_vs_fp32"] <= 0.02, pct=True))
     return out
 
 
@@ -551,10 +585,10 @@ def md_table(rows: list[dict], cols: list[str], headers: list[str] | None = None
     return "\n".join(out)
 
 
-H2H_COLS = ["config", "samples_per_s", "vs_ddp_fp32", "vs_ddp_bf16", "step_ms", "fb_ms", "eval_loss", "loss_vs_fp32",
+H2H_COLS = ["config", "samples_per_s", "vs_ddp_fp32", "vs_ddp_bf16", "vs_fsdp", "worker_peak_mb", "fetch_share", "step_ms", "fb_ms", "eval_loss", "loss_vs_fp32",
             "time_to_loss_s", "worker_tx_mb", "worker_rx_mb", "node_rx_mb", "node_tx_mb", "link_util",
             "tcp_retrans_per_step", "worker_cpu_ms", "node_cpu_ms", "busy_cores", "other_cores", "bound"]
-H2H_HEADERS = ["config", "samples/s", "x DDP fp32", "x DDP bf16", "step ms", "fwd+bwd ms", "eval loss", "loss vs fp32",
+H2H_HEADERS = ["config", "samples/s", "x DDP fp32", "x DDP bf16", "x FSDP2", "worker peak MB", "fetch wait share", "step ms", "fwd+bwd ms", "eval loss", "loss vs fp32",
                "time to loss (s)", "worker tx MB", "worker rx MB", "node rx MB", "node tx MB", "busiest link",
                "TCP retransmits/step", "CPU ms/step per worker", "CPU ms/step per node", "busy cores", "of them others'", "bound by"]
 
@@ -768,7 +802,7 @@ def plan_validation(result: dict, tolerance: float = 0.25) -> dict:
 
     rows = []
     for r in result["rows"]:
-        if r["kind"] != "luwu" or r["variant"] == "partial":  # the plan models sync and full delay only
+        if r["kind"] != "luwu" or r["variant"] in ("partial", "stream"):  # the plan models sync and full delay only
             continue
         spec = plan_spec(r, result["settings"], result["calibration"])
         p = plan(spec)

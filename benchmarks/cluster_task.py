@@ -3,9 +3,10 @@
 ``cluster_study.py`` starts this script once per worker host, inside that
 host's network namespace, with the path of a JSON spec (:class:`RunSpec` as a
 dict). The process trains the teacher-student task for ``steps`` steps with
-either DDP over gloo (``fp32``, ``bf16`` compression hook, ``powersgd``) or
-``luwu.RemoteOptimizer`` (nodes, capacities, delayed update and compression
-read from a cluster file, as a real job would), and writes one JSON result.
+either DDP over gloo (``fp32``, ``bf16`` compression hook, ``powersgd``), torch
+FSDP2 over gloo, or ``luwu.RemoteOptimizer`` (nodes, capacities, delayed update,
+streaming and compression read from a cluster file, as a real job would), and
+writes one JSON result, with the process's peak RSS above its runtime floor.
 
 The task: inputs ``x = z @ U`` with ``z ~ N(0, I_k)`` (a fixed k-dimensional
 subspace of R^d_in), labels ``argmax teacher(x)`` of a fixed random ReLU MLP.
@@ -218,14 +219,55 @@ def _barrier(run_dir: Path, name: str, rank: int, world: int, timeout_s: float =
         time.sleep(0.005)
 
 
-def _setup_ddp(spec: dict, model: torch.nn.Module):
+def _init_gloo(spec: dict) -> None:
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = spec["master_addr"], str(spec["master_port"])
     os.environ.setdefault("GLOO_SOCKET_IFNAME", IFACE)
     dist.init_process_group("gloo", rank=spec["rank"], world_size=spec["world"],
                             timeout=__import__("datetime").timedelta(seconds=spec["timeout_s"]))
+
+
+def _setup_fsdp(spec: dict, model: torch.nn.Module):
+    """torch FSDP2 as a new user sets it up: ``fully_shard`` on every layer with parameters (one unit per
+    block, as LuWu streams them), then on the model; AdamW on the sharded parameters, over gloo."""
+    from torch.distributed.fsdp import fully_shard
+
+    _init_gloo(spec)
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"], fused=True)
+    except (RuntimeError, TypeError):  # a torch without fused AdamW for sharded (DTensor) CPU parameters
+        opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
+    return model, opt
+
+
+def _weights(spec: dict, model: torch.nn.Module, opt) -> list[torch.Tensor] | None:
+    """A copy of the current weights in parameter order (FSDP2: gathered, a collective every rank joins;
+    LuWu streaming: fetched from the nodes); None on ranks that keep nothing."""
+    if spec["kind"] == "fsdp":
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        return full if spec["rank"] == 0 else None
+    if spec["rank"] != 0:
+        return None
+    if spec["kind"] == "luwu" and opt.streamer is not None:
+        sd = opt.model_state_dict()
+        return [sd[n] for n, _ in model.named_parameters()]
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _setup_ddp(spec: dict, model: torch.nn.Module):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    _init_gloo(spec)
     variant = spec["variant"]
     # PowerSGD chains collectives in future callbacks; over gloo, those of several buckets reach the wire in
     # different orders on different ranks (a collective mismatch that aborts gloo), so it gets one bucket
@@ -254,22 +296,24 @@ def _setup_luwu(spec: dict, model: torch.nn.Module):
 
 
 def train(spec: dict) -> dict:
+    import luwu  # noqa: F401  (in the runtime floor of every competitor)
+
     torch.set_num_threads(1)
+    floor = _vm_hwm()  # the peak of a process that imported torch and luwu and built nothing
     rank, world, steps, warmup = spec["rank"], spec["world"], spec["steps"], spec["warmup"]
     run_dir = Path(spec["run_dir"])
     task = TeacherTask(d_in=spec["dims"][0], classes=spec["dims"][-1], subspace=spec["subspace"], seed=spec["task_seed"])
     data = task.batches(rank, steps, spec["batch"])
     eval_xy = task.eval_set(spec["eval_samples"]) if rank == 0 else None
     model = make_student(spec["dims"])
-    net, opt = (_setup_ddp if spec["kind"] == "ddp" else _setup_luwu)(spec, model)
-    params = list(model.parameters())
+    net, opt = {"ddp": _setup_ddp, "fsdp": _setup_fsdp, "luwu": _setup_luwu}[spec["kind"]](spec, model)
     node_pids = spec.get("node_pids", []) if rank == 0 else []
     client = opt.client if spec["kind"] == "luwu" else None
     _barrier(run_dir, "start", rank, world)
 
     recs, snaps, clock = [], [], 0.0
-    if rank == 0:
-        snaps.append((0, 0.0, [p.detach().clone() for p in params]))
+    if (w := _weights(spec, model, opt)) is not None:
+        snaps.append((0, 0.0, w))
     start = end = None
     for i, (x, y) in enumerate(data):
         if i == warmup:
@@ -287,9 +331,9 @@ def train(spec: dict) -> dict:
         clock += t2 - t0
         # wall and training-thread CPU seconds of forward+backward (gradient hooks included) and of step()
         recs.append({"step_s": t2 - t0, "fb_s": t1 - t0, "opt_s": t2 - t1, "fb_cpu_s": c1 - c0, "opt_cpu_s": c2 - c1,
-                     "loss": float(loss.detach())})
-        if rank == 0 and (i + 1) % spec["eval_every"] == 0 and i + 1 < steps:
-            snaps.append((i + 1, clock, [p.detach().clone() for p in params]))
+                     "loss": float(loss.detach()), "fetch_s": getattr(getattr(opt, "last_report", None), "fetch_wait_s", 0.0)})
+        if (i + 1) % spec["eval_every"] == 0 and i + 1 < steps and (w := _weights(spec, model, opt)) is not None:
+            snaps.append((i + 1, clock, w))
     _barrier(run_dir, "window_end", rank, world)
     end = _snapshot(node_pids, client, machine=rank == 0)
     ours = {int((run_dir / f"start.{r}").read_text()) for r in range(world)} | set(node_pids) | {spec["study_pid"]}
@@ -297,20 +341,20 @@ def train(spec: dict) -> dict:
     if spec["kind"] == "luwu":
         opt.synchronize()  # delayed update: the last step's weights
     clock += time.perf_counter() - t0
-    if rank == 0:
-        snaps.append((steps, clock, [p.detach().clone() for p in params]))
+    if (w := _weights(spec, model, opt)) is not None:
+        snaps.append((steps, clock, w))
     result = {"rank": rank, "recs": recs, "window": _window(start, end, steps - warmup, ours) if start else None,
-              "train_clock_s": clock}
+              "train_clock_s": clock, "peak_mb": (_vm_hwm() - floor) / 2**20, "floor_mb": floor / 2**20}
     if spec["kind"] == "luwu":
         result["payload_sent"], result["payload_received"] = opt.client.bytes_sent, opt.client.bytes_received
         result["layout"] = {"buckets": [[b.numel, b.node] for b in opt.layout.buckets], "hash": opt.layout.hash}
     if rank == 0:
-        curve = []
+        curve, plain = [], make_student(spec["dims"])  # a plain copy to evaluate (sharded or streamed weights are not)
         for step, at, weights in snaps:
             with torch.no_grad():
-                for p, w in zip(params, weights):
+                for p, w in zip(plain.parameters(), weights):
                     p.copy_(w)
-            curve.append({"step": step, "clock_s": at, "eval_loss": eval_loss(model, *eval_xy)})
+            curve.append({"step": step, "clock_s": at, "eval_loss": eval_loss(plain, *eval_xy)})
         result["curve"] = curve
     _barrier(run_dir, "done", rank, world)
     if spec["kind"] == "luwu":
