@@ -36,6 +36,8 @@ def rows():
         cs.RunConfig("ddp", "fp32", 2, rate="1gbit"),
         cs.RunConfig("luwu", "sync", 2, 2, rate="1gbit", compression=False, capacities=CAPACITIES),
         cs.RunConfig("luwu", "partial", 2, 1, rate="1gbit", compression=True),  # first layer delayed (cluster file)
+        cs.RunConfig("fsdp", "fp32", 2, rate="1gbit"),  # torch FSDP2 over gloo
+        cs.RunConfig("luwu", "stream", 2, 2, rate="1gbit", compression=False),  # the model in the network
     ]
     out = {r["config"]: r for r in cs.run_many(configs, SETTINGS)}
     # the cluster is gone, and with it every process that ran inside
@@ -45,7 +47,7 @@ def rows():
 
 @pytest.mark.timeout(240)
 def test_ddp_and_luwu_both_train_the_task(rows):
-    assert set(rows) == {"ddp_fp32", "luwu_sync_n2_fp32", "luwu_partial_n1"}
+    assert set(rows) == {"ddp_fp32", "luwu_sync_n2_fp32", "luwu_partial_n1", "fsdp_fp32", "luwu_stream_n2_fp32"}
     for name, r in rows.items():
         first, last = r["curve"][0]["eval_loss"], r["curve"][-1]["eval_loss"]
         assert [p["step"] for p in r["curve"]] == [0, 6, 12, 18, 24], name
@@ -56,9 +58,12 @@ def test_ddp_and_luwu_both_train_the_task(rows):
 @pytest.mark.timeout(240)
 def test_luwu_sync_uncompressed_matches_ddp(rows):
     # the same global batches, initial weights and AdamW on the averaged gradient: the same model
-    ddp, luwu = rows["ddp_fp32"], rows["luwu_sync_n2_fp32"]
-    for a, b in zip(ddp["curve"], luwu["curve"]):
-        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-4), (a, b)
+    ddp = rows["ddp_fp32"]
+    for name in ("luwu_sync_n2_fp32", "luwu_stream_n2_fp32", "fsdp_fp32"):  # resident, streaming and FSDP2 alike
+        for a, b in zip(ddp["curve"], rows[name]["curve"]):
+            assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-4), (name, a, b)
+    assert all(r["worker_peak_mb"] > 0 for r in rows.values())
+    assert rows["luwu_stream_n2_fp32"]["fetch_share"] > 0
 
 
 @pytest.mark.timeout(240)
