@@ -29,6 +29,7 @@ _LAZY = {
     "NodeTimeoutError": _ERRORS,
     "RemoteError": _ERRORS,
     "RollbackError": _ERRORS,
+    "NodeStateLostError": _ERRORS,
     "StepMismatchError": _ERRORS,
     "WorkerLostError": _ERRORS,
 }
@@ -46,6 +47,7 @@ if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time these l
         JobMismatchError,
         LayoutMismatchError,
         LuwuError,
+        NodeStateLostError,
         NodeTimeoutError,
         ProtocolError,
         RemoteError,

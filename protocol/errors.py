@@ -90,6 +90,14 @@ class RollbackError(LuwuError):
     code = "rollback"
 
 
+class NodeStateLostError(LuwuError):
+    """A node restarted with nothing to restore (no checkpoint_dir): the weights and optimizer state of its
+    shard are gone, so the job cannot go on from it; restart the job from a checkpoint of your own (or run
+    the nodes with ``node.checkpoint_dir`` so that a restart rolls back instead)."""
+
+    code = "node_state_lost"
+
+
 class CorruptCheckpointError(LuwuError):
     """A checkpoint file is unreadable: bad magic, malformed header, truncated, or its checksum fails."""
 
@@ -119,6 +127,7 @@ _BY_CODE: dict[str, type[LuwuError]] = {
         NodeTimeoutError,
         WorkerLostError,
         RollbackError,
+        NodeStateLostError,
         CorruptCheckpointError,
     )
 }

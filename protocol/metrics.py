@@ -41,11 +41,17 @@ class MetricsFactory:
         return Histogram(self._name(what), doc, labels, registry=self.registry, buckets=buckets)
 
 
+IDLE_TIMEOUT_S = 10.0
+"""Seconds a /metrics connection may stay idle before it is closed (and its thread ends)."""
+
+
 def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0, health=None):
     """Serve ``/metrics`` (Prometheus text format) and ``/healthz`` from a daemon thread.
 
     ``health`` returns (ok, detail dict) for ``/healthz``. Returns (server, bound port); call
-    ``server.shutdown()`` to stop.
+    ``server.shutdown()`` to stop: it returns within a couple of seconds even at interpreter exit,
+    when the serving thread may be gone already. A connection idle for ``IDLE_TIMEOUT_S`` is closed,
+    so idle scrapers hold no thread for long.
     """
     import json
     import threading
@@ -54,6 +60,8 @@ def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: in
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = IDLE_TIMEOUT_S  # the socket timeout of each connection (StreamRequestHandler)
+
         def do_GET(self):  # noqa: N802 - http.server's name
             path = self.path.split("?")[0]
             if path == "/metrics":
@@ -72,7 +80,16 @@ def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: in
         def log_message(self, *args):  # no per-request logging
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="luwu-metrics", daemon=True).start()
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+        def shutdown(self) -> None:
+            """Stop serving without waiting forever for a thread that may have died with the interpreter."""
+            self._BaseServer__shutdown_request = True  # what BaseServer.shutdown sets, minus its unbounded wait
+            thread.join(timeout=2.0)
+            self.server_close()
+
+    server = Server((host, port), Handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="luwu-metrics", daemon=True)
+    thread.start()
     return server, server.server_address[1]

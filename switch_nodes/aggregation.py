@@ -35,11 +35,13 @@ class Aggregation:
         self._applied_since_log = 0
 
     # ----------------------------------------------------------------- PUSH
-    def check_push(self, b: BucketState, h: dict, *, first: bool) -> tuple[Codec, tuple, dict | None]:
-        """Validate a push before it touches the accumulator: its codec and frames, and for the first
-        push of a step also its ``nograd`` segments, reply codec and hyperparameters (None otherwise)."""
+    def check_push(self, b: BucketState, h: dict, frames: list, *, first: bool) -> tuple[Codec, tuple, dict | None]:
+        """Validate a push before it touches the accumulator (or is held undecoded): its codec, frames and
+        payload (a sparse codec's indices), and for the first push of a step also its ``nograd``
+        segments, reply codec and hyperparameters (None otherwise)."""
         codec = get_codec(h["codec"])
         codec.validate(b.numel, h["nbytes"], h["cmeta"])
+        codec.check_payload(b.numel, frames, h["cmeta"])
         nograd = tuple(h["nograd"])
         if not first:
             return codec, nograd, None
@@ -74,7 +76,7 @@ class Aggregation:
             if h.get("partial"):
                 raise StepMismatchError(f"bucket {b.id} step {step}: micro-batch push of worker {w} after its last push of the step")
             return
-        codec, nograd, hyper = self.check_push(b, h, first=not acc.workers and not acc.partial)
+        codec, nograd, hyper = self.check_push(b, h, msg.tensors(), first=not acc.workers and not acc.partial)
         if hyper is None:
             self._check_same_nograd(b, h, acc, nograd)
         else:
@@ -127,7 +129,7 @@ class Aggregation:
             raise ConfigError("global-norm clipping and AMP need sync mode: an async node applies each push alone")
         if h.get("partial"):
             raise ConfigError("no_sync() in streaming mode needs sync mode: an async node applies each push alone")
-        codec, nograd, hyper = self.check_push(b, h, first=True)
+        codec, nograd, hyper = self.check_push(b, h, msg.tensors(), first=True)
         if hyper.get(WORKER_MOMENTUM) is not None:
             raise ConfigError("momentum correction needs sync mode: an async node applies each worker's momentum alone")
         acc = b.accumulator(b.version, max_ahead=0)

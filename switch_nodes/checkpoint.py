@@ -66,19 +66,23 @@ class CheckpointStore:
         final = self._name(step)
         tmp = final.with_suffix(".ckpt.tmp")
         h = hashlib.sha256()
-        with open(tmp, "wb") as fh:
-            for part in (MAGIC, struct.pack("<Q", len(header)), header):
-                fh.write(part)
-                h.update(part)
-            for b in meta["buckets"]:
-                for t in tensors[b["id"]]:
-                    mv = memoryview(t.contiguous().numpy()).cast("B")
-                    fh.write(mv)
-                    h.update(mv)
-            fh.write(h.digest())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
+        try:
+            with open(tmp, "wb") as fh:
+                for part in (MAGIC, struct.pack("<Q", len(header)), header):
+                    fh.write(part)
+                    h.update(part)
+                for b in meta["buckets"]:
+                    for t in tensors[b["id"]]:
+                        mv = memoryview(t.contiguous().numpy()).cast("B")
+                        fh.write(mv)
+                        h.update(mv)
+                fh.write(h.digest())
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+            raise
         dfd = os.open(self.dir, os.O_RDONLY)
         try:
             os.fsync(dfd)
@@ -107,6 +111,7 @@ class CheckpointStore:
             h.update(struct.pack("<Q", hlen))
             h.update(raw)
             tensors: dict[int, list[torch.Tensor]] = {}
+            self._check_sizes(path, meta, size - 16 - hlen - 32)  # before anything is allocated
             try:
                 for b in meta["buckets"]:
                     ts = []
@@ -123,6 +128,18 @@ class CheckpointStore:
             if fh.read(32) != h.digest() or fh.read(1):
                 raise CorruptCheckpointError(f"{path}: checksum mismatch (corrupt or truncated file)")
         return Checkpoint(path, meta, tensors)
+
+    @staticmethod
+    def _check_sizes(path: Path, meta, data_bytes: int) -> None:
+        """The header's tensor sizes must be non-negative ints that add up to exactly the file's data."""
+        try:
+            numels = [n for b in meta["buckets"] for n in b["numels"]]
+        except (KeyError, TypeError) as exc:
+            raise CorruptCheckpointError(f"{path}: malformed header ({exc!r})") from None
+        if any(type(n) is not int or n < 0 for n in numels):
+            raise CorruptCheckpointError(f"{path}: header names tensor sizes that are not non-negative integers")
+        if 4 * sum(numels) != data_bytes:
+            raise CorruptCheckpointError(f"{path}: header describes {4 * sum(numels)} bytes of tensors, the file holds {data_bytes}")
 
     def latest(self, at_step: int | None = None) -> Checkpoint | None:
         """The newest valid checkpoint (at exactly ``at_step`` if given); corrupt ones are skipped."""

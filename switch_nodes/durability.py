@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from luwu.protocol import messages as wire
-from luwu.protocol.errors import ConfigError, ProtocolError, RollbackError, StepMismatchError
+from luwu.protocol.errors import ConfigError, LuwuError, ProtocolError, RollbackError, StepMismatchError
 from luwu.protocol.layout import Bucket
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.checkpoint import Checkpoint
@@ -37,6 +37,7 @@ class Durability:
         self.restored_step: int | None = None
         self._rollbacks_done: set[tuple[int, str]] = set()
         self._parked: list[tuple[BucketState, int]] = []  # completions held for a periodic checkpoint
+        self._failed_step = 0  # the last periodic checkpoint that could not be written (not tried again)
 
     # ----------------------------------------------------------------- checkpoints
     def restore_latest(self) -> None:
@@ -93,11 +94,17 @@ class Durability:
         """A periodic checkpoint is due at ``step``: hold this bucket's step (True) until every bucket
         has reached it, then write the checkpoint and let the held steps go on."""
         node, every = self.node, self.node.cfg.checkpoint_every
-        if node.ckpt is None or not every or step % every != 0 or step <= 0 or (node.ckpt.last_step or 0) >= step:
+        if node.ckpt is None or not every or step % every != 0 or step <= 0 or max(node.ckpt.last_step or 0, self._failed_step) >= step:
             return False
         self._parked.append((b, step))
         if all(x.version >= step for x in node.buckets.values()):
-            await node.run(self.write_checkpoint)
+            try:
+                await node.run(self.write_checkpoint)
+            except OSError as exc:  # a full or broken disk: training goes on, from the last checkpoint that was written
+                self._failed_step = step
+                node.metrics.errors.labels("checkpoint_failed").inc()
+                log.error("node %s could not write the checkpoint of step %d into %s: %s; training goes on, a restart would "
+                          "roll back to step %s (free space or fix node.checkpoint_dir)", node.index, step, node.cfg.checkpoint_dir, exc, node.ckpt.last_step)
             parked, self._parked = self._parked, []
             for pb, pstep in parked:
                 pacc = pb.accs.get(pstep)
@@ -108,7 +115,10 @@ class Durability:
     async def on_checkpoint(self, ident: bytes, msg: wire.Message) -> None:
         if self.node.ckpt is None:
             raise ConfigError(f"node {self.node.index} has no checkpoint_dir (and a node index) configured")
-        await self.node.run(self.write_checkpoint)
+        try:
+            await self.node.run(self.write_checkpoint)
+        except OSError as exc:
+            raise LuwuError(f"node {self.node.index} could not write its checkpoint into {self.node.cfg.checkpoint_dir}: {exc} (free space or fix node.checkpoint_dir)") from None
         self.node.answer(ident, Op.CHECKPOINT, msg.header["worker"])
 
     async def on_rollback(self, ident: bytes, msg: wire.Message) -> None:

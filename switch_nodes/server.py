@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from luwu.protocol import messages as wire
-from luwu.protocol.errors import LuwuError, ProtocolError, RollbackError
+from luwu.protocol.errors import LuwuError, NodeStateLostError, ProtocolError, RollbackError
 from luwu.protocol.memory import retain_freed_memory
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.aggregation import Aggregation
@@ -238,6 +238,14 @@ class NodeServer:
                 f"node {self.index} restarted from its checkpoint of step {step} (boot {self.boot}): "
                 f"roll back to step {step} with optimizer.recover()",
                 step=step,
+                boot=self.boot,
+            )
+        if self.ckpt is None and op in _RANKED | {Op.HEARTBEAT} and not self.buckets:
+            # a worker of a job this node served before its restart: with no checkpoint its shard is gone
+            return NodeStateLostError(
+                f"{op.name} for a job this node does not hold (boot {self.boot}): it restarted without node.checkpoint_dir, so "
+                "the weights and optimizer state of its shard are lost; restart the job from your own checkpoint "
+                "(opt.state_dict()), and run the nodes with node.checkpoint_dir so that a restart rolls back instead",
                 boot=self.boot,
             )
         return ProtocolError(f"{op.name} from a peer that did not say HELLO: say HELLO first")

@@ -165,6 +165,10 @@ class Codec:
         """``acc += alpha * decoded``; frames are (possibly read-only) uint8 views, never written."""
         raise NotImplementedError
 
+    def check_payload(self, numel: int, frames: list[torch.Tensor], meta: dict) -> None:
+        """Checks that need the payload itself (a sparse codec's indices), run when a push is received,
+        before a node holds it undecoded; none for dense codecs."""
+
     def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
         """``out = alpha * decoded`` (a node folds the 1/n of the average into its decode)."""
         out.zero_()

@@ -157,16 +157,21 @@ class TopkCodec(Codec):
         vsize = torch.empty((), dtype=_TOPK_VALUES[meta["values"]]).element_size()
         _check_frames(self.name, frames, [k * vsize, 4 * k])
 
+    def check_payload(self, numel: int, frames: list[torch.Tensor], meta: dict) -> None:
+        """The indices must land inside the bucket."""
+        if int(meta["k"]) == 0:
+            return
+        lo, hi = torch.aminmax(_as(frames[1], torch.int32))
+        if int(lo) < 0 or int(hi) >= numel:
+            raise ProtocolError(f"codec 'topk': index out of range [0, {numel}): min {int(lo)}, max {int(hi)}")
+
     def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
         k = int(meta["k"])
         if k == 0:
             return
+        self.check_payload(acc.numel(), frames, meta)
         vals = _as(frames[0], _TOPK_VALUES[meta["values"]])
         idx = _as(frames[1], torch.int32)
-        # the only check that needs the payload: indices must land inside acc
-        lo, hi = torch.aminmax(idx)
-        if int(lo) < 0 or int(hi) >= acc.numel():
-            raise ProtocolError(f"codec 'topk': index out of range [0, {acc.numel()}): min {int(lo)}, max {int(hi)}")
         if vals.dtype != torch.float32:
             vals = vals.to(torch.float32)
         acc.index_add_(0, idx, vals, alpha=alpha)

@@ -108,6 +108,7 @@ def templates(layout, node: int, optimizer: str = "adamw") -> dict[Op, tuple[dic
         Op.NORM: ({"bucket": b.id, "sqnorm": 1.0, "nonfinite": False}, []),
         Op.COMMIT: ({"coef": 1.0, "skip": False, "buckets": [x.id for x in mine]}, []),
         Op.ROLLBACK: ({}, []),
+        Op.EXPORT: ({"path": "fuzz-export"}, [msgpack.packb({s.param: [s.numel] for x in mine for s in x.segments})]),
     }
     return {op: ({"op": int(op), **common, **h}, p) for op, (h, p) in t.items()}
 
@@ -733,3 +734,39 @@ def test_ops_claiming_a_live_rank_from_a_stranger_are_refused(live_worker, op):
     assert reply.header["op"] == Op.ERROR and "did not say HELLO" in reply.header["message"], reply.header
     train_step(model, opt, 1)
     assert stats(cluster.addresses[0])["step"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_topk_push_is_refused_to_its_sender_on_receipt(cluster1):
+    """A top-k push whose index is out of range, arriving first in its step: refused at once to the rank
+    that sent it, never held for the other rank's push to trip over; the step then waits for a valid
+    push from that rank and counts both."""
+    import torch
+
+    layout = job_layout({"bucket_bytes": 1 << 20}, 1)
+    t = templates(layout, 0)
+    b = layout.buckets[0]
+    ctx = zmq.Context.instance()
+    socks = [dealer(ctx, cluster1.addresses[0]) for _ in range(2)]
+    try:
+        for w, s in enumerate(socks):
+            h, p = t[Op.HELLO]
+            s.send_multipart(pack({**h, "worker": w, "world_size": 2}, p))
+            assert wire.decode(s.recv_multipart(), job=JOB).header["op"] == Op.WELCOME
+        h, p = t[Op.INIT]
+        socks[0].send_multipart(pack(h, p))
+        push, _ = t[Op.PUSH]
+        k = 4
+        vals, bad, good = torch.ones(k).numpy().tobytes(), torch.tensor([0, 1, 2, b.numel + 7], dtype=torch.int32).numpy().tobytes(), torch.arange(k, dtype=torch.int32).numpy().tobytes()
+        topk = {**push, "codec": "topk", "cmeta": {"k": k, "values": "fp32"}}
+        socks[0].send_multipart(pack({**topk, "worker": 0}, [vals, bad]))
+        err = wire.decode(socks[0].recv_multipart(), job=JOB).header
+        assert err["op"] == Op.ERROR and "index out of range" in err["message"] and err["ref_op"] == Op.PUSH, err
+        socks[1].send_multipart(pack({**topk, "worker": 1}, [vals, good]))
+        socks[0].send_multipart(pack({**topk, "worker": 0}, [vals, good]))  # its retry, valid this time
+        for s in socks:  # both pushes counted: the step is applied and answered to both ranks
+            reply = wire.decode(s.recv_multipart(), job=JOB).header
+            assert reply["op"] == Op.UPDATE and reply["seq"] == 0, reply
+    finally:
+        for s in socks:
+            s.close(0)

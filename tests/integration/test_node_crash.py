@@ -36,6 +36,41 @@ def test_checkpoint_roundtrip_atomic_and_corruption_detected(tmp_path):
     assert store.latest().meta["step"] == 10
 
 
+@pytest.mark.parametrize("numels", [[-5, 10, 2], [2**62, 10, 2], [10, 10, 3], [10.0, 10, 2], [True, 10, 2]])
+def test_a_header_with_impossible_sizes_is_refused_before_allocating(tmp_path, numels):
+    """Sizes that are negative, huge, not ints or that do not add up to the file are refused as corrupt
+    before any tensor is allocated, and the valid older checkpoint is used."""
+    import json
+    import struct
+
+    store = CheckpointStore(str(tmp_path), node_index=0, keep=3)
+    meta = lambda step: {"job": "j", "step": step, "buckets": [{"id": 0, "numels": [10, 10, 2]}]}  # noqa: E731
+    for step in (5, 10):
+        store.save(meta(step), {0: [torch.full((10,), float(step)), torch.arange(10.0), torch.ones(2)]})
+    path = store.list()[-1][1]
+    raw = path.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[8:16])
+    header = json.loads(raw[16 : 16 + hlen])
+    header["buckets"][0]["numels"] = numels
+    new = json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(raw[:8] + struct.pack("<Q", len(new)) + new + raw[16 + hlen :])
+    with pytest.raises(CorruptCheckpointError, match="sizes that are not non-negative integers|describes .* bytes of tensors"):
+        store.load(path)
+    assert store.latest().meta["step"] == 5
+
+
+def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    store = CheckpointStore(str(tmp_path), node_index=0, keep=3)
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        store.save({"job": "j", "step": 5, "buckets": [{"id": 0, "numels": [4]}]}, {0: [torch.ones(4)]})
+    assert list(tmp_path.iterdir()) == []
+
+
 SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 30, "resilient": True, "step_sleep": 0.03, "timeout_s": 20.0}
 
 
@@ -81,3 +116,51 @@ def test_sigterm_writes_checkpoint_and_restart_restores(tmp_path):
             assert_params_close(list(model.parameters()), before, rtol=0, atol=0)
         finally:
             opt.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_node_restarted_without_checkpoints_says_its_state_is_lost():
+    """No checkpoint_dir: the restarted node comes back empty, and the worker gets NodeStateLostError
+    saying what happened and what to do (it used to be "HEARTBEAT from a peer that did not say HELLO")."""
+    with luwu.local_cluster(1) as cluster:
+        model = torch.nn.Linear(8, 4)
+        opt = luwu.RemoteOptimizer(model, nodes=cluster.addresses, lr=0.1, timeout_s=10, rank=0, world_size=1)
+        try:
+            opt.zero_grad()
+            model(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
+            cluster.kill(0)
+            cluster.restart(0)
+            opt.zero_grad()
+            model(torch.randn(4, 8)).square().mean().backward()
+            with pytest.raises(luwu.NodeStateLostError, match="restarted without node.checkpoint_dir"):
+                opt.step()
+        finally:
+            opt.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_full_checkpoint_disk_does_not_stop_training(tmp_path):
+    """The periodic checkpoint cannot be written (a 64 KiB tmpfs): the node logs it and the steps go on
+    (they used to wait for the checkpoint forever), and no partial file is left behind."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (root is needed)")
+    try:
+        with luwu.local_cluster(1, node_args=["--node.checkpoint_dir", str(disk), "--node.checkpoint_every", "2"]) as cluster:
+            model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))  # 1 MB of state: never fits
+            opt = luwu.RemoteOptimizer(model.parameters(), nodes=cluster.addresses, lr=0.01, compression=False, rank=0, world_size=1, timeout_s=20)
+            try:
+                for _ in range(5):
+                    opt.zero_grad()
+                    model(torch.randn(8, 256)).sum().backward()
+                    opt.step()
+                assert opt.worker.step_num == 5
+            finally:
+                opt.close()
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

@@ -179,3 +179,46 @@ def test_prometheus_scrapes_nodes_and_workers(tmp_path):
         stop(prom)
         for w in workers:
             stop(w)
+
+
+@pytest.mark.timeout(60)
+def test_idle_metrics_connections_are_closed(monkeypatch):
+    """A scraper that connects and sends nothing holds a thread only until the idle timeout."""
+    from prometheus_client import CollectorRegistry
+
+    from luwu.protocol import metrics
+
+    monkeypatch.setattr(metrics, "IDLE_TIMEOUT_S", 0.5)
+    server, port = metrics.serve_metrics(CollectorRegistry(), port=0)
+    try:
+        base = threading.active_count()
+        conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        for c in conns:  # each idle connection is closed by the server after the timeout
+            c.settimeout(10)
+            assert c.recv(1) == b""
+            c.close()
+        deadline = time.monotonic() + 10
+        while threading.active_count() > base and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert threading.active_count() <= base, "idle connections still hold threads"
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_cannot_reach_its_node_exits_with_metrics_on():
+    """The constructor fails (no node there) with /metrics served: the process still exits promptly."""
+    code = (
+        "import torch, luwu\n"
+        "from luwu.gpu_workers.config import TransportConfig\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        "try:\n"
+        "    luwu.RemoteOptimizer(m.parameters(), nodes=['tcp://127.0.0.1:9'], lr=0.1, rank=0, world_size=1, metrics_port=0,\n"
+        "                        transport=TransportConfig(connect_timeout_s=1.0, timeout_s=1.0))\n"
+        "except luwu.NodeTimeoutError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=45)
+    assert r.returncode == 0 and "refused:" in r.stdout, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
