@@ -21,6 +21,7 @@ from luwu.protocol.errors import ConfigError, LayoutMismatchError, ProtocolError
 from luwu.protocol.layout import Bucket
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.optimizers import OptimizerKind, get_kind
+from luwu.switch_nodes.replies import STUCK_S
 from luwu.switch_nodes.store import BucketState
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class Membership:
     def __init__(self, node: NodeServer):
         self.node = node
         self._lost_reported: set[tuple[int, int]] = set()
+        self._not_reading: set[int] = set()  # ranks named for leaving their replies unread (until they say HELLO again)
 
     # ----------------------------------------------------------------- HELLO
     def on_hello(self, ident: bytes, msg: wire.Message) -> None:
@@ -104,6 +106,7 @@ class Membership:
         if not node.members:
             node.members = set(range(node.world_size))
         node.members.add(w)
+        self._not_reading.discard(w)
         node.last_seen[w] = time.monotonic()
         node.metrics.workers.set(len(node.peers))
         versions = {b.id: b.version for b in node.buckets.values()}
@@ -172,6 +175,24 @@ class Membership:
         if absent or waiting:
             log.warning("node %s at %s: waiting for worker ranks %s (not connected: %s)", node.index, node.address, waiting or absent, absent)
         return bool(absent or waiting)
+
+    async def not_reading(self, ranks: set[int]) -> None:
+        """Workers that leave their replies unread are lost: named in the log once; strict mode tells the
+        others (their step fails with WorkerLostError naming them), elastic mode drops them."""
+        node = self.node
+        new = (ranks & node.members) - self._not_reading
+        if not new:
+            return
+        self._not_reading |= new
+        who = ", ".join(f"worker {w}" for w in sorted(new))
+        node.metrics.errors.labels("not_reading").inc(len(new))
+        log.error("node %s: %s left its replies unread for %.0f s: %s", node.index, who, STUCK_S, "dropped (elastic)" if node.cfg.worker_policy == "elastic" else "lost (strict mode)")
+        if node.cfg.worker_policy == "elastic":
+            await self._drop(new, node.step, -1)
+            return
+        text = f"{who} stopped reading the node's replies (nothing taken for {STUCK_S:.0f} s): lost (strict mode)"
+        for w in node.members - new:
+            node.tell(w, WorkerLostError.code, text, step=node.step, bucket=-1)
 
     async def _drop(self, missing: set[int], step: int, bid: int) -> None:
         """Elastic mode: the missing ranks leave the job; the steps waiting only for them go on."""

@@ -16,9 +16,12 @@ with PULL just before it needs them.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import zmq
 
 from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
@@ -35,18 +38,42 @@ log = logging.getLogger(__name__)
 INT8_DELTA = "int8_delta"
 
 
+#: Seconds the optimizer thread waits for a worker's replies to leave before it counts that worker as
+#: not reading (it is then lost: strict mode fails the step naming it, elastic mode drops it).
+STUCK_S = 5.0
+
+
 class ReplyBuffers:
     """Preallocated encode buffers for a bucket's replies, two per codec (by step parity), each reused
-    only once ZeroMQ has finished sending what was encoded into it last time."""
+    only once ZeroMQ has finished sending what was encoded into it last time.
 
-    def __init__(self) -> None:
+    A worker that does not read its replies never holds the optimizer thread for more than
+    :data:`STUCK_S`: its replies are given up on (a buffer still referenced by them is replaced, not
+    reused) and ``on_stuck`` is told its rank."""
+
+    def __init__(self, on_stuck: Callable[[set[int]], None] | None = None) -> None:
         self._bufs: dict[tuple[str, int], list[torch.Tensor]] = {}
-        self._trackers: dict[tuple[str, int], list] = {}
+        self._trackers: dict[tuple[str, int], list] = {}  # (worker, MessageTracker) of the replies in flight
+        self.on_stuck = on_stuck
+
+    def _settle(self, pairs: list) -> set[int]:
+        """Wait (at most STUCK_S in all) for these replies to leave; the ranks whose did not."""
+        deadline, stuck = time.monotonic() + STUCK_S, set()
+        for w, t in pairs:
+            if w in stuck:
+                continue
+            try:
+                t.wait(max(0.0, deadline - time.monotonic()))
+            except zmq.NotDone:
+                stuck.add(w)
+        if stuck and self.on_stuck is not None:
+            self.on_stuck(stuck)
+        return stuck
 
     def take(self, codec, numel: int, parity: int) -> list[torch.Tensor]:
         key = (codec.name, parity)
-        for t in self._trackers.pop(key, ()):
-            t.wait(60)
+        if self._settle(self._trackers.pop(key, [])):
+            self._bufs.pop(key, None)  # still referenced by the unsent replies: a fresh one
         buf = self._bufs.get(key)
         if buf is None:
             buf = self._bufs[key] = codec.alloc(numel)
@@ -60,12 +87,13 @@ class ReplyBuffers:
         return codec.encode(params, self.take(codec, params.numel(), version & 1))
 
     def wait_all(self) -> None:
-        for key in list(self._trackers):
-            for t in self._trackers.pop(key, ()):
-                t.wait(60)
+        """Before the weights change under replies sent zero-copy (a stuck worker's may be torn: it is lost)."""
+        pairs = [p for key in list(self._trackers) for p in self._trackers.pop(key, ())]
+        self._settle(pairs)
 
     def sent(self, codec_name: str, parity: int, trackers: list) -> None:
-        self._trackers.setdefault((codec_name, parity), []).extend(t for t in trackers if t is not None)
+        """``trackers``: (worker, MessageTracker) of the replies just sent."""
+        self._trackers.setdefault((codec_name, parity), []).extend((w, t) for w, t in trackers if t is not None)
 
 
 class Payload(NamedTuple):
@@ -151,7 +179,7 @@ class Replies:
         return self._delta
 
     def add(self, bid: int) -> None:
-        self.buffers[bid] = ReplyBuffers()
+        self.buffers[bid] = ReplyBuffers(self.node.not_reading)
 
     def reset(self) -> None:
         """Forget every bucket's buffers and pending PULLs (a restore replaced the buckets)."""
@@ -205,7 +233,7 @@ class Replies:
         metrics, trackers = self.node.metrics, []
         for w in workers:
             if w in self.node.peers:
-                trackers.append(self.node.send_to(w, data, track=True))
+                trackers.append((w, self.node.send_to(w, data, track=True)))
                 metrics.bytes_out.labels("update").inc(nbytes)
                 if payload.frames:  # (an ack carries no weights)
                     metrics.raw_out.labels("update").inc(b.numel * 4)

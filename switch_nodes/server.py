@@ -144,6 +144,7 @@ class NodeServer:
         return self.address
 
     async def serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
         torch.set_num_threads(self.cfg.torch_threads)
         if self.cfg.retain_freed_memory:
             retain_freed_memory()
@@ -285,6 +286,10 @@ class NodeServer:
         """:meth:`send` to a connected worker rank (nothing if it is not connected)."""
         ident = self.peers.get(worker)
         return None if ident is None else self.send(ident, frames, track)
+
+    def not_reading(self, ranks: set[int]) -> None:
+        """From the optimizer thread: these workers left their replies unread (see :class:`ReplyBuffers`)."""
+        self.loop.call_soon_threadsafe(asyncio.ensure_future, self.membership.not_reading(set(ranks)))
 
     def tell(self, worker: int, code: str, text: str, *, step: int, bucket: int) -> None:
         """An ERROR to ``worker`` that answers no message of its own (a lost peer, a failed step)."""

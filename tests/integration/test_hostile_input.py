@@ -770,3 +770,43 @@ def test_a_bad_topk_push_is_refused_to_its_sender_on_receipt(cluster1):
     finally:
         for s in socks:
             s.close(0)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_never_reads_its_replies_is_named_and_does_not_hold_the_node(cluster1):
+    """Rank 1 pushes every step and never reads (tiny receive buffers): the node's optimizer thread gives
+    up on its replies after STUCK_S instead of blocking 60 s, and rank 0 gets WorkerLostError naming
+    rank 1 well before its own timeout."""
+    import torch
+
+    from luwu.switch_nodes.replies import STUCK_S
+
+    model = torch.nn.Linear(1024, 1024)  # 4 MB replies: the stuck peer's buffers fill in a step or two
+    opt = luwu.RemoteOptimizer(model.parameters(), nodes=cluster1.addresses, job=JOB, lr=0.01, compression=False, rank=0, world_size=2, timeout_s=40)
+    ctx = zmq.Context.instance()
+    stuck = ctx.socket(zmq.DEALER)
+    stuck.setsockopt(zmq.LINGER, 0)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    stuck.connect(cluster1.addresses[0])
+    try:
+        layout = opt.layout
+        mine = layout.buckets_of(0)
+        hello = {"op": Op.HELLO, "job": JOB, "step": 0, "worker": 1, "world_size": 2, "layout": layout.hash, "node_index": 0,
+                 "buckets": [b.to_wire() for b in mine], "optimizer": "adamw", "mode": "sync", "param_names": {s.param: s.name for b in mine for s in b.segments}}
+        stuck.send_multipart(pack(hello, []))
+        assert wire.decode(stuck.recv_multipart(), job=JOB).header["op"] == Op.WELCOME
+        t0 = time.monotonic()
+        with pytest.raises(luwu.WorkerLostError, match="worker 1 stopped reading") as err:
+            for step in range(20):
+                for b in mine:
+                    h = {"op": Op.PUSH, "job": JOB, "step": step, "worker": 1, "bucket": b.id, "codec": "none", "cmeta": {},
+                         "hyper": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}, "nograd": [], "two_phase": False, "pull": "none"}
+                    stuck.send_multipart(pack(h, [bytes(4 * b.numel)]))
+                opt.zero_grad()
+                model(torch.randn(4, 1024)).sum().backward()
+                opt.step()
+        assert time.monotonic() - t0 < 6 * STUCK_S and "stopped reading" in str(err.value)  # (its own timeout: 40 s)
+    finally:
+        stuck.close(0)
+        opt.close()
