@@ -21,7 +21,6 @@ from luwu.protocol.errors import ConfigError, LayoutMismatchError, ProtocolError
 from luwu.protocol.layout import Bucket
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.optimizers import OptimizerKind, get_kind
-from luwu.switch_nodes.replies import STUCK_S
 from luwu.switch_nodes.store import BucketState
 
 if TYPE_CHECKING:
@@ -186,11 +185,12 @@ class Membership:
         self._not_reading |= new
         who = ", ".join(f"worker {w}" for w in sorted(new))
         node.metrics.errors.labels("not_reading").inc(len(new))
-        log.error("node %s: %s left its replies unread for %.0f s: %s", node.index, who, STUCK_S, "dropped (elastic)" if node.cfg.worker_policy == "elastic" else "lost (strict mode)")
+        stuck_s = node.cfg.worker_timeout_s / 4
+        log.error("node %s: %s left its replies unread for %.0f s: %s", node.index, who, stuck_s, "dropped (elastic)" if node.cfg.worker_policy == "elastic" else "lost (strict mode)")
         if node.cfg.worker_policy == "elastic":
             await self._drop(new, node.step, -1)
             return
-        text = f"{who} stopped reading the node's replies (nothing taken for {STUCK_S:.0f} s): lost (strict mode)"
+        text = f"{who} stopped reading the node's replies (nothing taken for {stuck_s:.0f} s): lost (strict mode)"
         for w in node.members - new:
             node.tell(w, WorkerLostError.code, text, step=node.step, bucket=-1)
 

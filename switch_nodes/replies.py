@@ -38,27 +38,22 @@ log = logging.getLogger(__name__)
 INT8_DELTA = "int8_delta"
 
 
-#: Seconds the optimizer thread waits for a worker's replies to leave before it counts that worker as
-#: not reading (it is then lost: strict mode fails the step naming it, elastic mode drops it).
-STUCK_S = 5.0
-
-
 class ReplyBuffers:
     """Preallocated encode buffers for a bucket's replies, two per codec (by step parity), each reused
     only once ZeroMQ has finished sending what was encoded into it last time.
 
     A worker that does not read its replies never holds the optimizer thread for more than
-    :data:`STUCK_S`: its replies are given up on (a buffer still referenced by them is replaced, not
+    ``stuck_s``: its replies are given up on (a buffer still referenced by them is replaced, not
     reused) and ``on_stuck`` is told its rank."""
 
-    def __init__(self, on_stuck: Callable[[set[int]], None] | None = None) -> None:
+    def __init__(self, on_stuck: Callable[[set[int]], None] | None = None, stuck_s: float = 15.0) -> None:
         self._bufs: dict[tuple[str, int], list[torch.Tensor]] = {}
         self._trackers: dict[tuple[str, int], list] = {}  # (worker, MessageTracker) of the replies in flight
-        self.on_stuck = on_stuck
+        self.on_stuck, self.stuck_s = on_stuck, stuck_s
 
     def _settle(self, pairs: list) -> set[int]:
-        """Wait (at most STUCK_S in all) for these replies to leave; the ranks whose did not."""
-        deadline, stuck = time.monotonic() + STUCK_S, set()
+        """Wait (at most ``stuck_s`` in all) for these replies to leave; the ranks whose did not."""
+        deadline, stuck = time.monotonic() + self.stuck_s, set()
         for w, t in pairs:
             if w in stuck:
                 continue
@@ -179,7 +174,7 @@ class Replies:
         return self._delta
 
     def add(self, bid: int) -> None:
-        self.buffers[bid] = ReplyBuffers(self.node.not_reading)
+        self.buffers[bid] = ReplyBuffers(self.node.not_reading, self.node.cfg.worker_timeout_s / 4)
 
     def reset(self) -> None:
         """Forget every bucket's buffers and pending PULLs (a restore replaced the buckets)."""
