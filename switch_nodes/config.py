@@ -29,7 +29,8 @@ class NodeConfig:
     """strict: a missing worker fails the step for everyone with an error naming its rank;
     elastic: after worker_timeout_s the step goes on with the workers present."""
     worker_timeout_s: float = 60.0
-    """How long a (step, bucket) waits for the missing workers' pushes before the worker policy acts."""
+    """How long a (step, bucket) waits for the missing workers' pushes before the worker policy acts; a
+    worker that leaves its replies unread for a quarter of it is lost too."""
     max_message_bytes: int = 256 * 1024 * 1024
     """Largest message accepted; larger ones are dropped by ZeroMQ before allocation."""
     torch_threads: int = 1
@@ -45,6 +46,8 @@ class NodeConfig:
     """One summary log line every this many steps."""
     rcvhwm: int = 1000
     """ZeroMQ receive high-water mark (messages); senders wait beyond it."""
+    max_world_size: int = 4096
+    """The largest world size a HELLO may name (the node keeps per-rank state for each)."""
     max_shard_bytes: int = 64 * 1024**3
     """Most bytes of weights + optimizer state this node agrees to hold; a HELLO asking for more is refused."""
     curve_public_key: str = ""
@@ -71,7 +74,7 @@ class NodeConfig:
         for name in ("staleness", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"node.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("torch_threads", "log_every", "rcvhwm", "max_message_bytes", "inflight_bytes", "max_shard_bytes"):
+        for name in ("torch_threads", "log_every", "rcvhwm", "max_message_bytes", "inflight_bytes", "max_shard_bytes", "max_world_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"node.{name} must be >= 1, got {getattr(self, name)}")
         if bool(self.curve_public_key) != bool(self.curve_secret_key):

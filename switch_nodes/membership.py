@@ -11,6 +11,7 @@ step naming them (strict) or drops them and goes on (elastic).
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -29,6 +30,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def ranks_text(ranks: list[int], limit: int = 12) -> str:
+    """Sorted ranks as runs (``0-3, 7, 9-4095``), at most ``limit`` runs: a log line stays short."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:limit])
+    return f"[{text}{f', ... ({len(ranks)} ranks)' if len(runs) > limit else ''}]"
+
+
+def physical_memory() -> int:
+    """Bytes of physical memory of this machine (a shard never gets more)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
 class Membership:
     def __init__(self, node: NodeServer):
         self.node = node
@@ -41,6 +62,8 @@ class Membership:
         w = h["worker"]
         if h["world_size"] < 1 or w >= h["world_size"]:
             raise ProtocolError(f"worker rank {w} is outside world size {h['world_size']}")
+        if h["world_size"] > node.cfg.max_world_size:  # before anything is sized by it
+            raise ConfigError(f"HELLO of worker {w} names world size {h['world_size']}, over this node's node.max_world_size = {node.cfg.max_world_size}")
         if node.index >= 0 and h["node_index"] != node.index:
             raise LayoutMismatchError(f"this is node {node.index}, worker {w} addressed it as node {h['node_index']}")
         kind = get_kind(h["optimizer"])
@@ -71,8 +94,12 @@ class Membership:
         held = sum(b.numel for b in self.node.buckets.values())
         new = sum(b.numel for b in buckets if b.id not in self.node.buckets)
         nbytes = (held + new) * 4 * (1 + len(kind.state_for({})))  # the state every step keeps
-        if nbytes > self.node.cfg.max_shard_bytes:
-            raise ConfigError(f"HELLO of worker {w} would make this node hold {nbytes / 2**30:.1f} GiB, over node.max_shard_bytes")
+        cap = min(self.node.cfg.max_shard_bytes, physical_memory())
+        if nbytes > cap:
+            raise ConfigError(
+                f"HELLO of worker {w} would make this node hold {nbytes / 2**30:.1f} GiB, over {cap / 2**30:.1f} GiB "
+                "(node.max_shard_bytes, at most this machine's physical memory)"
+            )
 
     def _check_same_job(self, h: dict, kind: OptimizerKind, buckets: list[Bucket]) -> None:
         """A worker joining a running job: same world size and optimizer, and a layout that is the job's
@@ -172,7 +199,7 @@ class Membership:
         absent = sorted(set(range(node.world_size)) - set(node.peers))
         waiting = sorted({w for b in node.buckets.values() for acc in b.accs.values() if now - acc.first_at > 5.0 for w in node.members - acc.workers})
         if absent or waiting:
-            log.warning("node %s at %s: waiting for worker ranks %s (not connected: %s)", node.index, node.address, waiting or absent, absent)
+            log.warning("node %s at %s: waiting for worker ranks %s (not connected: %s)", node.index, node.address, ranks_text(waiting or absent), ranks_text(absent))
         return bool(absent or waiting)
 
     async def not_reading(self, ranks: set[int]) -> None:

@@ -810,3 +810,30 @@ def test_a_worker_that_never_reads_its_replies_is_named_and_does_not_hold_the_no
     finally:
         stuck.close(0)
         opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_strangers_hello_cannot_size_the_node(cluster1):
+    """A HELLO naming world size 3e7, or buckets of more memory than the machine has, is refused before
+    anything is allocated: the node's RSS does not move and the real job starts afterwards."""
+    import torch
+
+    pid = cluster1.procs[0].pid
+    rss = lambda: int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:")).split()[1]) * 1024  # noqa: E731
+    layout = job_layout({}, 1)
+    h, _ = templates(layout, 0)[Op.HELLO]
+    before = rss()
+    reply = ask(cluster1.addresses[0], {**h, "world_size": 30_000_000})
+    assert reply.header["op"] == Op.ERROR and "max_world_size" in reply.header["message"], reply.header
+    huge = [[0, 0, 2**40, [[0, 0, 0, 2**40]]]]  # one bucket of 4 TiB
+    reply = ask(cluster1.addresses[0], {**h, "buckets": huge})
+    assert reply.header["op"] == Op.ERROR and "physical memory" in reply.header["message"], reply.header
+    assert rss() < before + 20 * 2**20
+    assert stats(cluster1.addresses[0])["workers"] == 0
+    model = torch.nn.Linear(8, 2)
+    opt = luwu.RemoteOptimizer(model.parameters(), nodes=cluster1.addresses, job=JOB, lr=0.1, rank=0, world_size=1, timeout_s=20)
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+    finally:
+        opt.close()
