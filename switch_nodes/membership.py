@@ -31,14 +31,15 @@ log = logging.getLogger(__name__)
 
 
 def ranks_text(ranks: list[int], limit: int = 12) -> str:
-    """Sorted ranks as runs (``0-3, 7, 9-4095``), at most ``limit`` runs: a log line stays short."""
+    """Sorted ranks, three or more in a row as a run (``0-3, 7, 9, 10, 12-4095``), at most ``limit`` runs:
+    a log line stays short."""
     runs: list[list[int]] = []
     for r in ranks:
         if runs and r == runs[-1][1] + 1:
             runs[-1][1] = r
         else:
             runs.append([r, r])
-    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:limit])
+    text = ", ".join(f"{a}-{b}" if b > a + 1 else ", ".join(map(str, range(a, b + 1))) for a, b in runs[:limit])
     return f"[{text}{f', ... ({len(ranks)} ranks)' if len(runs) > limit else ''}]"
 
 
