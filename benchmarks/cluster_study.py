@@ -785,11 +785,12 @@ def plan_spec(row: dict, settings: dict, calib: dict):
         num_params=P, workers=row["workers"], nodes=row["nodes"],
         capacities=tuple(row["capacities"]) if row.get("capacities") else None,
         worker_gbps=row["worker_rate_bps"] / 1e9, node_gbps=tuple(b / 1e9 for b in row["node_rate_bps"]),
-        compute_s=calib["compute_s"], delayed_update=row["variant"] == "delayed",
+        compute_s=calib["compute_s"], delayed_update=row["variant"] == "delayed", stream_weights=row["variant"] == "stream",
         protocol_efficiency=link["efficiency"], bucket_bytes=settings["bucket_bytes"],
         batch_per_worker=settings["batch"], shared_cores=cores,
         # the bytes per element the codecs really put on the wire in this run (payload, per worker and step)
-        push_bytes_per_elem=row["payload_push_bytes"] / P, pull_bytes_per_elem=row["payload_pull_bytes"] / P,
+        # (streaming: the measured weight bytes are two fetches a step, the plan counts the second itself)
+        push_bytes_per_elem=row["payload_push_bytes"] / P, pull_bytes_per_elem=row["payload_pull_bytes"] / P / (2 if row["variant"] == "stream" else 1),
         # the data path's CPU from the calibration run (1 worker, 1 node), in the plan's per-element terms
         push_encode_s_per_elem=dp["push_encode_s_per_elem"], pull_decode_s_per_elem=dp["pull_decode_s_per_elem"],
         opt_params_per_s=1.0 / max(dp["node_fixed_s_per_elem"], 1e-15), pull_encode_s_per_elem=0.0,
@@ -802,7 +803,7 @@ def plan_validation(result: dict, tolerance: float = 0.25) -> dict:
 
     rows = []
     for r in result["rows"]:
-        if r["kind"] != "luwu" or r["variant"] in ("partial", "stream"):  # the plan models sync and full delay only
+        if r["kind"] != "luwu" or r["variant"] == "partial":  # the plan models sync, full delay and streaming
             continue
         spec = plan_spec(r, result["settings"], result["calibration"])
         p = plan(spec)

@@ -84,6 +84,17 @@ The bottleneck is the resource busiest per step among compute, each worker link
 direction, each node link direction, each node's CPU, the worker codec and (with
 ``shared_cores``) the shared cores.
 
+Streaming mode (``stream_weights``): the nodes own the weights and a worker fetches every
+unit twice a step (forward and backward), so the weight traffic doubles::
+
+    worker down  = 2 * P * b_pull    node j up = 2 * W * P_j * b_pull    write = 2 * P * d_pull
+
+The fetches run ahead of compute (``prefetch`` units) and the pushes leave unit by unit during
+backward, so each resource is busy once per step, all at the same time; what cannot overlap is
+the first unit's fetch and the last unit's push path (one bucket through the stages)::
+
+    stream step  = max(C' + write, push, node, pull, shared cpu) + tail
+
 Not modelled: link latency and per-message overheads (frames are 1-4 MiB),
 unfair incast sharing, CPU contention between compute, codecs and the I/O
 thread on one host (except through ``shared_cores``), the bf16 warm-up
@@ -169,6 +180,9 @@ class PlanSpec:
     """fp32 bytes per bucket, the unit that pipelines through the stages."""
     batch_per_worker: int | None = None
     """Samples per worker per step, for samples/s; None = not reported."""
+    stream_weights: bool = False
+    """Streaming mode: weights fetched per unit, twice a step (``pull_bytes_per_elem`` each time: the fetch
+    codec, bf16 with compression on); sync mode only."""
     shared_cores: float | None = None
     """Cores that every worker and node process share (an emulated cluster on one machine, or processes
     packed on one host); None = every host has its own CPU."""
@@ -211,6 +225,8 @@ class PlanSpec:
             isinstance(self.overlap_fraction, (int, float)) and 0.0 <= self.overlap_fraction <= 1.0
         ):
             raise ConfigError(f"overlap_fraction must be in [0, 1] or None, got {self.overlap_fraction!r}")
+        if self.stream_weights and self.delayed_update:
+            raise ConfigError("stream_weights and delayed_update cannot be combined (a streaming worker holds no weights to update late)")
         if not (isinstance(self.protocol_efficiency, (int, float)) and 0.0 < self.protocol_efficiency <= 1.0):
             raise ConfigError(f"protocol_efficiency must be in (0, 1], got {self.protocol_efficiency!r}")
 
@@ -305,21 +321,23 @@ def plan(spec: PlanSpec) -> Plan:
     bw_worker = spec.worker_gbps * 1e9 / 8 * spec.protocol_efficiency
     bw_nodes = [g * 1e9 / 8 * spec.protocol_efficiency for g in spec.node_gbps_list()]
 
+    fetches = 2 if spec.stream_weights else 1  # streaming: every unit's weights for forward and again for backward
     worker_up_bytes = P * spec.push_bytes_per_elem
-    worker_down_bytes = P * spec.pull_bytes_per_elem
+    worker_down_bytes = fetches * P * spec.pull_bytes_per_elem
     worker_up_s = worker_up_bytes / bw_worker
     worker_down_s = worker_down_bytes / bw_worker
     node_down_bytes = tuple(W * s * spec.push_bytes_per_elem for s in shards)
-    node_up_bytes = tuple(W * s * spec.pull_bytes_per_elem for s in shards)
+    node_up_bytes = tuple(fetches * W * s * spec.pull_bytes_per_elem for s in shards)
     node_down_s = tuple(b / bw for b, bw in zip(node_down_bytes, bw_nodes))
     node_up_s = tuple(b / bw for b, bw in zip(node_up_bytes, bw_nodes))
     node_opt_s = tuple(s / spec.opt_params_per_s / spec.node_threads for s in shards)
-    per_elem_codec = W * spec.push_decode_s_per_elem + spec.pull_encode_s_per_elem
+    # a reply is encoded once for every worker; a streaming fetch once per worker and fetch
+    per_elem_codec = W * spec.push_decode_s_per_elem + (fetches * W if spec.stream_weights else 1) * spec.pull_encode_s_per_elem
     node_cpu_s = tuple(o + s * per_elem_codec / spec.node_threads for o, s in zip(node_opt_s, shards))
-    worker_codec_s = P * (spec.push_encode_s_per_elem + spec.pull_decode_s_per_elem)
+    worker_codec_s = P * (spec.push_encode_s_per_elem + fetches * spec.pull_decode_s_per_elem)
 
     C = spec.compute_s + P * spec.push_encode_s_per_elem  # the hooks encode on the training thread
-    write_s = P * spec.pull_decode_s_per_elem  # after the last reply
+    write_s = fetches * P * spec.pull_decode_s_per_elem  # after the last reply (streaming: as each unit arrives)
     net_cpu_s = spec.net_cpu_s_per_byte * W * (worker_up_bytes + worker_down_bytes)
     shared_cpu_s = 0.0
     if spec.shared_cores is not None:
@@ -342,6 +360,8 @@ def plan(spec: PlanSpec) -> Plan:
     tail_s = sum(stages) / num_buckets
     sync_step_s = max(C + max(path_s - f * C, tail_s) + write_s, shared_cpu_s)
     delayed_step_s = max(C + write_s, longest, ((1.0 - f) * C + path_s + write_s) / 2.0, shared_cpu_s)
+    if spec.stream_weights:  # every resource busy once per step, side by side; the first fetch and last push exposed
+        sync_step_s = delayed_step_s = max(C + write_s, longest, shared_cpu_s) + tail_s
     assert delayed_step_s <= sync_step_s * (1 + 1e-12), (delayed_step_s, sync_step_s)
 
     resources = {"compute": C, "worker uplink": worker_up_s, "worker downlink": worker_down_s}

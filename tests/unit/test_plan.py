@@ -314,3 +314,27 @@ def test_int8_delta_pull_codec_and_cli_shared_cores(capsys):
     assert data["plan"]["shared_cpu_s"] > 0
     assert run(parse("--params", "16.7M", "--compute-ms", "100", "--shared-cores", "0")) == 2
     assert "shared_cores" in capsys.readouterr().err
+
+
+def test_streaming_fetches_every_weight_twice_and_overlaps_it_with_compute():
+    base = dict(num_params=16_700_000, workers=4, nodes=2, compute_s=0.12, worker_gbps=1.0, node_gbps=1.0,
+                push_bytes_per_elem=2.0, pull_bytes_per_elem=2.0, bucket_bytes=4 << 20)
+    resident, stream = plan(PlanSpec(**base)), plan(PlanSpec(**base, stream_weights=True))
+    assert stream.worker_down_bytes == 2 * resident.worker_down_bytes
+    assert stream.node_up_bytes == tuple(2 * b for b in resident.node_up_bytes)
+    assert stream.worker_up_bytes == resident.worker_up_bytes
+    # each resource busy once per step, side by side: the busiest (a node's uplink) plus one bucket's tail
+    busiest = max(stream.push_s, stream.node_s, stream.pull_s)
+    assert stream.bottleneck == "node 0 uplink"
+    assert stream.step_s == pytest.approx(max(stream.compute_eff_s + stream.write_s, busiest) + stream.tail_s)
+    with pytest.raises(ConfigError, match="stream_weights and delayed_update"):
+        PlanSpec(**base, stream_weights=True, delayed_update=True)
+
+
+def test_plan_cli_models_streaming(capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--params", "16.7M", "--compute-ms", "120", "--worker-gbps", "1", "--node-gbps", "1", "--nodes", "2", "--stream", "--json"])
+    assert run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["spec"]["stream_weights"] is True
