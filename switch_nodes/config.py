@@ -56,6 +56,9 @@ class NodeConfig:
     """Z85 CURVE secret key of the node."""
     curve_authorized_keys: list[str] = field(default_factory=list)
     """Z85 public keys of the workers allowed in; any other client is refused at the handshake."""
+    curve_keys_by_rank: bool = True
+    """With CURVE: the i-th of curve_authorized_keys may only say HELLO as worker rank i (keys past the workers',
+    such as luwu status's, cannot say HELLO at all); `luwu keys` and `luwu up` write the keys in this order."""
     insecure_public_bind: bool = False
     """Allow binding a non-loopback address without CURVE keys (trusted networks only)."""
     inflight_bytes: int = 2 * 1024 * 1024 * 1024

@@ -74,6 +74,7 @@ class Membership:
         names = h.get("param_names", {})
         if not all(type(k) is int and isinstance(v, str) and len(v) < 1024 for k, v in names.items()):
             raise ProtocolError("param_names must map parameter indices (ints) to names (short strings)")
+        self._check_key(ident, w)
         bound = node.peers.get(w)
         if bound is not None and bound != ident and time.monotonic() - node.last_seen.get(w, 0.0) < node.cfg.worker_timeout_s:
             # a rank is one connection: another peer claiming a live rank is refused (a restarted worker
@@ -90,6 +91,21 @@ class Membership:
         else:
             self._check_same_job(h, kind, buckets)
         self._admit(ident, h, kind, buckets, names)
+
+    def _check_key(self, ident: bytes, w: int) -> None:
+        """With CURVE and node.curve_keys_by_rank, rank w may only say HELLO with the w-th authorized key
+        (the order `luwu keys` writes: the workers by rank, then the monitor's, which never says HELLO)."""
+        cfg = self.node.cfg
+        if not cfg.curve_secret_key or not cfg.curve_keys_by_rank:
+            return
+        key, keys = self.node.peer_keys.get(ident), cfg.curve_authorized_keys
+        if w < len(keys) and key == keys[w]:
+            return
+        owner = keys.index(key) if key in keys else None
+        raise ProtocolError(
+            f"HELLO as worker rank {w} with a key that is not rank {w}'s: it is authorized "
+            + (f"as rank {owner}" if owner is not None else "for no rank") + " (node.curve_keys_by_rank: the i-th authorized key is rank i's)"
+        )
 
     def _check_capacity(self, w: int, kind: OptimizerKind, buckets: list[Bucket]) -> None:
         held = sum(b.numel for b in self.node.buckets.values())

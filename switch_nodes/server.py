@@ -78,6 +78,8 @@ class NodeServer:
         self.address: str | None = None
         self.started = time.monotonic()
         self.boot = uuid.uuid4().hex[:12]  # identifies this process: a rollback is done once per boot
+        self._auth = None
+        self.peer_keys: dict[bytes, str] = {}  # CURVE: connection -> the public key it authenticated with
         # the job as the workers described it in HELLO
         self.buckets: dict[int, BucketState] = {}
         self.layout_hash: str | None = None
@@ -209,6 +211,8 @@ class NodeServer:
         while True:
             frames = await sock.recv_multipart(copy=False)
             ident, body = frames[0].bytes, frames[1:]
+            if self._auth is not None and body:  # the CURVE key the connection authenticated with (z85)
+                self.peer_keys[ident] = body[0].get("User-Id")
             try:
                 msg = wire.decode(body, job=self.job, max_message_bytes=self.cfg.max_message_bytes)
                 await self._dispatch(ident, msg)

@@ -39,3 +39,22 @@ def test_curve_authorized_worker_trains_unauthorized_is_refused(tmp_path):
 def test_other_job_is_refused(cluster1):
     with pytest.raises(luwu.JobMismatchError, match="job 'intruder'"):
         luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=cluster1.addresses, job="intruder", timeout_s=5)
+
+
+@pytest.mark.timeout(120)
+def test_a_curve_key_is_tied_to_its_rank(tmp_path):
+    """The i-th authorized key says HELLO only as rank i: rank 1's key claiming rank 0 is refused, naming
+    the rank the key belongs to; rank 0's own key gets in."""
+    out = subprocess.run([sys.executable, "-m", "luwu", "keys", "--out", str(tmp_path / "keys"), "--workers", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    workers = [tomllib.loads((tmp_path / "keys" / f"worker{r}.toml").read_text())["transport"] for r in range(2)]
+    with luwu.local_cluster(1, node_args=["--config", str(tmp_path / "keys" / "node.toml")]) as cluster:
+        with pytest.raises(luwu.ProtocolError, match="HELLO as worker rank 0 with a key that is not rank 0's: it is authorized as rank 1"):
+            luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=cluster.addresses, lr=0.1, rank=0, world_size=2, transport=TransportConfig(timeout_s=10, connect_timeout_s=10, **workers[1]))
+        model = torch.nn.Linear(4, 2)
+        opt = luwu.RemoteOptimizer(model, nodes=cluster.addresses, lr=0.1, rank=0, world_size=1, transport=TransportConfig(timeout_s=10, **workers[0]))
+        try:
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+        finally:
+            opt.close()
