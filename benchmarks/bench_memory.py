@@ -14,7 +14,8 @@ Reported, from ``/proc/PID/status``:
   ``/proc/self/clear_refs`` once the optimizer is built): streaming, the units in
   flight, the resident root and the activations; resident, the model, its gradients
   and the bucket copies. Target: at most +10% per doubling of depth in streaming mode.
-- ``weights_mb``: the model's fp32 weights.
+- ``weights_mb``: the model's weights (fp32, or bf16 with ``--bf16``'s resident bf16 rows).
+- ``train_b_per_param``: ``train_peak_mb`` per parameter (the model, its gradients, the buckets).
 - ``node_b_per_param``: each node's VmHWM above its idle RSS, per parameter of its
   shard, against the floor of 12 (AdamW: fp32 master and two moments).
 
@@ -25,7 +26,7 @@ outside the cgroup; then local ``torch.optim.AdamW(fused=True)`` on the same mod
 under the same limit, which must be killed (the limit binds). Skips with a
 message when no cgroup can be made.
 
-    python3 benchmarks/bench_memory.py [--quick] [--width W] [--steps S] [--depths 12,24,48] [--defaults]
+    python3 benchmarks/bench_memory.py [--quick] [--width W] [--steps S] [--depths 12,24,48] [--defaults] [--bf16]
     python3 benchmarks/bench_memory.py --cgroup [--limit-mb 512] [--ratio 4] [--width 768]
 
 Writes benchmarks/results/bench_memory.json and .md (``--cgroup``: bench_memory_cgroup.*;
@@ -100,7 +101,10 @@ def child(spec: dict) -> dict:
     floor = status_bytes("VmRSS")
     stream, local = spec["stream"], spec.get("local", False)
     model = make_model(spec["width"], spec["depth"], meta=stream)
-    weights = sum(p.numel() for p in model.parameters()) * 4
+    dtype = torch.bfloat16 if spec.get("bf16") else torch.float32  # a bf16 model: ZeRO-Offload's layout (resident)
+    model = model.to(dtype)
+    numel = sum(p.numel() for p in model.parameters())
+    weights = numel * dtype.itemsize
     if local:  # the competitor: torch's fused AdamW on the whole model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         node_bytes = []
@@ -116,7 +120,7 @@ def child(spec: dict) -> dict:
     for step in range(spec["steps"]):
         x, y = torch.randn(spec["batch"], 64, generator=g), torch.randint(0, 10, (spec["batch"],), generator=g)
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
         loss.backward()
         opt.step()
         print(f"step {step} loss {loss.item():.4f} rss {status_bytes('VmRSS') * MB:.0f} MB", file=sys.stderr, flush=True)
@@ -126,6 +130,7 @@ def child(spec: dict) -> dict:
         opt.close()
     return {
         "mode": "local AdamW" if local else "streaming" if stream else "resident", "compression": "default" if spec["compression"] else "off",
+        "dtype": str(dtype).removeprefix("torch."), "train_b_per_param": (train_peak - floor) / numel,
         "depth": spec["depth"], "weights_mb": weights * MB, "floor_mb": floor * MB, "built_mb": (built - floor) * MB,
         "train_peak_mb": (train_peak - floor) * MB, "peak_mb": (max(train_peak, build_peak) - floor) * MB,
         "s_per_step": seconds / max(spec["steps"], 1), "node_params": [b // 4 for b in node_bytes],
@@ -163,8 +168,8 @@ def sweep(args) -> None:
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
         for stream in (False, True):
-            for compression in ((False, True) if args.defaults else (False,)):
-                row, out = run({"width": width, "depth": depth, "stream": stream, "steps": steps, "batch": args.batch, "compression": compression})
+            for compression, bf16 in [(c, False) for c in ((False, True) if args.defaults else (False,))] + ([(args.defaults, True)] if args.bf16 and not stream else []):
+                row, out = run({"width": width, "depth": depth, "stream": stream, "steps": steps, "batch": args.batch, "compression": compression, "bf16": bf16})
                 if row is None:
                     raise RuntimeError(out.stdout[-2000:] + out.stderr[-4000:])
                 rows.append(row)
@@ -174,7 +179,7 @@ def sweep(args) -> None:
         srows = [r for r in rows if r["mode"] == "streaming" and r["compression"] == comp]
         growth[comp] = [b["train_peak_mb"] / a["train_peak_mb"] for a, b in zip(srows, srows[1:]) if a["train_peak_mb"] > 0]
     result = {"width": width, "steps": steps, "batch": args.batch, "rows": rows, "streaming_train_peak_growth_per_doubling": growth}
-    cols = ["mode", "compression", "depth", "weights_mb", "built_mb", "train_peak_mb", "peak_mb", "node_b_per_param", "floor_mb"]
+    cols = ["mode", "dtype", "compression", "depth", "train_b_per_param", "weights_mb", "built_mb", "train_peak_mb", "peak_mb", "node_b_per_param", "floor_mb"]
     md = "# Memory: streaming vs resident (worker MB above the runtime floor; node bytes per parameter of its shard)\n\n" + md_table(rows, cols)
     for comp, g in sorted(growth.items()):
         md += f"\n\nStreaming train peak growth per doubling of depth, compression {comp}: " + ", ".join(f"{x:.2f}x" for x in g) + " (target <= 1.10x)"
@@ -283,6 +288,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--depths", default="12,24,48")
     ap.add_argument("--defaults", action="store_true", help="sweep: also the default compression (bf16 pushes and fetches)")
+    ap.add_argument("--bf16", action="store_true", help="sweep: also a resident bf16 model (bf16 weights and gradients on the worker)")
     ap.add_argument("--cgroup", action="store_true", help="the cgroup study instead of the depth sweep (root)")
     ap.add_argument("--limit-mb", type=int, default=512)
     ap.add_argument("--ratio", type=float, default=4.0, help="cgroup: the model's fp32 weights over the limit")

@@ -64,7 +64,7 @@ class StepReport:
 class _BucketBuf:
     bucket: Bucket
     grads: list[torch.Tensor]  # flat fp32, one per parity in flight (streamed: borrowed, or none)
-    staging: torch.Tensor | None  # for multi-segment buckets: decode target before scattering (streamed: borrowed)
+    staging: torch.Tensor | None  # for multi-segment buckets: decode target before scattering (shared; streamed: borrowed)
     multi: bool = False  # several segments, or a non-contiguous parameter: written through a staging buffer
     filled: int = 0
     pushed_step: int = -1
@@ -117,13 +117,12 @@ class Worker:
         self.prefetched: dict[int, object] = {}  # bucket -> the reply that brought them, kept for the unit's next use
         self.last_error: LuwuError | None = None  # raised by a wait outside step() (streaming: in hooks), for recover()
         self.bufs: list[_BucketBuf] = []
-        for b in layout.buckets:
-            multi = len(b.segments) > 1 or not params[b.segments[0].param].is_contiguous()
-            if b.id in self.streamed:
-                self.bufs.append(_BucketBuf(b, [], None, multi))
-                continue
-            nbuf = 2 if b.id in self.delayed else 1  # a delayed bucket's push of t is in flight while t + 1's fills
-            self.bufs.append(_BucketBuf(b, [torch.zeros(b.numel) for _ in range(nbuf)], torch.zeros(b.numel) if multi else None, multi))
+        multi = [len(b.segments) > 1 or not params[b.segments[0].param].is_contiguous() for b in layout.buckets]
+        staging = torch.zeros(max((b.numel for b, m in zip(layout.buckets, multi) if m and b.id not in self.streamed), default=0))
+        for b, m in zip(layout.buckets, multi):  # (resident weights are written one bucket at a time: one staging serves all)
+            # a streamed bucket borrows; a delayed bucket's push of t is in flight while t + 1's fills
+            nbuf = 0 if b.id in self.streamed else 2 if b.id in self.delayed else 1
+            self.bufs.append(_BucketBuf(b, [torch.zeros(b.numel) for _ in range(nbuf)], staging[: b.numel] if m and nbuf else None, m))
         self.where: dict[int, list[tuple[int, int]]] = {}  # param -> [(bucket, segment index)]
         for b in layout.buckets:
             for si, s in enumerate(b.segments):

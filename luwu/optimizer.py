@@ -30,7 +30,7 @@ import torch
 from luwu.config import LuwuConfig, resolve_config
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
-from luwu.gpu_workers import streaming
+from luwu.gpu_workers import precision, streaming
 from luwu.gpu_workers.metrics import WorkerMetrics
 from luwu.gpu_workers.worker import StepReport, Worker
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
@@ -212,9 +212,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _build(self, step: int = 0) -> None:
         params, specs = self._flat_params()
-        for p in params:
-            if p.dtype != torch.float32:
-                raise ConfigError(f"parameter {self._names.get(id(p), '?')} has dtype {p.dtype}: LuWu keeps fp32 master weights (use autocast for bf16 compute)")
+        precision.check_dtypes(params, lambda p: self._names.get(id(p), "?"), streaming=self._units is not None)
         self.layout = build_layout(specs, self.config.transport.bucket_bytes, self.capacities)
         if max((b.nbytes for b in self.layout.buckets), default=0) > self.config.transport.max_message_bytes:  # a whole parameter (Adafactor)
             raise ConfigError("a parameter kept whole is over transport.max_message_bytes: raise it (and node.max_message_bytes)")
@@ -228,6 +226,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             codec_for = lambda b, step: choose_codec(b, step, cc, residual=b.id not in streamed)  # noqa: E731
             pull_for = lambda b, step: choose_pull_codec(b, step, cc)  # noqa: E731
             feedback = ErrorFeedback()
+        pull_for = precision.pull_codec_for(params, pull_for)  # a bf16 model's weights come back as bf16
         self.worker = Worker(
             params,
             self.layout,

@@ -1,0 +1,52 @@
+"""Which parameter dtypes a worker may train, and the pull codec a bf16 model needs.
+
+A worker trains fp32 parameters, or, in resident mode, bf16 ones: ZeRO-Offload's
+mixed-precision layout, where the worker holds bf16 weights and gradients and
+the nodes hold the fp32 master weights and the optimizer's moments. A bf16
+gradient copied into a bucket's fp32 buffer is exact, so the nodes step on the
+very gradient backward produced. The weights come back rounded to bf16: the
+``bf16`` pull codec rounds to nearest even on the node, which is what writing
+fp32 weights into a bf16 tensor does, at half the bytes. Delta codecs are not
+used for such a model: a delta is added to what the worker holds, and a bf16
+sum drifts from the node's record of it.
+
+Streaming mode fetches weights into the model's own parameters at every use;
+it keeps fp32 parameters (use ``torch.autocast`` for bf16 compute there).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from luwu.protocol.errors import ConfigError
+
+#: Parameter dtypes a resident worker trains; streaming mode takes only the first.
+TRAINABLE = (torch.float32, torch.bfloat16)
+#: The pull codec of a bucket holding bf16 parameters.
+BF16_PULL = "bf16"
+
+
+def check_dtypes(params: list[torch.Tensor], name_of: Callable[[torch.Tensor], str], streaming: bool) -> None:
+    """Raise ConfigError for a parameter this worker cannot train (see the module docstring)."""
+    allowed = TRAINABLE[:1] if streaming else TRAINABLE
+    for p in params:
+        if p.dtype not in allowed:
+            why = "streaming mode keeps fp32 parameters" if streaming else "LuWu trains fp32 or bf16 parameters"
+            raise ConfigError(f"parameter {name_of(p)} has dtype {p.dtype}: {why} (use autocast for bf16 compute)")
+
+
+def pull_codec_for(params: list[torch.Tensor], pull_for: Callable | None) -> Callable | None:
+    """``pull_for(bucket, step)`` for a model with bf16 parameters: ``bf16`` for every bucket
+    holding one (see the module docstring); ``pull_for`` itself when there are none."""
+    half = frozenset(i for i, p in enumerate(params) if p.dtype == torch.bfloat16)
+    if not half:
+        return pull_for
+
+    def choose(bucket, step: int) -> str:
+        if any(s.param in half for s in bucket.segments):
+            return BF16_PULL
+        return pull_for(bucket, step) if pull_for is not None else "none"
+
+    return choose
