@@ -16,7 +16,10 @@ second LuWu row measures the same round trip with the cheapest update (SGD
 without momentum, one pass over the shard, on a node of its own): that is the
 transport with as little compute as a node can do. The worker's side of
 ``step()`` (pushing what the hooks did not, waiting for the weights, writing
-them) and the CPU of every thread are reported too.
+them) and the CPU of every thread are reported too. A third LuWu row runs the
+AdamW round trip over CURVE (ZeroMQ's encryption, a node of its own with a key
+set made here): the price of encryption, against the same round trip in plain
+TCP and against raw TCP.
 
     python3 benchmarks/bench_transport.py [--quick] [--mib M] [--reps R]
 
@@ -28,12 +31,17 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import socket
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
+import tomli_w
 import torch
 from common import MIB, RESULTS, LoadMonitor, machine_info, md_table, median, node_threads_delta, paired_ratio, proc_usage, threads_cpu_s, verdict, write_results
+
+from luwu.gpu_workers.config import TransportConfig
+from luwu.keyset import KeySet
 
 JOB = "bench-transport"
 
@@ -148,11 +156,18 @@ def run(args) -> dict:
     cpu = {"tcp_client": [], "tcp_server": [], "luwu_worker": [], "luwu_node": []}
     faults = {k: [] for k in cpu}
     node_threads: dict[str, list[float]] = {}
-    sgd_s = []
-    with luwu.local_cluster(1, job=JOB, node_args=["--metrics.port", "0"]) as cluster, luwu.local_cluster(1, job=JOB + "-sgd") as sgd_cluster:
+    sgd_s, curve_s = [], []
+    keys, tmp = KeySet.generate(1), tempfile.TemporaryDirectory(prefix="luwu-bench-keys-")
+    node_file = Path(tmp.name) / "node.toml"  # the node's keys in a 0600 file, as luwu keys writes them
+    node_file.touch(0o600)
+    node_file.write_text(tomli_w.dumps({"node": keys.node_settings()}))
+    with luwu.local_cluster(1, job=JOB, node_args=["--metrics.port", "0"]) as cluster, luwu.local_cluster(1, job=JOB + "-sgd") as sgd_cluster, \
+            luwu.local_cluster(1, job=JOB + "-curve", node_args=["--config", str(node_file)]) as curve_cluster:
         url = cluster.metrics_urls[0]
         opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster.addresses, rank=0, world_size=1, job=JOB, lr=1e-4, bucket_bytes=args.bucket_mib * MIB, compression=False)
         sgd = luwu.RemoteOptimizer(model, "sgd", nodes=sgd_cluster.addresses, rank=0, world_size=1, job=JOB + "-sgd", lr=1e-6, bucket_bytes=args.bucket_mib * MIB, compression=False)
+        curve = luwu.RemoteOptimizer(model, "adamw", nodes=curve_cluster.addresses, rank=0, world_size=1, job=JOB + "-curve", lr=1e-4, compression=False,
+                                     transport=TransportConfig(bucket_bytes=args.bucket_mib * MIB, **keys.client_settings(keys.workers[0])))
         timed = TimedFinish(opt.worker)
         try:
             node_pid, server_pid = cluster.procs[0].pid, tcp.proc.pid
@@ -172,6 +187,9 @@ def run(args) -> dict:
                 t0 = time.perf_counter()
                 sgd.step()
                 t_sgd = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                curve.step()
+                t_curve = time.perf_counter() - t0
                 if i >= args.warmup:
                     for k, v in node_threads_delta(node_pid, th0, th1).items():
                         node_threads.setdefault(k, []).append(v)
@@ -181,6 +199,7 @@ def run(args) -> dict:
                     tcp_s.append(t_tcp)
                     luwu_s.append(t_luwu)
                     sgd_s.append(t_sgd)
+                    curve_s.append(t_curve)
                     opt_s.append(m1["luwu_node_optimizer_step_seconds_sum"] - m0["luwu_node_optimizer_step_seconds_sum"])
                     opt_count.append(m1["luwu_node_optimizer_step_seconds_count"] - m0["luwu_node_optimizer_step_seconds_count"])
                     finish_s.append(timed.seconds)
@@ -189,10 +208,12 @@ def run(args) -> dict:
         finally:
             opt.close()
             sgd.close()
+            curve.close()
             tcp.close()
+            tmp.cleanup()
     gb = 2 * nbytes / 1e9
     t_l, t_t = median(luwu_s), median(tcp_s)
-    t_s = median(sgd_s)
+    t_s, t_c = median(sgd_s), median(curve_s)
     rows = [
         {"impl": "raw TCP echo (sendall / recv_into, reused buffers)", "ms": t_t * 1e3, "GB_per_s": gb / t_t, "ratio_vs_tcp": 1.0, "ratio_paired": 1.0},
         {
@@ -208,6 +229,14 @@ def run(args) -> dict:
             "GB_per_s": gb / t_s,
             "ratio_vs_tcp": t_t / t_s,
             "ratio_paired": paired_ratio(tcp_s, sgd_s),
+        },
+        {
+            "impl": "LuWu step() over CURVE (encrypted): push + AdamW on node + weights back",
+            "ms": t_c * 1e3,
+            "GB_per_s": gb / t_c,
+            "ratio_vs_tcp": t_t / t_c,
+            "ratio_paired": paired_ratio(tcp_s, curve_s),
+            "ratio_vs_plain_luwu": paired_ratio(luwu_s, curve_s),
         },
     ]
     breakdown = {
@@ -236,6 +265,7 @@ def run(args) -> dict:
         "luwu_s": luwu_s,
         "tcp_s": tcp_s,
         "node_optimizer_s": opt_s,
+        "curve_s": curve_s,
     }
 
 
@@ -289,7 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         f"GB/s counts both directions ({2 * args.mib} MiB per round); ratio_vs_tcp = TCP ms / that row's ms; _paired: per repetition. "
         f"LuWu: codec none both ways, buckets of {args.bucket_mib} MiB, world size 1, node with 1 torch thread.",
         "",
-        md_table(res["rows"], ["impl", "ms", "GB_per_s", "ratio_vs_tcp", "ratio_paired"]),
+        md_table(res["rows"], ["impl", "ms", "GB_per_s", "ratio_vs_tcp", "ratio_paired", "ratio_vs_plain_luwu"]),
+        "",
+        f"Encryption (CURVE) costs the round trip {1 / res['rows'][3]['ratio_vs_plain_luwu']:.2f}x the time of the plain one "
+        "(ratio_vs_plain_luwu, per repetition). Insecure mode (node.insecure_public_bind) still makes sense where the "
+        "network is the job's own: a private fabric or VLAN that only the job's hosts reach, or loopback; "
+        "anywhere other hosts or tenants can reach the nodes' ports, keep CURVE on (the default there).",
         "",
         "## LuWu step() breakdown (ms, medians)",
         "",
