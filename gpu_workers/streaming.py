@@ -142,7 +142,7 @@ def restart(old: Streamer | None, worker: Worker, params: list[torch.Tensor], un
     """The streamer of a (re)built worker, the old one's hooks removed (None when not streaming); ``cfg``:
     the optimizer section; ``metrics``: where the fetch waits are recorded."""
     stop(old)
-    return None if units is None else Streamer(worker, params, units, cfg.stream_prefetch, metrics)
+    return None if units is None else Streamer(worker, params, units, cfg.stream_prefetch, metrics, keep=cfg.stream_keep_for_backward)
 
 
 def stop(streamer: Streamer | None) -> None:
@@ -182,10 +182,11 @@ def check_budget(layout: Layout, units: list[Unit], budget_bytes: int) -> None:
 class Streamer:
     """Fetches, releases and pushes the streamed units of one worker (see the module docstring)."""
 
-    def __init__(self, worker: Worker, params: list[torch.Tensor], units: list[Unit], prefetch: int, metrics: WorkerMetrics | None = None):
+    def __init__(self, worker: Worker, params: list[torch.Tensor], units: list[Unit], prefetch: int, metrics: WorkerMetrics | None = None, *, keep: bool = False):
         if prefetch < 0:
             raise ConfigError(f"prefetch must be >= 0, got {prefetch}")
         self.worker, self.prefetch, self.metrics = worker, prefetch, metrics
+        self.keep = keep  # a unit's weights stay from its forward to its backward (one fetch a step, not two)
         by_unit = worker.layout.unit_buckets()
         self.units: list[_Unit] = []
         for u in units:
@@ -264,9 +265,11 @@ class Streamer:
     def _post_forward(self, u: _Unit, out) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a forward recomputed inside backward (activation checkpointing): its backward is next
-        self._release(u)
         if not torch.is_grad_enabled():
+            self._release(u)
             return
+        if not self.keep:
+            self._release(u)
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         fired = []
 

@@ -84,6 +84,10 @@ class OptimizerConfig:
     blocks of the largest nn.ModuleList / nn.Sequential). Parameters outside every unit stay resident."""
     stream_prefetch: int = 2
     """With stream_weights: how many units ahead the worker asks for weights."""
+    stream_keep_for_backward: bool = False
+    """With stream_weights: keep each unit's weights from its forward to its backward (FSDP2's
+    reshard_after_forward=False): one fetch a step instead of two, for up to the whole model's fp32 weights
+    held at the end of forward."""
     stream_budget_bytes: int = 0
     """With stream_weights: the most one unit may take on a worker, its fp32 weights and gradient
     (8 B per parameter); a larger unit is refused at start, named with its size (0 = no limit)."""

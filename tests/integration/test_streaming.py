@@ -258,3 +258,36 @@ def test_a_meta_module_without_reset_parameters_is_refused_by_name(cluster1):
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), Scale(), torch.nn.Linear(8, 8))
     with pytest.raises(luwu.ConfigError, match=r"module '1' \(Scale\) has parameters or buffers on the meta device and no reset_parameters"):
         luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, stream_weights=True, rank=0, world_size=1)
+
+
+@pytest.mark.timeout(120)
+def test_keeping_units_for_backward_fetches_once_a_step(cluster1, monkeypatch):
+    """optimizer.stream_keep_for_backward: a unit's weights stay from its forward to its backward (FSDP2's
+    reshard_after_forward=False): one fetch per unit a step instead of two, the same training."""
+    import luwu
+    from workers.stream import make_model
+
+    monkeypatch.setenv("LUWU_OPTIMIZER__STREAM_KEEP_FOR_BACKWARD", "true")
+    spec = {"seed": 0, "blocks": 3, "width": 16}
+    ref, model = make_model(spec), make_model(spec)
+    local = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1)
+    try:
+        assert opt.config.optimizer.stream_keep_for_backward
+        fetched = []
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
+            before = opt.streamer.fetches
+            for net, o in ((ref, local), (model, opt)):
+                o.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                o.step()
+            fetched.append(opt.streamer.fetches - before)
+            assert opt.streamer.resident_bytes() == 0
+        assert fetched == [3, 3, 3, 3]  # three blocks, each fetched once (forward), kept for backward
+        got = opt.model_state_dict()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        opt.close()
