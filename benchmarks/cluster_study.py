@@ -20,7 +20,8 @@ Competitors, per link rate and worker count:
   weights first in forward), delayed every weight. Every setting comes from a
   cluster file, as a real job's would.
 - ``luwu_stream``: streaming mode (``optimizer.stream_weights``: the nodes own
-  the weights, a worker holds one layer at a time) against ``fsdp_fp32``: torch
+  the weights, a worker holds one layer at a time; ``luwu_streamkeep``: with
+  ``stream_keep_for_backward``, one fetch a step) against ``fsdp_fp32``: torch
   FSDP2 (``fully_shard`` on every layer and on the model, over gloo, AdamW on
   the shards) with the same model, batch and links. Both report the worker's
   peak RSS above the runtime floor (``worker_peak_mb``, rank 0 excluded: it
@@ -87,7 +88,7 @@ TASK = HERE / "cluster_task.py"
 NODE_PORT = 5555
 DDP_PORT = 29500
 DDP_VARIANTS = ("fp32", "bf16", "powersgd")
-LUWU_VARIANTS = ("sync", "partial", "delayed", "stream")
+LUWU_VARIANTS = ("sync", "partial", "delayed", "stream", "streamkeep")
 FSDP_VARIANTS = ("fp32",)
 
 
@@ -200,7 +201,8 @@ def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str
     if rc.capacities:
         lines.append("capacities = [" + ", ".join(f"{c:g}" for c in rc.capacities) + "]")
     lines += ["", "[optimizer]", 'name = "adamw"', f"delayed_update = {str(rc.variant in ('delayed', 'partial')).lower()}",
-              f"stream_weights = {str(rc.variant == 'stream').lower()}",
+              f"stream_weights = {str(rc.variant.startswith('stream')).lower()}",
+              f"stream_keep_for_backward = {str(rc.variant == 'streamkeep').lower()}",
               f"delayed_update_warmup = {s.dpu_warmup}",
               "delayed_params = [" + (", ".join(f'"{p}"' for p in s.partial_params) if rc.variant == "partial" else "") + "]",
               "", "[compression]", f"enabled = {str(rc.compression).lower()}", 'pull_codec = "int8_delta"',
@@ -509,10 +511,11 @@ def add_comparisons(rows: list[dict], s: Settings) -> None:
             r["vs_ddp_fp32"] = r["samples_per_s"] / fp32["samples_per_s"] if fp32 else float("nan")
             r["vs_ddp_bf16"] = r["samples_per_s"] / bf16["samples_per_s"] if bf16 else float("nan")
             r["loss_vs_fp32"] = r["eval_loss"] / fp32["eval_loss"] - 1 if fp32 else float("nan")
-            fsdp, resident = ref.get("fsdp_fp32"), ref.get(r["config"].replace("_stream_", "_sync_"))
+            fsdp = ref.get("fsdp_fp32")
+            resident = ref.get(f"luwu_sync_n{r['nodes']}" + ("" if r["compression"] else "_fp32")) if r["variant"].startswith("stream") else None
             r["vs_fsdp"] = r["samples_per_s"] / fsdp["samples_per_s"] if fsdp else float("nan")
             r["memory_vs_fsdp"] = r["worker_peak_mb"] / fsdp["worker_peak_mb"] if fsdp else float("nan")
-            r["vs_resident"] = r["samples_per_s"] / resident["samples_per_s"] if resident and "_stream_" in r["config"] else float("nan")
+            r["vs_resident"] = r["samples_per_s"] / resident["samples_per_s"] if resident else float("nan")
 
 
 def verdicts(rows: list[dict], *, rate: str = "1gbit", workers: int = 4, nodes: int = 2) -> list[dict]:
@@ -524,8 +527,8 @@ def verdicts(rows: list[dict], *, rate: str = "1gbit", workers: int = 4, nodes: 
         r = group.get(f"luwu_{v}_n{nodes}")
         if r is None:
             continue
-        if v == "stream":  # the model in the network: against FSDP2 and LuWu's own resident mode
-            out += _stream_verdicts(r, f"luwu_stream, {nodes} nodes, {workers} workers, {rate}", "fsdp_fp32" in group)
+        if v.startswith("stream"):  # the model in the network: against FSDP2 and LuWu's own resident mode
+            out += _stream_verdicts(r, f"luwu_{v}, {nodes} nodes, {workers} workers, {rate}", "fsdp_fp32" in group)
             continue
         where = f"luwu_{v}, {nodes} nodes, {workers} workers, {rate}"
         if "ddp_fp32" in ddp:
@@ -803,7 +806,7 @@ def plan_validation(result: dict, tolerance: float = 0.25) -> dict:
 
     rows = []
     for r in result["rows"]:
-        if r["kind"] != "luwu" or r["variant"] == "partial":  # the plan models sync, full delay and streaming
+        if r["kind"] != "luwu" or r["variant"] in ("partial", "streamkeep"):  # the plan models sync, full delay and streaming
             continue
         spec = plan_spec(r, result["settings"], result["calibration"])
         p = plan(spec)
