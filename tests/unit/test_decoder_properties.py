@@ -40,8 +40,9 @@ FIELDS: dict[Op, dict] = {
     Op.NORM: {"bucket": 0, "sqnorm": 1.5, "nonfinite": False},
     Op.COMMIT: {"coef": 0.5, "skip": False, "buckets": [0, 1]},
     Op.ROLLBACK: {},
+    Op.EXPORT: {"path": "exports/step-3"},
 }
-PAYLOAD: dict[Op, list[bytes]] = {Op.INIT: [b"\0" * 16], Op.PUSH: [b"\0" * 16], Op.UPDATE: [b"\0" * 16], Op.STATE: [b"\0" * 16, b"\0" * 4]}
+PAYLOAD: dict[Op, list[bytes]] = {Op.INIT: [b"\0" * 16], Op.PUSH: [b"\0" * 16], Op.UPDATE: [b"\0" * 16], Op.STATE: [b"\0" * 16, b"\0" * 4], Op.EXPORT: [b"\x81\x00\x91\x04"]}
 
 
 def valid(op: Op) -> tuple[dict, list[bytes]]:
