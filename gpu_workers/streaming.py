@@ -5,8 +5,9 @@ Between uses a streamed unit's parameters hold no storage: as FSDP2 does, the
 references autograd saves stay valid) and their storage is resized to zero
 after use and back just before the next (:func:`alloc_storage`,
 :func:`free_storage`). The fetched weights are written straight into that
-storage: fp32 with compression off (exact parity), else in the policy's pull
-codec (bf16) and widened to fp32 on arrival; the fp32 master stays on the nodes.
+storage: fp32 with compression off (exact parity), else in the policy's fetch
+codec (``compression.stream_codec``, int8 blocks by default) and widened to fp32
+when their unit runs; the fp32 master stays on the nodes.
 
 - **Forward**: a forward pre-hook asks the nodes for the next ``prefetch``
   units' weights (PULL, in the order the last forward ran them) and waits for
@@ -45,9 +46,9 @@ the first ``prefetch`` units in that order name the fetch codec as their reply
 codec, so the nodes send those units' new weights as they apply the step, without
 a request: the next forward starts on weights already there. Each later unit is
 requested ``prefetch`` units ahead, while the units before it compute, so in steady
-state no forward waits on a round trip. Fetched weights wait as they arrived (bf16
-with compression on: 2 bytes per parameter) and are widened into the parameters'
-fp32 storage only when their unit runs.
+state no forward waits on a round trip. Fetched weights wait as they arrived (int8
+with compression on: 1 byte per parameter and a scale per 256) and are widened into
+the parameters' fp32 storage only when their unit runs.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from luwu.gpu_workers.worker import StepReport, Worker
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.memory import retain_freed_memory, trim_heap
 from luwu.protocol.layout import Bucket, Layout
+from luwu.protocol.policy import choose_fetch_codec
 
 
 #: Streaming mode maps blocks from this size up on their own, so a released unit's pages go back to the
@@ -121,20 +123,20 @@ def plan_units(model, spec, cfg) -> tuple[Units | None, dict[int, int]]:
     return units, unit_of_params(units)
 
 
-def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, pull_codec_for=None) -> dict:
+def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, compression=None) -> dict:
     """The :class:`Worker` keyword arguments of streaming mode (none when ``units`` is None): the streamed
-    buckets, their buffer pool, a meta-device start's initializer, and the codec units' weights are fetched in: the pull codec the
-    compression policy picks (``pull_codec_for``, None: compression off, fp32), as full weights (a
-    delta codec becomes bf16, since a released unit holds nothing to add a delta to). ``cfg``: the
-    optimizer section; a unit over ``stream_budget_bytes`` is refused here, before any connection."""
+    buckets, their buffer pool, a meta-device start's initializer, and the codec units' weights are
+    fetched in (:func:`~luwu.protocol.policy.choose_fetch_codec` of ``compression``, the compression
+    section; None: compression off, fp32). ``cfg``: the optimizer section; a unit over
+    ``stream_budget_bytes`` is refused here, before any connection."""
     if units is None:
         return {}
     check_budget(layout, units, cfg.stream_budget_bytes)
     out = {"streamed": layout.streamed_buckets(), "pool": BufferPool(pool_budget_bytes(layout, cfg.stream_prefetch))}
     if getattr(units, "initializer", None) is not None:  # a meta-device start: initialized at connect, once
         out["initialize"] = units.initializer.for_layout(layout)
-    if pull_codec_for is not None:
-        out["fetch_codec_for"] = lambda b, step: "bf16" if pull_codec_for(b, step) == "int8_delta" else pull_codec_for(b, step)
+    if compression is not None and compression.enabled:
+        out["fetch_codec_for"] = lambda b, step: choose_fetch_codec(b, step, compression)
     return out
 
 

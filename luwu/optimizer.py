@@ -242,7 +242,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             hyper_of=self._hyper_of,
             momentum_correction=cc.enabled and cc.momentum_correction,
             two_phase=self.max_grad_norm is not None or self.amp,
-            **streaming.worker_arguments(self.layout, self._units, self.config.optimizer, pull_for),
+            **streaming.worker_arguments(self.layout, self._units, self.config.optimizer, cc),
         )
         self.worker.connect(step)
         self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer, self.metrics)

@@ -39,6 +39,10 @@ SPARSE_CODECS = frozenset({"topk"})
 #: node runs :class:`luwu.protocol.feedback.DeltaEncoder` (int8 deltas against a shadow).
 PULL_CODECS = ("none", "bf16", "fp16", "int8_delta")
 
+#: What a streamed unit's large matrices may travel with, both ways, without error feedback (a
+#: streamed unit keeps nothing between uses): the rounding codecs and the blockwise integer ones.
+STREAM_CODECS = ("none", "bf16", "fp16", "int8", "int4")
+
 #: How much a codec loses, for ranking options: 0 is exact.
 LOSSINESS: dict[str, int] = {"none": 0, "bf16": 1, "fp16": 1, "int8": 2, "int8_delta": 2, "int4": 3, "topk": 4}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from luwu.protocol.codec_facts import PULL_CODECS, ROUNDING_CODECS, check_codec_name, is_sparse
+from luwu.protocol.codec_facts import PULL_CODECS, ROUNDING_CODECS, STREAM_CODECS, check_codec_name, is_sparse
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import SMALL_NUMEL
 
@@ -42,9 +42,18 @@ class CompressionConfig:
     not the warm-up."""
     link_gbps: float = 10.0
     """Link bandwidth in Gbit/s used by the cost rule (compress only where it pays)."""
-    pull_codec: str = "bf16"
-    """Weights sent back to workers: ``bf16``, ``fp16``, ``none``, or ``int8_delta`` (int8 deltas
-    against a shadow of the workers' copy, with error feedback and a periodic full resync)."""
+    pull_codec: str = "auto"
+    """Weights sent back to workers: ``auto`` (by the cost rule at ``link_gbps``, per bucket: int8
+    deltas where they pay, on slow links; bf16 at the default 10 Gbit/s; small and 1-D parameters bf16
+    at most), ``bf16``, ``fp16``, ``none``, or ``int8_delta`` (int8 deltas against a shadow of the
+    workers' copy, with error feedback and a periodic full resync)."""
+    stream_codec: str = "int8"
+    """Streaming mode: codec of the streamed units' large matrices after the warm-up, both ways, without
+    error feedback (a streamed unit keeps no residual between uses): the weights each fetch carries,
+    quantized afresh from the nodes' fp32 master (their error does not add up over steps), and the
+    gradients pushed (ZeRO++'s quantized weights and gradients, blocks of 256). ``int8``, ``int4``,
+    ``bf16``, ``fp16`` or ``none``; small and 1-D parameters go bf16 at most, and ``pull_codec``
+    ``none`` keeps the fetched weights fp32."""
     resync_every: int = 50
     """With ``int8_delta``: full fp32 weights every this many steps."""
     topk_density: float = 0.01
@@ -74,8 +83,10 @@ class CompressionConfig:
         check_codec_name("compression.large_codec", self.large_codec)
         if self.warmup_codec not in ROUNDING_CODECS:
             raise ConfigError(f"compression.warmup_codec must be one of {ROUNDING_CODECS} (no error feedback in the warm-up), got {self.warmup_codec!r}")
-        if self.pull_codec not in PULL_CODECS:
-            raise ConfigError(f"compression.pull_codec must be one of {PULL_CODECS}, got {self.pull_codec!r}")
+        if self.pull_codec not in (*PULL_CODECS, "auto"):
+            raise ConfigError(f"compression.pull_codec must be auto or one of {PULL_CODECS}, got {self.pull_codec!r}")
+        if self.stream_codec not in STREAM_CODECS:
+            raise ConfigError(f"compression.stream_codec must be one of {STREAM_CODECS}, got {self.stream_codec!r}")
         self.rules = _parse_rules(self.rules)
         if not isinstance(self.momentum_correction, bool):
             raise ConfigError(f"compression.momentum_correction must be a bool, got {self.momentum_correction!r}")

@@ -31,7 +31,7 @@ from luwu.protocol.layout import Bucket, Segment
 
 __all__ = [
     "FEEDBACK_CODECS", "PULL_CODECS", "ROUNDING_CODECS", "CompressionConfig", "choose_codec",
-    "choose_pull_codec", "codec_seconds", "is_small", "pays_off",
+    "choose_fetch_codec", "choose_pull_codec", "codec_seconds", "is_small", "pays_off",
 ]
 
 
@@ -88,7 +88,8 @@ def _first_paying(candidates: list[str], numel: int, cfg: CompressionConfig) -> 
 def choose_codec(bucket: Bucket, step: int, cfg: CompressionConfig, *, residual: bool = True) -> tuple[str, bool]:
     """(codec name, use error feedback) for pushing ``bucket``'s gradient at ``step``. ``residual=False``
     (a streamed unit's bucket: the worker keeps nothing of it between uses, and an error-feedback residual
-    would be a copy of the unit kept for the whole run) leaves out the codecs that need one: bf16 at most."""
+    would be a copy of the unit kept for the whole run): where the policy would pick an error-feedback
+    codec, ``cfg.stream_codec`` without feedback."""
     if not cfg.enabled or bucket.numel == 0:
         return "none", False
     name = _rule_codec(bucket, cfg)
@@ -105,23 +106,49 @@ def choose_codec(bucket: Bucket, step: int, cfg: CompressionConfig, *, residual:
         name = cfg.codec_name(name)
     ef = cfg.error_feedback and codec_facts.base_name(name) in FEEDBACK_CODECS
     if ef and not residual:
-        return _first_paying(["bf16"], bucket.numel, cfg), False
+        return _first_paying(_stream_candidates(cfg), bucket.numel, cfg), False
     return name, ef
+
+
+def _stream_candidates(cfg: CompressionConfig) -> list[str]:
+    return [cfg.stream_codec] if cfg.stream_codec in ROUNDING_CODECS else [cfg.stream_codec, "bf16"]
+
+
+def choose_fetch_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str:
+    """Codec of a streamed unit's weights fetched at ``step``: full weights, quantized afresh from the fp32
+    master at each fetch (no delta: a released unit holds nothing to add one to). ``cfg.stream_codec``
+    for large matrices after the warm-up, bf16 at most for small and 1-D parameters, fp32 with
+    compression off or ``pull_codec`` ``none``."""
+    if not cfg.enabled or bucket.numel == 0 or cfg.pull_codec == "none":
+        return "none"
+    if step < cfg.warmup_steps:
+        return _first_paying([cfg.stream_codec if cfg.stream_codec in ROUNDING_CODECS else cfg.warmup_codec], bucket.numel, cfg)
+    if cfg.stream_codec not in ROUNDING_CODECS and any(is_small(s, cfg) for s in bucket.segments):
+        return _first_paying(["bf16"], bucket.numel, cfg)
+    return _first_paying(_stream_candidates(cfg), bucket.numel, cfg)
 
 
 def choose_pull_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str:
     """Codec of the weights the node sends back for ``bucket`` at ``step``.
 
-    ``int8_delta`` (not a registry codec: the node runs
-    :class:`luwu.protocol.feedback.DeltaEncoder`) only for buckets of large
-    matrices; small and 1-D parameters get bf16 at most.
+    ``auto`` (the default) picks by the cost rule of the pushes: of ``int8_delta`` (large matrices
+    only), ``bf16`` and ``none``, the one whose modelled encode + wire + decode time at ``link_gbps``
+    is least (int8 deltas on slow links, bf16 at 10 Gbit/s, fp32 where the link is faster than the
+    codecs). ``int8_delta`` (not a registry codec: the node runs
+    :class:`luwu.protocol.feedback.DeltaEncoder`) only for buckets of large matrices and after the
+    warm-up; small and 1-D parameters get bf16 at most.
     """
     if not cfg.enabled or bucket.numel == 0 or cfg.pull_codec == "none":
         return "none"
     want = cfg.pull_codec
-    if step < cfg.warmup_steps and want not in ROUNDING_CODECS:
+    warm = step < cfg.warmup_steps
+    if warm and want not in ROUNDING_CODECS:
         want = cfg.warmup_codec  # int8_delta starts after the warm-up, with a full resync
-    if want == "int8_delta" and any(is_small(s, cfg) for s in bucket.segments):
+    small = any(is_small(s, cfg) for s in bucket.segments)
+    if want == "auto":
+        candidates = ["bf16", "none"] if small else ["int8_delta", "bf16", "none"]
+        return min(candidates, key=lambda name: codec_seconds(name, bucket.numel, cfg.link_gbps))
+    if want == "int8_delta" and small:
         want = "bf16"
     candidates = ["int8_delta", "bf16"] if want == "int8_delta" else [want]
     return _first_paying(candidates, bucket.numel, cfg)

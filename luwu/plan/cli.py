@@ -57,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacities", type=_floats, default=None, help="relative node capacities, comma-separated")
     parser.add_argument("--push-codec", default="hybrid", help="gradient codec: none, bf16, fp16, int8, hybrid, "
                         "int4, topk, topk:<density> (default hybrid, ~int8 for large models)")
-    parser.add_argument("--pull-codec", default="bf16", help="weights codec: none, bf16, int8_delta (default bf16)")
+    parser.add_argument("--pull-codec", default=None, help="weights codec: none, bf16, int8_delta, int8 (default: as the "
+                        "defaults pick it, compression.pull_codec = auto by the cost rule at --worker-gbps; with --stream, "
+                        "compression.stream_codec, int8)")
     parser.add_argument("--no-codec-cost", action="store_true", help="ignore encode/decode time")
     parser.add_argument("--compute-ms", type=float, required=True, help="forward+backward ms per step on a worker")
     parser.add_argument("--batch", type=int, default=None, help="samples per worker per step, for samples/s")
@@ -95,7 +97,22 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         bucket_bytes=max(1, round(args.bucket_mb * 2**20)), batch_per_worker=args.batch,
         shared_cores=args.shared_cores, net_cpu_s_per_byte=args.net_cpu_ns * 1e-9,
     )
-    return spec_with_codecs(spec, args.push_codec, args.pull_codec, codec_costs=not args.no_codec_cost)
+    return spec_with_codecs(spec, args.push_codec, default_pull_codec(args), codec_costs=not args.no_codec_cost)
+
+
+def default_pull_codec(args: argparse.Namespace) -> str:
+    """``--pull-codec``, else what the default policy sends the weights of a large bucket with at the
+    worker link's speed (streaming: the stream codec of its fetches)."""
+    if args.pull_codec is not None:
+        return args.pull_codec
+    from luwu.protocol.compression import CompressionConfig
+    from luwu.protocol.layout import Bucket, Segment
+    from luwu.protocol.policy import choose_fetch_codec, choose_pull_codec
+
+    cfg = CompressionConfig(link_gbps=args.worker_gbps)
+    rows = max(1 << 10, round(args.bucket_mb * 2**20 / 4) // 64)  # a bucket of one large matrix
+    large = Bucket(0, 0, 0, rows * 64, (Segment(0, "w", (rows, 64), 0, 0, rows * 64),))
+    return (choose_fetch_codec if args.stream else choose_pull_codec)(large, cfg.warmup_steps, cfg)
 
 
 def _mb(x: float) -> str:
@@ -145,7 +162,7 @@ def _summary(p: Plan, args: argparse.Namespace, rec: Recommendation) -> list[str
 
 def _print_table(p: Plan, args: argparse.Namespace, rec: Recommendation) -> None:
     title = (f"luwu plan: {p.spec.num_params / 1e6:,.1f}M params, {p.spec.workers} workers, {p.spec.nodes} node(s), "
-             f"push {args.push_codec} / pull {args.pull_codec}")
+             f"push {args.push_codec} / pull {default_pull_codec(args)}")
     try:
         from rich.console import Console
         from rich.table import Table
@@ -173,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_args(args)
         p = plan(spec)
-        rec = recommend(spec, max_nodes=args.max_nodes, codec_costs=not args.no_codec_cost)
+        fetch = {"pull_codecs": ("none", "bf16", "int8")} if args.stream else {}  # (a fetch carries full weights: no deltas)
+        rec = recommend(spec, max_nodes=args.max_nodes, codec_costs=not args.no_codec_cost, **fetch)
     except ConfigError as exc:
         print(f"luwu plan: {exc}", file=sys.stderr)
         return 2

@@ -151,30 +151,33 @@ def test_grad_scaler_skips_and_backs_off_in_streaming_mode(cluster1):
 
 
 @pytest.mark.timeout(120)
-def test_with_compression_units_are_fetched_in_bf16_and_model_state_dict_is_fp32(cluster1):
-    """Compression on: each unit's weights travel as bf16 (half the bytes of fp32) and are widened into
-    the fp32 parameters; ``model_state_dict()`` still gives the nodes' fp32 master weights."""
+def test_with_compression_units_travel_in_int8_and_model_state_dict_is_fp32(cluster1):
+    """Compression on: each unit's weights travel as int8 blocks (bf16 in the warm-up) and are widened
+    into the fp32 parameters, its gradients go int8 without a residual; ``model_state_dict()`` still
+    gives the nodes' fp32 master weights."""
     import luwu
+    from luwu.protocol.compression import CompressionConfig
     from workers.stream import make_model
 
-    received = {}
-    for compression in (False, True):
+    received, sent = {}, {}
+    for name, compression in (("fp32", False), ("bf16", True), ("int8", CompressionConfig(warmup_steps=0))):
         model = make_model({"seed": 0, "blocks": 3, "width": 256})
         with luwu.local_cluster(1) as c:
             opt = luwu.RemoteOptimizer(model, nodes=c.addresses, lr=1e-3, compression=compression, stream_weights=True, rank=0, world_size=1)
             try:
                 x, y = torch.randn(8, 20), torch.randint(0, 5, (8,))
                 for _ in range(2):
-                    before = opt.client.bytes_received
+                    before, before_sent = opt.client.bytes_received, opt.client.bytes_sent
                     opt.zero_grad()
                     torch.nn.functional.cross_entropy(model(x), y).backward()
                     opt.step()
-                received[compression] = opt.client.bytes_received - before
+                received[name], sent[name] = opt.client.bytes_received - before, opt.client.bytes_sent - before_sent
                 w = opt.model_state_dict()["blocks.0.fc1.weight"]
                 assert w.dtype == torch.float32 and not torch.equal(w, w.bfloat16().float())  # not rounded to bf16
             finally:
                 opt.close()
-    assert received[True] < 0.55 * received[False]
+    assert received["bf16"] < 0.55 * received["fp32"]
+    assert received["int8"] < 0.32 * received["fp32"] and sent["int8"] < 0.32 * sent["fp32"], (received, sent)
 
 
 @pytest.mark.timeout(300)

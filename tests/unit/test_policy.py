@@ -15,6 +15,7 @@ from luwu.protocol.layout import SMALL_NUMEL, Bucket, ParamSpec, Segment, build_
 from luwu.protocol.policy import (
     CompressionConfig,
     choose_codec,
+    choose_fetch_codec,
     choose_pull_codec,
     codec_seconds,
     pays_off,
@@ -47,7 +48,7 @@ def test_defaults_are_the_documented_ones():
     cfg = CompressionConfig()
     assert cfg.enabled and cfg.error_feedback
     assert (cfg.warmup_steps, cfg.warmup_codec, cfg.small_numel, cfg.large_codec) == (10, "bf16", 65536, "int8")
-    assert (cfg.link_gbps, cfg.pull_codec, cfg.resync_every, cfg.topk_density) == (10.0, "bf16", 50, 0.01)
+    assert (cfg.link_gbps, cfg.pull_codec, cfg.resync_every, cfg.topk_density, cfg.stream_codec) == (10.0, "auto", 50, 0.01, "int8")
     assert cfg.rules == []
 
 
@@ -94,12 +95,30 @@ def test_large_matrices_get_int8_with_error_feedback():
 
 
 def test_a_streamed_units_push_keeps_no_residual():
-    """Streaming mode: no error-feedback codec for a unit's bucket (its residual would be a copy of the
-    unit held between uses); bf16 instead. Without feedback in the config, int8 stays."""
+    """Streaming mode: no error feedback for a unit's bucket (its residual would be a copy of the unit
+    held between uses): ``stream_codec`` (int8) without it; small tensors as usual, bf16 in the warm-up."""
     cfg = CompressionConfig()
-    assert choose_codec(LARGE, STEP, cfg, residual=False) == ("bf16", False)
+    assert choose_codec(LARGE, STEP, cfg, residual=False) == ("int8", False)
+    assert choose_codec(LARGE, STEP, CompressionConfig(stream_codec="bf16"), residual=False) == ("bf16", False)
+    assert choose_codec(LARGE, STEP, CompressionConfig(stream_codec="none"), residual=False) == ("none", False)
     assert choose_codec(LARGE, STEP, CompressionConfig(error_feedback=False), residual=False) == ("int8", False)
     assert choose_codec(TINY, STEP, cfg, residual=False) == choose_codec(TINY, STEP, cfg)
+    assert choose_codec(LARGE, 0, cfg, residual=False) == ("bf16", False)
+
+
+def test_streamed_weights_are_fetched_in_the_stream_codec():
+    """A fetch carries full weights quantized from the fp32 master: int8 blocks for large matrices after
+    the warm-up, bf16 at most for small and 1-D ones, fp32 with compression off or pull_codec none."""
+    cfg = CompressionConfig()
+    assert choose_fetch_codec(LARGE, STEP, cfg) == "int8"
+    assert choose_fetch_codec(LARGE, 0, cfg) == "bf16"  # warm-up
+    assert choose_fetch_codec(SMALLS, STEP, cfg) == choose_fetch_codec(MIXED, STEP, cfg) == "bf16"
+    assert choose_fetch_codec(LARGE, STEP, CompressionConfig(stream_codec="bf16")) == "bf16"
+    assert choose_fetch_codec(LARGE, 0, CompressionConfig(stream_codec="none")) == "none"
+    assert choose_fetch_codec(LARGE, STEP, CompressionConfig(pull_codec="none")) == "none"
+    assert choose_fetch_codec(LARGE, STEP, CompressionConfig(enabled=False)) == "none"
+    with pytest.raises(ConfigError, match="stream_codec must be one of"):
+        CompressionConfig(stream_codec="topk")
 
 
 def test_small_and_1d_tensors_get_bf16_without_feedback():
@@ -196,7 +215,7 @@ def test_cost_rule_compresses_less_as_the_link_gets_faster():
 
 def test_pull_codec():
     cfg = CompressionConfig()
-    assert choose_pull_codec(LARGE, STEP, cfg) == "bf16"
+    assert choose_pull_codec(LARGE, STEP, cfg) == "bf16"  # auto at the default 10 Gbit/s
     delta = CompressionConfig(pull_codec="int8_delta")
     assert choose_pull_codec(LARGE, STEP, delta) == "int8_delta"
     assert choose_pull_codec(MIXED, STEP, delta) == "bf16", "never int8 deltas for small or 1-D tensors"
@@ -204,6 +223,22 @@ def test_pull_codec():
     assert choose_pull_codec(LARGE, 2, delta) == "bf16", "int8 deltas start after the warm-up"
     assert choose_pull_codec(LARGE, STEP, CompressionConfig(pull_codec="none")) == "none"
     assert choose_pull_codec(LARGE, STEP, CompressionConfig(pull_codec="fp16")) == "fp16"
+
+
+def test_auto_pull_codec_follows_the_cost_rule_of_the_link():
+    """``auto``: int8 deltas where they beat bf16 and fp32 in modelled encode + wire + decode time (slow
+    links), bf16 at 10 Gbit/s, fp32 on links faster than the codecs; never int8 deltas for small or 1-D
+    tensors, nor in the warm-up."""
+    picks = {g: choose_pull_codec(LARGE, STEP, CompressionConfig(link_gbps=g)) for g in (0.1, 1.0, 10.0, 1000.0)}
+    assert picks == {0.1: "int8_delta", 1.0: "int8_delta", 10.0: "bf16", 1000.0: "none"}
+    slow = CompressionConfig(link_gbps=1.0)
+    assert choose_pull_codec(MIXED, STEP, slow) == choose_pull_codec(SMALLS, STEP, slow) == "bf16"
+    assert choose_pull_codec(LARGE, 2, slow) == "bf16", "int8 deltas start after the warm-up"
+    for g, name in picks.items():  # the pick is the cheapest modelled
+        costs = {n: codec_seconds(n, LARGE.numel, g) for n in ("int8_delta", "bf16", "none")}
+        assert costs[name] == min(costs.values())
+    with pytest.raises(ConfigError, match="pull_codec must be auto or one of"):
+        CompressionConfig(pull_codec="int8")
 
 
 def test_choice_is_the_same_in_another_process():
