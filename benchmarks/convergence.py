@@ -16,8 +16,14 @@ Variants: uncompressed sync, the hybrid default (``CompressionConfig()``),
 int8 / int4 / top-k 1% on the large matrices with and without error feedback
 (small and 1-D tensors bf16 as the policy does, warm-up as the default, the
 cost rule told the link is 1 Gbit/s so it never vetoes the codec under test).
-The pull direction is bf16 in every compressed variant. The final eval loss
-of each is compared with the uncompressed run; the targets of issue 5 are
+The pull direction is bf16 in every forced variant. ``hybrid 1gbit`` is the
+defaults told the link is 1 Gbit/s: int8 + error feedback pushes and, by the
+cost rule of ``pull_codec = "auto"``, int8-delta pulls. ``stream 1gbit`` is
+streaming mode (``stream_weights``) on the same defaults: int8 weights
+fetched and int8 gradients pushed, without error feedback, compared with
+streaming uncompressed (the optimizer takes the model there, so weight decay
+applies to every parameter in both). The final eval loss
+of each is compared with its baseline; the targets of issue 5 are
 hybrid and int8+EF within 2%, int4+EF within 3%, top-k 1%+EF within 5%. On
 digits, a pair with SGD + momentum on the nodes (uncompressed, top-k 1% + EF)
 tells a top-k gap that comes from the codec from one that comes from AdamW.
@@ -248,9 +254,12 @@ class Variant:
     """Only for these tasks (None: all)."""
     variance_freeze_step: int | None = None
     """Adam / AdamW on the nodes: ``exp_avg_sq`` frozen after this many steps (a param-group hyperparameter)."""
+    stream: bool = False
+    """Streaming mode (``stream_weights``, the default units): the optimizer takes the model, so every
+    parameter has the task's weight decay (one group); compared with a streaming baseline."""
 
 
-FORCED = {"link_gbps": 1.0}  # the cost rule must not veto the codec under test
+FORCED = {"link_gbps": 1.0, "pull_codec": "bf16"}  # the cost rule must not veto the codec under test; bf16 pulls
 #: SGD with momentum on the nodes (digits only): top-k + error feedback is built for it (DGC), and the
 #: pair shows whether a top-k gap under AdamW comes from the codec or from Adam's reaction to sparse,
 #: bursty gradients.
@@ -264,6 +273,8 @@ MC = {**TOPK1, "momentum_correction": True}
 VARIANTS = [
     Variant("uncompressed", {"enabled": False}),
     Variant("hybrid", {}, 0.02),
+    # the defaults told the link is 1 Gbit/s: int8 + EF pushes and, by the cost rule, int8-delta pulls
+    Variant("hybrid 1gbit", {"link_gbps": 1.0}, 0.02),
     Variant("int8+EF", {"large_codec": "int8", **FORCED}, 0.02),
     Variant("int4+EF", {"large_codec": "int4", **FORCED}, 0.03),
     Variant("topk1%+EF+MC", MC, 0.05, **FREEZE5),
@@ -277,6 +288,9 @@ VARIANTS = [
     Variant("int8 noEF", {"large_codec": "int8", "error_feedback": False, **FORCED}),
     Variant("int4 noEF", {"large_codec": "int4", "error_feedback": False, **FORCED}),
     Variant("topk1% noEF", {"large_codec": "topk", "topk_density": 0.01, "error_feedback": False, **FORCED}),
+    # streaming mode: fp32 both ways (exact), and the defaults at 1 Gbit/s: int8 weights and gradients, no EF
+    Variant("uncompressed stream", {"enabled": False}, baseline="uncompressed stream", stream=True),
+    Variant("stream 1gbit", {"link_gbps": 1.0}, 0.02, baseline="uncompressed stream", stream=True),
     Variant("uncompressed SGD", {"enabled": False}, baseline="uncompressed SGD", **SGD),
     Variant("topk1%+EF SGD", TOPK1, baseline="uncompressed SGD", **SGD),
     Variant("topk1%+EF+MC SGD", MC, baseline="uncompressed SGD", **SGD),
@@ -340,12 +354,16 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
     model = task.model()
     hyper = dict(variant["hyper"] or {"lr": run.lr})
     groups, names = param_groups(model, hyper.pop("weight_decay", run.weight_decay))
+    if variant.get("stream"):  # the optimizer needs the model to find the units: one group
+        groups, names = model, [n for n, p in model.named_parameters() if p.requires_grad]
+        hyper["weight_decay"] = run.weight_decay
     if variant.get("variance_freeze_step") is not None:
-        for g in groups:
+        for g in groups:  # (not with stream)
             g["variance_freeze_step"] = variant["variance_freeze_step"]
     cc = CompressionConfig(**variant["compression"]) if variant["compression"] is not None else False  # None: fp32
     opt = luwu.RemoteOptimizer(
-        groups, variant["optimizer"], nodes=nodes, rank=rank, world_size=world, job=variant["job"], compression=cc, bucket_bytes=run.bucket_bytes, timeout_s=120.0, **hyper
+        groups, variant["optimizer"], nodes=nodes, rank=rank, world_size=world, job=variant["job"], compression=cc, bucket_bytes=run.bucket_bytes, timeout_s=120.0,
+        stream_weights=bool(variant.get("stream")), **hyper
     )
     try:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(run))
@@ -461,7 +479,7 @@ def run_variants(run: TaskRun, variants: list[Variant], *, parallel: int = 1, ti
     jobs = [f"conv-{run.task}-{i}-{''.join(c if c.isalnum() else '-' for c in v.name)}" for i, v in enumerate(variants)]
     with tempfile.TemporaryDirectory(prefix="luwu-convergence-") as tmp:
         folder = Path(tmp)
-        spec = {"run": asdict(run), "dir": tmp, "timeout_s": timeout_s, "variants": [{"name": v.name, "compression": v.compression, "optimizer": v.optimizer, "hyper": v.hyper, "variance_freeze_step": v.variance_freeze_step, "job": j} for v, j in zip(variants, jobs)]}
+        spec = {"run": asdict(run), "dir": tmp, "timeout_s": timeout_s, "variants": [{"name": v.name, "compression": v.compression, "optimizer": v.optimizer, "hyper": v.hyper, "variance_freeze_step": v.variance_freeze_step, "stream": v.stream, "job": j} for v, j in zip(variants, jobs)]}
         spec_path = folder / "spec.json"
         spec_path.write_text(json.dumps(spec))
         procs = []
@@ -504,6 +522,7 @@ def summarize(run: TaskRun, variant: Variant, ranks: list[dict]) -> dict:
         "optimizer": variant.optimizer,
         "hyper": variant.hyper or {"lr": run.lr},
         "variance_freeze_step": variant.variance_freeze_step,
+        "stream": variant.stream,
         "baseline": variant.baseline,
         "target": variant.target,
         "evals": r0["evals"],
@@ -607,7 +626,7 @@ def plot(rows: list[dict], path: Path) -> None:
         bottom.set_ylabel("relative difference, % (log beyond +-5)")
         bottom.grid(alpha=0.3)
     fig.suptitle(
-        f"LuWu compression convergence: {WORLD_SIZE} workers x {NUM_NODES} nodes, AdamW on the nodes, bf16 pull\n"
+        f"LuWu compression convergence: {WORLD_SIZE} workers x {NUM_NODES} nodes, AdamW on the nodes, bf16 pull unless named\n"
         "dashed: no error feedback; dotted: SGD momentum; dash-dot: AdamW with its variance frozen after the warm-up",
         fontsize=10,
     )
@@ -625,7 +644,7 @@ def report(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) 
         f"{plan_txt}. Final eval loss against the uncompressed run (same seeds, same global batches). "
         "Forced variants: the codec on matrices of >= 64K elements, bf16 on the rest, the cost rule told 1 Gbit/s "
         "so it does not veto; hybrid = `CompressionConfig()` defaults. The first 10 steps go bf16 both ways, without "
-        "error feedback (the default warm-up). Pull direction bf16 in every compressed variant (`int8_delta` not used). compressed share = "
+        "error feedback (the default warm-up). Pull direction bf16 in every forced variant; `hybrid 1gbit` = the defaults told the link is 1 Gbit/s (int8 + EF pushes, int8-delta pulls by the cost rule of `pull_codec = \"auto\"`); `stream 1gbit`: streaming mode on the same defaults (int8 weights and gradients, no error feedback) against `uncompressed stream` (one param group: weight decay on every parameter). compressed share = "
         "fraction of the gradient bytes after warm-up sent with int8 / int4 / top-k; push x / pull x = fp32 bytes / "
         "wire bytes per worker per step after warm-up. The `SGD` rows run SGD + momentum (lr 0.05, 0.9, no weight decay) on the nodes "
         "and compare with their own uncompressed SGD run. The `freeze` rows run the nodes' AdamW with `variance_freeze_step` = 10 "
