@@ -11,8 +11,11 @@ when their unit runs; the fp32 master stays on the nodes.
 
 - **Forward**: a forward pre-hook asks the nodes for the next ``prefetch``
   units' weights (PULL, in the order the last forward ran them) and waits for
-  its own unit's; the forward post-hook releases them. Under ``no_grad``
-  (evaluation) that is all: nothing is pushed.
+  its own unit's; the forward post-hook releases them, except for the last
+  ``max(1, prefetch)`` units of the forward, whose backward comes right after
+  (the turn: releasing them would only fetch them again, with a round trip
+  the backward waits on; FSDP2 keeps its root unsharded for the same reason).
+  Under ``no_grad`` (evaluation) every unit is released: nothing is pushed.
 - **Backward**: the forward post-hook puts a hook on the unit's outputs; when
   their gradient is computed (the unit's backward is next) it asks for the
   weights of the ``prefetch`` units backward reaches next and waits for its own.
@@ -201,6 +204,7 @@ class Streamer:
             self.units.append(_Unit(u, [params[i] for i in mine], by_unit.get(u.index, [])))
         self._of_bucket = {bid: u for u in self.units for bid in u.buckets}
         self.order = [u.unit.index for u in self.units if u.buckets]  # forward order, learned from each step
+        self._turn = self._last_units()
         self._seen: dict[int, None] = {}  # this step's forward order (first use of each unit)
         self.fetch_wait_s = 0.0
         self.fetches = 0
@@ -270,7 +274,7 @@ class Streamer:
         if not torch.is_grad_enabled():
             self._release(u)
             return
-        if not self.keep:
+        if not self.keep and u.unit.index not in self._turn:
             self._release(u)
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         fired = []
@@ -310,11 +314,17 @@ class Streamer:
         if self._seen:
             self.order = list(self._seen)
             self._seen = {}
+            self._turn = self._last_units()
         self._take_pushed_weights()
         report.fetch_wait_s, self.fetch_wait_s = self.fetch_wait_s, 0.0
         if self.metrics is not None:
             self.metrics.fetch_wait.observe(report.fetch_wait_s)
         trim_heap()
+
+    def _last_units(self) -> frozenset[int]:
+        """The last ``max(1, prefetch)`` units of the forward order: kept from their forward to their
+        backward, which comes right after."""
+        return frozenset(self.order[-max(1, self.prefetch):])
 
     def _first_buckets(self) -> frozenset[int]:
         """The buckets of the first ``prefetch`` units of the forward order: their pushes ask the nodes to
