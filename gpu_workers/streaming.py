@@ -112,12 +112,17 @@ def patterns_of(spec) -> list[str] | None:
     return list(spec) if spec is not None and all(isinstance(s, str) for s in spec) else None
 
 
-def plan_units(model, spec, cfg) -> tuple[Units | None, dict[int, int]]:
+def plan_units(model, spec, cfg, apart: bool = False) -> tuple[Units | None, dict[int, int]]:
     """Streaming mode's units of ``model`` and ``id(parameter)`` -> unit, from the ``stream_units``
-    argument or else ``cfg.stream_units`` (``cfg``: the optimizer section); (None, {}) when not streaming."""
+    argument or else ``cfg.stream_units`` (``cfg``: the optimizer section); (None, {}) when not streaming.
+    ``apart``: the optimizer's parameters were given apart from the model (param groups)."""
     if not cfg.stream_weights:
+        if apart:
+            raise ConfigError("RemoteOptimizer(model=...) names the module whose units stream: it needs stream_weights")
         return None, {}
     units = Units(select_units(model, spec if spec is not None else (cfg.stream_units or None)), model)
+    if apart and materialize.on_meta(model):
+        raise ConfigError("a model built on the meta device gets new parameters unit by unit: pass the model itself as params, not param groups")
     if materialize.on_meta(model):  # new parameter objects, released unit by unit: before anyone holds them
         units.initializer = materialize.Initializer(model, units, materialize.open_weights(cfg.init_weights))  # (checked first)
         materialize.empty_model(model, units)

@@ -96,8 +96,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         metrics_port, metrics_host: serve ``/metrics`` on this port (0: any free one; None: not served)
             of this host (``metrics.host``). ``metrics.port`` is the nodes' (``luwu up`` gives node i
             port + i), so a worker serves its endpoint only when asked here.
-        stream_weights, stream_units, prefetch, init_weights: streaming mode, ``params`` being the model (``optimizer.stream_*``,
-            :mod:`luwu.gpu_workers.streaming`): no weights of the units held between uses, each fetched before use.
+        stream_weights, stream_units, prefetch, init_weights: streaming mode (``optimizer.stream_*``, :mod:`luwu.gpu_workers.streaming`):
+            no weights of the units held between uses, each fetched before use. ``model``: the module the units are found in when
+            ``params`` are param groups or tensors of it (weight decay on matrices only, as GPT training does); else ``params`` is the model.
     """
 
     _step_supports_amp_scaling = True
@@ -126,7 +127,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         registry=None,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
-        stream_weights: bool | None = None, stream_units=None, prefetch: int | None = None, init_weights: str | None = None,
+        stream_weights: bool | None = None, stream_units=None, prefetch: int | None = None, init_weights: str | None = None, model=None,
         **hyper,
     ):
         if optimizer is not None:
@@ -138,7 +139,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             transport=transport, compression=compression, stream_weights=stream_weights, prefetch=prefetch, stream_units=streaming.patterns_of(stream_units), init_weights=init_weights,
         )
         self.config = cfg
-        self.streamer, (self._units, self._unit_of) = None, streaming.plan_units(params, stream_units, cfg.optimizer)
+        self.streamer, (self._units, self._unit_of) = None, streaming.plan_units(params if model is None else model, stream_units, cfg.optimizer, model is not None)
         kind = get_kind(cfg.optimizer.name)
         defaults = dict(kind.defaults)
         for k, v in hyper.items():
@@ -149,7 +150,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if k not in defaults:
                 raise ConfigError(f"{k}={v!r} does not apply to optimizer {kind.name!r} (its hyperparameters: {', '.join(defaults)})")
             defaults[k] = v
-        names: dict[int, str] = {}
+        names: dict[int, str] = {} if model is None else {id(p): n for n, p in model.named_parameters()}  # groups named by model=
         if isinstance(params, torch.nn.Module):
             named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
             names = {id(p): n for n, p in named}

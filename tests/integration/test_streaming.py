@@ -295,3 +295,39 @@ def test_keeping_units_for_backward_fetches_once_a_step(cluster1, monkeypatch):
             torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
     finally:
         opt.close()
+
+
+@pytest.mark.timeout(120)
+def test_param_groups_stream_with_the_model_named_apart(cluster1):
+    """``RemoteOptimizer(groups, model=model, stream_weights=True)``: GPT-style groups (weight decay on
+    matrices, none on biases) in streaming mode equal local AdamW with the same groups."""
+    import luwu
+    from workers.stream import make_model
+
+    spec = {"seed": 0, "blocks": 3, "width": 16}
+    ref, model = make_model(spec), make_model(spec)
+
+    def groups(net):
+        return [{"params": [p for p in net.parameters() if p.ndim >= 2], "weight_decay": 0.5},
+                {"params": [p for p in net.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+
+    local = torch.optim.AdamW(groups(ref), lr=0.01)
+    opt = luwu.RemoteOptimizer(groups(model), nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, model=model,
+                               bucket_bytes=1024, rank=0, world_size=1)
+    try:
+        assert opt.streamer is not None and [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0]
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
+            for net, o in ((ref, local), (model, opt)):
+                o.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                o.step()
+            assert opt.streamer.resident_bytes() == 0
+        got = opt.model_state_dict()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        opt.close()
+    with pytest.raises(luwu.ConfigError, match="needs stream_weights"):
+        luwu.RemoteOptimizer(groups(model), nodes=cluster1.addresses, lr=0.01, model=model, rank=0, world_size=1)
