@@ -16,9 +16,17 @@ Two configurations are run, each a fresh cluster and training:
 
 This is a robustness study, not a speed benchmark: the rates are reported for scale only.
 
+``--reconnect-every K`` closes each fuzzer socket after K answered messages and opens a fresh one (a
+new TCP connection and identity), so the run is also a connection flood; every node's RSS is sampled
+every ``--rss-every`` messages (the curve goes into the JSON and, every tenth point, the markdown).
+The long run of issue 19 (1,000,000 messages, a connection every 10):
+
+    python3 benchmarks/fuzz_node.py --messages 1000000 --reconnect-every 10 --steps 3000 --only all --name fuzz_node_1m
+
     python3 benchmarks/fuzz_node.py [--quick] [--messages N] [--steps S] [--seed K] [--only NAME]
 
-Writes benchmarks/results/fuzz_node.json and .md (``--quick``: 10,000 messages, fuzz_node.quick.*).
+Writes benchmarks/results/fuzz_node.json and .md (``--quick``: 10,000 messages, fuzz_node.quick.*;
+``--name``: another stem).
 """
 
 from __future__ import annotations
@@ -43,10 +51,11 @@ CONFIGS = {
 }
 
 
-def study(name: str, num_messages: int, steps: int, seed: int) -> dict:
+def study(name: str, num_messages: int, steps: int, seed: int, reconnect_every: int = 0, rss_every: int = 10_000) -> dict:
     cfg = CONFIGS[name]
     spec = dict(SPEC, steps=steps)
     t0 = time.monotonic()
+    curve: list = []
     with tempfile.TemporaryDirectory(prefix="luwu-fuzz-") as tmp:
         res = fuzz_during_training(
             Path(tmp),
@@ -55,13 +64,19 @@ def study(name: str, num_messages: int, steps: int, seed: int) -> dict:
             seed=seed,
             allow_rank_hello=cfg["allow_rank_hello"],
             categories=cfg["categories"],
-            on_progress=lambda r: print(f"  [{name}] {r.sent} sent, {r.replies} replies, {r.seconds:.0f} s", flush=True),
+            on_progress=lambda r: print(f"  [{name}] {r.sent} sent, {r.replies} replies, {r.connections} connections, {r.seconds:.0f} s", flush=True),
+            reconnect_every=reconnect_every,
+            rss_curve=curve,
+            progress_every=rss_every,
         )
     rep = res.report
     mib = lambda xs: [round(x / (1 << 20), 1) for x in xs]  # noqa: E731
     return {
         "config": name,
         "messages_sent": rep.sent,
+        "connections": rep.connections,
+        "rss_curve": [{"sent": n, "s": t, "node_rss_mib": mib(rss)} for n, t, rss in curve],
+        "rss_curve_bounded": all(r < rss_bound(w) for _, _, rss in curve for r, w in zip(rss, res.rss_warm)),
         "replies": rep.replies,
         "no_reply": rep.missing,
         "unsolicited": rep.unsolicited,
@@ -103,6 +118,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400, help="training steps (long enough to overlap the fuzzing)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--only", choices=sorted(CONFIGS), help="run one configuration")
+    ap.add_argument("--reconnect-every", type=int, default=0, help="a fresh fuzzer connection after this many messages (0: never)")
+    ap.add_argument("--rss-every", type=int, default=10_000, help="sample the nodes' RSS every this many messages")
+    ap.add_argument("--name", default="fuzz_node", help="results stem (default fuzz_node)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -111,12 +129,13 @@ def main() -> None:
     with LoadMonitor() as load:
         for name in [args.only] if args.only else list(CONFIGS):
             print(f"{name}: {n} messages, {args.steps} training steps", flush=True)
-            rows.append(study(name, n, args.steps, args.seed))
-    cols = ["config", "messages", "ERROR replies", "STATS replies", "no reply", "unsolicited", "wrong replies", "internal errors", "during training", "nodes up", "RSS warm MiB", "RSS end MiB", "RSS peak MiB", "training equal", "msg/s"]
+            rows.append(study(name, n, args.steps, args.seed, args.reconnect_every, args.rss_every))
+    cols = ["config", "messages", "connections", "ERROR replies", "STATS replies", "no reply", "unsolicited", "wrong replies", "internal errors", "during training", "nodes up", "RSS warm MiB", "RSS end MiB", "RSS peak MiB", "training equal", "msg/s"]
     table = [
         {
             "config": r["config"],
             "messages": r["messages_sent"],
+            "connections": r["connections"],
             "ERROR replies": r["error_replies"],
             "STATS replies": r["replies_by_op"].get("STATS", 0),
             "no reply": r["no_reply"],
@@ -143,10 +162,17 @@ def main() -> None:
         for cat, sent, text in r["internal_error_examples"][:3]:
             md.append(f"- internal error `{text[:160]}` for `{cat}` message `{sent[:200]}`")
         md.append("")
-    md.append(f"Nodes: 2, checkpoint every 10 steps; training: 2 workers, {args.steps} steps of AdamW on the test MLP; fuzzer: 3 DEALER sockets per node, at most 32 unanswered each.")
+        points = r["rss_curve"][:: max(1, len(r["rss_curve"]) // 10)]
+        if points:
+            md += [f"Node RSS (MiB) during **{r['config']}**, against the bound of 2 x warm + 64 MiB "
+                   f"({'held at every point' if r['rss_curve_bounded'] else 'EXCEEDED'}; {len(r['rss_curve'])} points in the JSON):", "",
+                   md_table([{"messages": p["sent"], "seconds": p["s"], "node 0": p["node_rss_mib"][0], "node 1": p["node_rss_mib"][1]} for p in points],
+                            ["messages", "seconds", "node 0", "node 1"]), ""]
+    md.append(f"Nodes: 2, checkpoint every 10 steps; training: 2 workers, {args.steps} steps of AdamW on the test MLP; fuzzer: 3 DEALER sockets per node, at most 32 unanswered each"
+              + (f", each replaced by a fresh connection after {args.reconnect_every} messages." if args.reconnect_every else "."))
     md.append(f"RSS bound checked: end and peak < 2 x RSS after 500 warm-up messages + 64 MiB. {load.line()}")
-    result = {"messages": n, "steps": args.steps, "seed": args.seed, "rows": rows, "machine": machine_info(), "load": load.info()}
-    write_results("fuzz_node", result, "\n".join(md), quick=args.quick)
+    result = {"messages": n, "steps": args.steps, "seed": args.seed, "reconnect_every": args.reconnect_every, "rows": rows, "machine": machine_info(), "load": load.info()}
+    write_results(args.name, result, "\n".join(md), quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -367,6 +367,8 @@ class FuzzReport:
     """Messages a node sent a fuzzer socket beyond one reply per message (UPDATEs of a hijacked rank)."""
     sent_during_training: int = 0
     seconds: float = 0.0
+    connections: int = 0
+    """Fuzzer connections opened (each a fresh DEALER: a new TCP connection and identity)."""
 
 
 def expected_reply(frames: list[bytes]) -> Op:
@@ -400,11 +402,15 @@ def fuzz(
     training_alive=lambda: False,
     on_progress=None,
     rep: FuzzReport | None = None,
+    reconnect_every: int = 0,
+    progress_every: int = 10_000,
 ) -> FuzzReport:
     """Send messages until ``num_messages`` (counting those already in ``rep``) from ``sockets_per_node``
     DEALERs per node (at most ``window`` unanswered per socket) and check every reply against
     :func:`expected_reply`, in order per socket. A socket whose oldest message waits longer than
-    ``reply_timeout_s`` counts its unanswered messages as ``missing`` and is replaced by a fresh one."""
+    ``reply_timeout_s`` counts its unanswered messages as ``missing`` and is replaced by a fresh one.
+    ``reconnect_every``: a socket that has sent that many messages and has every answer is closed and
+    a fresh one (a new connection, a new identity) takes its place (``rep.connections`` counts them)."""
     ctx = zmq.Context()
     rep = rep if rep is not None else FuzzReport()
     t0 = time.monotonic() - rep.seconds
@@ -413,16 +419,19 @@ def fuzz(
     pending: dict[zmq.Socket, deque] = {}
     waiting_since: dict[zmq.Socket, float] = {}
 
+    sent_on: dict[zmq.Socket, int] = {}
+
     def open_socket(node: int) -> None:
         s = dealer(ctx, addrs[node])
         s.setsockopt(zmq.SNDHWM, 0)
-        owner[s], pending[s], waiting_since[s] = node, deque(), time.monotonic()
+        owner[s], pending[s], waiting_since[s], sent_on[s] = node, deque(), time.monotonic(), 0
         poller.register(s, zmq.POLLIN)
+        rep.connections += 1
 
     def drop_socket(s: zmq.Socket) -> None:
         poller.unregister(s)
         s.close(0)
-        del owner[s], pending[s], waiting_since[s]
+        del owner[s], pending[s], waiting_since[s], sent_on[s]
 
     for i in range(len(addrs)):
         for _ in range(sockets_per_node):
@@ -430,16 +439,22 @@ def fuzz(
     try:
         while rep.sent < num_messages or any(pending.values()):
             for s in list(owner):
-                while len(pending[s]) < window and rep.sent < num_messages:
+                if reconnect_every and sent_on[s] >= reconnect_every and not pending[s] and rep.sent < num_messages:
+                    node = owner[s]
+                    drop_socket(s)
+                    open_socket(node)
+                    continue
+                while len(pending[s]) < window and rep.sent < num_messages and not (reconnect_every and sent_on[s] >= reconnect_every):
                     if not pending[s]:
                         waiting_since[s] = time.monotonic()
                     cat, frames = fuzzers[owner[s]].message()
                     s.send_multipart(frames, copy=True)
                     pending[s].append((cat, frames))
+                    sent_on[s] += 1
                     rep.sent += 1
                     rep.by_category[cat] += 1
                     rep.sent_during_training += bool(training_alive())
-                    if on_progress is not None and rep.sent % 10_000 == 0:
+                    if on_progress is not None and rep.sent % progress_every == 0:
                         rep.seconds = time.monotonic() - t0
                         on_progress(rep)
             for s, _ in poller.poll(100):
@@ -507,10 +522,15 @@ def fuzz_during_training(
     categories: dict | None = None,
     warmup_messages: int = 500,
     on_progress=None,
+    reconnect_every: int = 0,
+    rss_curve: list | None = None,
+    progress_every: int = 10_000,
 ) -> StudyResult:
     """Start a 2-node cluster (checkpointing every CHECKPOINT_EVERY steps) and a 2-worker training; once
     both workers are connected, fuzz both nodes with ``num_messages`` messages (node RSS is taken after
-    the first ``warmup_messages``); then compare the training with :func:`reference`."""
+    the first ``warmup_messages``); then compare the training with :func:`reference`. ``reconnect_every``:
+    see :func:`fuzz`; ``rss_curve``: gets (messages sent, seconds, [VmRSS of each node]) every
+    ``progress_every`` messages."""
     spec = dict(SPEC if spec is None else spec)
     layout = job_layout(spec, 2)
     ckpt = ["--node.checkpoint_dir", str(tmp_path / "ckpt"), "--node.checkpoint_every", str(CHECKPOINT_EVERY)]
@@ -530,9 +550,17 @@ def fuzz_during_training(
         th.start()
         wait_for_workers(cluster.addresses, WORLD, 120, alive=th.is_alive)
         fuzzers = [Fuzzer(layout, i, seed * 1000 + i, allow_rank_hello=allow_rank_hello, categories=categories) for i in range(2)]
-        rep = fuzz(cluster.addresses, fuzzers, min(warmup_messages, num_messages), training_alive=th.is_alive, on_progress=on_progress)
+
+        def progress(r: FuzzReport) -> None:
+            if rss_curve is not None:
+                rss_curve.append((r.sent, round(r.seconds, 1), [proc_status(pid)["VmRSS"] if p.poll() is None else 0 for pid, p in zip(pids, cluster.procs)]))
+            if on_progress is not None:
+                on_progress(r)
+
+        kw = {"training_alive": th.is_alive, "on_progress": progress, "reconnect_every": reconnect_every, "progress_every": progress_every}
+        rep = fuzz(cluster.addresses, fuzzers, min(warmup_messages, num_messages), **kw)
         rss_warm = [proc_status(pid)["VmRSS"] for pid in pids]
-        rep = fuzz(cluster.addresses, fuzzers, num_messages, training_alive=th.is_alive, on_progress=on_progress, rep=rep)
+        rep = fuzz(cluster.addresses, fuzzers, num_messages, rep=rep, **kw)
         th.join(600)
         alive = [p.poll() is None for p in cluster.procs]
         status = [proc_status(pid) if a else {"VmRSS": 0, "VmHWM": 0} for pid, a in zip(pids, alive)]
@@ -587,9 +615,15 @@ def assert_study(res: StudyResult, num_messages: int) -> None:
 
 @pytest.mark.timeout(240)
 def test_fuzzing_live_nodes_during_training_changes_nothing(tmp_path):
+    """Hostile messages from sockets that reconnect every 20 messages (hundreds of connections, each a
+    new identity) against both nodes while a real job trains: every message answered as owed, the
+    training equal to the undisturbed reference, node RSS bounded all along."""
     n = int(os.environ.get("LUWU_FUZZ_MESSAGES", "8000"))
-    res = fuzz_during_training(tmp_path, n)
+    curve: list = []
+    res = fuzz_during_training(tmp_path, n, reconnect_every=20, rss_curve=curve, progress_every=1000)
     assert_study(res, n)
+    assert res.report.connections >= n // 20, res.report.connections
+    assert len(curve) == n // 1000 and all(r < rss_bound(w) for _, _, rss in curve for r, w in zip(rss, res.rss_warm)), curve
 
 
 @pytest.mark.slow
