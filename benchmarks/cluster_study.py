@@ -790,6 +790,7 @@ def plan_spec(row: dict, settings: dict, calib: dict):
         capacities=tuple(row["capacities"]) if row.get("capacities") else None,
         worker_gbps=row["worker_rate_bps"] / 1e9, node_gbps=tuple(b / 1e9 for b in row["node_rate_bps"]),
         compute_s=calib["compute_s"], delayed_update=row["variant"] == "delayed", stream_weights=row["variant"] == "stream",
+        stream_units=len(settings["dims"]) - 1,  # the student's Linear layers: the default units
         protocol_efficiency=link["efficiency"], bucket_bytes=settings["bucket_bytes"],
         batch_per_worker=settings["batch"], shared_cores=cores,
         # the bytes per element the codecs really put on the wire in this run (payload, per worker and step)

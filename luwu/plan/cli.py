@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=None, help="samples per worker per step, for samples/s")
     parser.add_argument("--delayed-update", action="store_true", help="the job uses delayed update")
     parser.add_argument("--stream", action="store_true", help="streaming mode (stream_weights): weights fetched twice a step")
+    parser.add_argument("--units", type=int, default=None, help="with --stream: how many units the model streams in (default: one per bucket)")
     parser.add_argument("--opt-rate", type=float, default=ADAMW_PARAMS_PER_S_PER_THREAD,
                         help=f"node optimizer params/s per thread (default {ADAMW_PARAMS_PER_S_PER_THREAD:.2g}, "
                         "fused AdamW)")
@@ -92,7 +93,7 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
     spec = PlanSpec(
         num_params=args.params, workers=args.workers, nodes=args.nodes, capacities=capacities,
         worker_gbps=args.worker_gbps, node_gbps=node_gbps, opt_params_per_s=args.opt_rate,
-        node_threads=args.node_threads, compute_s=args.compute_ms / 1e3, delayed_update=args.delayed_update, stream_weights=args.stream,
+        node_threads=args.node_threads, compute_s=args.compute_ms / 1e3, delayed_update=args.delayed_update, stream_weights=args.stream, stream_units=args.units,
         overlap_fraction=args.overlap, protocol_efficiency=args.efficiency,
         bucket_bytes=max(1, round(args.bucket_mb * 2**20)), batch_per_worker=args.batch,
         shared_cores=args.shared_cores, net_cpu_s_per_byte=args.net_cpu_ns * 1e-9,

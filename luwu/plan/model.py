@@ -91,9 +91,10 @@ unit twice a step (forward and backward), so the weight traffic doubles::
 
 The fetches run ahead of compute (``prefetch`` units) and the pushes leave unit by unit during
 backward, so each resource is busy once per step, all at the same time; what cannot overlap is
-the first unit's fetch and the last unit's push path (one bucket through the stages)::
+the first unit's fetch and the last unit's push path: one unit through the stages (a unit is asked
+for and waited for whole; ``U`` = ``stream_units``, default one unit per bucket)::
 
-    stream step  = max(C' + write, push, node, pull, shared cpu) + tail
+    stream step  = max(C' + write, push, node, pull, shared cpu) + (push + node + pull) / min(U, buckets)
 
 Not modelled: link latency and per-message overheads (frames are 1-4 MiB),
 unfair incast sharing, CPU contention between compute, codecs and the I/O
@@ -182,7 +183,10 @@ class PlanSpec:
     """Samples per worker per step, for samples/s; None = not reported."""
     stream_weights: bool = False
     """Streaming mode: weights fetched per unit, twice a step (``pull_bytes_per_elem`` each time: the fetch
-    codec, bf16 with compression on); sync mode only."""
+    codec, int8 with compression on); sync mode only."""
+    stream_units: int | None = None
+    """Streaming mode: how many units the model streams in (None: one per bucket). A unit's weights are
+    asked for and waited for whole, so what cannot overlap is one unit through the stages."""
     shared_cores: float | None = None
     """Cores that every worker and node process share (an emulated cluster on one machine, or processes
     packed on one host); None = every host has its own CPU."""
@@ -198,6 +202,8 @@ class PlanSpec:
         _positive_int("bucket_bytes", self.bucket_bytes)
         if self.batch_per_worker is not None:
             _positive_int("batch_per_worker", self.batch_per_worker)
+        if self.stream_units is not None:
+            _positive_int("stream_units", self.stream_units)
         for name in ("worker_gbps", "push_bytes_per_elem", "pull_bytes_per_elem", "opt_params_per_s"):
             _positive(name, getattr(self, name))
         for name in ("compute_s", "push_encode_s_per_elem", "push_decode_s_per_elem",
@@ -360,7 +366,8 @@ def plan(spec: PlanSpec) -> Plan:
     tail_s = sum(stages) / num_buckets
     sync_step_s = max(C + max(path_s - f * C, tail_s) + write_s, shared_cpu_s)
     delayed_step_s = max(C + write_s, longest, ((1.0 - f) * C + path_s + write_s) / 2.0, shared_cpu_s)
-    if spec.stream_weights:  # every resource busy once per step, side by side; the first fetch and last push exposed
+    if spec.stream_weights:  # every resource busy once per step, side by side; the first unit's fetch and last push exposed
+        tail_s = sum(stages) / min(num_buckets, spec.stream_units or num_buckets)
         sync_step_s = delayed_step_s = max(C + write_s, longest, shared_cpu_s) + tail_s
     assert delayed_step_s <= sync_step_s * (1 + 1e-12), (delayed_step_s, sync_step_s)
 

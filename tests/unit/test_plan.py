@@ -327,6 +327,12 @@ def test_streaming_fetches_every_weight_twice_and_overlaps_it_with_compute():
     busiest = max(stream.push_s, stream.node_s, stream.pull_s)
     assert stream.bottleneck == "node 0 uplink"
     assert stream.step_s == pytest.approx(max(stream.compute_eff_s + stream.write_s, busiest) + stream.tail_s)
+    # a unit is waited for whole: with 5 units the exposed tail is a fifth of the stages, not a bucket's share
+    five = plan(PlanSpec(**base, stream_weights=True, stream_units=5))
+    assert five.tail_s == pytest.approx((five.push_s + five.node_s + five.pull_s) / 5) and five.tail_s > stream.tail_s
+    assert plan(PlanSpec(**base, stream_weights=True, stream_units=10**6)).tail_s == pytest.approx(stream.tail_s)  # at most one per bucket
+    with pytest.raises(ConfigError, match="stream_units"):
+        PlanSpec(**base, stream_weights=True, stream_units=0)
     with pytest.raises(ConfigError, match="stream_weights and delayed_update"):
         PlanSpec(**base, stream_weights=True, delayed_update=True)
 
