@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,13 +28,25 @@ def start_workers(script: Path, spec: dict, world_size: int, tmp: Path, env: dic
 
 
 def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
-    """Wait for every process; on timeout kill them all. Returns their outputs; raises if one failed."""
+    """Wait for every process; on timeout kill them all. Returns their outputs; raises if one failed.
+
+    Every output pipe is read at the same time (a thread each): read one after another, a worker
+    that prints more than a pipe holds (64 KiB: ~6,600 lines of ``STEP n``) blocks in ``print`` while
+    the one being read waits for its pushes, and the job stalls until the timeouts."""
     deadline = time.monotonic() + timeout_s
-    outs = []
+    outs: list = [None] * len(procs)
+
+    def read(i: int, p: subprocess.Popen) -> None:
+        outs[i] = p.stdout.read() if p.stdout is not None else ""
+
+    readers = [threading.Thread(target=read, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+    for t in readers:
+        t.start()
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            outs.append(out)
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        for t in readers:
+            t.join(max(0.1, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -41,8 +54,8 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
                 p.wait(5)
     for i, (p, out) in enumerate(zip(procs, outs)):
         if p.returncode != 0:
-            raise AssertionError(f"worker {i} exited with {p.returncode}:\n{out[-4000:]}")
-    return outs
+            raise AssertionError(f"worker {i} exited with {p.returncode}:\n{(out or '')[-4000:]}")
+    return [out or "" for out in outs]
 
 
 def run_training(spec: dict, nodes: list[str], tmp: Path, world_size: int = 2, timeout_s: float = 120) -> list[dict]:
