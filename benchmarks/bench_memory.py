@@ -287,7 +287,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--depths", default="12,24,48")
-    ap.add_argument("--defaults", action="store_true", help="sweep: also the default compression (bf16 pushes and fetches)")
+    ap.add_argument("--defaults", action="store_true", help="sweep: also the default compression (int8 pushes and fetches after the warm-up)")
     ap.add_argument("--bf16", action="store_true", help="sweep: also a resident bf16 model (bf16 weights and gradients on the worker)")
     ap.add_argument("--cgroup", action="store_true", help="the cgroup study instead of the depth sweep (root)")
     ap.add_argument("--limit-mb", type=int, default=512)
