@@ -284,7 +284,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small sizes, 2 steps: a smoke run")
     ap.add_argument("--width", type=int, default=None, help="block width (sweep: 256, cgroup: 768)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12, help="training steps (default 12: past the 10-step bf16 warm-up, so the defaults run their int8 codecs)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--depths", default="12,24,48")
     ap.add_argument("--defaults", action="store_true", help="sweep: also the default compression (int8 pushes and fetches after the warm-up)")

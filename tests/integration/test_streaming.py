@@ -29,6 +29,28 @@ def assert_equals_reference(results: list[dict], spec: dict, rtol: float = RTOL,
         assert r["eval_loss"] == pytest.approx(want_eval, rel=1e-6, abs=1e-6)
 
 
+def lockstep(ref, local, model, opt, steps: int = 4, forward=None) -> list[int]:
+    """Train ``ref`` with ``local`` (torch) and ``model`` with the streaming ``opt`` on the same batches
+    (``forward(net, x, streaming)``: default ``net(x)``); after each step the streamed units hold
+    nothing, at the end the nodes' weights equal torch's. Returns the units fetched in each step."""
+    forward = forward or (lambda net, x, streaming: net(x))
+    fetched = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
+        before = opt.streamer.fetches
+        for net, o, streaming in ((ref, local, False), (model, opt, True)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(forward(net, x, streaming), y).backward()
+            o.step()
+        fetched.append(opt.streamer.fetches - before)
+        assert opt.streamer.resident_bytes() == 0
+    got = opt.model_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
+    return fetched
+
+
 @pytest.mark.timeout(240)
 def test_streaming_equals_local_adamw_and_holds_no_weights_between_steps(cluster2, tmp_path):
     spec = {"steps": 10}
@@ -103,17 +125,7 @@ def test_activation_checkpointing_recomputes_on_the_fetched_weights(cluster1):
     local = torch.optim.AdamW(ref.parameters(), lr=0.01)
     opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1)
     try:
-        for step in range(4):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
-            for net, o, ck in ((ref, local, False), (model, opt, True)):
-                o.zero_grad()
-                torch.nn.functional.cross_entropy(forward(net, x, ck), y).backward()
-                o.step()
-            assert opt.streamer.resident_bytes() == 0
-        got = opt.model_state_dict()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        lockstep(ref, local, model, opt, forward=forward)
     finally:
         opt.close()
 
@@ -278,21 +290,7 @@ def test_keeping_units_for_backward_fetches_once_a_step(cluster1, monkeypatch):
     opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1)
     try:
         assert opt.config.optimizer.stream_keep_for_backward
-        fetched = []
-        for step in range(4):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
-            before = opt.streamer.fetches
-            for net, o in ((ref, local), (model, opt)):
-                o.zero_grad()
-                torch.nn.functional.cross_entropy(net(x), y).backward()
-                o.step()
-            fetched.append(opt.streamer.fetches - before)
-            assert opt.streamer.resident_bytes() == 0
-        assert fetched == [3, 3, 3, 3]  # three blocks, each fetched once (forward), kept for backward
-        got = opt.model_state_dict()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        assert lockstep(ref, local, model, opt) == [3, 3, 3, 3]  # three blocks, each fetched once (forward), kept for backward
     finally:
         opt.close()
 
@@ -316,17 +314,7 @@ def test_param_groups_stream_with_the_model_named_apart(cluster1):
                                bucket_bytes=1024, rank=0, world_size=1)
     try:
         assert opt.streamer is not None and [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0]
-        for step in range(4):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
-            for net, o in ((ref, local), (model, opt)):
-                o.zero_grad()
-                torch.nn.functional.cross_entropy(net(x), y).backward()
-                o.step()
-            assert opt.streamer.resident_bytes() == 0
-        got = opt.model_state_dict()
-        for name, p in ref.named_parameters():
-            torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        lockstep(ref, local, model, opt)
     finally:
         opt.close()
     with pytest.raises(luwu.ConfigError, match="needs stream_weights"):
