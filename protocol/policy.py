@@ -141,8 +141,7 @@ def choose_pull_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str:
     if not cfg.enabled or bucket.numel == 0 or cfg.pull_codec == "none":
         return "none"
     want = cfg.pull_codec
-    warm = step < cfg.warmup_steps
-    if warm and want not in ROUNDING_CODECS:
+    if step < cfg.warmup_steps and want not in ROUNDING_CODECS:
         want = cfg.warmup_codec  # int8_delta starts after the warm-up, with a full resync
     small = any(is_small(s, cfg) for s in bucket.segments)
     if want == "auto":
