@@ -134,7 +134,7 @@ class Aggregation:
             raise ConfigError("momentum correction needs sync mode: an async node applies each worker's momentum alone")
         acc = b.accumulator(b.version, max_ahead=0)
         acc.nograd, acc.hyper, acc.pull = nograd, hyper, h["pull"]
-        codec.decode_(acc.buf, msg.tensors(), h["cmeta"])
+        codec.decode_(b.buffer(acc), msg.tensors(), h["cmeta"])
         acc.workers.add(w)
         b.worker_steps[w] = step
         self._count_push(b, h)

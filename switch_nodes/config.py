@@ -62,7 +62,8 @@ class NodeConfig:
     insecure_public_bind: bool = False
     """Allow binding a non-loopback address without CURVE keys (trusted networks only)."""
     inflight_bytes: int = 2 * 1024 * 1024 * 1024
-    """Memory budget for gradient accumulators in flight; pushes beyond it are refused with an error."""
+    """Gradient accumulators (4 B per parameter of a bucket in flight, shared by the buckets) kept for
+    reuse once given back, in bytes; more in flight at once is allocated and freed again."""
     retain_freed_memory: bool = True
     """Keep freed memory in the process (glibc mallopt) so received messages land in recycled, already
     touched memory instead of fresh pages (~10x slower to fill); costs resident memory up to the peak."""

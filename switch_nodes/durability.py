@@ -82,7 +82,7 @@ class Durability:
         node.replies.reset()
         for saved in m["buckets"]:
             spec = Bucket.from_wire(saved["spec"])
-            b = BucketState(spec.id, spec.group, spec.numel, list(spec.segments), node.kind)
+            b = BucketState(spec.id, spec.group, spec.numel, list(spec.segments), node.kind, node.accumulators)
             b.load(ckpt.tensors[spec.id])
             b.version, b.initialized = saved["version"], saved["initialized"]
             node.buckets[spec.id] = b

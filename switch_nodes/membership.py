@@ -140,7 +140,7 @@ class Membership:
         node, w = self.node, h["worker"]
         for spec in buckets:
             if spec.id not in node.buckets:
-                b = node.buckets[spec.id] = BucketState(spec.id, spec.group, spec.numel, list(spec.segments), kind)
+                b = node.buckets[spec.id] = BucketState(spec.id, spec.group, spec.numel, list(spec.segments), kind, node.accumulators)
                 b.version = h["step"]  # a group added mid-training starts at the job's step
                 node.replies.add(spec.id)
         node.param_names.update(names)

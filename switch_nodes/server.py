@@ -43,7 +43,7 @@ from luwu.switch_nodes.membership import Membership
 from luwu.switch_nodes.metrics import NodeMetrics
 from luwu.switch_nodes.optimizers import OptimizerKind
 from luwu.switch_nodes.replies import ReplyBuffers, Replies
-from luwu.switch_nodes.store import BucketState
+from luwu.switch_nodes.store import AccumulatorPool, BucketState
 
 __all__ = ["NodeServer", "READY_LINE", "ReplyBuffers"]
 
@@ -97,6 +97,7 @@ class NodeServer:
         self._stop: asyncio.Event | None = None
         self._sock: zmq.asyncio.Socket | None = None
         self.ckpt = CheckpointStore(cfg.checkpoint_dir, cfg.index) if cfg.checkpoint_dir and cfg.index >= 0 else None
+        self.accumulators = AccumulatorPool(cfg.inflight_bytes)  # shared by the buckets (luwu.switch_nodes.store)
         self.replies = Replies(self)
         self.membership = Membership(self)
         self.aggregation = Aggregation(self)

@@ -2,8 +2,11 @@
 
 One :class:`BucketState` per owned bucket: the master weights, the optimizer
 state (same numel), one step counter per segment (torch keeps one per
-parameter), and the gradient accumulators of steps in flight, taken from a pool
-and reused, so nothing proportional to the model is allocated per step. State
+parameter), and the gradient accumulators of steps in flight. Those come from
+the node's :class:`AccumulatorPool`, shared by every bucket: taken when a step's
+pushes of a bucket are first decoded (the first push of several is held as
+received) and given back when the step is applied, so a node holds accumulators
+for the (step, bucket) pairs in flight, not one per bucket, and reuses them. State
 that torch creates only with some hyperparameters (RMSprop's
 ``momentum_buffer``, amsgrad's ``max_exp_avg_sq``) is allocated when first used
 (:class:`FlatState`). A kind whose state is shaped per parameter (Adafactor's
@@ -42,7 +45,7 @@ class SegmentSpec:
 class Accumulator:
     """Sum of the pushes of one (step, bucket) received so far."""
 
-    buf: torch.Tensor
+    buf: torch.Tensor | None = None  # taken from the pool at the first decode (BucketState.buffer)
     workers: set = field(default_factory=set)
     nograd: tuple = ()
     hyper: dict | None = None
@@ -54,6 +57,35 @@ class Accumulator:
     prescale: float = 1.0  # the pushes were decoded times 1 / prescale (the 1/n of the average, folded in)
     held: tuple | None = None  # (codec, frames, meta) of the first push, not decoded yet (see add_push)
     partial: dict = field(default_factory=dict)  # worker -> micro-batch pushes summed so far (no_sync on the nodes)
+
+
+class AccumulatorPool:
+    """Gradient accumulators shared by a node's buckets. Given-back buffers are kept for reuse (a write
+    into fresh pages costs ~10x a reused one), up to ``keep_bytes`` (``node.inflight_bytes``); more than
+    that in flight at once is allocated and freed again. ``peak_bytes``: the most ever taken at once."""
+
+    def __init__(self, keep_bytes: int = 1 << 62):
+        self.keep_bytes = keep_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.free_bytes = self.taken_bytes = self.peak_bytes = 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        free = self._free.get(numel)
+        if free:
+            buf = free.pop()
+            self.free_bytes -= numel * 4
+        else:
+            buf = torch.empty(numel, dtype=torch.float32)
+        self.taken_bytes += numel * 4
+        self.peak_bytes = max(self.peak_bytes, self.taken_bytes)
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        n = buf.numel() * 4
+        self.taken_bytes -= n
+        if self.free_bytes + n <= self.keep_bytes:
+            self._free.setdefault(buf.numel(), []).append(buf)
+            self.free_bytes += n
 
 
 class FlatState(Mapping):
@@ -149,7 +181,7 @@ class SegmentState(Mapping):
 class BucketState:
     """One owned bucket: master weights, optimizer state, step counters, accumulators of steps in flight."""
 
-    def __init__(self, bid: int, group: int, numel: int, segments: list[SegmentSpec], kind: OptimizerKind):
+    def __init__(self, bid: int, group: int, numel: int, segments: list[SegmentSpec], kind: OptimizerKind, pool: AccumulatorPool | None = None):
         self.id, self.group, self.numel, self.segments, self.kind = bid, group, numel, segments, kind
         self.params = torch.zeros(numel, dtype=torch.float32)
         self.state = SegmentState(kind, segments, numel) if kind.whole_params else FlatState(kind.state_names, numel, allocate=kind.state_for({}))
@@ -159,7 +191,7 @@ class BucketState:
         self.accs: dict[int, Accumulator] = {}
         self.worker_steps: dict[int, int] = {}  # async mode: the last step each worker pushed
         self.held: list[tuple[int, int, str]] = []  # async mode: replies waiting for the slowest worker
-        self._pool: list[torch.Tensor] = []
+        self._pool = pool if pool is not None else AccumulatorPool()
         self.pviews = self._views(self.params)
         self._sviews: dict[str, list[torch.Tensor]] = {}
 
@@ -203,9 +235,14 @@ class BucketState:
             raise StepMismatchError(f"bucket {self.id}: push for step {step}, already applied (node is at step {self.version})")
         if step > self.version + max_ahead:
             raise StepMismatchError(f"bucket {self.id}: push for step {step} is too far ahead of step {self.version}")
-        buf = self._pool.pop() if self._pool else torch.empty(self.numel, dtype=torch.float32)
-        acc = self.accs[step] = Accumulator(buf, first_at=time.monotonic())
+        acc = self.accs[step] = Accumulator(first_at=time.monotonic())
         return acc
+
+    def buffer(self, acc: Accumulator) -> torch.Tensor:
+        """The accumulator's buffer, taken from the pool at its first use."""
+        if acc.buf is None:
+            acc.buf = self._pool.take(self.numel)
+        return acc.buf
 
     def add_push(self, acc: Accumulator, codec, frames: list[torch.Tensor], meta: dict, expected: int, *, partial: bool = False) -> None:
         """Decode one worker's push into the accumulator, times 1/``expected`` (the number of workers the
@@ -220,31 +257,33 @@ class BucketState:
             if expected > 1 and not partial:
                 acc.held = (codec, frames, meta)
                 return
-            codec.decode_(acc.buf, frames, meta, 1.0 / acc.prescale)
+            codec.decode_(self.buffer(acc), frames, meta, 1.0 / acc.prescale)
         elif acc.held is not None:
             first, acc.held = acc.held, None
             if first[0] is codec and not partial:
-                codec.decode_pair_(acc.buf, (first[1], first[2]), (frames, meta), 1.0 / acc.prescale)
+                codec.decode_pair_(self.buffer(acc), (first[1], first[2]), (frames, meta), 1.0 / acc.prescale)
             else:  # a partial push, or another codec (a worker fell back to fp32 on a non-finite gradient)
-                first[0].decode_(acc.buf, first[1], first[2], 1.0 / acc.prescale)
+                first[0].decode_(self.buffer(acc), first[1], first[2], 1.0 / acc.prescale)
                 codec.decode_add_(acc.buf, frames, meta, 1.0 / acc.prescale)
         else:
-            codec.decode_add_(acc.buf, frames, meta, 1.0 / acc.prescale)
+            codec.decode_add_(self.buffer(acc), frames, meta, 1.0 / acc.prescale)
 
     def settle(self, acc: Accumulator) -> None:
         """Decode a push still held (the step goes on with one push: a worker was dropped)."""
         if acc.held is not None:
             (codec, frames, meta), acc.held = acc.held, None
-            codec.decode_(acc.buf, frames, meta, 1.0 / acc.prescale)
+            codec.decode_(self.buffer(acc), frames, meta, 1.0 / acc.prescale)
 
     def release(self, step: int) -> Accumulator:
         acc = self.accs.pop(step)
-        self._pool.append(acc.buf)
+        if acc.buf is not None:
+            self._pool.give(acc.buf)
+            acc.buf = None
         return acc
 
     def grad_views(self, acc: Accumulator) -> tuple[list, list, dict, list]:
         keep = [i for i in range(len(self.segments)) if i not in acc.nograd]
-        g = self._views(acc.buf)
+        g = self._views(self.buffer(acc))
         sv = {n: self.state_views(n) for n in self.kind.state_for(acc.hyper or {})}
         return ([self.pviews[i] for i in keep], [g[i] for i in keep], {n: [v[i] for i in keep] for n, v in sv.items()}, [self.steps[i] for i in keep])
 

@@ -361,7 +361,7 @@ def test_optional_state_costs_nothing_until_used():
     b = BucketState(0, 0, 10, segs, RMSPROP)
     assert b.state.allocated() == ("square_avg",) and len(b.state) == 3 and b.nbytes == 10 * 4 * 2
     acc = b.accumulator(0, 2)
-    acc.buf.copy_(torch.arange(10.0))
+    b.buffer(acc).copy_(torch.arange(10.0))
     acc.hyper = dict(RMSPROP.defaults)
     b.apply(acc, 1.0)
     b.release(0)
@@ -389,7 +389,7 @@ def _adafactor_bucket(seed: int = 0) -> BucketState:
     b.params.copy_(torch.randn(off, generator=g))
     for t in range(2):
         acc = b.accumulator(t, 2)
-        acc.buf.copy_(torch.randn(off, generator=g))
+        b.buffer(acc).copy_(torch.randn(off, generator=g))
         acc.hyper = dict(ADAFACTOR.defaults)
         b.apply(acc, 1.0)
         b.release(t)

@@ -8,7 +8,7 @@ import torch
 
 from luwu.protocol.codecs import get_codec
 from luwu.switch_nodes.optimizers import ADAMW
-from luwu.switch_nodes.store import BucketState, SegmentSpec
+from luwu.switch_nodes.store import AccumulatorPool, BucketState, SegmentSpec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -181,3 +181,37 @@ def test_pull_codecs_plain_and_int8_delta_share_one_interface():
     delta.resync(b.id)
     b.version += 1
     assert delta.encode(b, buffers).delta is False
+
+
+def test_accumulators_are_shared_by_the_buckets_and_sized_by_those_in_flight():
+    """A node's buckets take accumulators from one pool: stepping 8 buckets one after another holds one
+    bucket's accumulator at a time, not eight, and the first of several pushes holds none (it is kept
+    as received until the second comes)."""
+    numel, n = 2048, 2
+    pool = AccumulatorPool()
+    buckets = [BucketState(i, 0, numel, [SegmentSpec(i, 0, 0, numel)], ADAMW, pool) for i in range(8)]
+    g = torch.Generator().manual_seed(3)
+    for step in range(2):
+        for b in buckets:
+            acc = b.accumulator(step, 0)
+            for w in range(n):
+                b.add_push(acc, *_push("int8", torch.randn(numel, generator=g)), expected=n)
+                acc.workers.add(w)
+                if w == 0:
+                    assert acc.buf is None and pool.taken_bytes == 0, "the held first push takes no accumulator"
+            acc.hyper = HYPER
+            b.apply(acc, float(n))
+            b.release(step)
+            b.version += 1
+    assert pool.peak_bytes == numel * 4 and pool.taken_bytes == 0
+    assert pool.free_bytes == numel * 4, "the one buffer is kept for the next step"
+
+
+def test_the_pool_keeps_no_more_than_its_budget():
+    pool = AccumulatorPool(keep_bytes=4 * 1000)
+    bufs = [pool.take(1000) for _ in range(3)]
+    assert pool.peak_bytes == 3 * 4000
+    for buf in bufs:
+        pool.give(buf)
+    assert pool.free_bytes == 4000 and pool.taken_bytes == 0
+    assert pool.take(1000) is bufs[0]  # reused

@@ -77,7 +77,7 @@ def _node_buckets(kind, params: list[torch.Tensor]) -> list[BucketState]:
 def _node_step(buckets: list[BucketState], grads: list[torch.Tensor], hyper: dict, t: int) -> None:
     for b in buckets:
         acc = b.accumulator(t, 2)
-        for s, v in zip(b.segments, b._views(acc.buf)):
+        for s, v in zip(b.segments, b._views(b.buffer(acc))):
             v.copy_(grads[s.param].reshape(-1).narrow(0, s.param_offset, s.numel) * WORKERS)
         acc.hyper = hyper
         b.apply(acc, float(WORKERS))
