@@ -49,6 +49,20 @@ def _check_resolves(addr: str) -> None:
         ) from None
 
 
+def _next_out(q: collections.deque) -> int:
+    """Which queued message goes out next: the first, or, when it has a priority, the lowest priority
+    of the run of prioritized messages it starts (the earliest of equals)."""
+    best = 0
+    if q[0][0] is not None:
+        for j in range(1, len(q)):
+            pj = q[j][0]
+            if pj is None:
+                break
+            if pj < q[best][0]:
+                best = j
+    return best
+
+
 class WorkerClient:
     def __init__(self, nodes: list[str], *, job: str, rank: int, cfg: TransportConfig):
         if not nodes:
@@ -79,6 +93,8 @@ class WorkerClient:
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, self.cfg.sndhwm)
+        if self.cfg.sndbuf_bytes:
+            s.setsockopt(zmq.SNDBUF, self.cfg.sndbuf_bytes)
         s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by what we asked for
         s.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + wire.MAX_HEADER_BYTES)
         if self.cfg.curve_server_key:
@@ -93,14 +109,16 @@ class WorkerClient:
         """Call ``handler(node, msg)`` on the I/O thread for every ``op`` message (instead of filing it)."""
         self._handlers[op] = handler
 
-    def send(self, node: int, header: dict, payload=()) -> None:
+    def send(self, node: int, header: dict, payload=(), priority: int | None = None) -> None:
         """Queue a message to a node (thread-safe). The payload tensors must stay untouched until the
-        reply to this message has arrived."""
+        reply to this message has arrived. ``priority`` (pushes): among the messages with a priority
+        queued one after another, the lowest goes out first (P3: the first layers' gradients); a
+        message without one keeps its place, so no request overtakes or falls behind it."""
         header.setdefault("job", self.job)
         header.setdefault("worker", self.rank)
         header.setdefault("step", 0)
         frames = wire.encode(header, payload)
-        self._out[node].append(frames)
+        self._out[node].append((priority, frames))
         if not self._woken:
             self._woken = True
             os.write(self._wake_w, b"x")
@@ -269,14 +287,16 @@ class WorkerClient:
             for i, s in enumerate(self._socks):
                 q = self._out[i]
                 while q:
+                    at = _next_out(q)
                     try:
-                        s.send_multipart(q[0], copy=False, flags=zmq.NOBLOCK)
+                        s.send_multipart(q[at][1], copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:
                         if i not in waiting_out:
                             poller.modify(s, zmq.POLLIN | zmq.POLLOUT)
                             waiting_out.add(i)
                         break
-                    frames = q.popleft()
+                    frames = q[at][1]
+                    del q[at]
                     self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames[1:])
                     last_sent[i] = time.monotonic()
                 else:

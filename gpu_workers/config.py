@@ -23,7 +23,11 @@ class TransportConfig:
     bucket_bytes: int = 4 * 1024 * 1024
     """fp32 bytes per bucket; 1-4 MiB frames are where ZeroMQ matches raw TCP."""
     sndhwm: int = 64
-    """ZeroMQ send high-water mark (messages per node); beyond it the I/O thread waits."""
+    """ZeroMQ send high-water mark (messages per node); beyond it messages wait in the I/O thread's queue,
+    where the first layers' pushes overtake the others (priority)."""
+    sndbuf_bytes: int = 0
+    """Kernel send buffer of each node connection (SO_SNDBUF; 0 = the kernel's autotuning). Small keeps
+    the queue where priority reorders it; it must stay above the link's bandwidth x round trip."""
     max_message_bytes: int = 256 * 1024 * 1024
     """Largest message accepted from a node."""
     heartbeat_s: float = 5.0
@@ -47,6 +51,8 @@ class TransportConfig:
             raise ConfigError(f"transport.bucket_bytes must be >= 16, got {self.bucket_bytes}")
         if self.sndhwm < 1 or self.max_message_bytes < self.bucket_bytes:
             raise ConfigError(f"transport.sndhwm must be >= 1 and max_message_bytes >= bucket_bytes, got {self.sndhwm}, {self.max_message_bytes}")
+        if self.sndbuf_bytes < 0:
+            raise ConfigError(f"transport.sndbuf_bytes must be >= 0 (0 = the kernel's), got {self.sndbuf_bytes}")
         if self.heartbeat_s < 0:
             raise ConfigError(f"transport.heartbeat_s must be >= 0, got {self.heartbeat_s}")
         keys = (self.curve_server_key, self.curve_public_key, self.curve_secret_key)

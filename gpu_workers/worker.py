@@ -32,7 +32,7 @@ import torch
 
 from luwu.gpu_workers.client import WorkerClient
 from luwu.protocol.codecs import get_codec, has_nonfinite
-from luwu.protocol.errors import LayoutMismatchError, LuwuError, ProtocolError
+from luwu.protocol.errors import LayoutMismatchError, LuwuError
 from luwu.protocol.feedback import WORKER_MOMENTUM, worker_momentum
 from luwu.protocol.layout import Bucket, Layout
 from luwu.protocol.messages import PULL_ACK, Op
@@ -111,6 +111,7 @@ class Worker:
         self.on_pushed = None  # streaming mode: called with each streamed bucket once pushed
         self.on_reset = None  # streaming mode: called when recover() abandons the step (its replies are gone)
         self.initialize = initialize  # meta-device start: initialize(buckets to seed, send_init) at connect()
+        self.defer = None  # per-layer waits (luwu.gpu_workers.layer_waits): the replies the next forward waits for
         self._unacked: set[int] = set()  # streamed buckets pushed this step whose buffer is still lent
         self.accumulating = False  # no_sync() in streaming mode: streamed buckets push partial sums for the node to add
         self.fetch_with_reply: frozenset[int] = frozenset()  # streamed buckets whose push asks the node for the new weights
@@ -167,6 +168,8 @@ class Worker:
         (elastic mode); returns the step to resume from."""
         self.client.reset()
         self.prefetched.clear()
+        if self.defer is not None:
+            self.defer.reset()
         self._pending = None
         self.last_error = None
         for buf in self.bufs:
@@ -298,6 +301,12 @@ class Worker:
         buf.grads = []
         self._unacked.discard(bid)
 
+    def _priority(self, b: Bucket) -> int:
+        """P3: pushes queued together go out in the order the next forward needs their weights, as the last
+        forward read them (per-layer waits), else by their first parameter (registration order)."""
+        order = self.defer.order if self.defer is not None else {}
+        return order.get(b.id, len(self.bufs) + min(s.param for s in b.segments))
+
     def _parity(self, bucket: int) -> int:
         """Which gradient buffer of ``bucket`` this step fills: delayed buckets alternate."""
         return self.step_num & 1 if bucket in self.delayed else 0
@@ -355,7 +364,7 @@ class Worker:
             header["pull"] = self._pull_codec_for(b, step)
         if partial:  # unanswered, and the next micro-batch refills the buffers: the frames go out as copies
             header["partial"] = True
-        self.client.send(b.node, header, [f.clone() for f in enc.frames] if partial else enc.frames)
+        self.client.send(b.node, header, [f.clone() for f in enc.frames] if partial else enc.frames, priority=self._priority(b))
         buf.filled, buf.partials = 0, buf.partials + 1 if partial else 0
         if b.id in self.streamed:
             self._give_back(b.id) if partial else self._unacked.add(b.id)
@@ -369,6 +378,8 @@ class Worker:
         the next one (those of the previous step land now); ``inv_scale``: 1 / the GradScaler's scale;
         ``max_norm``: clip by the global norm."""
         step = self.step_num
+        if self.defer is not None:  # what no forward waited for: written before finish() refills the buffers
+            self.defer.settle()
         self.finish()
         skipped, norm, push_wait = False, None, 0.0
         if self.two_phase:
@@ -379,11 +390,16 @@ class Worker:
             self._pending = step
         else:
             late, update_wait = self.wait(step, step)
+        if self.defer is not None:  # the forward's per-layer waits (a skip without the two-phase round: found late)
+            waited, skips = self.defer.take_counts()
+            update_wait, late = update_wait + waited, late or (skips > 0 and not self.two_phase)
         self.step_num = step + 1
         return StepReport(step, skipped or late, norm, push_wait, update_wait, delay)
 
     def synchronize(self) -> None:
-        """Delayed update: wait for the weights a delayed step still owes."""
+        """Wait for the weights a delayed step or the per-layer waits still owe."""
+        if self.defer is not None:
+            self.defer.settle()
         if self._pending is not None:
             self.wait(None, self._pending)
             self._pending = None
@@ -418,7 +434,9 @@ class Worker:
         keys = []
         for b in reversed(self.layout.buckets):
             s = delayed_step if b.id in self.delayed else step
-            if s is not None:
+            if s is not None and self.defer is not None and s == step and self.defer.takes(b.id):
+                self.defer.owe((Op.UPDATE, b.node, s, b.id))  # written when the next forward reaches it
+            elif s is not None:
                 keys.append((Op.UPDATE, b.node, s, b.id))
         waited = 0.0
         skipped = False
@@ -444,7 +462,7 @@ class Worker:
         codec.validate(b.numel, h.get("nbytes", []), h["cmeta"])
         frames = msg.tensors()
         delta = h.get("delta", False)  # int8 deltas against what this worker holds
-        with torch.no_grad():
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # (a parameter owing other buckets' weights: no wait)
             if not buf.multi:
                 s = b.segments[0]
                 target = self.params[s.param].data.view(-1).narrow(0, s.param_offset, s.numel)
@@ -461,27 +479,6 @@ class Worker:
             finally:
                 if buf.staging is None:
                     self.pool.give(staging)
-
-    def get_state(self) -> dict[int, list[torch.Tensor]]:
-        """Every bucket's [params, *optimizer state, per-segment steps] from its node."""
-        for b in self.layout.buckets:
-            self.client.send(b.node, {"op": Op.STATE, "step": self.step_num, "bucket": b.id, "action": "get", "names": []})
-        keys = [(Op.STATE, b.node, None, b.id) for b in self.layout.buckets]
-        msgs = self.client.wait(keys, what="optimizer state")
-        out = {}
-        for b, m in zip(self.layout.buckets, msgs):
-            frames = [t.view(torch.float32).clone() for t in m.tensors()]
-            if len(frames) != len(m.header["names"]) or frames[-1].numel() != len(b.segments) or any(f.numel() != b.numel for f in frames[:-1]):
-                raise ProtocolError(f"STATE reply for bucket {b.id} from node {self.client.nodes[b.node]} has wrong sizes")
-            out[b.id] = frames
-        return out
-
-    def set_state(self, flats: dict[int, list[torch.Tensor]], names: list[str]) -> None:
-        """Write [params, *state, steps] of every bucket to its node, then wait for every node's ack."""
-        for b in self.layout.buckets:
-            self.client.send(b.node, {"op": Op.STATE, "step": self.step_num, "bucket": b.id, "action": "set", "names": names}, flats[b.id])
-        keys = [(Op.STATE, b.node, None, b.id) for b in self.layout.buckets]
-        self.client.wait(keys, what="optimizer state ack")
 
     def _scatter(self, buf: _BucketBuf, flat: torch.Tensor) -> None:
         for s in buf.bucket.segments:

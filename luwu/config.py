@@ -76,6 +76,10 @@ class OptimizerConfig:
     ``["embed*", "layers.0.*"]``) takes it off the critical path for a fraction of full delay's loss."""
     max_grad_norm: float = 0.0
     """Clip by the global norm of the averaged gradient across all shards (0 = off)."""
+    layer_waits: bool = True
+    """Resident mode: step() returns once the pushes are out, and each parameter waits for its new weights
+    when it is next read, in the next forward when its layer runs (luwu.gpu_workers.layer_waits). False:
+    step() waits for every bucket's new weights."""
     stream_weights: bool = False
     """Streaming mode: the worker holds no weights of the streamed units between uses; it fetches each
     unit's weights from the nodes just before its forward and its backward (luwu.gpu_workers.streaming)."""
@@ -273,6 +277,7 @@ KEYWORD_SETTINGS = {
     "delayed_update_warmup": "optimizer.delayed_update_warmup",
     "delayed_params": "optimizer.delayed_params",
     "max_grad_norm": "optimizer.max_grad_norm",
+    "layer_waits": "optimizer.layer_waits",
     "stream_weights": "optimizer.stream_weights",
     "stream_units": "optimizer.stream_units",
     "prefetch": "optimizer.stream_prefetch",

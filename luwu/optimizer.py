@@ -27,17 +27,18 @@ import warnings
 
 import torch
 
+from luwu import optim_state
 from luwu.config import LuwuConfig, resolve_config
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
-from luwu.gpu_workers import precision, streaming
+from luwu.gpu_workers import layer_waits, precision, streaming
 from luwu.gpu_workers.metrics import WorkerMetrics
 from luwu.gpu_workers.worker import StepReport, Worker
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
 from luwu.protocol.metrics import serve_metrics
 from luwu.protocol.feedback import WORKER_MOMENTUM
 from luwu.protocol.layout import ParamSpec, build_layout
-from luwu.switch_nodes.optimizers import EXTRA_HYPER, IMPLEMENTATION_SWITCHES, check_hyper, get_kind, torch_scalars, torch_state
+from luwu.switch_nodes.optimizers import EXTRA_HYPER, IMPLEMENTATION_SWITCHES, check_hyper, get_kind
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +89,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
             the tail of a sync step: delaying just them takes it off the critical path at a fraction of
             full delay's cost in loss. The rest stays sync.
         max_grad_norm: clip by the global norm of the averaged gradient across all shards.
+        layer_waits: ``optimizer.layer_waits`` (on by default): ``step()`` returns once the pushes are out and
+            each parameter waits for its new weights when it is next read, in the next forward when its layer
+            runs (:mod:`luwu.gpu_workers.layer_waits`).
         amp: set when a ``torch.amp.GradScaler`` drives this optimizer (the overflow decision is global).
         transport, bucket_bytes, timeout_s: the ``transport`` section, or two of its fields.
         compression: the hybrid codec policy (``compression`` section, on by default): a
@@ -118,6 +122,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         delayed_update_warmup: int | None = None,
         delayed_params=None,
         max_grad_norm: float | None = None,
+        layer_waits: bool | None = None,
         amp: bool = False,
         transport: TransportConfig | None = None,
         compression=None,
@@ -135,11 +140,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         cfg = resolve_config(
             config, optimizer=optimizer, nodes=nodes, capacities=capacities, world_size=world_size, job=job, mode=mode,
             delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup, delayed_params=delayed_params,
-            max_grad_norm=max_grad_norm, bucket_bytes=bucket_bytes, timeout_s=timeout_s, metrics_host=metrics_host,
+            max_grad_norm=max_grad_norm, layer_waits=layer_waits, bucket_bytes=bucket_bytes, timeout_s=timeout_s, metrics_host=metrics_host,
             transport=transport, compression=compression, stream_weights=stream_weights, prefetch=prefetch, stream_units=streaming.patterns_of(stream_units), init_weights=init_weights,
         )
         self.config = cfg
-        self.streamer, (self._units, self._unit_of) = None, streaming.plan_units(params if model is None else model, stream_units, cfg.optimizer, model is not None)
+        self.streamer, self._waits, (self._units, self._unit_of) = None, None, streaming.plan_units(params if model is None else model, stream_units, cfg.optimizer, model is not None)
         kind = get_kind(cfg.optimizer.name)
         defaults = dict(kind.defaults)
         for k, v in hyper.items():
@@ -247,6 +252,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         )
         self.worker.connect(step)
         self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer, self.metrics)
+        self._close_waits()
+        self._waits = layer_waits.attach(self.worker, self.config.optimizer)
         for h in self._hooks:
             h.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
@@ -330,38 +337,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The optimizer state gathered from the shards, in ``torch.optim``'s own format."""
         self.synchronize()
-        flats = self.worker.get_state()
-        params, _ = self._flat_params()
-        per: dict[int, dict] = {}
-        for b in self.layout.buckets:
-            st = flats[b.id]
-            for si, seg in enumerate(b.segments):
-                p = params[seg.param]
-                d = per.setdefault(seg.param, {"step": float(st[-1][si]), **{n: torch.zeros(p.numel()) for n in self.kind.state_names}})
-                for n, t in zip(self.kind.state_names, st[1:-1]):
-                    d[n].narrow(0, seg.param_offset, seg.numel).copy_(t.narrow(0, seg.offset, seg.numel))
         sd = super().state_dict()
-        state = {}
-        for i, d in per.items():
-            if d["step"] == 0:
-                continue  # torch creates state lazily: a parameter never stepped has none
-            g = self.param_groups[self._group_of(i)]
-            entry = {"step": torch.tensor(d["step"], dtype=torch.float32)} if self.kind.step_in_state else {}
-            entry |= torch_scalars(self.kind, int(d["step"]), g)  # NAdam's mu_product, derived from the step
-            shapes = self.kind.state_shapes(params[i].shape)
-            entry |= {n: torch_state(d[n], shapes[n]) for n in self.kind.state_for(g) if n in shapes}  # the state this group uses
-            if entry:
-                state[i] = entry
-        sd["state"] = state
+        sd["state"] = optim_state.to_torch(self.kind, self.layout, self._flat_params()[0], self.param_groups, optim_state.fetch(self.worker))
         return sd
-
-    def _group_of(self, index: int) -> int:
-        n = 0
-        for gi, g in enumerate(self.param_groups):
-            n += len(g["params"])
-            if index < n:
-                return gi
-        raise IndexError(index)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a ``torch.optim`` state dict (from RemoteOptimizer or a local optimizer) and scatter it to the
@@ -369,26 +347,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.synchronize()
         super().load_state_dict(state_dict)
         with streaming.gathered(self.streamer):  # streaming mode: the weights are the master weights too
-            params, _ = self._flat_params()
-            flats = {}
-            for b in self.layout.buckets:
-                out = [torch.zeros(b.numel) for _ in range(1 + len(self.kind.state_names))] + [torch.zeros(len(b.segments))]
-                for si, seg in enumerate(b.segments):
-                    p = params[seg.param]
-                    out[0].narrow(0, seg.offset, seg.numel).copy_(p.detach().reshape(-1).narrow(0, seg.param_offset, seg.numel))
-                    st = self.state.get(p, {})
-                    for k, n in enumerate(self.kind.state_names, start=1):
-                        t = st.get(n)
-                        if t is not None:  # (a shaped state, Adafactor's, may be shorter than its whole parameter's slot)
-                            m = min(seg.numel, t.numel() - seg.param_offset)
-                            out[k].narrow(0, seg.offset, m).copy_(t.detach().reshape(-1).narrow(0, seg.param_offset, m))
-                    if "step" in st:
-                        out[-1][si] = float(st["step"])
-                    elif st.get("momentum_buffer") is not None:
-                        out[-1][si] = 1.0
-                flats[b.id] = out
+            flats = optim_state.from_torch(self.kind, self.layout, self._flat_params()[0], self.state)
         self.state.clear()
-        self.worker.set_state(flats, self._state_names())
+        optim_state.store(self.worker, flats, self._state_names())
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """Copies of the current weights by parameter name (streaming mode: fetched), for models that fit."""
@@ -478,11 +439,23 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self._prefetcher = prefetcher
 
     def synchronize(self) -> None:
-        """Delayed update: wait for the last step's weights (call before eval, checkpoint or exit)."""
+        """Wait for the weights the last step still owes (delayed update; per-layer waits): call before reading
+        parameters outside a forward."""
         self.worker.synchronize()
+
+    def _close_waits(self) -> None:
+        """Write the replies the last step still owes (a dead node: give up after a few seconds, named)."""
+        waits, self._waits = getattr(self, "_waits", None), None
+        if waits is not None and waits.owed:
+            try:
+                waits.settle(timeout_s=min(5.0, self.config.transport.timeout_s))
+            except LuwuError as exc:
+                log.warning("rank %d: the weights of the last step did not all arrive before close (%s)", self.rank, exc)
+            waits.reset()
 
     def close(self) -> None:
         self.streamer = streaming.stop(getattr(self, "streamer", None))
+        self._close_waits()
         for h in self._hooks:
             h.remove()
         self._hooks = []

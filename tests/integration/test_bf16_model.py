@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import luwu
+from luwu import optim_state
 from benchmarks import convergence as conv
 from luwu.protocol.errors import ConfigError
 
@@ -22,7 +23,7 @@ LR = 5e-3
 
 def _masters(opt) -> list[torch.Tensor]:
     """The nodes' fp32 master weights, one flat tensor per parameter."""
-    state = opt.worker.get_state()
+    state = optim_state.fetch(opt.worker)
     params = opt.worker.params
     flat = [torch.empty(p.numel()) for p in params]
     for b in opt.layout.buckets:

@@ -659,6 +659,7 @@ def train_step(model, opt, seed: int) -> None:
     opt.zero_grad()
     model(torch.randn(4, 8, generator=g)).square().mean().backward()
     opt.step()
+    opt.synchronize()  # the step done on the nodes too (per-layer waits read its weights later)
 
 
 def own_hello(opt, **change) -> dict:

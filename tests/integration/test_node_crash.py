@@ -111,6 +111,7 @@ def test_sigterm_writes_checkpoint_and_restart_restores(tmp_path):
             model(torch.randn(4, 8)).square().mean().backward()
             with pytest.raises(luwu.RollbackError) as err:
                 opt.step()
+                opt.synchronize()  # (per-layer waits: or at the weights' next read)
             assert err.value.step == 3
             assert opt.recover() == 3
             assert_params_close(list(model.parameters()), before, rtol=0, atol=0)
@@ -129,12 +130,14 @@ def test_a_node_restarted_without_checkpoints_says_its_state_is_lost():
             opt.zero_grad()
             model(torch.randn(4, 8)).square().mean().backward()
             opt.step()
+            opt.synchronize()  # step 0 complete before the kill
             cluster.kill(0)
             cluster.restart(0)
             opt.zero_grad()
             model(torch.randn(4, 8)).square().mean().backward()
             with pytest.raises(luwu.NodeStateLostError, match="restarted without node.checkpoint_dir"):
                 opt.step()
+                opt.synchronize()  # (per-layer waits: or at the weights' next read)
         finally:
             opt.close()
 

@@ -313,6 +313,7 @@ def test_workers_disagreeing_on_grad_none_get_error_naming_parameter(cluster1):
             out = model["trunk"](x) + (model["head_b"](x) if rank == 1 else 0)
             out.sum().backward()
             opt.step()
+            opt.synchronize()  # (per-layer waits: the error may come with the weights, at their next read)
         except luwu.LuwuError as exc:
             errors[rank] = exc
         finally:

@@ -39,6 +39,7 @@ def _pushed(**kw) -> tuple[int, object]:
             opt.zero_grad()
             model(torch.ones(2, 512)).sum().backward()
             opt.step()
+            opt.synchronize()  # (per-layer waits: step() returns with the pushes queued)
             return opt.client.bytes_sent - before, opt.config
         finally:
             opt.close()

@@ -90,11 +90,11 @@ def count_ops(client) -> dict:
     counts: dict = {}
     send = client.send
 
-    def counting(node, header, payload=()):
+    def counting(node, header, payload=(), priority=None):
         counts[int(header["op"])] = counts.get(int(header["op"]), 0) + 1
         if header.get("partial"):
             counts["partial"] = counts.get("partial", 0) + 1
-        return send(node, header, payload)
+        return send(node, header, payload, priority)
 
     client.send = counting
     return counts

@@ -1,0 +1,172 @@
+"""Per-layer waits (``optimizer.layer_waits``, resident mode): ``step()`` returns with the replies on the
+wire, each parameter waits for its new weights when it is next read, and the step stays exactly sync.
+
+Checked on a real node against local ``torch.optim.AdamW`` (fp32 both ways, bit-exact): the next forward
+writes each layer's weights as it reaches that layer, in forward order; every way of reading a parameter
+outside a forward sees the new weights; metadata (``zero_grad()``) does not wait; buckets nothing read are
+written at the next ``step()``; ``close()`` writes what the last step still owed.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from harness import assert_params_close
+
+import luwu
+from luwu.gpu_workers.layer_waits import OwedParameter
+
+LR = 0.05
+
+
+def _mlp(seed: int = 0, width: int = 16, depth: int = 4) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def _batch(step: int, width: int = 16) -> torch.Tensor:
+    return torch.randn(8, width, generator=torch.Generator().manual_seed(100 + step))
+
+
+def _step(model, opt, step: int) -> None:
+    opt.zero_grad()
+    model(_batch(step)).square().mean().backward()
+    opt.step()
+
+
+def _pair(cluster, **kw):
+    """(model trained by LuWu, its optimizer, the same model trained by torch, torch's AdamW)."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    # one bucket per layer (16 x 16 weight + bias = 1088 B): the layers' replies land one by one
+    opt = luwu.RemoteOptimizer(model, nodes=cluster.addresses, lr=LR, compression=False, bucket_bytes=1088, **kw)
+    return model, opt, ref, torch.optim.AdamW(ref.parameters(), lr=LR)
+
+
+def _owed(model) -> list[bool]:
+    return [type(p) is OwedParameter for p in model.parameters()]
+
+
+@pytest.mark.timeout(60)
+def test_the_next_forward_waits_layer_by_layer_in_forward_order(cluster1):
+    model, opt, ref, lopt = _pair(cluster1)
+    try:
+        assert opt.worker.defer is not None, "per-layer waits are the default"
+        _step(model, opt, 0)
+        _step(ref, lopt, 0)
+        assert all(_owed(model)), "step() returned with every layer's new weights still owed"
+        opt.zero_grad()  # metadata only (p.grad): nothing waits
+        assert all(_owed(model))
+        seen = []
+        linears = [m for m in model if isinstance(m, torch.nn.Linear)]
+        for k, lin in enumerate(linears):  # as each layer's forward starts: its weights owed, the earlier ones written
+            lin.register_forward_pre_hook(lambda _m, _a, k=k: seen.append((type(linears[k].weight) is OwedParameter, [type(linears[j].weight) is OwedParameter for j in range(k)])))
+        model(_batch(1)).square().mean().backward()
+        assert seen == [(True, [False] * k) for k in range(len(linears))]
+        assert not any(_owed(model))
+        opt.step()
+        _step(ref, lopt, 1)
+        assert_params_close(list(model.parameters()), list(ref.parameters()))
+        assert opt.last_report.update_wait_s >= 0.0
+    finally:
+        opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_every_read_outside_a_forward_sees_the_new_weights(cluster1):
+    model, opt, ref, lopt = _pair(cluster1)
+    reads = {
+        "detach": lambda m: [p.detach().clone() for p in m.parameters()],
+        "data": lambda m: [p.data.clone() for p in m.parameters()],
+        "state_dict": lambda m: [t.clone() for t in m.state_dict().values()],
+        "deepcopy": lambda m: list(copy.deepcopy(m).parameters()),
+        "torch.save": lambda m: list(torch.load(_saved(m), weights_only=False).parameters()),
+        "tolist": lambda m: [torch.tensor(p.tolist()) for p in m.parameters()],
+    }
+    try:
+        for step, (name, read) in enumerate(reads.items()):
+            _step(model, opt, step)
+            _step(ref, lopt, step)
+            assert all(_owed(model))
+            got = read(model)
+            assert not any(_owed(model)), name
+            assert not any(type(t) is OwedParameter for t in got), f"{name}: a copy kept the owing class"
+            assert_params_close(got, list(ref.parameters()))
+    finally:
+        opt.close()
+
+
+def _saved(m) -> io.BytesIO:
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return buf
+
+
+@pytest.mark.timeout(60)
+def test_one_read_writes_only_its_own_buckets(cluster1):
+    model, opt, ref, lopt = _pair(cluster1)
+    try:
+        _step(model, opt, 0)
+        _step(ref, lopt, 0)
+        assert_params_close([model[0].weight * 1], [ref[0].weight.detach()])  # one read of the first layer
+        owed = _owed(model)
+        assert owed[:2] == [False, False], "the first layer's weight and bias share its bucket"
+        assert all(owed[2:]), "the other layers' replies are still on the wire"
+    finally:
+        opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_unused_parameters_and_close_lose_no_update(cluster1):
+    model, opt, ref, lopt = _pair(cluster1)
+    try:
+        for step in range(3):  # the last layers are used only at step 0: their replies wait for the next step()
+            for m, o in ((model, opt), (ref, lopt)):
+                o.zero_grad(set_to_none=True)
+                h = m[:2](_batch(step))
+                (m(_batch(step)) if step == 0 else h).square().mean().backward()
+                o.step()
+        opt.close()  # writes what the last step still owed
+        assert not any(_owed(model))
+        assert_params_close(list(model.parameters()), list(ref.parameters()))
+    finally:
+        opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_layer_waits_off_waits_in_step(cluster1):
+    model, opt, ref, lopt = _pair(cluster1, layer_waits=False)
+    try:
+        assert opt.worker.defer is None and opt.config.optimizer.layer_waits is False
+        _step(model, opt, 0)
+        _step(ref, lopt, 0)
+        assert not any(_owed(model))
+        assert_params_close(list(model.parameters()), list(ref.parameters()))
+    finally:
+        opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_bare_tensors_are_waited_for_in_step(cluster1):
+    """A leaf tensor that is not an nn.Parameter cannot change class: its bucket is waited for in step()."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    ref = w.detach().clone().requires_grad_(True)
+    opt = luwu.RemoteOptimizer([w], nodes=cluster1.addresses, lr=LR, compression=False)
+    lopt = torch.optim.AdamW([ref], lr=LR)
+    try:
+        for t, o in ((w, opt), (ref, lopt)):
+            o.zero_grad()
+            (_batch(0) @ t).square().mean().backward()
+            o.step()
+        assert type(w) is torch.Tensor and not opt.worker.defer.owed
+        assert_params_close([w.detach()], [ref.detach()])
+    finally:
+        opt.close()
