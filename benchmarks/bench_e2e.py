@@ -135,6 +135,7 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
                 t_start = time.perf_counter()
                 c_start = time.process_time()
                 if timed is not None:
+                    opt.synchronize()
                     bytes0 = (opt.client.bytes_sent, opt.client.bytes_received)
             t0 = time.perf_counter()
             if timed is not None:
@@ -156,6 +157,7 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
         cpu_s = time.process_time() - c_start
         wire = None
         if timed is not None:
+            opt.synchronize()
             wire = ((opt.client.bytes_sent - bytes0[0]) / cfg["steps"], (opt.client.bytes_received - bytes0[1]) / cfg["steps"])
         node = None
         if node0 is not None:

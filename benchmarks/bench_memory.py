@@ -180,11 +180,12 @@ def sweep(args) -> None:
         growth[comp] = [b["train_peak_mb"] / a["train_peak_mb"] for a, b in zip(srows, srows[1:]) if a["train_peak_mb"] > 0]
     result = {"width": width, "steps": steps, "batch": args.batch, "rows": rows, "streaming_train_peak_growth_per_doubling": growth}
     cols = ["mode", "dtype", "compression", "depth", "train_b_per_param", "weights_mb", "built_mb", "train_peak_mb", "peak_mb", "node_b_per_param", "floor_mb"]
-    md = "# Memory: streaming vs resident (worker MB above the runtime floor; node bytes per parameter of its shard)\n\n" + md_table(rows, cols)
-    for comp, g in sorted(growth.items()):
+    md = (f"# Memory: streaming vs resident (worker MB above the runtime floor; node bytes per parameter of its shard)\n\n"
+          f"`{' '.join(['python3', 'benchmarks/bench_memory.py', *sys.argv[1:]])}`: blocks of width {width}, {steps} steps, 1 worker, 2 nodes.\n\n" + md_table(rows, cols))
+    for comp, g in sorted((c, g) for c, g in growth.items() if g):  # (one depth: no growth to show)
         md += f"\n\nStreaming train peak growth per doubling of depth, compression {comp}: " + ", ".join(f"{x:.2f}x" for x in g) + " (target <= 1.10x)"
     md += "\n\nnode_b_per_param: a node's VmHWM above its idle RSS per parameter of its shard (floor: 12, fp32 master + AdamW's two moments).\n"
-    write_results("bench_memory", result, md, quick=args.quick)
+    write_results(args.name, result, md, quick=args.quick)
 
 
 # ----------------------------------------------------------------- a worker under a cgroup memory limit
@@ -292,6 +293,7 @@ def main() -> None:
     ap.add_argument("--cgroup", action="store_true", help="the cgroup study instead of the depth sweep (root)")
     ap.add_argument("--limit-mb", type=int, default=512)
     ap.add_argument("--ratio", type=float, default=4.0, help="cgroup: the model's fp32 weights over the limit")
+    ap.add_argument("--name", default="bench_memory", help="sweep: results file stem under benchmarks/results/")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -125,10 +125,12 @@ def _worker(rank: int, setting: Setting, compression: dict, job: str, nodes: lis
             mark = (0, 0)
             for step in range(warmup + measure):
                 if step == warmup:  # every reply of the steps before has arrived: the counters are exact
+                    opt.synchronize()
                     mark = (opt.client.bytes_sent, opt.client.bytes_received)
                 opt.zero_grad(set_to_none=True)
                 loss_fn(model, batch(step, rank)).backward()
                 opt.step()
+            opt.synchronize()  # (per-layer waits: the last step's replies are read at the next forward)
             numel = sum(b.numel for b in opt.layout.buckets)
             q.put(("done", rank, {
                 "numel": numel,

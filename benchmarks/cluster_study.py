@@ -128,6 +128,8 @@ class Settings:
     """``luwu_partial``: the parameters whose weights land a step late (``optimizer.delayed_params``):
     the student's first layer."""
     bucket_bytes: int = 4 << 20
+    settings: dict = dataclasses.field(default_factory=dict)
+    """LuWu settings over the defaults, ``section.field`` -> TOML value (``--set``)."""
     target_frac: float = 0.75
     """Time-to-loss target: DDP fp32's eval loss at this fraction of its steps."""
     timeout_s: float = 120.0
@@ -210,6 +212,10 @@ def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str
               f"warmup_steps = {s.compression_warmup}", f"link_gbps = {rate_gbps:g}",
               "", "[transport]", f"timeout_s = {s.timeout_s:g}", f"bucket_bytes = {s.bucket_bytes}",
               "", "[node]", "insecure_public_bind = true  # the bridge of the emulated cluster", ""]
+    for key, value in s.settings.items():  # --set section.field=value: after its section's header
+        section, _, name = key.partition(".")
+        at = lines.index(f"[{section}]") + 1 if f"[{section}]" in lines else len(lines)
+        lines[at:at] = [f"[{section}]"] * (at == len(lines)) + [f"{name} = {value}"]
     path.write_text("\n".join(lines))
     return nodes
 
@@ -387,6 +393,7 @@ def summarize(rc: RunConfig, s: Settings, results: list[dict], hosts: Hosts) -> 
         row[f"{key}_mb"] = statistics.fmean(vals) / 1e6 if vals else float("nan")
     if rc.kind == "luwu":
         row["layout"] = results[0]["layout"]
+        row["timeline"] = results[0].get("timeline")
         row["payload_push_bytes"] = statistics.fmean(r["window"]["payload_tx_per_step"] for r in results)
         row["payload_pull_bytes"] = statistics.fmean(r["window"]["payload_rx_per_step"] for r in results)
     # which resource was busy: the busiest link direction of any host, and the machine's cores
@@ -597,6 +604,24 @@ H2H_HEADERS = ["config", "samples/s", "x DDP fp32", "x DDP bf16", "x FSDP2", "wo
                "TCP retransmits/step", "CPU ms/step per worker", "CPU ms/step per node", "busy cores", "of them others'", "bound by"]
 
 
+def timeline_markdown(rows: list[dict]) -> list[str]:
+    """Rank 0's step timeline of each LuWu run: when each bucket was pushed, answered and written."""
+    out = []
+    for r in rows:
+        tl = r.get("timeline")
+        if not tl:
+            continue
+        m = tl["marks"]
+        marks = ", ".join(f"{k} {v:.0f}" for k, v in sorted(m.items(), key=lambda kv: kv[1]))
+        out += [f"## Step timeline: {r['config']} ({r['rate']}, {r['workers']} workers), rank 0, step {tl['step']}", "",
+                f"ms from the step's start (`zero_grad`); marks: {marks}. pushed: handed to the I/O thread; "
+                "answered: the reply filed by the I/O thread; written: the new weights in the parameters (the wait "
+                "for them over: in `step()`, or in the next forward with per-layer waits). Buckets in forward order.", "",
+                md_table([{"bucket": b["bucket"], "node": b["node"], "numel": b["numel"], **{k: round(b[k]) for k in ("pushed", "answered", "written") if k in b}}
+                          for b in tl["buckets"]], ["bucket", "node", "numel", "pushed", "answered", "written"]), ""]
+    return out
+
+
 def h2h_markdown(result: dict) -> str:
     s, rows = result["settings"], result["rows"]
     lines = [
@@ -610,6 +635,7 @@ def h2h_markdown(result: dict) -> str:
         f"and how many of them others took). "
         f"{result['elapsed_s'] / 60:.0f} min.",
         "",
+        *([f"LuWu settings over the defaults (`--set`): {', '.join(f'`{k} = {v}`' for k, v in s['settings'].items())}.", ""] if s.get("settings") else []),
         "## Targets (1 Gbit/s, 4 workers, 2 nodes)",
         "",
         md_table(result["verdicts"], ["target", "value", "wanted", "verdict"]) if result["verdicts"] else "(not in this run)",
@@ -619,6 +645,7 @@ def h2h_markdown(result: dict) -> str:
         group = [r for r in rows if r["rate"] == rate and r["workers"] == w]
         lines += [f"## {rate}, {w} workers (time-to-loss target: eval loss {group[0]['target_loss']:.3f})", "",
                   md_table(group, H2H_COLS, H2H_HEADERS), ""]
+    lines += timeline_markdown(rows)
     by_bound: dict[str, list[str]] = {}
     for r in rows:
         key = "links and cores" if "+ cores" in r["bound"] else r["bound"].split(" (")[0]
@@ -992,6 +1019,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dims", type=_csv(int), default=None, help="student widths (default 1024,2048,2048,2048,2048,1000)")
     ap.add_argument("--bucket-mib", type=float, default=None, help="LuWu bucket size in MiB of fp32 gradient (default 4)")
     ap.add_argument("--cc", default=None, help="TCP congestion control in the hosts (default reno; 'default': the kernel's)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="a LuWu setting over the defaults, as in a cluster file (TOML value), e.g. optimizer.layer_waits=false")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -1007,6 +1036,8 @@ def main(argv: list[str] | None = None) -> int:
     s = dataclasses.replace(s, **{k: v for k, v in (("steps", args.steps), ("warmup", args.warmup),
                                                      ("dims", tuple(args.dims) if args.dims else None),
                                                      ("bucket_bytes", int(args.bucket_mib * 2**20) if args.bucket_mib else None)) if v is not None})
+    if args.set:
+        s = dataclasses.replace(s, settings=dict(kv.split("=", 1) for kv in args.set))
     if args.cc is not None:
         s = dataclasses.replace(s, congestion_control=None if args.cc == "default" else args.cc)
     if args.hetero:

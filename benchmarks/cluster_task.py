@@ -259,6 +259,58 @@ def _weights(spec: dict, model: torch.nn.Module, opt) -> list[torch.Tensor] | No
     return [p.detach().clone() for p in model.parameters()]
 
 
+class Timeline:
+    """When each bucket of one step was pushed (handed to the I/O thread), answered (its reply filed by the
+    I/O thread) and written into the parameters (the training thread's wait for it over), in ms from the
+    step's start (``zero_grad``), with the step's own marks: forward done, backward done, ``step()``
+    returned, and the next step's forward done (per-layer waits write the weights there)."""
+
+    def __init__(self, opt, step: int):
+        from luwu.protocol.messages import Op
+
+        self.step, self.t0, self.on = step, None, False
+        self.buckets: dict[int, dict] = {}
+        self.marks: dict[str, float] = {}
+        w, c = opt.worker, opt.client
+        send, file, write = c.send, c.file, w._write
+
+        def timed_send(node, header, payload=(), priority=None):
+            if self.on and header.get("op") == Op.PUSH and header.get("step") == step:
+                self._at(header["bucket"], "pushed")
+            return send(node, header, payload, priority)
+
+        def timed_file(key, msg):
+            if self.on and key[0] == Op.UPDATE and key[2] == step:
+                self._at(key[3], "answered")
+            return file(key, msg)
+
+        def timed_write(buf, msg):
+            out = write(buf, msg)
+            if self.on and "answered" in self.buckets.get(buf.bucket.id, {}):
+                self._at(buf.bucket.id, "written")
+            return out
+
+        c.send, c.file, w._write = timed_send, timed_file, timed_write
+
+    def _at(self, bid: int, what: str) -> None:
+        self.buckets.setdefault(bid, {}).setdefault(what, (time.perf_counter() - self.t0) * 1e3)
+
+    def mark(self, i: int, what: str) -> None:
+        """The loop's marks: ``start`` of step ``self.step`` turns recording on; the next step's ``forward`` ends it."""
+        now = time.perf_counter()
+        if i == self.step and what == "start":
+            self.t0, self.on = now, True
+        if self.on and i in (self.step, self.step + 1):
+            self.marks[what if i == self.step else f"next {what}"] = (now - self.t0) * 1e3
+        if i == self.step + 1 and what == "forward":
+            self.on = False
+
+    def result(self, layout) -> dict:
+        """Buckets in forward order (the first layer's first) with their sizes and times."""
+        rows = [{"bucket": b.id, "numel": b.numel, "node": b.node, **self.buckets.get(b.id, {})} for b in reversed(layout.buckets)]
+        return {"step": self.step, "marks": self.marks, "buckets": rows}
+
+
 def _vm_hwm() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
@@ -307,6 +359,10 @@ def train(spec: dict) -> dict:
     eval_xy = task.eval_set(spec["eval_samples"]) if rank == 0 else None
     model = make_student(spec["dims"])
     net, opt = {"ddp": _setup_ddp, "fsdp": _setup_fsdp, "luwu": _setup_luwu}[spec["kind"]](spec, model)
+    # rank 0's timeline of one timed step (and the next forward, where per-layer waits write its weights)
+    # (a step after which no eval snapshot reads the weights: it would wait for all of them at once)
+    at = next(k for k in range(warmup + 1, warmup + 1 + spec["eval_every"]) if (k + 1) % spec["eval_every"])
+    tl = Timeline(opt, at) if spec["kind"] == "luwu" and rank == 0 and steps > at + 1 else None
     node_pids = spec.get("node_pids", []) if rank == 0 else []
     client = opt.client if spec["kind"] == "luwu" else None
     _barrier(run_dir, "start", rank, world)
@@ -317,30 +373,36 @@ def train(spec: dict) -> dict:
     start = end = None
     for i, (x, y) in enumerate(data):
         if i == warmup:
+            if spec["kind"] == "luwu":
+                opt.synchronize()  # the replies of the steps before arrived (per-layer waits): exact byte counters
             # every rank between the same two steps: the byte counters of all hosts cover the same steps
             _barrier(run_dir, "window", rank, world)
             start = _snapshot(node_pids, client, machine=rank == 0)
             _barrier(run_dir, "window_go", rank, world)  # nobody sends step `warmup` before every snapshot
         t0, c0 = time.perf_counter(), time.thread_time()
+        tl and tl.mark(i, "start")
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(net(x), y)
+        tl and tl.mark(i, "forward")
         loss.backward()
         t1, c1 = time.perf_counter(), time.thread_time()
+        tl and tl.mark(i, "backward")
         opt.step()
         t2, c2 = time.perf_counter(), time.thread_time()
+        tl and tl.mark(i, "step")
         clock += t2 - t0
         # wall and training-thread CPU seconds of forward+backward (gradient hooks included) and of step()
         recs.append({"step_s": t2 - t0, "fb_s": t1 - t0, "opt_s": t2 - t1, "fb_cpu_s": c1 - c0, "opt_cpu_s": c2 - c1,
                      "loss": float(loss.detach()), "fetch_s": getattr(getattr(opt, "last_report", None), "fetch_wait_s", 0.0)})
         if (i + 1) % spec["eval_every"] == 0 and i + 1 < steps and (w := _weights(spec, model, opt)) is not None:
             snaps.append((i + 1, clock, w))
+    t0 = time.perf_counter()
+    if spec["kind"] == "luwu":
+        opt.synchronize()  # the last step's weights (delayed update, per-layer waits)
+    clock += time.perf_counter() - t0
     _barrier(run_dir, "window_end", rank, world)
     end = _snapshot(node_pids, client, machine=rank == 0)
     ours = {int((run_dir / f"start.{r}").read_text()) for r in range(world)} | set(node_pids) | {spec["study_pid"]}
-    t0 = time.perf_counter()
-    if spec["kind"] == "luwu":
-        opt.synchronize()  # delayed update: the last step's weights
-    clock += time.perf_counter() - t0
     if (w := _weights(spec, model, opt)) is not None:
         snaps.append((steps, clock, w))
     result = {"rank": rank, "recs": recs, "window": _window(start, end, steps - warmup, ours) if start else None,
@@ -348,6 +410,7 @@ def train(spec: dict) -> dict:
     if spec["kind"] == "luwu":
         result["payload_sent"], result["payload_received"] = opt.client.bytes_sent, opt.client.bytes_received
         result["layout"] = {"buckets": [[b.numel, b.node] for b in opt.layout.buckets], "hash": opt.layout.hash}
+        result["timeline"] = tl.result(opt.layout) if tl is not None else None
     if rank == 0:
         curve, plain = [], make_student(spec["dims"])  # a plain copy to evaluate (sharded or streamed weights are not)
         for step, at, weights in snaps:

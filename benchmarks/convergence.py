@@ -375,6 +375,7 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
         t0 = time.perf_counter()
         for step in range(run.steps):
             if step == MEASURE_FROM:  # every reply of the steps before has arrived: the counters are exact
+                opt.synchronize()
                 mark = (opt.client.bytes_sent, opt.client.bytes_received)
             batch = task.batch(step, rank, world)
             opt.zero_grad(set_to_none=True)
@@ -386,6 +387,7 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
             done = step + 1
             if rank == 0 and (done % run.eval_every == 0 or done == run.steps):
                 evals.append((done, task.eval_loss(model)))
+        opt.synchronize()  # (per-layer waits: the last step's replies are read at the next forward)
         wall = time.perf_counter() - t0
         measured = max(0, run.steps - MEASURE_FROM)
         return {
