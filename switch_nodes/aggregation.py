@@ -132,8 +132,8 @@ class Aggregation:
         codec, nograd, hyper = self.check_push(b, h, msg.tensors(), first=True)
         if hyper.get(WORKER_MOMENTUM) is not None:
             raise ConfigError("momentum correction needs sync mode: an async node applies each worker's momentum alone")
-        acc = b.accumulator(b.version, max_ahead=0)
-        acc.nograd, acc.hyper, acc.pull = nograd, hyper, h["pull"]
+        # one accumulator per push, not per version: another worker's push may come while this one is applied
+        acc = Accumulator(first_at=time.monotonic(), nograd=nograd, hyper=hyper, pull=h["pull"])
         codec.decode_(b.buffer(acc), msg.tensors(), h["cmeta"])
         acc.workers.add(w)
         b.worker_steps[w] = step
@@ -145,9 +145,8 @@ class Aggregation:
             b.apply(acc, 1.0)
             b.version += 1
 
-        version = b.version
         await self.node.run(work)
-        b.release(version)
+        b.give_back(acc)
         self.node.metrics.opt_seconds.observe(time.perf_counter() - t0)
         self.node.metrics.updates.inc()
         b.held.append((w, step, h["pull"]))

@@ -86,6 +86,11 @@ class ReplyBuffers:
         pairs = [p for key in list(self._trackers) for p in self._trackers.pop(key, ())]
         self._settle(pairs)
 
+    def drop(self) -> None:
+        """Free the buffers (after :meth:`wait_all`: their replies are out). A bucket whose replies go as
+        int8 deltas, whose encoder has buffers of its own, keeps no bf16 buffers from the warm-up."""
+        self._bufs.clear()
+
     def sent(self, codec_name: str, parity: int, trackers: list) -> None:
         """``trackers``: (worker, MessageTracker) of the replies just sent."""
         self._trackers.setdefault((codec_name, parity), []).extend((w, t) for w, t in trackers if t is not None)
@@ -143,6 +148,7 @@ class DeltaPullCodec(PullCodec):
 
     def encode(self, b: BucketState, buffers: ReplyBuffers) -> Payload:
         buffers.wait_all()  # the encoder reuses its buffers
+        buffers.drop()
         enc = self._encoder.encode(b.id, b.params, b.version)
         return Payload(enc.codec, enc.delta, enc.encoded.meta, enc.encoded.frames)
 

@@ -276,10 +276,14 @@ class BucketState:
 
     def release(self, step: int) -> Accumulator:
         acc = self.accs.pop(step)
+        self.give_back(acc)
+        return acc
+
+    def give_back(self, acc: Accumulator) -> None:
+        """Return the accumulator's buffer to the pool (its step is applied)."""
         if acc.buf is not None:
             self._pool.give(acc.buf)
             acc.buf = None
-        return acc
 
     def grad_views(self, acc: Accumulator) -> tuple[list, list, dict, list]:
         keep = [i for i in range(len(self.segments)) if i not in acc.nograd]

@@ -166,11 +166,13 @@ def test_pull_codecs_plain_and_int8_delta_share_one_interface():
     assert plain.full is plain
     out = plain.encode(b, buffers)
     assert (out.codec, out.delta) == ("bf16", False)
+    assert buffers._bufs, "bf16 replies are encoded into buffers kept per step parity"
     delta = DeltaPullCodec()
     assert delta.full.name == "none"
     held = torch.empty(1024)
     first = delta.encode(b, buffers)
     assert (first.codec, first.delta) == ("none", False)
+    assert not buffers._bufs, "once the replies go as int8 deltas, the bf16 buffers of the warm-up are freed"
     get_codec("none").decode_(held, first.frames, first.meta)
     b.params.add_(0.01)
     b.version += 1
