@@ -52,11 +52,7 @@ class OwedParameter(torch.nn.Parameter):
             for a in (*args, *kwargs.values()):
                 for t in a if isinstance(a, (list, tuple)) else (a,):
                     if type(t) is OwedParameter:
-                        owner = _OWNER.get(id(t))
-                        if owner is None:
-                            t.__class__ = torch.nn.Parameter  # (a copy made while owed: nothing to wait for)
-                        else:
-                            owner.settle_param(t)
+                        _settle(t)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -70,11 +66,18 @@ class OwedParameter(torch.nn.Parameter):
 
 
 def _settle(p: torch.Tensor) -> None:
+    """Write the weights ``p`` owes (a copy made while owed has no owner: nothing to wait for)."""
     owner = _OWNER.get(id(p))
     if owner is not None:
         owner.settle_param(p)
     else:
-        p.__class__ = torch.nn.Parameter
+        _plain(p)
+
+
+def _plain(p: torch.Tensor) -> None:
+    """``p`` owes nothing any more: a plain ``nn.Parameter`` again."""
+    _OWNER.pop(id(p), None)
+    p.__class__ = torch.nn.Parameter
 
 
 class LayerWaits:
@@ -120,8 +123,7 @@ class LayerWaits:
         for key in keys:  # back to plain parameters before writing (a parameter in a bucket still owed stays owed)
             for i in self._bucket_params[key[3]]:
                 if not any(bid in self.owed for bid, _ in w.where[i]):
-                    _OWNER.pop(id(w.params[i]), None)
-                    w.params[i].__class__ = torch.nn.Parameter
+                    _plain(w.params[i])
         t0 = time.perf_counter()
         with w._noting_errors():  # (a wait in a read: recover() acts on its error)
             for key, m in w.client.arrivals(keys, timeout_s, what="updated weights"):
@@ -141,8 +143,7 @@ class LayerWaits:
         """After a rollback or rejoin (the owed replies belong to an abandoned step), or at close."""
         for bid in list(self.owed):
             for i in self._bucket_params[bid]:
-                _OWNER.pop(id(self.worker.params[i]), None)
-                self.worker.params[i].__class__ = torch.nn.Parameter
+                _plain(self.worker.params[i])
         self.owed.clear()
 
 
