@@ -106,8 +106,12 @@ class WorkerClient:
 
     # ----------------------------------------------------------------- API for the training thread
     def on(self, op: Op, handler: Callable[[int, wire.Message], None]) -> None:
-        """Call ``handler(node, msg)`` on the I/O thread for every ``op`` message (instead of filing it)."""
-        self._handlers[op] = handler
+        """Call ``handler(node, msg)`` on the I/O thread for every ``op`` message (instead of filing it; None:
+        file them again)."""
+        if handler is None:
+            self._handlers.pop(op, None)
+        else:
+            self._handlers[op] = handler
 
     def send(self, node: int, header: dict, payload=(), priority: int | None = None) -> None:
         """Queue a message to a node (thread-safe). The payload tensors must stay untouched until the

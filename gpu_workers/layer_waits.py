@@ -26,9 +26,13 @@ buffer is its push's frame until the reply).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
+
+from luwu.protocol import messages as wire
+from luwu.protocol.messages import Op
 
 #: Tensor attributes that read no values: a parameter owing its weights answers them without waiting.
 _METADATA = {d for n in ("grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad_fn", "is_cuda",
@@ -37,6 +41,9 @@ _METADATA = {d for n in ("grad", "shape", "dtype", "device", "requires_grad", "i
 _METADATA_METHODS = {torch._C.TensorBase.size, torch._C.TensorBase.dim, torch._C.TensorBase.numel,
                      torch._C.TensorBase.data_ptr, torch._C.TensorBase.element_size, torch._C.TensorBase.stride,
                      torch._C.TensorBase.is_contiguous, torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.register_hook}
+
+#: A reply header's mark: the I/O thread wrote its weights as it landed (the frames are gone)
+WRITTEN = "written_on_arrival"
 
 #: id(parameter) -> the LayerWaits that owes it its weights
 _OWNER: dict[int, LayerWaits] = {}
@@ -94,6 +101,21 @@ class LayerWaits:
         self.order: dict[int, int] = {}  # bucket -> when a forward first read it, for the pushes' priority
         self._bucket_params = {b.id: sorted({s.param for s in b.segments}) for b in worker.layout.buckets}
         self._index = {id(p): i for i, p in enumerate(worker.params)}
+        self._lock = threading.Lock()  # ``owed`` between the training thread and the I/O thread's writes
+        worker.client.on(Op.UPDATE, self._on_update)
+
+    def _on_update(self, node: int, msg: wire.Message) -> None:
+        """On the I/O thread, for every UPDATE: the reply of an owed bucket is written into the parameters as
+        it lands, so its frames are freed at once instead of waiting for the read (a step's replies would
+        otherwise all be held, a second copy of the weights); the waiter finds its header. Other replies
+        are filed as they came."""
+        client = self.worker.client
+        key = client.key_of(node, msg.header)
+        with self._lock:
+            if self.owed.get(key[3]) == key:
+                self.worker._write(self.worker.bufs[key[3]], msg)
+                msg = wire.Message({**msg.header, WRITTEN: True}, [])
+        client.file(key, msg)
 
     def takes(self, bid: int) -> bool:
         """Whether bucket ``bid``'s reply can wait for the first read: resident, not delayed, and holding
@@ -102,7 +124,8 @@ class LayerWaits:
         return bid not in w.streamed and bid not in w.delayed and all(type(w.params[i]) in (torch.nn.Parameter, OwedParameter) for i in self._bucket_params[bid])
 
     def owe(self, key: tuple) -> None:
-        self.owed[key[3]] = key
+        with self._lock:
+            self.owed[key[3]] = key
         for i in self._bucket_params[key[3]]:
             p = self.worker.params[i]
             _OWNER[id(p)] = self
@@ -114,7 +137,8 @@ class LayerWaits:
 
     def settle(self, bids=None, timeout_s: float | None = None) -> None:
         """Wait for the owed replies of ``bids`` (None: all) and write the weights in, in arrival order."""
-        keys = [self.owed.pop(b) for b in (list(self.owed) if bids is None else bids) if b in self.owed]
+        with self._lock:  # (popped: the I/O thread no longer writes them)
+            keys = [self.owed.pop(b) for b in (list(self.owed) if bids is None else bids) if b in self.owed]
         if not keys:
             return
         w = self.worker
@@ -130,7 +154,8 @@ class LayerWaits:
                 t1 = time.perf_counter()
                 self.waited_s += t1 - t0
                 self.skips += bool(m.header["skipped"])
-                w._write(w.bufs[key[3]], m)
+                if not m.header.get(WRITTEN):
+                    w._write(w.bufs[key[3]], m)
                 t0 = time.perf_counter()
 
     def take_counts(self) -> tuple[float, int]:
@@ -141,16 +166,18 @@ class LayerWaits:
 
     def reset(self) -> None:
         """After a rollback or rejoin (the owed replies belong to an abandoned step), or at close."""
-        for bid in list(self.owed):
-            for i in self._bucket_params[bid]:
-                _plain(self.worker.params[i])
-        self.owed.clear()
+        with self._lock:
+            for bid in list(self.owed):
+                for i in self._bucket_params[bid]:
+                    _plain(self.worker.params[i])
+            self.owed.clear()
 
 
 def attach(worker, cfg) -> LayerWaits | None:
     """The per-layer waits of a (re)built worker: on when ``cfg.layer_waits`` (the optimizer section) and
     the worker is resident (streaming mode waits per unit by itself)."""
     if not cfg.layer_waits or cfg.stream_weights:
+        worker.client.on(Op.UPDATE, None)  # (a rebuilt worker: no earlier one's writes on arrival)
         return None
     worker.defer = LayerWaits(worker)
     return worker.defer

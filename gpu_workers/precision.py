@@ -2,9 +2,12 @@
 
 A worker trains fp32 parameters, or, in resident mode, bf16 ones: ZeRO-Offload's
 mixed-precision layout, where the worker holds bf16 weights and gradients and
-the nodes hold the fp32 master weights and the optimizer's moments. A bf16
-gradient copied into a bucket's fp32 buffer is exact, so the nodes step on the
-very gradient backward produced. The weights come back rounded to bf16: the
+the nodes hold the fp32 master weights and the optimizer's moments. A bucket of
+bf16 parameters alone has a bf16 gradient buffer (the parameters' ``.grad`` are
+views of it, :mod:`luwu.gpu_workers.grad_views`) and is pushed as is with the
+``bf16`` codec: lossless for a bf16 gradient, so the nodes step on the very
+gradient backward produced, with no error-feedback residual on the worker (a
+bucket mixing dtypes has an fp32 buffer, exact too). The weights come back rounded to bf16: the
 ``bf16`` pull codec rounds to nearest even on the node, which is what writing
 fp32 weights into a bf16 tensor does, at half the bytes. Delta codecs are not
 used for such a model: a delta is added to what the worker holds, and a bf16

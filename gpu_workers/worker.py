@@ -1,22 +1,17 @@
 """The step protocol on a worker: buckets of gradients out, weights back in.
 
-A :class:`Worker` knows the layout and the parameters. Gradient hooks call
-:meth:`grad_ready`; when every segment of a bucket is filled it is encoded and
-handed to the I/O thread at once, so pushes overlap the rest of backward.
-:meth:`step` ends a step: :meth:`finish` pushes what the hooks did not
-(parameters without a gradient are marked "no gradient" on the wire),
-:meth:`global_round` runs the global norm / found-inf round when clipping or AMP
-asks for it, and :meth:`wait` writes the new weights into the parameters in
-forward order. The worker owns its step counter and what a delayed update still
-owes; :meth:`step` returns a :class:`StepReport` of what the step found out.
-Buffers are allocated once and reused.
+A :class:`Worker` knows the layout and the parameters. Gradient hooks call :meth:`grad_ready`; when every
+segment of a bucket is filled it is encoded and handed to the I/O thread at once, so pushes overlap the rest of
+backward. :meth:`step` ends a step: :meth:`finish` pushes what the hooks did not (parameters without a gradient
+are marked "no gradient" on the wire), :meth:`global_round` runs the global norm / found-inf round when clipping
+or AMP asks for it, and :meth:`wait` writes the new weights into the parameters in forward order. The worker
+owns its step counter and what a delayed update still owes; :meth:`step` returns a :class:`StepReport` of what
+the step found out. Buffers are allocated once and reused.
 
-Streamed buckets (streaming mode, :mod:`luwu.gpu_workers.streaming`) have no
-buffer of their own: they borrow one from a :class:`BufferPool` when their first
-gradient arrives and give it back when the node acknowledges the push (an
-``ack`` reply without weights); their weights are fetched with
-:meth:`request_weights` / :meth:`receive_weights` just before use, and
-:meth:`wait` writes nothing for them.
+Streamed buckets (streaming mode, :mod:`luwu.gpu_workers.streaming`) have no buffer of their own: they borrow
+one from a :class:`BufferPool` when their first gradient arrives and give it back when the node acknowledges the
+push (an ``ack`` reply without weights); their weights are fetched with :meth:`request_weights` /
+:meth:`receive_weights` just before use, and :meth:`wait` writes nothing for them.
 """
 
 from __future__ import annotations
@@ -31,8 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from luwu.gpu_workers.client import WorkerClient
+from luwu.gpu_workers.grad_views import bucket_buffers, copy_in
 from luwu.protocol.codecs import get_codec, has_nonfinite
-from luwu.protocol.errors import LayoutMismatchError, LuwuError
+from luwu.protocol.errors import LayoutMismatchError, LuwuError, StepMismatchError
 from luwu.protocol.feedback import WORKER_MOMENTUM, worker_momentum
 from luwu.protocol.layout import Bucket, Layout
 from luwu.protocol.messages import PULL_ACK, Op
@@ -112,6 +108,7 @@ class Worker:
         self.on_reset = None  # streaming mode: called when recover() abandons the step (its replies are gone)
         self.initialize = initialize  # meta-device start: initialize(buckets to seed, send_init) at connect()
         self.defer = None  # per-layer waits (luwu.gpu_workers.layer_waits): the replies the next forward waits for
+        self.views = None  # gradients as bucket views (luwu.gpu_workers.grad_views)
         self._unacked: set[int] = set()  # streamed buckets pushed this step whose buffer is still lent
         self.accumulating = False  # no_sync() in streaming mode: streamed buckets push partial sums for the node to add
         self.fetch_with_reply: frozenset[int] = frozenset()  # streamed buckets whose push asks the node for the new weights
@@ -120,10 +117,13 @@ class Worker:
         self.bufs: list[_BucketBuf] = []
         multi = [len(b.segments) > 1 or not params[b.segments[0].param].is_contiguous() for b in layout.buckets]
         staging = torch.zeros(max((b.numel for b, m in zip(layout.buckets, multi) if m and b.id not in self.streamed), default=0))
+        # the others' buffers: slices of one flat buffer per dtype (bf16 for a bucket of bf16 parameters alone: its gradient
+        # as backward made it), a parameter split over buckets one slice of it (grad_views)
+        self.flat_grads, single = bucket_buffers([b for b in layout.buckets if b.id not in self.streamed and b.id not in self.delayed], params)
         for b, m in zip(layout.buckets, multi):  # (resident weights are written one bucket at a time: one staging serves all)
             # a streamed bucket borrows; a delayed bucket's push of t is in flight while t + 1's fills
-            nbuf = 0 if b.id in self.streamed else 2 if b.id in self.delayed else 1
-            self.bufs.append(_BucketBuf(b, [torch.zeros(b.numel) for _ in range(nbuf)], staging[: b.numel] if m and nbuf else None, m))
+            grads = [] if b.id in self.streamed else [torch.zeros(b.numel) for _ in range(2)] if b.id in self.delayed else [single[b.id]]
+            self.bufs.append(_BucketBuf(b, grads, staging[: b.numel] if m and grads else None, m))
         self.where: dict[int, list[tuple[int, int]]] = {}  # param -> [(bucket, segment index)]
         for b in layout.buckets:
             for si, s in enumerate(b.segments):
@@ -131,7 +131,7 @@ class Worker:
         self.node_buckets = [[b.id for b in layout.buckets_of(n)] for n in range(layout.num_nodes)]
         self.step_num = 0  # the step the next push belongs to
         self._pending: int | None = None  # delayed update: the step whose delayed buckets' weights are still to come
-        self._lock = threading.Lock()
+        self._lock, self._write_lock = threading.Lock(), threading.Lock()
         self.two_phase = two_phase  # gradient norms and found-inf decided across all shards before the update
 
     # ----------------------------------------------------------------- start-up
@@ -158,7 +158,7 @@ class Worker:
         """INIT: the bucket's weights as they are in the parameters, fp32, to its node (rank 0)."""
         buf = self.bufs[bid]
         # a streamed bucket has no buffer of its own: a one-off copy, kept alive by its frame
-        flat = buf.grads[0] if buf.grads else torch.empty(buf.bucket.numel)
+        flat = buf.grads[0] if buf.grads and buf.grads[0].dtype == torch.float32 else torch.empty(buf.bucket.numel)
         self._gather(buf, flat, lambda p: p.detach())
         enc = get_codec("none").encode(flat)
         self.client.send(buf.bucket.node, {"op": Op.INIT, "bucket": bid, "codec": "none", "cmeta": enc.meta}, enc.frames)
@@ -194,20 +194,10 @@ class Worker:
     def hello(self, step: int) -> list[dict]:
         for n in range(self.layout.num_nodes):
             mine = self.layout.buckets_of(n)
-            self.client.send(
-                n,
-                {
-                    "op": Op.HELLO,
-                    "step": step,
-                    "param_names": {s.param: s.name for b in mine for s in b.segments},
-                    "world_size": self.world_size,
-                    "layout": self.layout.hash,
-                    "node_index": n,
-                    "buckets": [b.to_wire() for b in self.layout.buckets_of(n)],
-                    "optimizer": self.optimizer,
-                    "mode": self.mode,
-                },
-            )
+            self.client.send(n, {
+                "op": Op.HELLO, "step": step, "param_names": {s.param: s.name for b in mine for s in b.segments}, "world_size": self.world_size,
+                "layout": self.layout.hash, "node_index": n, "buckets": [b.to_wire() for b in mine], "optimizer": self.optimizer, "mode": self.mode,
+            })
         keys = [(Op.WELCOME, n, None, -1) for n in range(self.layout.num_nodes)]
         welcomes = [m.header for m in self.client.wait(keys, self.client.cfg.connect_timeout_s, what="WELCOME", errors_of=(Op.HELLO,))]
         for n, w in enumerate(welcomes):
@@ -223,11 +213,12 @@ class Worker:
         self.receive_weights(bids, what="initial weights")
 
     def request_weights(self, bids: list[int], *, exact: bool = False) -> None:
-        """Ask the owners for the current weights of these buckets (answered behind queued steps): fp32
-        when ``exact``, else in the fetch codec of streamed units (bf16 when compression is on)."""
+        """Ask the owners for the current weights of these buckets (answered behind queued steps): as the
+        parameters hold them when ``exact`` (fp32; bf16 for a bucket of bf16 ones, rounded as writing fp32 into
+        them would), else in the fetch codec of streamed units (bf16 when compression is on)."""
         for bid in bids:
-            b = self.layout.buckets[bid]
-            codec = "none" if exact else self._fetch_codec_for(b, self.step_num)
+            b, g = self.layout.buckets[bid], self.bufs[bid].grads
+            codec = ("bf16" if g and g[0].dtype == torch.bfloat16 else "none") if exact else self._fetch_codec_for(b, self.step_num)
             self.client.send(b.node, {"op": Op.PULL, "bucket": bid, "codec": codec})
 
     def receive_weights(self, bids: list[int], what: str = "weights") -> None:
@@ -264,14 +255,18 @@ class Worker:
         with self._lock:
             for bid, si in self.where.get(param, ()):
                 buf = self.bufs[bid]
-                if buf.pushed_step == self.step_num or (partial and bid not in self.streamed):
+                if partial and bid not in self.streamed:
                     continue  # (under no_sync() a resident bucket's gradient adds up in .grad, as in torch)
                 s = buf.bucket.segments[si]
-                self._grad_buffer(buf, self._parity(bid)).narrow(0, s.offset, s.numel).copy_(flat.narrow(0, s.param_offset, s.numel))
+                if buf.pushed_step == self.step_num:
+                    raise StepMismatchError(f"step {self.step_num}: a second gradient of {s.name} (bucket {bid}) after its push: backward passes adding up before one step() run under opt.no_sync(), all but the last")
+                copy_in(self._grad_buffer(buf, self._parity(bid)).narrow(0, s.offset, s.numel), flat.narrow(0, s.param_offset, s.numel))
                 buf.filled += 1
                 if buf.filled == len(buf.bucket.segments):
                     buf.pushed_step = buf.pushed_step if partial else self.step_num
                     full.append(buf)
+        if self.views is not None and not partial:
+            self.views.adopt(param)  # the bucket's slice becomes .grad: autograd's tensor is freed now
         for buf in full:
             self._push(buf, self._parity(buf.bucket.id), (), partial=partial)
 
@@ -331,21 +326,21 @@ class Worker:
                     if not buf.partials:  # (after micro-batch pushes: the last one adds nothing)
                         nograd.append(si)
                 else:
-                    view.copy_(grad.detach().reshape(-1).narrow(0, s.param_offset, s.numel))
+                    copy_in(view, grad.detach().reshape(-1).narrow(0, s.param_offset, s.numel))
             self._push(buf, parity, tuple(nograd))
 
     def _push(self, buf: _BucketBuf, parity: int, nograd: tuple, partial: bool = False) -> None:
         b, step = buf.bucket, self.step_num
         x = buf.grads[parity]
-        name, ef = self._codec_for(b, step)
-        if name != "none" and has_nonfinite(x):
+        name, ef = self._codec_for(b, step) if x.dtype == torch.float32 else ("bf16", False)  # (a bf16 gradient as is: lossless)
+        if name not in ("none", "bf16") and has_nonfinite(x):
             name, ef = "none", False  # let the node see the inf/nan and decide globally
         codec = get_codec(name)
         out = buf.out.get(key := (name, parity))
-        if out is None and name != "none":  # a streamed bucket's frames are its message's own: nothing kept per unit
+        if out is None and name != "none" and x.dtype == torch.float32:  # a streamed bucket's frames are its message's own: nothing kept per unit
             out = codec.alloc(b.numel) if b.id in self.streamed else buf.out.setdefault(key, codec.alloc(b.numel))
         hyper = self._hyper_of(b.group)
-        if name == "none":
+        if x.dtype == getattr(codec, "dtype", None):
             # zero-copy: the frame is the bucket buffer, next written after the node's answer (delayed: two steps)
             enc = codec.encode(x)
         elif ef and self._feedback is not None:
@@ -365,6 +360,8 @@ class Worker:
         if partial:  # unanswered, and the next micro-batch refills the buffers: the frames go out as copies
             header["partial"] = True
         self.client.send(b.node, header, [f.clone() for f in enc.frames] if partial else enc.frames, priority=self._priority(b))
+        if self.views is not None:  # (a zero-copy frame is the buffer: an in-place change before the reply is refused)
+            self.views.note_push(b.id, enc.frames[0] is x and not partial)
         buf.filled, buf.partials = 0, buf.partials + 1 if partial else 0
         if b.id in self.streamed:
             self._give_back(b.id) if partial else self._unacked.add(b.id)
@@ -378,6 +375,8 @@ class Worker:
         the next one (those of the previous step land now); ``inv_scale``: 1 / the GradScaler's scale;
         ``max_norm``: clip by the global norm."""
         step = self.step_num
+        if self.views is not None:
+            self.views.check()
         if self.defer is not None:  # what no forward waited for: written before finish() refills the buffers
             self.defer.settle()
         self.finish()
@@ -438,9 +437,7 @@ class Worker:
                 self.defer.owe((Op.UPDATE, b.node, s, b.id))  # written when the next forward reaches it
             elif s is not None:
                 keys.append((Op.UPDATE, b.node, s, b.id))
-        waited = 0.0
-        skipped = False
-        t0 = time.perf_counter()
+        waited, skipped, t0 = 0.0, False, time.perf_counter()
         for key, m in self.client.arrivals(keys, what="updated weights"):
             t1 = time.perf_counter()
             waited += t1 - t0
@@ -456,10 +453,16 @@ class Worker:
         return skipped, waited
 
     def _write(self, buf: _BucketBuf, msg) -> None:
+        with self._write_lock:  # (per-layer waits write on the I/O thread too; resident buckets share one staging buffer)
+            self._write_locked(buf, msg)
+
+    def _write_locked(self, buf: _BucketBuf, msg) -> None:
         b = buf.bucket
         h = msg.header
         codec = get_codec(h["codec"])
         codec.validate(b.numel, h.get("nbytes", []), h["cmeta"])
+        if self.views is not None:  # (the push's frame is free now)
+            self.views.landed(b.id)
         frames = msg.tensors()
         delta = h.get("delta", False)  # int8 deltas against what this worker holds
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # (a parameter owing other buckets' weights: no wait)

@@ -80,6 +80,10 @@ class OptimizerConfig:
     """Resident mode: step() returns once the pushes are out, and each parameter waits for its new weights
     when it is next read, in the next forward when its layer runs (luwu.gpu_workers.layer_waits). False:
     step() waits for every bucket's new weights."""
+    grads_in_buckets: bool = True
+    """Resident mode: a parameter's ``.grad`` is a view of its bucket's buffer once backward produced it, so the
+    gradients exist once (DDP's gradient_as_bucket_view; luwu.gpu_workers.grad_views). False: ``.grad`` keeps
+    autograd's tensor and the buckets hold a second copy."""
     stream_weights: bool = False
     """Streaming mode: the worker holds no weights of the streamed units between uses; it fetches each
     unit's weights from the nodes just before its forward and its backward (luwu.gpu_workers.streaming)."""

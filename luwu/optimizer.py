@@ -31,10 +31,11 @@ from luwu import optim_state
 from luwu.config import LuwuConfig, resolve_config
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
-from luwu.gpu_workers import layer_waits, precision, streaming
+from luwu.gpu_workers import grad_views, layer_waits, precision, streaming
 from luwu.gpu_workers.metrics import WorkerMetrics
 from luwu.gpu_workers.worker import StepReport, Worker
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
+from luwu.protocol.memory import trim_heap
 from luwu.protocol.metrics import serve_metrics
 from luwu.protocol.feedback import WORKER_MOMENTUM
 from luwu.protocol.layout import ParamSpec, build_layout
@@ -251,9 +252,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
             **streaming.worker_arguments(self.layout, self._units, self.config.optimizer, cc),
         )
         self.worker.connect(step)
+        trim_heap()  # the start-up pull's replies, freed: not kept for reuse as a step's (a second model's worth)
         self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer, self.metrics)
         self._close_waits()
         self._waits = layer_waits.attach(self.worker, self.config.optimizer)
+        grad_views.attach(self.worker, self.config.optimizer)
         for h in self._hooks:
             h.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
@@ -437,6 +440,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def attach_prefetcher(self, prefetcher) -> None:
         """Report the seconds each step waited for data (``luwu_worker_data_wait_seconds``) from a Prefetcher."""
         self._prefetcher = prefetcher
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's; zeroing in place waits for the last step's replies first: a gradient that is its bucket's
+        view may still be the frame of a push on its way (luwu.gpu_workers.grad_views)."""
+        if not set_to_none and self.worker.views is not None and self.worker.defer is not None:
+            self.worker.defer.settle()
+        super().zero_grad(set_to_none)
 
     def synchronize(self) -> None:
         """Wait for the weights the last step still owes (delayed update; per-layer waits): call before reading

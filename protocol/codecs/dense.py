@@ -29,12 +29,18 @@ class _DenseCodec(Codec):
     def alloc_spec(self, numel: int) -> list[tuple[int, torch.dtype]]:
         return [(numel, self.dtype)]
 
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dtype != self.dtype:  # (x of the codec's own dtype: a bf16 model's gradient as bf16)
+            super()._check_input(x)
+        elif x.dim() != 1 or not x.is_contiguous():
+            raise ValueError(f"codec {self.name!r} encodes 1-D contiguous tensors, got {tuple(x.shape)}")
+
     def encode(self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1) -> Encoded:
         self._check_input(x)
         _check_summands(num_summands)
         if out is None:
-            if self.dtype == torch.float32:
-                # zero-copy: the frame aliases x, the caller must not change x until sent
+            if x.dtype == self.dtype:
+                # zero-copy: the frame aliases x (fp32 as is, or a bf16 gradient), the caller must not change x until sent
                 return Encoded({}, [x])
             out = self.alloc(x.numel())
         else:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import copy
 import io
+import os
+import signal
+import time
 
 import pytest
 import torch
 from harness import assert_params_close
 
 import luwu
-from luwu.gpu_workers.layer_waits import OwedParameter
+from luwu.gpu_workers.layer_waits import WRITTEN, OwedParameter
 
 LR = 0.05
 
@@ -138,6 +141,37 @@ def test_unused_parameters_and_close_lose_no_update(cluster1):
         assert_params_close(list(model.parameters()), list(ref.parameters()))
     finally:
         opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_replies_landing_while_owed_are_written_on_arrival():
+    """The I/O thread writes an owed bucket's reply as it lands, so its frames are freed then, not held until
+    the read: with every reply in, the parameters (still owed) hold the new weights, the filed replies are
+    headers alone, and the read that follows only turns the parameters back into plain ones."""
+    with luwu.local_cluster(1) as c:
+        model, opt, ref, lopt = _pair(c)
+        try:
+            _step(ref, lopt, 0)
+            os.kill(c.procs[0].pid, signal.SIGSTOP)  # every reply lands after step() filed it as owed
+            try:
+                _step(model, opt, 0)
+                owed = list(opt.worker.defer.owed.values())
+                assert len(owed) == 4 and all(_owed(model))
+            finally:
+                os.kill(c.procs[0].pid, signal.SIGCONT)
+            deadline = time.monotonic() + 20
+            while not all(k in opt.client._inbox for k in owed):
+                assert time.monotonic() < deadline, "the replies did not land"
+                time.sleep(0.01)
+            assert all(opt.client._inbox[k].header.get(WRITTEN) and opt.client._inbox[k].payload == [] for k in owed)
+            assert all(_owed(model))
+            with torch._C.DisableTorchFunctionSubclass():  # the raw values, without a read's wait
+                raw = [p.detach().clone() for p in model.parameters()]
+            assert_params_close(raw, list(ref.parameters()))
+            model(_batch(1))
+            assert not any(_owed(model)) and not opt.worker.defer.owed
+        finally:
+            opt.close()
 
 
 @pytest.mark.timeout(60)
