@@ -110,6 +110,10 @@ def child(spec: dict) -> dict:
         node_bytes = []
     else:
         kw = {} if spec["compression"] else {"compression": False}
+        if spec.get("settings"):  # --also: the same run on other settings (e.g. the setting before a change)
+            from luwu.config import load_config
+
+            kw["config"] = load_config(overrides=dict(kv.split("=", 1) for kv in spec["settings"].split(",")))
         opt = luwu.RemoteOptimizer(model, nodes=spec["nodes"], lr=1e-3, rank=0, world_size=1, stream_weights=stream, timeout_s=300, prefetch=spec.get("prefetch"), **kw)
         node_bytes = opt.layout.node_bytes()
     built, build_peak = status_bytes("VmRSS"), status_bytes("VmHWM")
@@ -133,7 +137,7 @@ def child(spec: dict) -> dict:
         "dtype": str(dtype).removeprefix("torch."), "train_b_per_param": (train_peak - floor) / numel,
         "depth": spec["depth"], "weights_mb": weights * MB, "floor_mb": floor * MB, "built_mb": (built - floor) * MB,
         "train_peak_mb": (train_peak - floor) * MB, "peak_mb": (max(train_peak, build_peak) - floor) * MB,
-        "s_per_step": seconds / max(spec["steps"], 1), "node_params": [b // 4 for b in node_bytes],
+        "s_per_step": seconds / max(spec["steps"], 1), "node_params": [b // 4 for b in node_bytes], "settings": spec.get("settings") or "", "params": numel,
     }
 
 
@@ -169,21 +173,33 @@ def sweep(args) -> None:
     for depth in (int(d) for d in args.depths.split(",")):
         for stream in (False, True):
             for compression, bf16 in [(c, False) for c in ((False, True) if args.defaults else (False,))] + ([(args.defaults, True)] if args.bf16 and not stream else []):
-                row, out = run({"width": width, "depth": depth, "stream": stream, "steps": steps, "batch": args.batch, "compression": compression, "bf16": bf16})
-                if row is None:
-                    raise RuntimeError(out.stdout[-2000:] + out.stderr[-4000:])
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                for settings in [""] + ([] if stream else args.also):
+                    row, out = run({"width": width, "depth": depth, "stream": stream, "steps": steps, "batch": args.batch, "compression": compression, "bf16": bf16, "settings": settings})
+                    if row is None:
+                        raise RuntimeError(out.stdout[-2000:] + out.stderr[-4000:])
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     growth = {}
     for comp in {r["compression"] for r in rows}:
         srows = [r for r in rows if r["mode"] == "streaming" and r["compression"] == comp]
         growth[comp] = [b["train_peak_mb"] / a["train_peak_mb"] for a, b in zip(srows, srows[1:]) if a["train_peak_mb"] > 0]
     result = {"width": width, "steps": steps, "batch": args.batch, "rows": rows, "streaming_train_peak_growth_per_doubling": growth}
-    cols = ["mode", "dtype", "compression", "depth", "train_b_per_param", "weights_mb", "built_mb", "train_peak_mb", "peak_mb", "node_b_per_param", "floor_mb"]
+    cols = ["mode", "dtype", "compression", *(["settings"] if args.also else []), "depth", "train_b_per_param", "weights_mb", "built_mb", "train_peak_mb", "peak_mb", "node_b_per_param", "floor_mb"]
     md = (f"# Memory: streaming vs resident (worker MB above the runtime floor; node bytes per parameter of its shard)\n\n"
           f"`{' '.join(['python3', 'benchmarks/bench_memory.py', *sys.argv[1:]])}`: blocks of width {width}, {steps} steps, 1 worker, 2 nodes.\n\n" + md_table(rows, cols))
     for comp, g in sorted((c, g) for c, g in growth.items() if g):  # (one depth: no growth to show)
         md += f"\n\nStreaming train peak growth per doubling of depth, compression {comp}: " + ", ".join(f"{x:.2f}x" for x in g) + " (target <= 1.10x)"
+    marginal = []  # what one more parameter costs: the train peak's growth from the shallowest to the deepest model
+    for key in dict.fromkeys((r["mode"], r["dtype"], r["compression"], r["settings"]) for r in rows):
+        same = [r for r in rows if (r["mode"], r["dtype"], r["compression"], r["settings"]) == key]
+        if len(same) > 1 and same[-1]["params"] > same[0]["params"]:
+            grow = (same[-1]["train_peak_mb"] - same[0]["train_peak_mb"]) / MB / (same[-1]["params"] - same[0]["params"])
+            marginal.append(dict(zip(("mode", "dtype", "compression", "settings"), key), depths=f"{same[0]['depth']} -> {same[-1]['depth']}", marginal_b_per_param=grow))
+    result["marginal"] = marginal
+    if marginal:
+        md += ("\n\nBytes per parameter at the margin (the worker's train peak growth from the shallowest to the deepest model, per "
+               "parameter added: what the runtime's constant part, ~78 MB for RemoteOptimizer on any model, does not blur):\n\n"
+               + md_table(marginal, ["mode", "dtype", "compression", *(["settings"] if args.also else []), "depths", "marginal_b_per_param"]))
     md += "\n\nnode_b_per_param: a node's VmHWM above its idle RSS per parameter of its shard (floor: 12, fp32 master + AdamW's two moments).\n"
     write_results(args.name, result, md, quick=args.quick)
 
@@ -293,6 +309,8 @@ def main() -> None:
     ap.add_argument("--cgroup", action="store_true", help="the cgroup study instead of the depth sweep (root)")
     ap.add_argument("--limit-mb", type=int, default=512)
     ap.add_argument("--ratio", type=float, default=4.0, help="cgroup: the model's fp32 weights over the limit")
+    ap.add_argument("--also", action="append", default=[], metavar="SECTION.FIELD=VALUE[,...]",
+                    help="sweep: run every resident row again on these settings (e.g. optimizer.grads_in_buckets=false: before the change)")
     ap.add_argument("--name", default="bench_memory", help="sweep: results file stem under benchmarks/results/")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
