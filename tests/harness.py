@@ -97,3 +97,12 @@ def kill_node_after_step(cluster, proc: subprocess.Popen, step: int, node: int =
     cluster.procs[node].wait(10)
     cluster.restart(node)
     return seen
+
+
+def tanh_mlp(seed: int = 0, width: int = 16, depth: int = 4) -> torch.nn.Sequential:
+    """``depth`` x (Linear(width, width), Tanh), seeded: with 1088-byte buckets, one bucket per layer."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)

@@ -15,7 +15,7 @@ import signal
 
 import pytest
 import torch
-from harness import assert_params_close
+from harness import assert_params_close, tanh_mlp
 
 import luwu
 from luwu.config import load_config
@@ -24,21 +24,13 @@ from luwu.protocol.errors import ConfigError, StepMismatchError
 LR = 0.05
 
 
-def _mlp(seed: int = 0, width: int = 16, depth: int = 3) -> torch.nn.Sequential:
-    torch.manual_seed(seed)
-    layers = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers)
-
-
 def _loss(model, step: int) -> torch.Tensor:
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + step))
     return model(x).square().mean()
 
 
 def _pair(cluster, **kw):
-    model = _mlp()
+    model = tanh_mlp(depth=3)
     ref = copy.deepcopy(model)
     # one bucket per layer (16 x 16 weight + bias = 1088 B)
     opt = luwu.RemoteOptimizer(model, nodes=cluster.addresses, lr=LR, compression=False, bucket_bytes=1088, **kw)

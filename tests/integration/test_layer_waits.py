@@ -17,20 +17,12 @@ import time
 
 import pytest
 import torch
-from harness import assert_params_close
+from harness import assert_params_close, tanh_mlp
 
 import luwu
 from luwu.gpu_workers.layer_waits import WRITTEN, OwedParameter
 
 LR = 0.05
-
-
-def _mlp(seed: int = 0, width: int = 16, depth: int = 4) -> torch.nn.Sequential:
-    torch.manual_seed(seed)
-    layers = []
-    for _ in range(depth):
-        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers)
 
 
 def _batch(step: int, width: int = 16) -> torch.Tensor:
@@ -45,7 +37,7 @@ def _step(model, opt, step: int) -> None:
 
 def _pair(cluster, **kw):
     """(model trained by LuWu, its optimizer, the same model trained by torch, torch's AdamW)."""
-    model = _mlp()
+    model = tanh_mlp()
     ref = copy.deepcopy(model)
     # one bucket per layer (16 x 16 weight + bias = 1088 B): the layers' replies land one by one
     opt = luwu.RemoteOptimizer(model, nodes=cluster.addresses, lr=LR, compression=False, bucket_bytes=1088, **kw)
