@@ -338,6 +338,7 @@ class Worker:
         codec = get_codec(name)
         out = buf.out.get(key := (name, parity))
         if out is None and name != "none" and x.dtype == torch.float32:  # a streamed bucket's frames are its message's own: nothing kept per unit
+            buf.out = {k: v for k, v in buf.out.items() if k[1] != parity}  # (another codec's frames: the warm-up's bf16, once int8 takes over)
             out = codec.alloc(b.numel) if b.id in self.streamed else buf.out.setdefault(key, codec.alloc(b.numel))
         hyper = self._hyper_of(b.group)
         if x.dtype == getattr(codec, "dtype", None):

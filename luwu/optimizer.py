@@ -232,7 +232,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             streamed = self.layout.streamed_buckets()  # a streamed unit's push keeps no residual between steps
             codec_for = lambda b, step: choose_codec(b, step, cc, residual=b.id not in streamed)  # noqa: E731
             pull_for = lambda b, step: choose_pull_codec(b, step, cc)  # noqa: E731
-            feedback = ErrorFeedback()
+            feedback = ErrorFeedback(getattr(torch, cc.residual_dtype))
         pull_for = precision.pull_codec_for(params, pull_for)  # a bf16 model's weights come back as bf16
         self.worker = Worker(
             params,

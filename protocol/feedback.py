@@ -2,8 +2,8 @@
 
 Two directions use it:
 
-* push (worker -> node): :class:`ErrorFeedback` keeps one fp32 residual per
-  bucket; each step sends ``codec(grad + residual)`` and keeps
+* push (worker -> node): :class:`ErrorFeedback` keeps one residual per
+  bucket (fp32, or bf16 with ``compression.residual_dtype``); each step sends ``codec(grad + residual)`` and keeps
   ``(grad + residual) - decoded``. Compression error then only delays part of a
   gradient instead of losing it, which is what keeps int8 / int4 / top-k
   training on the uncompressed loss curve.
@@ -59,12 +59,22 @@ def worker_momentum(optimizer: str, hyper: dict) -> tuple[float, float]:
 
 
 class ErrorFeedback:
-    """Residuals per key (e.g. bucket id), allocated once and reused; velocities too, with momentum correction."""
+    """Residuals per key (e.g. bucket id), allocated once and reused; velocities too, with momentum correction.
 
-    def __init__(self) -> None:
+    ``dtype``: the residuals' storage. fp32, or bf16 at half the memory (``compression.residual_dtype``):
+    each bf16 residual is widened into one fp32 scratch buffer shared by all keys for the encode and
+    rounded back after it, so the codecs always see fp32; what the rounding drops (2^-9 of the residual)
+    is lost, not fed back."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ConfigError(f"an error-feedback residual is float32 or bfloat16, not {dtype}")
+        self.dtype = dtype
         self._res: dict[Hashable, torch.Tensor] = {}
         self._vel: dict[Hashable, torch.Tensor] = {}
         self._dirty: set[Hashable] = set()
+        self._wide = torch.empty(0)  # bf16 residuals: the fp32 scratch they are widened into
+        self._wide_lock = threading.Lock()  # (hooks of several autograd threads may encode at once)
 
     def residual(self, key: Hashable) -> torch.Tensor | None:
         return self._res.get(key)
@@ -74,8 +84,22 @@ class ErrorFeedback:
         if r is None or r.numel() != numel:
             if r is not None:
                 log.warning("residual of %r resized from %d to %d elements: dropped", key, r.numel(), numel)
-            r = self._res[key] = torch.zeros(numel, dtype=torch.float32)
+            r = self._res[key] = torch.zeros(numel, dtype=self.dtype)
         return r
+
+    def _with_fp32(self, r: torch.Tensor, encode) -> Encoded:
+        """``encode(r32)`` on the residual as fp32: ``r`` itself, or (bf16) widened into the scratch and
+        rounded back into ``r`` after."""
+        if r.dtype == torch.float32:
+            return encode(r)
+        with self._wide_lock:
+            if self._wide.numel() < r.numel():
+                self._wide = torch.empty(r.numel(), dtype=torch.float32)
+            wide = self._wide[: r.numel()]
+            wide.copy_(r)
+            enc = encode(wide)
+            r.copy_(wide)
+            return enc
 
     def encode(
         self,
@@ -109,10 +133,9 @@ class ErrorFeedback:
                 return codec.encode(x, out, num_summands=num_summands)
             # flush the residual left by an earlier lossy codec
             r = self._res[key]
-            r.add_(x)
             if out is None:
-                out = codec.alloc(x.numel())  # the frame must not alias r
-            enc = codec.encode(r, out, num_summands=num_summands)
+                out = codec.alloc(x.numel())  # the frame must not alias r (or the scratch)
+            enc = self._with_fp32(r, lambda r32: codec.encode(r32.add_(x), out, num_summands=num_summands))
             r.zero_()
             self._dirty.discard(key)
             self._vel.pop(key, None)
@@ -121,7 +144,7 @@ class ErrorFeedback:
         self._dirty.add(key)
         if momentum is None:
             self._vel.pop(key, None)
-            return codec.encode_feedback_(x, r, out, num_summands=num_summands)
+            return self._with_fp32(r, lambda r32: codec.encode_feedback_(x, r32, out, num_summands=num_summands))
         if not codec.sparse:
             raise ConfigError(f"momentum correction needs a sparse codec (top-k), not {codec.name!r}")
         u = self._vel.get(key)
@@ -129,7 +152,7 @@ class ErrorFeedback:
             u = self._vel[key] = torch.zeros(x.numel(), dtype=torch.float32)
         beta, alpha = momentum
         u.mul_(beta).add_(x, alpha=alpha)
-        enc = codec.encode_feedback_(u, r, out, num_summands=num_summands)
+        enc = self._with_fp32(r, lambda r32: codec.encode_feedback_(u, r32, out, num_summands=num_summands))
         codec.clear_sent_(u, enc)  # momentum factor masking: what was sent carries its momentum with it
         return enc
 
@@ -149,7 +172,7 @@ class ErrorFeedback:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * 4 for d in (self._res, self._vel) for t in d.values())
+        return sum(t.numel() * t.element_size() for d in (self._res, self._vel) for t in d.values()) + self._wide.numel() * 4
 
 
 class PullEncoded(NamedTuple):

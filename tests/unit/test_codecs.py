@@ -456,6 +456,43 @@ def test_error_feedback_sends_everything_eventually(name):
     assert err_ef < err_plain
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "topk"])
+def test_a_bf16_residual_loses_only_its_rounding(name):
+    """``ErrorFeedback(torch.bfloat16)`` (compression.residual_dtype): half the memory; what is sent plus the
+    residual still adds up to what came in, up to the bf16 rounding of the residual each step (2^-9 of it),
+    and the flush into a lossless codec sends the residual widened back to fp32."""
+    torch.manual_seed(3)
+    codec = get_codec(name)
+    ef, ef32 = ErrorFeedback(torch.bfloat16), ErrorFeedback()
+    n, steps = 20_000, 40
+    total_x, total_dec, dec32 = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    grad = torch.randn(n)
+    lost = torch.zeros(n)
+    for _ in range(steps):
+        x = grad + 0.1 * torch.randn(n)
+        total_x += x
+        enc = ef.encode("b", codec, x)
+        codec.decode_add_(total_dec, wire(enc), enc.meta)
+        lost += ef.residual("b").float().abs() * 2.0**-8  # (bound: a round-to-nearest error is at most half an ulp)
+        enc32 = ef32.encode("b", codec, x)
+        codec.decode_add_(dec32, wire(enc32), enc32.meta)
+    r = ef.residual("b").clone()
+    assert r.dtype == torch.bfloat16 and ef.nbytes == n * 2 + n * 4  # the residual and the shared fp32 scratch
+    err = (total_dec + r.float() - total_x).abs()
+    assert bool((err <= lost + 1e-3).all()), float((err - lost).max())
+    # it still sends the mean gradient about as well as the fp32 residual
+    assert (total_dec - total_x).norm() < 1.5 * (dec32 - total_x).norm() + 1e-3 * n**0.5
+    none = get_codec("none")
+    flushed = ef.encode("b", none, grad)
+    torch.testing.assert_close(flushed.frames[0], grad + r.float())
+    assert torch.equal(ef.residual("b"), torch.zeros(n, dtype=torch.bfloat16))
+
+
+def test_error_feedback_refuses_other_residual_dtypes():
+    with pytest.raises(ConfigError, match="float32 or bfloat16"):
+        ErrorFeedback(torch.float16)
+
+
 def test_error_feedback_skips_nonfinite_and_flushes_into_lossless():
     codec = get_codec("int8")
     ef = ErrorFeedback()
