@@ -62,7 +62,7 @@ class _BucketBuf:
     grads: list[torch.Tensor]  # flat fp32, one per parity in flight (streamed: borrowed, or none)
     staging: torch.Tensor | None  # for multi-segment buckets: decode target before scattering (shared; streamed: borrowed)
     multi: bool = False  # several segments, or a non-contiguous parameter: written through a staging buffer
-    filled: int = 0
+    filled: set = field(default_factory=set)  # segments whose gradient is in (a hook firing twice counts once)
     pushed_step: int = -1
     partials: int = 0  # micro-batch pushes this step (no_sync() in streaming mode: summed on the node)
     out: dict = field(default_factory=dict)  # (codec, parity) -> preallocated encode frames
@@ -107,8 +107,7 @@ class Worker:
         self.on_pushed = None  # streaming mode: called with each streamed bucket once pushed
         self.on_reset = None  # streaming mode: called when recover() abandons the step (its replies are gone)
         self.initialize = initialize  # meta-device start: initialize(buckets to seed, send_init) at connect()
-        self.defer = None  # per-layer waits (luwu.gpu_workers.layer_waits): the replies the next forward waits for
-        self.views = None  # gradients as bucket views (luwu.gpu_workers.grad_views)
+        self.defer, self.views = None, None  # per-layer waits (layer_waits: the replies the next forward waits for); grad_views
         self._unacked: set[int] = set()  # streamed buckets pushed this step whose buffer is still lent
         self.accumulating = False  # no_sync() in streaming mode: streamed buckets push partial sums for the node to add
         self.fetch_with_reply: frozenset[int] = frozenset()  # streamed buckets whose push asks the node for the new weights
@@ -173,7 +172,7 @@ class Worker:
         self._pending = None
         self.last_error = None
         for buf in self.bufs:
-            buf.filled, buf.pushed_step, buf.partials = 0, -1, 0
+            buf.filled, buf.pushed_step, buf.partials = set(), -1, 0
         for bid in [b.bucket.id for b in self.bufs if b.bucket.id in self.streamed and b.grads]:
             self._give_back(bid)
         if self.on_reset is not None:
@@ -259,10 +258,11 @@ class Worker:
                     continue  # (under no_sync() a resident bucket's gradient adds up in .grad, as in torch)
                 s = buf.bucket.segments[si]
                 if buf.pushed_step == self.step_num:
-                    raise StepMismatchError(f"step {self.step_num}: a second gradient of {s.name} (bucket {bid}) after its push: backward passes adding up before one step() run under opt.no_sync(), all but the last")
+                    raise StepMismatchError(f"step {self.step_num}: a second gradient of {s.name} (bucket {bid}) after its push: backward passes adding up before one step() run under opt.no_sync(), all but the last "
+                                            f"(a parameter used inside and outside torch.utils.checkpoint(use_reentrant=True) gets two in one backward: use use_reentrant=False)")
                 copy_in(self._grad_buffer(buf, self._parity(bid)).narrow(0, s.offset, s.numel), flat.narrow(0, s.param_offset, s.numel))
-                buf.filled += 1
-                if buf.filled == len(buf.bucket.segments):
+                buf.filled.add(si)
+                if len(buf.filled) == len(buf.bucket.segments):
                     buf.pushed_step = buf.pushed_step if partial else self.step_num
                     full.append(buf)
         if self.views is not None and not partial:
@@ -363,7 +363,7 @@ class Worker:
         self.client.send(b.node, header, [f.clone() for f in enc.frames] if partial else enc.frames, priority=self._priority(b))
         if self.views is not None:  # (a zero-copy frame is the buffer: an in-place change before the reply is refused)
             self.views.note_push(b.id, enc.frames[0] is x and not partial)
-        buf.filled, buf.partials = 0, buf.partials + 1 if partial else 0
+        buf.filled, buf.partials = set(), buf.partials + 1 if partial else 0
         if b.id in self.streamed:
             self._give_back(b.id) if partial else self._unacked.add(b.id)
             if self.on_pushed is not None:

@@ -185,3 +185,33 @@ def test_a_second_backward_outside_no_sync_is_refused_not_dropped(cluster1):
             _loss(model, 1).backward()
     finally:
         opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_parameter_with_two_gradients_in_one_backward_before_its_push_counts_once(cluster1):
+    """A layer used outside and inside ``checkpoint(use_reentrant=True)`` gets two gradient hooks in one
+    backward (the inner backward's, then the outer's). Its bucket (shared with a layer whose gradient comes
+    later) waits for every segment once, and pushes the sum: training equals local AdamW."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(2)
+    model = torch.nn.ModuleDict({"b": torch.nn.Linear(16, 16), "a": torch.nn.Linear(16, 16)})
+    ref = copy.deepcopy(model)
+    opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=LR, compression=False, bucket_bytes=1 << 16)
+    lopt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+
+    def loss(m, step):
+        h = m["a"](m["b"](torch.randn(8, 16, generator=torch.Generator().manual_seed(step))))
+        return checkpoint(lambda t: m["a"](t).tanh(), h, use_reentrant=True).square().mean()
+
+    try:
+        assert len(opt.layout.buckets) == 1
+        for step in range(3):
+            for m, o in ((model, opt), (ref, lopt)):
+                o.zero_grad()
+                loss(m, step).backward()
+                o.step()
+        opt.synchronize()
+        assert_params_close(list(model.parameters()), list(ref.parameters()))
+    finally:
+        opt.close()
