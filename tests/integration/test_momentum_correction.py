@@ -36,7 +36,7 @@ def reference(w0: torch.Tensor) -> torch.Tensor:
     w = w0.clone().reshape(-1)
     state = {"exp_avg": [torch.zeros_like(w)], "exp_avg_sq": [torch.zeros_like(w)]}
     steps = [torch.zeros(())]
-    ef, codec = ErrorFeedback(), get_codec(f"topk:{DENSITY}")
+    ef, codec = ErrorFeedback(getattr(torch, config().residual_dtype)), get_codec(f"topk:{DENSITY}")  # (the worker's residual dtype)
     hyper = dict(ADAMW.defaults) | {"lr": LR, "variance_freeze_step": FREEZE}
     for t, (x, y) in enumerate(batches()):
         p = w.view(64, 64).clone().requires_grad_(True)
