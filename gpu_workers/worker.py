@@ -59,7 +59,7 @@ class StepReport:
 @dataclass(slots=True)
 class _BucketBuf:
     bucket: Bucket
-    grads: list[torch.Tensor]  # flat fp32, one per parity in flight (streamed: borrowed, or none)
+    grads: list[torch.Tensor]  # flat, one per parity in flight (fp32; bf16 for bf16 parameters alone; streamed: borrowed, or none)
     staging: torch.Tensor | None  # for multi-segment buckets: decode target before scattering (shared; streamed: borrowed)
     multi: bool = False  # several segments, or a non-contiguous parameter: written through a staging buffer
     filled: set = field(default_factory=set)  # segments whose gradient is in (a hook firing twice counts once)
