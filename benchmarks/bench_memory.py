@@ -19,6 +19,11 @@ Reported, from ``/proc/PID/status``:
 - ``node_b_per_param``: each node's VmHWM above its idle RSS, per parameter of its
   shard, against the floor of 12 (AdamW: fp32 master and two moments).
 
+With ``--device cuda`` the worker's model lives on the GPU (built whole, then moved), and each row
+also gives its GPU memory (``gpu_built_mb``: allocated once the optimizer is built;
+``gpu_train_peak_mb``: the allocator's peak while training), beside local
+``torch.optim.AdamW(fused=True)`` on the GPU: the memory a GPU worker saves.
+
 **cgroup** (``--cgroup``, root): a streaming worker inside a memory cgroup (v1
 ``memory`` controller, or v2 where mounted) trains, for ``steps`` steps, a model
 whose fp32 weights are at least ``--ratio`` times the limit, against 2 nodes
@@ -26,7 +31,7 @@ outside the cgroup; then local ``torch.optim.AdamW(fused=True)`` on the same mod
 under the same limit, which must be killed (the limit binds). Skips with a
 message when no cgroup can be made.
 
-    python3 benchmarks/bench_memory.py [--quick] [--width W] [--steps S] [--depths 12,24,48] [--defaults] [--bf16]
+    python3 benchmarks/bench_memory.py [--quick] [--width W] [--steps S] [--depths 12,24,48] [--defaults] [--bf16] [--device cuda]
     python3 benchmarks/bench_memory.py --cgroup [--limit-mb 512] [--ratio 4] [--width 768]
 
 Writes benchmarks/results/bench_memory.json and .md (``--cgroup``: bench_memory_cgroup.*;
@@ -99,10 +104,11 @@ def child(spec: dict) -> dict:
 
     torch.set_num_threads(1)
     floor = status_bytes("VmRSS")
-    stream, local = spec["stream"], spec.get("local", False)
-    model = make_model(spec["width"], spec["depth"], meta=stream)
+    stream, local, device = spec["stream"], spec.get("local", False), torch.device(spec.get("device", "cpu"))
+    gpu = device.type == "cuda"
+    model = make_model(spec["width"], spec["depth"], meta=stream and not gpu)  # (on a GPU: built whole in host memory, then moved)
     dtype = torch.bfloat16 if spec.get("bf16") else torch.float32  # a bf16 model: ZeRO-Offload's layout (resident)
-    model = model.to(dtype)
+    model = model.to(dtype=dtype, device=device if gpu else None)
     numel = sum(p.numel() for p in model.parameters())
     weights = numel * dtype.itemsize
     if local:  # the competitor: torch's fused AdamW on the whole model
@@ -117,6 +123,9 @@ def child(spec: dict) -> dict:
         opt = luwu.RemoteOptimizer(model, nodes=spec["nodes"], lr=1e-3, rank=0, world_size=1, stream_weights=stream, timeout_s=300, prefetch=spec.get("prefetch"), **kw)
         node_bytes = opt.layout.node_bytes()
     built, build_peak = status_bytes("VmRSS"), status_bytes("VmHWM")
+    gpu_built = torch.cuda.memory_allocated(device) if gpu else 0
+    if gpu:
+        torch.cuda.reset_peak_memory_stats(device)
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
         f.write("5")
     g = torch.Generator().manual_seed(0)
@@ -124,15 +133,16 @@ def child(spec: dict) -> dict:
     for step in range(spec["steps"]):
         x, y = torch.randn(spec["batch"], 64, generator=g), torch.randint(0, 10, (spec["batch"],), generator=g)
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+        loss = torch.nn.functional.cross_entropy(model(x.to(dtype=dtype, device=device)).float(), y.to(device))
         loss.backward()
         opt.step()
         print(f"step {step} loss {loss.item():.4f} rss {status_bytes('VmRSS') * MB:.0f} MB", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
     train_peak = status_bytes("VmHWM")
+    gpu_row = {"gpu_built_mb": gpu_built * MB, "gpu_train_peak_mb": torch.cuda.max_memory_allocated(device) * MB} if gpu else {}
     if not local:
         opt.close()
-    return {
+    return gpu_row | {
         "mode": "local AdamW" if local else "streaming" if stream else "resident", "compression": "default" if spec["compression"] else "off",
         "dtype": str(dtype).removeprefix("torch."), "train_b_per_param": (train_peak - floor) / numel,
         "depth": spec["depth"], "weights_mb": weights * MB, "floor_mb": floor * MB, "built_mb": (built - floor) * MB,
@@ -171,10 +181,16 @@ def sweep(args) -> None:
     width, steps = (64, 2) if args.quick else (args.width, args.steps)
     rows = []
     for depth in (int(d) for d in args.depths.split(",")):
+        if args.device != "cpu":  # on a GPU the competitor runs too: torch's fused AdamW with the whole model on the device
+            row, out = run({"width": width, "depth": depth, "stream": False, "local": True, "steps": steps, "batch": args.batch, "compression": False, "device": args.device})
+            if row is None:
+                raise RuntimeError(out.stdout[-2000:] + out.stderr[-4000:])
+            rows.append(row)
         for stream in (False, True):
             for compression, bf16 in [(c, False) for c in ((False, True) if args.defaults else (False,))] + ([(args.defaults, True)] if args.bf16 and not stream else []):
                 for settings in [""] + ([] if stream else args.also):
-                    row, out = run({"width": width, "depth": depth, "stream": stream, "steps": steps, "batch": args.batch, "compression": compression, "bf16": bf16, "settings": settings})
+                    row, out = run({"width": width, "depth": depth, "stream": stream, "steps": steps, "batch": args.batch, "compression": compression, "bf16": bf16,
+                                    "settings": settings, "device": args.device})
                     if row is None:
                         raise RuntimeError(out.stdout[-2000:] + out.stderr[-4000:])
                     rows.append(row)
@@ -184,7 +200,8 @@ def sweep(args) -> None:
         srows = [r for r in rows if r["mode"] == "streaming" and r["compression"] == comp]
         growth[comp] = [b["train_peak_mb"] / a["train_peak_mb"] for a, b in zip(srows, srows[1:]) if a["train_peak_mb"] > 0]
     result = {"width": width, "steps": steps, "batch": args.batch, "rows": rows, "streaming_train_peak_growth_per_doubling": growth}
-    cols = ["mode", "dtype", "compression", *(["settings"] if args.also else []), "depth", "train_b_per_param", "weights_mb", "built_mb", "train_peak_mb", "peak_mb", "node_b_per_param", "floor_mb"]
+    cols = ["mode", "dtype", "compression", *(["settings"] if args.also else []), "depth", "train_b_per_param", "weights_mb", "built_mb", "train_peak_mb", "peak_mb",
+            *(["gpu_built_mb", "gpu_train_peak_mb"] if args.device != "cpu" else []), "node_b_per_param", "floor_mb"]
     md = (f"# Memory: streaming vs resident (worker MB above the runtime floor; node bytes per parameter of its shard)\n\n"
           f"`{' '.join(['python3', 'benchmarks/bench_memory.py', *sys.argv[1:]])}`: blocks of width {width}, {steps} steps, 1 worker, 2 nodes.\n\n" + md_table(rows, cols))
     for comp, g in sorted((c, g) for c, g in growth.items() if g):  # (one depth: no growth to show)
@@ -306,6 +323,7 @@ def main() -> None:
     ap.add_argument("--depths", default="12,24,48")
     ap.add_argument("--defaults", action="store_true", help="sweep: also the default compression (int8 pushes and fetches after the warm-up)")
     ap.add_argument("--bf16", action="store_true", help="sweep: also a resident bf16 model (bf16 weights and gradients on the worker)")
+    ap.add_argument("--device", default="cpu", help="sweep: where the worker's model lives ('cuda': adds its GPU memory and local fused AdamW on the GPU)")
     ap.add_argument("--cgroup", action="store_true", help="the cgroup study instead of the depth sweep (root)")
     ap.add_argument("--limit-mb", type=int, default=512)
     ap.add_argument("--ratio", type=float, default=4.0, help="cgroup: the model's fp32 weights over the limit")

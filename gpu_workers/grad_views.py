@@ -10,9 +10,10 @@ model, one copy of its gradients and the buckets' codec frames. A gradient that 
 copied at all.
 
 Which parameters: those whose gradient fills one whole segment of a resident, not-delayed bucket,
-contiguous and of the buffer's dtype (a parameter split over buckets, a delayed bucket's two
-buffers, a streamed unit's borrowed buffer or a bf16 parameter against an fp32 buffer keep their own
-``p.grad``).
+contiguous, of the buffer's dtype and in host memory (a parameter split over buckets, a delayed
+bucket's two buffers, a streamed unit's borrowed buffer, a bf16 parameter against an fp32 buffer or
+a parameter on a GPU keep their own ``p.grad``: a CUDA parameter's gradient stays on its device and
+is copied into the host bucket).
 
 What it asks of a training script: ``p.grad`` after ``backward()`` is the gradient as this worker
 pushed it. An uncompressed push sends the buffer itself (zero copy) while ``step()`` may already
@@ -81,7 +82,7 @@ class GradViews:
         for i, where in worker.where.items():
             p, flat = worker.params[i], worker.flat_grads.get(worker.params[i].dtype)
             segs = sorted(((worker.bufs[bid], worker.bufs[bid].bucket.segments[si]) for bid, si in where), key=lambda bs: bs[1].param_offset)
-            if flat is None or not p.is_contiguous() or any(len(buf.grads) != 1 or buf.grads[0].dtype != p.dtype for buf, _ in segs):
+            if flat is None or p.device.type != "cpu" or not p.is_contiguous() or any(len(buf.grads) != 1 or buf.grads[0].dtype != p.dtype for buf, _ in segs):
                 continue
             at = [buf.grads[0].narrow(0, s.offset, s.numel) for buf, s in segs]  # (single buffers: all in ``flat``) one slice, in order?
             if all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(at, at[1:])) and sum(map(torch.numel, at)) == p.numel():
