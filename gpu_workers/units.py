@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from luwu.protocol.errors import ConfigError
+from luwu.protocol.memory import advise_huge_pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +110,7 @@ def alloc_storage(p: torch.Tensor) -> None:
     size = p.numel() * p.itemsize
     if (storage := p.untyped_storage()).size() != size:
         storage.resize_(size)
+        advise_huge_pages(storage)  # fresh pages, about to be written whole: fault them in 2 MiB at a time
 
 
 def free_storage(p: torch.Tensor) -> None:

@@ -71,3 +71,36 @@ def trim_heap() -> None:
             _malloc_trim = False
     if _malloc_trim:
         _malloc_trim(0)
+
+
+#: madvise(2)'s MADV_HUGEPAGE (Linux), and the smallest storage worth advising (two huge pages)
+MADV_HUGEPAGE, HUGE_ADVICE_MIN_BYTES = 14, 4 << 20
+_madvise = None
+
+
+def advise_huge_pages(storage: "torch.UntypedStorage") -> None:
+    """Ask the kernel for transparent huge pages under a freshly allocated CPU ``storage`` of
+    ``HUGE_ADVICE_MIN_BYTES`` or more, before anything writes it (Linux ``madvise(MADV_HUGEPAGE)``; elsewhere,
+    or where the kernel refuses, nothing).
+
+    A streaming worker gives each unit's weights their storage back just before the unit runs, in
+    memory the system maps afresh: every 4 KiB page costs a fault on first write (~2.4-3.7 GB/s here), twice a
+    step per unit. Under a 2 MiB page the same write runs ~2.5x faster (9 GB/s measured, THP in ``madvise``
+    mode), as torch's own ``THP_MEM_ALLOC_ENABLE=1`` does for every allocation when set before torch starts."""
+    global _madvise
+    if storage.device.type != "cpu" or storage.nbytes() < HUGE_ADVICE_MIN_BYTES:
+        return
+    if _madvise is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _madvise = libc.madvise
+            _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _madvise = False
+    if _madvise:
+        lo = storage.data_ptr() & ~4095
+        hi = (storage.data_ptr() + storage.nbytes() + 4095) & ~4095
+        if _madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:  # (no THP in this kernel: said once, then not asked again)
+            log.info("madvise(MADV_HUGEPAGE) refused (errno %d): fetched weights are written into 4 KiB pages", ctypes.get_errno())
+            _madvise = False
+
