@@ -805,13 +805,17 @@ def split_calibration(runs: list[dict], calib: dict) -> list[dict]:
 
 def plan_spec(row: dict, settings: dict, calib: dict):
     """The ``luwu.plan`` input of one measured LuWu configuration."""
-    from luwu.plan import PlanSpec
+    from luwu.plan import PlanSpec, stream_refetch_share
+    from luwu.protocol.codec_facts import bytes_per_element
 
     P = sum(a * b + b for a, b in zip(settings["dims"], settings["dims"][1:]))
     link = calib["links"].get(row["rate"], {"efficiency": 0.95, "cpu_s_per_byte": 0.8e-9})
     # the cores this run had: the machine's, less what other users' processes took meanwhile
     cores = max(0.5, row["cores"] - row.get("other_cores", 0.0))
     dp = calib["datapath"]["hybrid" if row["compression"] else "fp32"]
+    refetch = 1.0  # (resident: one pull a step)
+    if row["variant"] == "stream":  # the share fetched again for backward, by the nominal size of the fetch codec
+        refetch = stream_refetch_share(len(settings["dims"]) - 1, 2, bytes_per_element("int8") if row["compression"] else 4.0)
     return PlanSpec(
         num_params=P, workers=row["workers"], nodes=row["nodes"],
         capacities=tuple(row["capacities"]) if row.get("capacities") else None,
@@ -821,8 +825,8 @@ def plan_spec(row: dict, settings: dict, calib: dict):
         protocol_efficiency=link["efficiency"], bucket_bytes=settings["bucket_bytes"],
         batch_per_worker=settings["batch"], shared_cores=cores,
         # the bytes per element the codecs really put on the wire in this run (payload, per worker and step)
-        # (streaming: the measured weight bytes are two fetches a step, the plan counts the second itself)
-        push_bytes_per_elem=row["payload_push_bytes"] / P, pull_bytes_per_elem=row["payload_pull_bytes"] / P / (2 if row["variant"] == "stream" else 1),
+        # (streaming: the measured weight bytes are a fetch and the refetched share a step, the plan counts the share itself)
+        push_bytes_per_elem=row["payload_push_bytes"] / P, pull_bytes_per_elem=row["payload_pull_bytes"] / P / (1 + refetch), stream_refetch=refetch,
         # the data path's CPU from the calibration run (1 worker, 1 node), in the plan's per-element terms
         push_encode_s_per_elem=dp["push_encode_s_per_elem"], pull_decode_s_per_elem=dp["pull_decode_s_per_elem"],
         opt_params_per_s=1.0 / max(dp["node_fixed_s_per_elem"], 1e-15), pull_encode_s_per_elem=0.0,

@@ -19,6 +19,11 @@ when their unit runs; the fp32 master stays on the nodes.
 - **Backward**: the forward post-hook puts a hook on the unit's outputs; when
   their gradient is computed (the unit's backward is next) it asks for the
   weights of the ``prefetch`` units backward reaches next and waits for its own.
+  What a unit's forward was written from (the reply as it travelled: int8 with
+  compression on, 1 byte per parameter) is kept for its backward while the kept
+  replies fit ``optimizer.stream_hold_bytes`` (by default as much as
+  ``max(1, prefetch)`` of the largest unit in fp32): such a unit's backward writes
+  its weights again without a fetch, which halves its weight traffic.
   Each parameter's gradient goes to its buckets as usual (post-accumulate-grad
   hooks; a unit's buckets hold only its parameters); when the last bucket of
   the unit has been pushed, the unit's gradients and weights are released.
@@ -84,6 +89,7 @@ class _State(enum.Enum):
     RELEASED = 0
     REQUESTED = 1  # the PULLs are out, the weights not yet written
     RESIDENT = 2
+    HELD = 3  # released after its forward, the fetched weights kept as they travelled for its backward
 
 
 @dataclass(slots=True, eq=False)
@@ -93,6 +99,7 @@ class _Unit:
     buckets: list[int]
     state: _State = _State.RELEASED
     pushed: int = 0  # buckets pushed this step
+    held: int = 0  # bytes of fetched weights kept for its backward (HELD)
 
 
 def pool_budget_bytes(layout: Layout, prefetch: int) -> int:
@@ -152,7 +159,8 @@ def restart(old: Streamer | None, worker: Worker, params: list[torch.Tensor], un
     """The streamer of a (re)built worker, the old one's hooks removed (None when not streaming); ``cfg``:
     the optimizer section; ``metrics``: where the fetch waits are recorded."""
     stop(old)
-    return None if units is None else Streamer(worker, params, units, cfg.stream_prefetch, metrics, keep=cfg.stream_keep_for_backward)
+    return None if units is None else Streamer(worker, params, units, cfg.stream_prefetch, metrics, keep=cfg.stream_keep_for_backward,
+                                                 hold_bytes=cfg.stream_hold_bytes)
 
 
 def stop(streamer: Streamer | None) -> None:
@@ -192,11 +200,17 @@ def check_budget(layout: Layout, units: list[Unit], budget_bytes: int) -> None:
 class Streamer:
     """Fetches, releases and pushes the streamed units of one worker (see the module docstring)."""
 
-    def __init__(self, worker: Worker, params: list[torch.Tensor], units: list[Unit], prefetch: int, metrics: WorkerMetrics | None = None, *, keep: bool = False):
+    def __init__(self, worker: Worker, params: list[torch.Tensor], units: list[Unit], prefetch: int, metrics: WorkerMetrics | None = None, *,
+                 keep: bool = False, hold_bytes: int = -1):
         if prefetch < 0:
             raise ConfigError(f"prefetch must be >= 0, got {prefetch}")
         self.worker, self.prefetch, self.metrics = worker, prefetch, metrics
         self.keep = keep  # a unit's weights stay from its forward to its backward (one fetch a step, not two)
+        # the fetched weights kept, as they travelled, from a unit's forward to its backward: up to this many bytes
+        self.hold_bytes = hold_bytes if hold_bytes >= 0 else max(1, prefetch) * FP32_BYTES * max(
+            (sum(worker.layout.buckets[b].numel for b in bids) for bids in worker.layout.unit_buckets().values()), default=0)
+        self._got: dict[int, object] = {}  # bucket -> the reply last written into its resident unit
+        self._held: dict[int, object] = {}  # bucket -> that reply, kept since its unit's forward (HELD)
         by_unit = worker.layout.unit_buckets()
         self.units: list[_Unit] = []
         for u in units:
@@ -232,30 +246,48 @@ class Streamer:
             u.state = _State.REQUESTED
 
     def _ensure(self, u: _Unit) -> None:
-        """Make the unit's weights resident (asking for them now if no prefetch did)."""
+        """Make the unit's weights resident (asking for them now if no prefetch did, writing them from what
+        its forward fetched if that was kept)."""
         if u.state is _State.RESIDENT:
             return
-        self._request(u)
+        fetch = u.state is not _State.HELD
+        if fetch:
+            self._request(u)
+        else:  # (the weights its forward was written from: nothing to fetch)
+            self.worker.prefetched.update((b, self._held.pop(b)) for b in u.buckets)
+            u.held = 0
         t0 = time.perf_counter()
         with torch.no_grad():
             for p in u.params:
                 alloc_storage(p)
-        self.worker.receive_weights(u.buckets, what=f"weights of unit {u.unit.name!r}")
+        self.worker.receive_weights(u.buckets, what=f"weights of unit {u.unit.name!r}", kept=self._got)
         waited = time.perf_counter() - t0
         self.fetch_wait_s += waited
-        self.fetches += 1
+        self.fetches += fetch
         if self.metrics is not None:
             self.metrics.unit_fetch_wait.labels(u.unit.name).inc(waited)
-            self.metrics.unit_fetches.labels(u.unit.name).inc()
+            self.metrics.unit_fetches.labels(u.unit.name).inc(fetch)
         u.state = _State.RESIDENT
 
-    def _release(self, u: _Unit) -> None:
+    def _release(self, u: _Unit, hold: bool = False) -> None:
+        """Free the unit's weights; ``hold``: keep what they were written from for its backward, if it fits."""
         if u.state is _State.REQUESTED:
             self.worker.discard_weights(u.buckets)
+        got = {b: m for b in u.buckets if (m := self._got.pop(b, None)) is not None}
+        for b in u.buckets:
+            self._held.pop(b, None)
+        u.held, nbytes = 0, sum(memoryview(getattr(f, "buffer", f)).nbytes for m in got.values() for f in m.payload)
+        if hold and u.state is _State.RESIDENT and len(got) == len(u.buckets) and self.held_bytes() + nbytes <= self.hold_bytes:
+            self._held.update(got)
+            u.held = nbytes
         with torch.no_grad():
             for p in u.params:
                 free_storage(p)
-        u.state = _State.RELEASED
+        u.state = _State.HELD if u.held else _State.RELEASED
+
+    def held_bytes(self) -> int:
+        """Bytes of fetched weights kept now for the units' backward."""
+        return sum(u.held for u in self.units)
 
     def _prefetch(self, order: list[int], index: int) -> None:
         """Ask for the weights of the ``prefetch`` units after ``index`` in ``order``."""
@@ -280,7 +312,7 @@ class Streamer:
             self._release(u)
             return
         if not self.keep and u.unit.index not in self._turn:
-            self._release(u)
+            self._release(u, hold=True)
         tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         fired = []
 
@@ -354,9 +386,10 @@ class Streamer:
 
     def _forget(self) -> None:
         """The worker abandoned the step (recover()): its outstanding fetches will not be answered."""
+        self._got, self._held = {}, {}
         for u in self.units:
             u.state = _State.RELEASED  # not REQUESTED: the replies were dropped with the step
-            u.pushed = 0
+            u.pushed = u.held = 0
             for p in u.params:
                 p.grad = None
                 free_storage(p)

@@ -4,9 +4,8 @@ A :class:`Worker` knows the layout and the parameters. Gradient hooks call :meth
 segment of a bucket is filled it is encoded and handed to the I/O thread at once, so pushes overlap the rest of
 backward. :meth:`step` ends a step: :meth:`finish` pushes what the hooks did not (parameters without a gradient
 are marked "no gradient" on the wire), :meth:`global_round` runs the global norm / found-inf round when clipping
-or AMP asks for it, and :meth:`wait` writes the new weights into the parameters in forward order. The worker
-owns its step counter and what a delayed update still owes; :meth:`step` returns a :class:`StepReport` of what
-the step found out. Buffers are allocated once and reused.
+or AMP asks for it, and :meth:`wait` writes the new weights into the parameters in forward order. The worker owns its step
+counter and what a delayed update still owes; :meth:`step` returns a :class:`StepReport`. Buffers are allocated once and reused.
 
 Streamed buckets (streaming mode, :mod:`luwu.gpu_workers.streaming`) have no buffer of their own: they borrow
 one from a :class:`BufferPool` when their first gradient arrives and give it back when the node acknowledges the
@@ -17,6 +16,7 @@ push (an ``ack`` reply without weights); their weights are fetched with :meth:`r
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import threading
@@ -220,22 +220,22 @@ class Worker:
             codec = ("bf16" if g and g[0].dtype == torch.bfloat16 else "none") if exact else self._fetch_codec_for(b, self.step_num)
             self.client.send(b.node, {"op": Op.PULL, "bucket": bid, "codec": codec})
 
-    def receive_weights(self, bids: list[int], what: str = "weights") -> None:
+    def receive_weights(self, bids: list[int], what: str = "weights", kept: dict | None = None) -> None:
         """Wait for the weights asked for with :meth:`request_weights` (or that came with the answer to a
         push, :attr:`prefetched`) and write each bucket into the parameters as it arrives (their storage
-        must be allocated)."""
+        must be allocated); ``kept``: where each bucket's message goes after its write (bucket -> message)."""
         keys = [(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in bids if bid not in self.prefetched]
-        for bid in [b for b in bids if b in self.prefetched]:
-            self._write(self.bufs[bid], self.prefetched.pop(bid))
+        ready = [(bid, self.prefetched.pop(bid)) for bid in bids if bid in self.prefetched]
         with self._noting_errors():
-            for key, m in self.client.arrivals(keys, what=what):
-                self._write(self.bufs[key[3]], m)
+            for bid, m in itertools.chain(ready, ((key[3], m) for key, m in self.client.arrivals(keys, what=what))):
+                self._write(self.bufs[bid], m)
+                if kept is not None:
+                    kept[bid] = m
 
     def discard_weights(self, bids: list[int]) -> None:
         """Wait for and drop the answers to :meth:`request_weights` (a prefetch that was not used)."""
-        asked = [bid for bid in bids if self.prefetched.pop(bid, None) is None]
         with self._noting_errors():
-            self.client.wait([(Op.UPDATE, self.layout.buckets[bid].node, -1, bid) for bid in asked], what="prefetched weights")
+            self.client.wait([(Op.UPDATE, self.layout.buckets[b].node, -1, b) for b in bids if self.prefetched.pop(b, None) is None], what="prefetched weights")
 
     @contextlib.contextmanager
     def _noting_errors(self):

@@ -96,6 +96,11 @@ class OptimizerConfig:
     """With stream_weights: keep each unit's weights from its forward to its backward (FSDP2's
     reshard_after_forward=False): one fetch a step instead of two, for up to the whole model's fp32 weights
     held at the end of forward."""
+    stream_hold_bytes: int = -1
+    """With stream_weights: bytes of fetched weights, as they travelled (int8 with compression on), that a worker keeps
+    from a unit's forward to its backward, so that backward writes them again instead of fetching them; units are
+    kept in forward order while they fit. -1: max(1, stream_prefetch) x the largest unit's fp32 weights (as much as
+    that many more units in flight); 0: every unit is fetched again for its backward."""
     stream_budget_bytes: int = 0
     """With stream_weights: the most one unit may take on a worker, its fp32 weights and gradient
     (8 B per parameter); a larger unit is refused at start, named with its size (0 = no limit)."""
@@ -120,6 +125,8 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.delayed_params = {self.delayed_params} needs optimizer.delayed_update = true")
         if self.stream_budget_bytes < 0:
             raise ConfigError(f"optimizer.stream_budget_bytes must be >= 0 (0 = no limit), got {self.stream_budget_bytes}")
+        if self.stream_hold_bytes < -1:
+            raise ConfigError(f"optimizer.stream_hold_bytes must be >= 0, or -1 for the default, got {self.stream_hold_bytes}")
         if self.stream_prefetch < 0:
             raise ConfigError(f"optimizer.stream_prefetch must be >= 0, got {self.stream_prefetch}")
         if any(not isinstance(p, str) or not p for p in self.stream_units):

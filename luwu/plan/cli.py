@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
 import sys
 
-from luwu.plan.model import DEFAULT_BUCKET_BYTES, ADAMW_PARAMS_PER_S_PER_THREAD, Plan, PlanSpec, plan, spec_with_codecs
+from luwu.plan.model import DEFAULT_BUCKET_BYTES, ADAMW_PARAMS_PER_S_PER_THREAD, Plan, PlanSpec, plan, spec_with_codecs, stream_refetch_share
 from luwu.plan.recommend import Recommendation, recommend
 from luwu.protocol.errors import ConfigError
 
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-ms", type=float, required=True, help="forward+backward ms per step on a worker")
     parser.add_argument("--batch", type=int, default=None, help="samples per worker per step, for samples/s")
     parser.add_argument("--delayed-update", action="store_true", help="the job uses delayed update")
-    parser.add_argument("--stream", action="store_true", help="streaming mode (stream_weights): weights fetched twice a step")
+    parser.add_argument("--stream", action="store_true", help="streaming mode (stream_weights): weights fetched for forward, and for backward those not kept")
     parser.add_argument("--units", type=int, default=None, help="with --stream: how many units the model streams in (default: one per bucket)")
     parser.add_argument("--opt-rate", type=float, default=ADAMW_PARAMS_PER_S_PER_THREAD,
                         help=f"node optimizer params/s per thread (default {ADAMW_PARAMS_PER_S_PER_THREAD:.2g}, "
@@ -98,7 +99,11 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         bucket_bytes=max(1, round(args.bucket_mb * 2**20)), batch_per_worker=args.batch,
         shared_cores=args.shared_cores, net_cpu_s_per_byte=args.net_cpu_ns * 1e-9,
     )
-    return spec_with_codecs(spec, args.push_codec, default_pull_codec(args), codec_costs=not args.no_codec_cost)
+    spec = spec_with_codecs(spec, args.push_codec, default_pull_codec(args), codec_costs=not args.no_codec_cost)
+    if not args.stream:
+        return spec
+    units = args.units or max(1, math.ceil(spec.num_params * 4 / spec.bucket_bytes))  # (default: one unit per bucket)
+    return dataclasses.replace(spec, stream_refetch=stream_refetch_share(units, 2, spec.pull_bytes_per_elem))
 
 
 def default_pull_codec(args: argparse.Namespace) -> str:

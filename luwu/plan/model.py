@@ -85,9 +85,11 @@ direction, each node link direction, each node's CPU, the worker codec and (with
 ``shared_cores``) the shared cores.
 
 Streaming mode (``stream_weights``): the nodes own the weights and a worker fetches every
-unit twice a step (forward and backward), so the weight traffic doubles::
+unit for its forward, and again for its backward the share ``r`` (``stream_refetch``) it did not
+keep (the last ``prefetch`` units of the forward, whose backward comes right after, and those whose
+forward reply fits ``stream_hold_bytes``: :func:`stream_refetch_share`); every unit is written twice::
 
-    worker down  = 2 * P * b_pull    node j up = 2 * W * P_j * b_pull    write = 2 * P * d_pull
+    worker down  = (1 + r) * P * b_pull    node j up = (1 + r) * W * P_j * b_pull    write = 2 * P * d_pull
 
 The fetches run ahead of compute (``prefetch`` units) and the pushes leave unit by unit during
 backward, so each resource is busy once per step, all at the same time; what cannot overlap is
@@ -184,6 +186,8 @@ class PlanSpec:
     stream_weights: bool = False
     """Streaming mode: weights fetched per unit, twice a step (``pull_bytes_per_elem`` each time: the fetch
     codec, int8 with compression on); sync mode only."""
+    stream_refetch: float = 1.0
+    """Streaming mode: the share of the weights fetched again for backward (:func:`stream_refetch_share`)."""
     stream_units: int | None = None
     """Streaming mode: how many units the model streams in (None: one per bucket). A unit's weights are
     asked for and waited for whole, so what cannot overlap is one unit through the stages."""
@@ -204,6 +208,8 @@ class PlanSpec:
             _positive_int("batch_per_worker", self.batch_per_worker)
         if self.stream_units is not None:
             _positive_int("stream_units", self.stream_units)
+        if not 0.0 <= self.stream_refetch <= 1.0:
+            raise ConfigError(f"stream_refetch must be in [0, 1] (the share of the weights fetched again for backward), got {self.stream_refetch!r}")
         for name in ("worker_gbps", "push_bytes_per_elem", "pull_bytes_per_elem", "opt_params_per_s"):
             _positive(name, getattr(self, name))
         for name in ("compute_s", "push_encode_s_per_elem", "push_decode_s_per_elem",
@@ -318,6 +324,15 @@ class Plan:
         return out
 
 
+def stream_refetch_share(units: int, prefetch: int = 2, pull_bytes_per_elem: float = 4.0) -> float:
+    """The share of a streamed model fetched again for backward, ``units`` equal units, on the defaults: the last
+    ``max(1, prefetch)`` units of the forward stay for their backward, and the forward replies of the units
+    before them are kept while they fit ``max(1, prefetch)`` units of fp32 (``optimizer.stream_hold_bytes = -1``)."""
+    turn = min(units, max(1, prefetch))
+    kept = min(units - turn, int(turn * 4.0 / max(pull_bytes_per_elem, 1e-9)))
+    return (units - turn - kept) / units
+
+
 def plan(spec: PlanSpec) -> Plan:
     """Predict one step of ``spec`` (formulas in the module docstring)."""
     P, W, N = spec.num_params, spec.workers, spec.nodes
@@ -327,7 +342,7 @@ def plan(spec: PlanSpec) -> Plan:
     bw_worker = spec.worker_gbps * 1e9 / 8 * spec.protocol_efficiency
     bw_nodes = [g * 1e9 / 8 * spec.protocol_efficiency for g in spec.node_gbps_list()]
 
-    fetches = 2 if spec.stream_weights else 1  # streaming: every unit's weights for forward and again for backward
+    fetches = 1 + spec.stream_refetch if spec.stream_weights else 1  # streaming: for forward, and the share not kept for backward
     worker_up_bytes = P * spec.push_bytes_per_elem
     worker_down_bytes = fetches * P * spec.pull_bytes_per_elem
     worker_up_s = worker_up_bytes / bw_worker
@@ -340,10 +355,10 @@ def plan(spec: PlanSpec) -> Plan:
     # a reply is encoded once for every worker; a streaming fetch once per worker and fetch
     per_elem_codec = W * spec.push_decode_s_per_elem + (fetches * W if spec.stream_weights else 1) * spec.pull_encode_s_per_elem
     node_cpu_s = tuple(o + s * per_elem_codec / spec.node_threads for o, s in zip(node_opt_s, shards))
-    worker_codec_s = P * (spec.push_encode_s_per_elem + fetches * spec.pull_decode_s_per_elem)
+    write_s = (2 if spec.stream_weights else 1) * P * spec.pull_decode_s_per_elem  # after the last reply (streaming: as each unit arrives)
+    worker_codec_s = P * spec.push_encode_s_per_elem + write_s
 
     C = spec.compute_s + P * spec.push_encode_s_per_elem  # the hooks encode on the training thread
-    write_s = fetches * P * spec.pull_decode_s_per_elem  # after the last reply (streaming: as each unit arrives)
     net_cpu_s = spec.net_cpu_s_per_byte * W * (worker_up_bytes + worker_down_bytes)
     shared_cpu_s = 0.0
     if spec.shared_cores is not None:

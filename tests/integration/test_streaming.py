@@ -219,13 +219,16 @@ def test_sigkill_node_mid_training_streaming_workers_recover_and_equal_local_tor
 
 
 @pytest.mark.timeout(120)
-def test_fetch_waits_are_on_the_workers_metrics_endpoint(cluster1):
-    """A real scrape of the worker's /metrics: the weight-fetch wait per step and per streamed unit."""
+@pytest.mark.parametrize("hold", [-1, 0], ids=["forward-kept-for-backward", "fetched-twice"])
+def test_fetch_waits_are_on_the_workers_metrics_endpoint(cluster1, monkeypatch, hold):
+    """A real scrape of the worker's /metrics: the weight-fetch wait per step and per streamed unit, and how
+    often each unit was fetched."""
     import urllib.request
 
     import luwu
     from workers.stream import make_model
 
+    monkeypatch.setenv("LUWU_OPTIMIZER__STREAM_HOLD_BYTES", str(hold))
     model = make_model({"seed": 0, "blocks": 3, "width": 16})
     opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1, metrics_port=0)
     try:
@@ -240,9 +243,9 @@ def test_fetch_waits_are_on_the_workers_metrics_endpoint(cluster1):
         opt.close()
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line and not line.startswith("#")}
     assert samples["luwu_worker_fetch_wait_seconds_count"] == 3
-    for i in range(3):  # fetched for forward and again for backward, every step, but for the last
-        # max(1, prefetch) = 2 blocks of the forward: their backward comes right after, they stay
-        assert samples[f'luwu_worker_unit_fetches_total{{unit="blocks.{i}"}}'] == (6 if i == 0 else 3)
+    for i in range(3):  # the last max(1, prefetch) = 2 blocks of the forward stay for their backward, right after;
+        # the first is fetched again for its backward (6 fetches in 3 steps) unless its forward's reply was kept
+        assert samples[f'luwu_worker_unit_fetches_total{{unit="blocks.{i}"}}'] == (6 if i == 0 and hold == 0 else 3)
         assert samples[f'luwu_worker_unit_fetch_wait_seconds_total{{unit="blocks.{i}"}}'] > 0
 
 
@@ -319,3 +322,68 @@ def test_param_groups_stream_with_the_model_named_apart(cluster1):
         opt.close()
     with pytest.raises(luwu.ConfigError, match="needs stream_weights"):
         luwu.RemoteOptimizer(groups(model), nodes=cluster1.addresses, lr=0.01, model=model, rank=0, world_size=1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hold", [-1, 0], ids=["default", "off"])
+def test_a_units_forward_reply_is_kept_for_its_backward_within_the_budget(cluster1, monkeypatch, hold):
+    """optimizer.stream_hold_bytes: what a unit's forward was written from stays, as it travelled, until its
+    backward writes it again, for the units that fit (forward order); the others are fetched again. The
+    default budget, two units of fp32, keeps two of the four blocks before the turn in fp32 replies; the
+    training is the same, and nothing is held between steps."""
+    import luwu
+    from workers.stream import make_model
+
+    monkeypatch.setenv("LUWU_OPTIMIZER__STREAM_HOLD_BYTES", str(hold))
+    spec = {"seed": 0, "blocks": 6, "width": 16}
+    ref, model = make_model(spec), make_model(spec)
+    unit_bytes = 4 * sum(p.numel() for p in model.blocks[0].parameters())
+    held = []
+
+    def forward(net, x, streaming):
+        out = net(x)
+        if streaming:
+            held.append(opt.streamer.held_bytes())
+        return out
+
+    local = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1)
+    try:
+        assert opt.streamer.hold_bytes == (2 * unit_bytes if hold == -1 else 0)
+        # six blocks fetched for forward; of the four before the last two (kept whole for their backward, right
+        # after), two are fetched again for backward (four with nothing kept)
+        assert lockstep(ref, local, model, opt, forward=forward) == [8 if hold == -1 else 10] * 4
+        assert held == [2 * unit_bytes if hold == -1 else 0] * 4
+        assert opt.streamer.held_bytes() == 0 and opt.streamer.resident_bytes() == 0
+    finally:
+        opt.close()
+
+
+@pytest.mark.timeout(120)
+def test_kept_replies_are_int8_with_compression_on(cluster1):
+    """With int8 fetches a kept reply is a quarter of the unit's fp32 weights (plus a scale per block), so the
+    default budget keeps all four blocks before the turn: one fetch a unit a step, like keeping the fp32
+    weights (stream_keep_for_backward) at a quarter of the memory."""
+    import luwu
+    from luwu.protocol.compression import CompressionConfig
+    from workers.stream import make_model
+
+    model = make_model({"seed": 0, "blocks": 6, "width": 256})
+    unit_numel = sum(p.numel() for p in model.blocks[0].parameters())
+    opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=CompressionConfig(warmup_steps=0, link_gbps=1),
+                               stream_weights=True, bucket_bytes=1 << 20, rank=0, world_size=1)
+    try:
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(4, 20, generator=g), torch.randint(0, 5, (4,), generator=g)
+            before = opt.streamer.fetches
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            kept = opt.streamer.held_bytes()
+            loss.backward()
+            opt.step()
+            assert opt.streamer.fetches - before == 6
+            # int8 codes with fp32 scales for the matrices, bf16 for the norms and biases: not 4 B a parameter
+            assert 4 * unit_numel <= kept <= 4 * unit_numel * 1.1
+    finally:
+        opt.close()

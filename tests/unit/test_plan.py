@@ -16,6 +16,7 @@ from luwu.plan import (
     codec_profile,
     parse_count,
     plan,
+    stream_refetch_share,
     recommend,
     run,
     spec_with_codecs,
@@ -335,6 +336,21 @@ def test_streaming_fetches_every_weight_twice_and_overlaps_it_with_compute():
         PlanSpec(**base, stream_weights=True, stream_units=0)
     with pytest.raises(ConfigError, match="stream_weights and delayed_update"):
         PlanSpec(**base, stream_weights=True, delayed_update=True)
+    # the share kept for backward is not fetched again (the writes stay two)
+    kept = plan(PlanSpec(**base, stream_weights=True, stream_refetch=0.25))
+    assert kept.worker_down_bytes == pytest.approx(1.25 * resident.worker_down_bytes) and kept.write_s == stream.write_s
+    with pytest.raises(ConfigError, match="stream_refetch"):
+        PlanSpec(**base, stream_weights=True, stream_refetch=1.5)
+
+
+def test_stream_refetch_share_counts_the_turn_and_the_kept_replies():
+    """The last max(1, prefetch) units stay for their backward; the units before them are kept while their
+    replies fit max(1, prefetch) units of fp32 (the default stream_hold_bytes)."""
+    assert stream_refetch_share(10, 2, 4.0) == pytest.approx(6 / 10)  # fp32 replies: 2 kept + the 2 of the turn
+    assert stream_refetch_share(10, 2, 2.0) == pytest.approx(4 / 10)  # bf16: 4 kept
+    assert stream_refetch_share(48, 2, 1.0 + 4 / 256) == pytest.approx(39 / 48)  # int8 with scales: 7 kept
+    assert stream_refetch_share(5, 2, 1.0) == 0.0  # every unit before the turn fits
+    assert stream_refetch_share(1, 0, 4.0) == 0.0
 
 
 def test_plan_cli_models_streaming(capsys):
@@ -344,6 +360,8 @@ def test_plan_cli_models_streaming(capsys):
     assert run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["spec"]["stream_weights"] is True
+    # one unit per 4 MiB bucket of int8 fetches: 16 units, 2 of the turn and 7 kept, 7 fetched again
+    assert out["plan"]["spec"]["stream_refetch"] == pytest.approx(7 / 16)
 
 
 def test_cli_models_the_default_weight_codec_of_the_link_and_mode():
