@@ -52,9 +52,13 @@ fresh pages.
 Who sends what: after one step the worker knows the forward order. The pushes of
 the first ``prefetch`` units in that order name the fetch codec as their reply
 codec, so the nodes send those units' new weights as they apply the step, without
-a request: the next forward starts on weights already there. Each later unit is
-requested ``prefetch`` units ahead, while the units before it compute, so in steady
-state no forward waits on a round trip. Fetched weights wait as they arrived (int8
+a request: the next forward starts on weights already there. So do the pushes of
+the units after them while their replies fit ``optimizer.stream_hold_bytes``
+(those units' weights then cross the node's link while backward still runs, as a
+resident worker's replies do, and wait as they travelled until the next forward:
+at most ``stream_hold_bytes`` of them, and as much again of the replies kept for
+backward). Each other unit is requested ``prefetch`` units ahead, while the units
+before it compute, so in steady state no forward waits on a round trip. Fetched weights wait as they arrived (int8
 with compression on: 1 byte per parameter and a scale per 256) and are widened into
 the parameters' fp32 storage only when their unit runs.
 """
@@ -100,6 +104,7 @@ class _Unit:
     state: _State = _State.RELEASED
     pushed: int = 0  # buckets pushed this step
     held: int = 0  # bytes of fetched weights kept for its backward (HELD)
+    reply_bytes: int = 0  # bytes of the last reply its weights were written from (as it travelled)
 
 
 def pool_budget_bytes(layout: Layout, prefetch: int) -> int:
@@ -233,7 +238,7 @@ class Streamer:
                 self._hooks.append(u.unit.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
                 self._hooks.append(u.unit.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
         worker.on_pushed, worker.on_reset = self._on_pushed, self._forget
-        worker.fetch_with_reply = self._first_buckets()
+        worker.fetch_with_reply = self._reply_buckets()
         for u in self.units:
             self._release(u)
         retain_freed_memory(STREAM_MMAP_THRESHOLD, STREAM_MMAP_THRESHOLD)
@@ -277,6 +282,8 @@ class Streamer:
         for b in u.buckets:
             self._held.pop(b, None)
         u.held, nbytes = 0, sum(memoryview(getattr(f, "buffer", f)).nbytes for m in got.values() for f in m.payload)
+        if len(got) == len(u.buckets):
+            u.reply_bytes = nbytes
         if hold and u.state is _State.RESIDENT and len(got) == len(u.buckets) and self.held_bytes() + nbytes <= self.hold_bytes:
             self._held.update(got)
             u.held = nbytes
@@ -363,26 +370,37 @@ class Streamer:
         backward, which comes right after."""
         return frozenset(self.order[-max(1, self.prefetch):])
 
-    def _first_buckets(self) -> frozenset[int]:
-        """The buckets of the first ``prefetch`` units of the forward order: their pushes ask the nodes to
-        send the new weights with the answer, so the next forward starts without a round trip."""
-        return frozenset(b for i in self.order[: self.prefetch] for b in self.units[i].buckets)
+    def _reply_buckets(self) -> frozenset[int]:
+        """The buckets whose pushes ask the nodes to send the new weights with the answer: those of the first
+        ``prefetch`` units of the forward order, so the next forward starts without a round trip, and of the
+        units after them while their replies (as large as their last) fit ``hold_bytes``: those are never
+        asked for, and their weights cross the node's link while backward still runs."""
+        out, room = [], self.hold_bytes
+        for k, i in enumerate(self.order):
+            u = self.units[i]
+            if k >= self.prefetch:
+                if not 0 < u.reply_bytes <= room:
+                    break
+                room -= u.reply_bytes
+            out += u.buckets
+        return frozenset(out)
 
     def _take_pushed_weights(self) -> None:
-        """After a step: the first units' new weights came with the answers to their pushes; those units
-        count as requested (a bucket answered without weights, e.g. when the workers disagreed on the
-        order, is asked for now), any other weights that came are dropped."""
+        """After a step: the new weights that came with the answers to the pushes are the next forward's; a unit
+        whose buckets all came counts as requested (the first ``prefetch`` units always: a bucket of theirs
+        answered without weights, e.g. when the workers disagreed on the order, is asked for now), any other
+        weights that came are dropped (their unit is fetched when needed)."""
         got = set(self.worker.prefetched)
-        first = self.order[: self.prefetch]
-        for i in first:
+        for k, i in enumerate(self.order):
             u = self.units[i]
             missing = [b for b in u.buckets if b not in got]
-            if missing:
+            if k < self.prefetch and missing:
                 self.worker.request_weights(missing)
-            u.state = _State.REQUESTED
-        for b in got - {b for i in first for b in self.units[i].buckets}:
+            if k < self.prefetch or not missing:
+                u.state = _State.REQUESTED
+        for b in got - {b for u in self.units if u.state is _State.REQUESTED for b in u.buckets}:
             del self.worker.prefetched[b]
-        self.worker.fetch_with_reply = self._first_buckets()
+        self.worker.fetch_with_reply = self._reply_buckets()
 
     def _forget(self) -> None:
         """The worker abandoned the step (recover()): its outstanding fetches will not be answered."""

@@ -62,14 +62,14 @@ def test_streaming_equals_local_adamw_and_holds_no_weights_between_steps(cluster
         assert r["same_as_resident"] == [True, True]  # and the module still works as a module
         ev = r["evaluation"]  # eval under no_grad: every block fetched once, nothing pushed, nothing kept
         assert ev["pushes"] == 0 and ev["units_fetched"] == 4 and ev["pulls"] > 0 and ev["held_after"] == 0
-        # The nodes send the first 2 units' new weights with the answers to their pushes: after the first
-        # step, forward asks only for the later units (ahead of use), never for the first ones (step 1
+        # The nodes send the first 2 units' new weights with the answers to their pushes, and those of the
+        # units after them whose replies fit optimizer.stream_hold_bytes (by default two blocks of fp32: the
+        # other two blocks' fp32 replies): after the first step forward asks for none of the four (step 1
         # follows a model_state_dict(), which fetched and released every unit).
         first = set(r["first_units"])
         assert first and first <= set(r["forward_pulls"][0])
         for step in range(2, 10):
-            pulled = set(r["forward_pulls"].get(step, []))
-            assert pulled and not pulled & first, (step, sorted(pulled & first))
+            assert not r["forward_pulls"].get(step), (step, r["forward_pulls"].get(step))
     torch.testing.assert_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)
 
 
@@ -330,7 +330,8 @@ def test_a_units_forward_reply_is_kept_for_its_backward_within_the_budget(cluste
     """optimizer.stream_hold_bytes: what a unit's forward was written from stays, as it travelled, until its
     backward writes it again, for the units that fit (forward order); the others are fetched again. The
     default budget, two units of fp32, keeps two of the four blocks before the turn in fp32 replies; the
-    training is the same, and nothing is held between steps."""
+    training is the same, and nothing is held between steps. The same budget has the next step's weights of
+    as many blocks sent with the answers to their pushes."""
     import luwu
     from workers.stream import make_model
 
@@ -355,6 +356,10 @@ def test_a_units_forward_reply_is_kept_for_its_backward_within_the_budget(cluste
         assert lockstep(ref, local, model, opt, forward=forward) == [8 if hold == -1 else 10] * 4
         assert held == [2 * unit_bytes if hold == -1 else 0] * 4
         assert opt.streamer.held_bytes() == 0 and opt.streamer.resident_bytes() == 0
+        # the pushes that ask for the new weights with their answer: the first prefetch = 2 blocks', and those of
+        # the blocks after them whose replies fit the same budget (two more)
+        with_reply = {u.unit.name for u in opt.streamer.units if u.buckets and set(u.buckets) <= opt.worker.fetch_with_reply}
+        assert with_reply == {f"blocks.{i}" for i in range(4 if hold == -1 else 2)}
     finally:
         opt.close()
 
