@@ -107,6 +107,11 @@ class _Unit:
     reply_bytes: int = 0  # bytes of the last reply its weights were written from (as it travelled)
 
 
+def _nbytes(replies) -> int:
+    """Bytes of the payload frames of these received messages."""
+    return sum(memoryview(getattr(f, "buffer", f)).nbytes for m in replies for f in m.payload)
+
+
 def pool_budget_bytes(layout: Layout, prefetch: int) -> int:
     """Gradient buffers for ``prefetch + 2`` of the largest units: the unit in backward, the ones whose
     pushes are in flight, and staging for the weights being fetched."""
@@ -250,9 +255,10 @@ class Streamer:
             self.worker.request_weights(u.buckets, exact=exact)
             u.state = _State.REQUESTED
 
-    def _ensure(self, u: _Unit) -> None:
+    def _ensure(self, u: _Unit, may_hold: bool = True) -> None:
         """Make the unit's weights resident (asking for them now if no prefetch did, writing them from what
-        its forward fetched if that was kept)."""
+        its forward fetched if that was kept); ``may_hold``: the unit's reply may be kept for its backward
+        (else it is freed once written, as for the last units of the forward and when keeping weights)."""
         if u.state is _State.RESIDENT:
             return
         fetch = u.state is not _State.HELD
@@ -265,7 +271,11 @@ class Streamer:
         with torch.no_grad():
             for p in u.params:
                 alloc_storage(p)
-        self.worker.receive_weights(u.buckets, what=f"weights of unit {u.unit.name!r}", kept=self._got)
+        got: dict[int, object] = {}
+        self.worker.receive_weights(u.buckets, what=f"weights of unit {u.unit.name!r}", kept=got)
+        u.reply_bytes = _nbytes(got.values())
+        if may_hold and not self.keep and u.unit.index not in self._turn:
+            self._got.update(got)
         waited = time.perf_counter() - t0
         self.fetch_wait_s += waited
         self.fetches += fetch
@@ -281,12 +291,10 @@ class Streamer:
         got = {b: m for b in u.buckets if (m := self._got.pop(b, None)) is not None}
         for b in u.buckets:
             self._held.pop(b, None)
-        u.held, nbytes = 0, sum(memoryview(getattr(f, "buffer", f)).nbytes for m in got.values() for f in m.payload)
-        if len(got) == len(u.buckets):
-            u.reply_bytes = nbytes
-        if hold and u.state is _State.RESIDENT and len(got) == len(u.buckets) and self.held_bytes() + nbytes <= self.hold_bytes:
+        u.held = 0
+        if hold and u.state is _State.RESIDENT and len(got) == len(u.buckets) and self.held_bytes() + u.reply_bytes <= self.hold_bytes:
             self._held.update(got)
-            u.held = nbytes
+            u.held = u.reply_bytes
         with torch.no_grad():
             for p in u.params:
                 free_storage(p)
@@ -295,6 +303,11 @@ class Streamer:
     def held_bytes(self) -> int:
         """Bytes of fetched weights kept now for the units' backward."""
         return sum(u.held for u in self.units)
+
+    def reply_bytes_kept(self) -> int:
+        """Bytes of received replies this worker keeps now: for the units' backward, and of resident units whose
+        reply may be kept at their release."""
+        return self.held_bytes() + _nbytes(self._got.values())
 
     def _prefetch(self, order: list[int], index: int) -> None:
         """Ask for the weights of the ``prefetch`` units after ``index`` in ``order``."""
@@ -421,7 +434,7 @@ class Streamer:
                 self._release(u)  # a prefetch may be in the fetch codec: these are the fp32 weights
                 self._request(u, exact=True)
             for u in self.units:
-                self._ensure(u)
+                self._ensure(u, may_hold=False)
             yield
         finally:
             for u in self.units:

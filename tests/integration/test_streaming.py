@@ -291,9 +291,18 @@ def test_keeping_units_for_backward_fetches_once_a_step(cluster1, monkeypatch):
     ref, model = make_model(spec), make_model(spec)
     local = torch.optim.AdamW(ref.parameters(), lr=0.01)
     opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1)
+    kept = []
+
+    def forward(net, x, streaming):
+        out = net(x)
+        if streaming:
+            kept.append(opt.streamer.reply_bytes_kept())
+        return out
+
     try:
         assert opt.config.optimizer.stream_keep_for_backward
-        assert lockstep(ref, local, model, opt) == [3, 3, 3, 3]  # three blocks, each fetched once (forward), kept for backward
+        assert lockstep(ref, local, model, opt, forward=forward) == [3, 3, 3, 3]  # three blocks, each fetched once (forward), kept for backward
+        assert kept == [0] * 4  # the weights are kept, not also the replies they were written from
     finally:
         opt.close()
 
