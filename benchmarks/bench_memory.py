@@ -31,7 +31,7 @@ outside the cgroup; then local ``torch.optim.AdamW(fused=True)`` on the same mod
 under the same limit, which must be killed (the limit binds). Skips with a
 message when no cgroup can be made.
 
-    python3 benchmarks/bench_memory.py [--quick] [--width W] [--steps S] [--depths 12,24,48] [--defaults] [--bf16] [--device cuda]
+    python3 benchmarks/bench_memory.py [--quick] [--width W] [--steps S] [--depths 12,24,48] [--defaults] [--bf16] [--device cuda] [--reps N]
     python3 benchmarks/bench_memory.py --cgroup [--limit-mb 512] [--ratio 4] [--width 768]
 
 Writes benchmarks/results/bench_memory.json and .md (``--cgroup``: bench_memory_cgroup.*;
@@ -189,10 +189,15 @@ def sweep(args) -> None:
         for stream in (False, True):
             for compression, bf16 in [(c, False) for c in ((False, True) if args.defaults else (False,))] + ([(args.defaults, True)] if args.bf16 and not stream else []):
                 for settings in [""] + ([] if stream else args.also):
-                    row, out = run({"width": width, "depth": depth, "stream": stream, "steps": steps, "batch": args.batch, "compression": compression, "bf16": bf16,
-                                    "settings": settings, "device": args.device})
-                    if row is None:
-                        raise RuntimeError(out.stdout[-2000:] + out.stderr[-4000:])
+                    reps = []
+                    for _ in range(args.reps):  # a run's peak moves by a few MB: the median run of the repetitions
+                        row, out = run({"width": width, "depth": depth, "stream": stream, "steps": steps, "batch": args.batch, "compression": compression,
+                                        "bf16": bf16, "settings": settings, "device": args.device})
+                        if row is None:
+                            raise RuntimeError(out.stdout[-2000:] + out.stderr[-4000:])
+                        reps.append(row)
+                    row = sorted(reps, key=lambda r: r["train_peak_mb"])[len(reps) // 2]
+                    row["train_peak_mb_runs"] = [round(r["train_peak_mb"], 1) for r in reps]
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     growth = {}
@@ -200,7 +205,8 @@ def sweep(args) -> None:
         srows = [r for r in rows if r["mode"] == "streaming" and r["compression"] == comp]
         growth[comp] = [b["train_peak_mb"] / a["train_peak_mb"] for a, b in zip(srows, srows[1:]) if a["train_peak_mb"] > 0]
     result = {"width": width, "steps": steps, "batch": args.batch, "rows": rows, "streaming_train_peak_growth_per_doubling": growth}
-    cols = ["mode", "dtype", "compression", *(["settings"] if args.also else []), "depth", "train_b_per_param", "weights_mb", "built_mb", "train_peak_mb", "peak_mb",
+    cols = ["mode", "dtype", "compression", *(["settings"] if args.also else []), "depth", "train_b_per_param", "weights_mb", "built_mb", "train_peak_mb",
+            *(["train_peak_mb_runs"] if args.reps > 1 else []), "peak_mb",
             *(["gpu_built_mb", "gpu_train_peak_mb"] if args.device != "cpu" else []), "node_b_per_param", "floor_mb"]
     md = (f"# Memory: streaming vs resident (worker MB above the runtime floor; node bytes per parameter of its shard)\n\n"
           f"`{' '.join(['python3', 'benchmarks/bench_memory.py', *sys.argv[1:]])}`: blocks of width {width}, {steps} steps, 1 worker, 2 nodes.\n\n" + md_table(rows, cols))
@@ -323,6 +329,7 @@ def main() -> None:
     ap.add_argument("--depths", default="12,24,48")
     ap.add_argument("--defaults", action="store_true", help="sweep: also the default compression (int8 pushes and fetches after the warm-up)")
     ap.add_argument("--bf16", action="store_true", help="sweep: also a resident bf16 model (bf16 weights and gradients on the worker)")
+    ap.add_argument("--reps", type=int, default=1, help="sweep: runs of each configuration; each row is the run with the median train peak")
     ap.add_argument("--device", default="cpu", help="sweep: where the worker's model lives ('cuda': adds its GPU memory and local fused AdamW on the GPU)")
     ap.add_argument("--cgroup", action="store_true", help="the cgroup study instead of the depth sweep (root)")
     ap.add_argument("--limit-mb", type=int, default=512)
