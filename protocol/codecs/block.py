@@ -158,6 +158,9 @@ class _BlockCodec(Codec):
     def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
         n, b = acc.numel(), int(meta["block"])
         q, scales = self._frames(frames)
+        if acc.device.type != "cpu":
+            acc.add_(self._decoded_on(acc.device, q, scales, n, b, alpha))
+            return
         lib = native.kernels()
         if lib is not None and _flat((acc, scales), (q,)) and self._fits(n, b, q, scales):
             lib.luwu_block_decode(acc.data_ptr(), q.data_ptr(), scales.data_ptr(), n, b, self.bits, alpha, 1)
@@ -182,6 +185,19 @@ class _BlockCodec(Codec):
             tmp.mul_(torch.mul(scales[-1:], alpha, out=self._scratch("dsc", 1)[:1]))
             yield full, n, tmp
 
+    def _decoded_on(self, device: torch.device, q: torch.Tensor, scales: torch.Tensor, n: int, b: int, alpha: float) -> torch.Tensor:
+        """The torch path on an accelerator (a CUDA parameter as the target): the codes and scales cross as they
+        travelled (a byte or half a byte per value and a scale per block, not 4 bytes per value) and are widened
+        there, with the CPU path's products (``code * (scale * alpha)``, each rounded on its own)."""
+        q, scales = q.to(device), scales.to(device)
+        vals = q[:n].float() if self.bits == 8 else torch.stack((q & 15, q >> 4), 1).reshape(-1)[:n].float().sub_(8.0)
+        sc = torch.mul(scales, alpha)
+        full = n // b * b
+        vals[:full].view(-1, b).mul_(sc[: full // b].unsqueeze(1))
+        if full < n:
+            vals[full:].mul_(sc[-1:])
+        return vals
+
     def _frames(self, frames: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return _as(frames[0], torch.int8 if self.bits == 8 else torch.uint8), _as(frames[1], torch.float32)
 
@@ -195,6 +211,9 @@ class _BlockCodec(Codec):
         lib = native.kernels()
         q, scales = self._frames(frames)
         n, b = out.numel(), int(meta["block"])
+        if out.device.type != "cpu":
+            out.copy_(self._decoded_on(out.device, q, scales, n, b, alpha))
+            return
         if lib is not None and _flat((out, scales), (q,)) and self._fits(n, b, q, scales):
             lib.luwu_block_decode(out.data_ptr(), q.data_ptr(), scales.data_ptr(), n, b, self.bits, alpha, 0)
             return

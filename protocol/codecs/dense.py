@@ -56,7 +56,9 @@ class _DenseCodec(Codec):
     def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
         src = _as(frames[0], self.dtype)
         n = acc.numel()
-        if self.dtype == torch.float32:
+        if acc.device.type != "cpu":  # (a CUDA target: the frame crosses as it travelled, widened on the device)
+            src = src.to(acc.device)
+        if self.dtype == torch.float32 or acc.device.type != "cpu":
             acc.add_(src, alpha=alpha)
             return
         # mixed-dtype add would convert the whole source first on CPU: chunk it
@@ -67,6 +69,8 @@ class _DenseCodec(Codec):
 
     def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
         src = _as(frames[0], self.dtype)
+        if out.device.type != "cpu" and self.dtype != torch.float32:  # (a CUDA target: the frame crosses as it travelled, widened there)
+            src = src.to(out.device)
         if alpha == 1.0:
             out.copy_(src)
         elif self.dtype == torch.float32:

@@ -177,3 +177,26 @@ def test_cuda_no_sync_accumulation_equals_local(cluster2):
         opt.close()
     for name, w in ref.state_dict().items():
         torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", ["int8", "int4", "bf16"])
+def test_decoding_into_a_cuda_tensor_gives_the_cpu_bits(name):
+    """A reply decoded into a CUDA parameter crosses to the device as it travelled (int8 / int4 codes and their
+    scales, bf16) and is widened there: the same bits as decoding on the CPU, for a tail block too."""
+    from luwu.protocol.codecs import get_codec
+
+    codec = get_codec(name)
+    x = torch.randn(10_000 + 77, generator=torch.Generator().manual_seed(0))
+    enc = codec.encode(x)
+    frames = [f.clone() for f in enc.frames]
+    want = torch.empty_like(x)
+    codec.decode_(want, frames, enc.meta, alpha=0.5)
+    got = torch.empty_like(x, device="cuda")
+    codec.decode_(got, frames, enc.meta, alpha=0.5)
+    assert torch.equal(got.cpu(), want)
+    acc = torch.ones_like(x)
+    codec.decode_add_(acc, frames, enc.meta)
+    acc_cuda = torch.ones_like(x, device="cuda")
+    codec.decode_add_(acc_cuda, frames, enc.meta)
+    torch.testing.assert_close(acc_cuda.cpu(), acc, rtol=0, atol=1e-6)
