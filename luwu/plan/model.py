@@ -184,8 +184,8 @@ class PlanSpec:
     batch_per_worker: int | None = None
     """Samples per worker per step, for samples/s; None = not reported."""
     stream_weights: bool = False
-    """Streaming mode: weights fetched per unit, twice a step (``pull_bytes_per_elem`` each time: the fetch
-    codec, int8 with compression on); sync mode only."""
+    """Streaming mode: weights fetched per unit for forward and, for the share ``stream_refetch``, again for
+    backward (``pull_bytes_per_elem`` each time: the fetch codec, int8 with compression on); sync mode only."""
     stream_refetch: float = 1.0
     """Streaming mode: the share of the weights fetched again for backward (:func:`stream_refetch_share`)."""
     stream_units: int | None = None
