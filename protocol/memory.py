@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,9 @@ def advise_huge_pages(storage: "torch.UntypedStorage") -> None:
         except (OSError, AttributeError):
             _madvise = False
     if _madvise:
-        lo = storage.data_ptr() & ~4095
-        hi = (storage.data_ptr() + storage.nbytes() + 4095) & ~4095
+        page = mmap.PAGESIZE
+        lo = storage.data_ptr() // page * page
+        hi = -(-(storage.data_ptr() + storage.nbytes()) // page) * page
         if _madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:  # (no THP in this kernel: said once, then not asked again)
             log.info("madvise(MADV_HUGEPAGE) refused (errno %d): fetched weights are written into 4 KiB pages", ctypes.get_errno())
             _madvise = False
