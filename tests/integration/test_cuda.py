@@ -38,6 +38,11 @@ def _train(model: torch.nn.Module, opt, batches) -> list[float]:
     return losses
 
 
+def _assert_same_weights(got: dict, ref: torch.nn.Module, rtol: float, atol: float) -> None:
+    for name, w in ref.state_dict().items():
+        torch.testing.assert_close(got[name].to(w.device), w, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stream", [False, True], ids=["resident", "streaming"])
 def test_cuda_model_through_nodes_equals_local_adamw_on_cuda(cluster2, stream):
@@ -53,8 +58,7 @@ def test_cuda_model_through_nodes_equals_local_adamw_on_cuda(cluster2, stream):
         opt.close()
     assert {p.device.type for p in model.parameters()} == {"cuda"}
     assert losses == pytest.approx(want_losses, rel=1e-5, abs=1e-6)
-    for name, w in ref.state_dict().items():
-        torch.testing.assert_close(got[name].to(w.device), w, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    _assert_same_weights(got, ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(60)
@@ -105,8 +109,7 @@ def test_cuda_amp_and_clipping_equal_local_torch(cluster2):
         got = model.state_dict()
     finally:
         opt.close()
-    for name, w in ref.state_dict().items():
-        torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    _assert_same_weights(got, ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.timeout(180)
@@ -175,8 +178,7 @@ def test_cuda_no_sync_accumulation_equals_local(cluster2):
         got = model.state_dict()
     finally:
         opt.close()
-    for name, w in ref.state_dict().items():
-        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    _assert_same_weights(got, ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(60)

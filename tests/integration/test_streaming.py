@@ -51,6 +51,18 @@ def lockstep(ref, local, model, opt, steps: int = 4, forward=None) -> list[int]:
     return fetched
 
 
+def probing(probe, seen: list):
+    """A ``lockstep`` forward that appends ``probe()`` to ``seen`` after each streaming forward."""
+
+    def forward(net, x, streaming):
+        out = net(x)
+        if streaming:
+            seen.append(probe())
+        return out
+
+    return forward
+
+
 @pytest.mark.timeout(240)
 def test_streaming_equals_local_adamw_and_holds_no_weights_between_steps(cluster2, tmp_path):
     spec = {"steps": 10}
@@ -292,16 +304,9 @@ def test_keeping_units_for_backward_fetches_once_a_step(cluster1, monkeypatch):
     local = torch.optim.AdamW(ref.parameters(), lr=0.01)
     opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1)
     kept = []
-
-    def forward(net, x, streaming):
-        out = net(x)
-        if streaming:
-            kept.append(opt.streamer.reply_bytes_kept())
-        return out
-
     try:
         assert opt.config.optimizer.stream_keep_for_backward
-        assert lockstep(ref, local, model, opt, forward=forward) == [3, 3, 3, 3]  # three blocks, each fetched once (forward), kept for backward
+        assert lockstep(ref, local, model, opt, forward=probing(lambda: opt.streamer.reply_bytes_kept(), kept)) == [3, 3, 3, 3]  # three blocks, each fetched once (forward), kept for backward
         assert kept == [0] * 4  # the weights are kept, not also the replies they were written from
     finally:
         opt.close()
@@ -349,20 +354,13 @@ def test_a_units_forward_reply_is_kept_for_its_backward_within_the_budget(cluste
     ref, model = make_model(spec), make_model(spec)
     unit_bytes = 4 * sum(p.numel() for p in model.blocks[0].parameters())
     held = []
-
-    def forward(net, x, streaming):
-        out = net(x)
-        if streaming:
-            held.append(opt.streamer.held_bytes())
-        return out
-
     local = torch.optim.AdamW(ref.parameters(), lr=0.01)
     opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1)
     try:
         assert opt.streamer.hold_bytes == (2 * unit_bytes if hold == -1 else 0)
         # six blocks fetched for forward; of the four before the last two (kept whole for their backward, right
         # after), two are fetched again for backward (four with nothing kept)
-        assert lockstep(ref, local, model, opt, forward=forward) == [8 if hold == -1 else 10] * 4
+        assert lockstep(ref, local, model, opt, forward=probing(lambda: opt.streamer.held_bytes(), held)) == [8 if hold == -1 else 10] * 4
         assert held == [2 * unit_bytes if hold == -1 else 0] * 4
         assert opt.streamer.held_bytes() == 0 and opt.streamer.resident_bytes() == 0
         # the pushes that ask for the new weights with their answer: the first prefetch = 2 blocks', and those of
