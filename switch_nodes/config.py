@@ -8,6 +8,7 @@ from luwu.protocol.errors import ConfigError
 
 MODES = ("sync", "async")
 WORKER_POLICIES = ("strict", "elastic")
+LISTENERS = ("auto", "zmtp", "libzmq")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -32,7 +33,22 @@ class NodeConfig:
     """How long a (step, bucket) waits for the missing workers' pushes before the worker policy acts; a
     worker that leaves its replies unread for a quarter of it is lost too."""
     max_message_bytes: int = 256 * 1024 * 1024
-    """Largest message accepted; larger ones are dropped by ZeroMQ before allocation."""
+    """Largest message payload accepted; a peer sending a larger one is disconnected before its frames are
+    allocated (with CURVE, libzmq checks it per frame)."""
+    listener: str = "auto"
+    """Who reads the peers' frames. zmtp: the node's own ZMTP reader, which bounds what each peer holds (below)
+    before anything is allocated; libzmq: ZeroMQ's ROUTER (bounds one frame and whole messages only). auto:
+    zmtp without CURVE keys, libzmq with them (there only authenticated workers get past the handshake)."""
+    peer_bytes: int = 0
+    """zmtp: the most one worker's connection holds in the node before its messages are served (the message
+    being read and the complete ones waiting); past it the node reads no more from it until served.
+    0: max_message_bytes + 1 MiB."""
+    stranger_bytes: int = 256 * 1024
+    """zmtp: the same for a connection that has not said HELLO (at least 65 KiB: a HELLO fits)."""
+    max_message_frames: int = 64
+    """zmtp: the most frames one message may have (a header and its payload frames)."""
+    max_connections: int = 1024
+    """zmtp: the most connections open at once (workers, monitors); more are closed as they come."""
     torch_threads: int = 1
     """Threads for the optimizer kernel; the event loop needs a core of its own for communication."""
     checkpoint_dir: str = ""
@@ -45,7 +61,7 @@ class NodeConfig:
     log_every: int = 100
     """One summary log line every this many steps."""
     rcvhwm: int = 1000
-    """ZeroMQ receive high-water mark (messages); senders wait beyond it."""
+    """Messages queued per peer (ZeroMQ high-water mark; zmtp: replies not yet sent); senders wait beyond it."""
     max_world_size: int = 4096
     """The largest world size a HELLO may name (the node keeps per-rank state for each)."""
     max_shard_bytes: int = 64 * 1024**3
@@ -68,6 +84,18 @@ class NodeConfig:
     """Keep freed memory in the process (glibc mallopt) so received messages land in recycled, already
     touched memory instead of fresh pages (~10x slower to fill); costs resident memory up to the peak."""
 
+    @property
+    def uses_zmtp(self) -> bool:
+        """Whether the node reads its peers' frames itself (:mod:`luwu.switch_nodes.zmtp`)."""
+        if self.listener == "auto":
+            return not self.curve_secret_key and not self.bind.startswith("inproc://")
+        return self.listener == "zmtp"
+
+    @property
+    def peer_budget(self) -> int:
+        """node.peer_bytes, 0 resolved."""
+        return self.peer_bytes or self.max_message_bytes + (1 << 20)
+
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"node.bind must be a ZeroMQ address like tcp://127.0.0.1:0, got {self.bind!r}")
@@ -78,9 +106,19 @@ class NodeConfig:
         for name in ("staleness", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"node.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("torch_threads", "log_every", "rcvhwm", "max_message_bytes", "inflight_bytes", "max_shard_bytes", "max_world_size"):
+        for name in ("torch_threads", "log_every", "rcvhwm", "max_message_bytes", "inflight_bytes", "max_shard_bytes", "max_world_size", "max_message_frames", "max_connections"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"node.{name} must be >= 1, got {getattr(self, name)}")
+        if self.listener not in LISTENERS:
+            raise ConfigError(f"node.listener must be one of {LISTENERS}, got {self.listener!r}")
+        if self.listener == "zmtp" and self.curve_secret_key:
+            raise ConfigError("node.listener = 'zmtp' speaks no CURVE: use 'auto' or 'libzmq' with CURVE keys")
+        if self.listener == "zmtp" and self.bind.startswith("inproc://"):
+            raise ConfigError("node.listener = 'zmtp' binds tcp:// or ipc:// addresses, not inproc://")
+        if self.stranger_bytes < 65 * 1024:
+            raise ConfigError(f"node.stranger_bytes must be >= 66560 (a HELLO header of 64 KiB fits), got {self.stranger_bytes}")
+        if self.peer_bytes and self.peer_bytes < self.max_message_bytes + 65 * 1024 + 64 * self.max_message_frames:
+            raise ConfigError(f"node.peer_bytes = {self.peer_bytes} cannot hold one message of node.max_message_bytes = {self.max_message_bytes}: raise it or set 0")
         if bool(self.curve_public_key) != bool(self.curve_secret_key):
             raise ConfigError("node.curve_public_key and node.curve_secret_key must be given together")
         if self.curve_secret_key and not self.curve_authorized_keys:

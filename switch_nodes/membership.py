@@ -98,7 +98,7 @@ class Membership:
         cfg = self.node.cfg
         if not cfg.curve_secret_key or not cfg.curve_keys_by_rank:
             return
-        key, keys = self.node.peer_keys.get(ident), cfg.curve_authorized_keys
+        key, keys = self.node.listener.peer_key(ident), cfg.curve_authorized_keys
         if w < len(keys) and key == keys[w]:
             return
         owner = keys.index(key) if key in keys else None

@@ -1,6 +1,7 @@
-"""The node daemon: a ZeroMQ ROUTER on an asyncio (uvloop) event loop.
+"""The node daemon: a ZMTP listener on an asyncio (uvloop) event loop.
 
-The loop receives and validates every message and dispatches it by op to the
+The listener (:mod:`.zmtp`, or libzmq's ROUTER with CURVE: :mod:`.listener`) hands
+over whole messages within per-peer bounds. The loop receives and validates every message and dispatches it by op to the
 room that serves it: :mod:`.membership` (HELLO, INIT, the watchdog),
 :mod:`.aggregation` (PUSH, COMMIT, the optimizer step), :mod:`.replies`
 (PULL, the weights sent back) and :mod:`.durability` (STATE, CHECKPOINT,
@@ -26,8 +27,6 @@ from typing import Any, Awaitable, Callable
 
 import msgpack
 import torch
-import zmq
-import zmq.asyncio
 
 from luwu.protocol import messages as wire
 from luwu.protocol.errors import LuwuError, NodeStateLostError, ProtocolError, RollbackError
@@ -39,6 +38,7 @@ from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.durability import Durability
 from luwu.switch_nodes.export import Exports
 from luwu.switch_nodes.lines import READY_LINE
+from luwu.switch_nodes.listener import LibzmqListener, Listener, SendQueueFull
 from luwu.switch_nodes.membership import Membership
 from luwu.switch_nodes.metrics import NodeMetrics
 from luwu.switch_nodes.optimizers import OptimizerKind
@@ -55,18 +55,6 @@ _RANKED = frozenset({Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE, Op.CHECKPOI
 _OPEN = frozenset({Op.HELLO, Op.STATS})
 
 
-class _KeyList:
-    """CURVE credentials provider: only the listed worker public keys get in."""
-
-    def __init__(self, allowed: set[bytes]):
-        self.allowed = allowed
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        import zmq.utils.z85
-
-        return zmq.utils.z85.encode(key) in self.allowed or key in self.allowed
-
-
 class NodeServer:
     """One node: binds, serves until :meth:`stop`, and answers every message."""
 
@@ -78,8 +66,6 @@ class NodeServer:
         self.address: str | None = None
         self.started = time.monotonic()
         self.boot = uuid.uuid4().hex[:12]  # identifies this process: a rollback is done once per boot
-        self._auth = None
-        self.peer_keys: dict[bytes, str] = {}  # CURVE: connection -> the public key it authenticated with
         # the job as the workers described it in HELLO
         self.buckets: dict[int, BucketState] = {}
         self.layout_hash: str | None = None
@@ -95,7 +81,7 @@ class NodeServer:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="luwu-opt")
         self._jobs: asyncio.Queue | None = None
         self._stop: asyncio.Event | None = None
-        self._sock: zmq.asyncio.Socket | None = None
+        self.listener: Listener | None = None
         self.ckpt = CheckpointStore(cfg.checkpoint_dir, cfg.index) if cfg.checkpoint_dir and cfg.index >= 0 else None
         self.accumulators = AccumulatorPool(cfg.inflight_bytes)  # shared by the buckets (luwu.switch_nodes.store)
         self.replies = Replies(self)
@@ -124,35 +110,34 @@ class NodeServer:
 
     # ----------------------------------------------------------------- lifecycle
     def bind(self) -> str:
-        ctx = zmq.asyncio.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, self.cfg.rcvhwm)
-        sock.setsockopt(zmq.SNDHWM, self.cfg.rcvhwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + wire.MAX_HEADER_BYTES)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if self.cfg.curve_secret_key:
-            from zmq.auth.asyncio import AsyncioAuthenticator
+        cfg = self.cfg
+        if cfg.uses_zmtp:
+            from luwu.switch_nodes.zmtp import ZmtpListener
 
-            allowed = {k.encode() for k in self.cfg.curve_authorized_keys}
-            self._auth = AsyncioAuthenticator(ctx)
-            self._auth.start()
-            self._auth.configure_curve_callback(domain="*", credentials_provider=_KeyList(allowed))
-            sock.curve_server = True
-            sock.curve_secretkey = self.cfg.curve_secret_key.encode()
-            sock.curve_publickey = self.cfg.curve_public_key.encode()
-        sock.bind(self.cfg.bind)
-        self._sock = sock
-        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.listener = ZmtpListener(cfg.bind, max_message_bytes=cfg.max_message_bytes, max_frames=cfg.max_message_frames, budget=self._budget, who=self.who, max_connections=cfg.max_connections, sndhwm=cfg.rcvhwm)
+        else:
+            curve = (cfg.curve_public_key, cfg.curve_secret_key, cfg.curve_authorized_keys) if cfg.curve_secret_key else None
+            self.listener = LibzmqListener(cfg.bind, max_message_bytes=cfg.max_message_bytes, hwm=cfg.rcvhwm, curve=curve)
+        self.address = self.listener.address
         return self.address
+
+    def _budget(self, ident: bytes) -> int:
+        """What a connection may hold in the listener: a worker's budget once it said HELLO, else a stranger's."""
+        return self.cfg.peer_budget if ident in self.peers.values() else self.cfg.stranger_bytes
+
+    def who(self, ident: bytes) -> str:
+        """A connection as a log line names it."""
+        rank = next((r for r, i in self.peers.items() if i == ident), None)
+        return "a peer that did not say HELLO" if rank is None else f"worker rank {rank}"
 
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
         torch.set_num_threads(self.cfg.torch_threads)
         if self.cfg.retain_freed_memory:
             retain_freed_memory()
-        if self._sock is None:
+        if self.listener is None:
             self.bind()
+        await self.listener.start()
         self._stop = asyncio.Event()
         self.durability.restore_latest()
         print(f"{READY_LINE} {self.address}", flush=True)
@@ -177,8 +162,8 @@ class NodeServer:
                 except Exception:
                     log.exception("checkpoint on shutdown failed")
             self._executor.shutdown(wait=True)
-            self._sock.close(0)
-            self._sock = None
+            self.listener.close()
+            self.listener = None
 
     def stop(self) -> None:
         if self._stop is not None:
@@ -208,12 +193,9 @@ class NodeServer:
 
     # ----------------------------------------------------------------- receive, dispatch, send
     async def _recv_loop(self) -> None:
-        sock = self._sock
+        listener = self.listener
         while True:
-            frames = await sock.recv_multipart(copy=False)
-            ident, body = frames[0].bytes, frames[1:]
-            if self._auth is not None and body:  # the CURVE key the connection authenticated with (z85)
-                self.peer_keys[ident] = body[0].get("User-Id")
+            ident, body = await listener.recv()
             try:
                 msg = wire.decode(body, job=self.job, max_message_bytes=self.cfg.max_message_bytes)
                 await self._dispatch(ident, msg)
@@ -262,7 +244,7 @@ class NodeServer:
         self.metrics.errors.labels(code).inc()
         hdr: dict = {}
         try:
-            h = msgpack.unpackb(getattr(body[0], "bytes", b""), raw=False, strict_map_key=False) if body else {}
+            h = msgpack.unpackb(getattr(body[0], "bytes", body[0]), raw=False, strict_map_key=False) if body else {}
             hdr = h if isinstance(h, dict) else {}
         except Exception:
             pass
@@ -279,10 +261,8 @@ class NodeServer:
     def send(self, ident: bytes, frames: list, track: bool = False):
         """Send without blocking; returns the MessageTracker when ``track``. A full queue drops the reply."""
         try:
-            fut = self._sock.send_multipart([ident, *frames], copy=False, track=track, flags=zmq.NOBLOCK)
-            # zmq.asyncio settles a NOBLOCK send at once; its result is the MessageTracker
-            return fut.result() if fut.done() else None
-        except zmq.Again:
+            return self.listener.send(ident, frames, track)
+        except SendQueueFull:
             self.metrics.errors.labels("send_queue_full").inc()
             log.warning("send queue full for peer %r; reply dropped", ident)
             return None

@@ -58,10 +58,9 @@ def warnings_for(cfg, node) -> list[str]:
 
 
 def cmd_node(args) -> int:
-    import zmq
-
     from luwu.config import load_config
     from luwu.switch_nodes.daemon import run_node
+    from luwu.switch_nodes.listener import AddressInUse
 
     cfg = load_config(args.config, argv=args.overrides)
     node = own_node_config(cfg)
@@ -69,9 +68,7 @@ def cmd_node(args) -> int:
         print(f"luwu node: warning: {line}", file=sys.stderr)
     try:
         return run_node(node, job=cfg.cluster.job, metrics=cfg.metrics)
-    except zmq.ZMQError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            raise
+    except AddressInUse:
         return _busy("the node address", node.bind, "choose another port: --node.bind=tcp://HOST:PORT (port 0: any free port)")
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:

@@ -1,0 +1,194 @@
+"""The node's sending thread: every peer's outgoing bytes, written in order off the event loop.
+
+The event loop (uvloop) would write holding the GIL, and one thread would then receive, dispatch and
+send in turn. Here one thread owns the writes (what libzmq's I/O thread does for its sockets): the
+``sendmsg`` calls release the GIL, so the loop goes on reading and dispatching meanwhile. Each peer's
+socket is a duplicate of the loop's (the loop only reads it); a message is done once its last byte is in
+the kernel, and its frames may be reused from then on.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import socket
+import threading
+
+__all__ = ["Sender", "Sent"]
+
+_IOV = 64  # buffers per sendmsg
+
+
+class Sent:
+    """A message queued for a peer; ``done`` once its last byte went to the kernel (or the peer is gone)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.event.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        import zmq
+
+        if not self.event.wait(timeout):
+            raise zmq.NotDone  # what libzmq's MessageTracker raises: ReplyBuffers handles both alike
+
+
+class _Out:
+    """One peer's socket and queue: [parts still to send, Sent or None], or ``None`` for the end of writing."""
+
+    __slots__ = ("sock", "queue", "blocked", "dead")
+
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=os.dup(fd))
+        self.queue: collections.deque = collections.deque()
+        self.blocked = self.dead = False
+
+
+class Sender:
+    """Writes queued frames to peers on a thread of its own (see the module's doc)."""
+
+    def __init__(self) -> None:
+        self._outs: dict[bytes, _Out] = {}
+        self._lock = threading.RLock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe already holds a wake-up
+        self._poll = select.poll()
+        self._poll.register(self._wake_r, select.POLLIN)
+        self._by_fd: dict[int, bytes] = {}
+        self._closing: list[bytes] = []
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="luwu-send", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- from the event loop
+    def add(self, key: bytes, fd: int) -> None:
+        with self._lock:
+            self._outs[key] = _Out(fd)
+
+    def put(self, key: bytes, parts: list, sent: Sent | None = None) -> bool:
+        """Queue ``parts`` (bytes / memoryviews, untouched until ``sent`` is done) for ``key``; False if gone."""
+        with self._lock:
+            out = self._outs.get(key)
+            if out is None or out.dead:
+                if sent is not None:
+                    sent.event.set()
+                return False
+            out.queue.append([[memoryview(p).cast("B") for p in parts if len(p)], sent])
+        self._wake()
+        return True
+
+    def end(self, key: bytes) -> None:
+        """After what is queued: end writing (the peer reads EOF; the connection stays open for reading)."""
+        with self._lock:
+            out = self._outs.get(key)
+            if out is not None:
+                out.queue.append(None)
+        self._wake()
+
+    def queued(self, key: bytes) -> int:
+        out = self._outs.get(key)
+        return 0 if out is None else len(out.queue)
+
+    def drop(self, key: bytes) -> None:
+        """The loop closed its side: close ours once the thread is not writing to it."""
+        with self._lock:
+            self._closing.append(key)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._running:  # (after close the pipe's descriptors may be someone else's)
+            self._kick()
+
+    def _kick(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        self._running = False
+        self._kick()
+        self._thread.join(5)
+        for out in self._outs.values():
+            self._fail(out)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        while self._running:
+            with self._lock:
+                closing, self._closing = self._closing, []
+                for key in closing:
+                    out = self._outs.pop(key, None)
+                    if out is not None:
+                        self._fail(out)
+                ready = [(k, o) for k, o in self._outs.items() if o.queue and not o.blocked]
+            for key, out in ready:
+                self._drain(key, out)
+            busy = any(o.queue and not o.blocked for o in list(self._outs.values()))
+            for fd, _ in self._poll.poll(0 if busy else None):
+                if fd == self._wake_r:
+                    try:
+                        os.read(self._wake_r, 1 << 16)
+                    except BlockingIOError:
+                        pass
+                    continue
+                key = self._by_fd.pop(fd, None)
+                self._poll.unregister(fd)
+                out = self._outs.get(key)
+                if out is not None:
+                    out.blocked = False
+
+    def _drain(self, key: bytes, out: _Out) -> None:
+        while out.queue:
+            item = out.queue[0]
+            if item is None:
+                try:
+                    out.sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                out.queue.popleft()
+                continue
+            parts, sent = item
+            while parts:
+                try:
+                    n = out.sock.sendmsg(parts[:_IOV])
+                except BlockingIOError:
+                    out.blocked = True
+                    fd = out.sock.fileno()
+                    self._by_fd[fd] = key
+                    self._poll.register(fd, select.POLLOUT)
+                    return
+                except OSError:
+                    self._fail(out)
+                    return
+                while n and parts:
+                    if n >= len(parts[0]):
+                        n -= len(parts.pop(0))
+                    else:
+                        parts[0], n = parts[0][n:], 0
+            out.queue.popleft()
+            if sent is not None:
+                sent.event.set()
+
+    def _fail(self, out: _Out) -> None:
+        """The peer is gone: nothing more is sent, and every queued message is done (its frames are free)."""
+        with self._lock:
+            out.dead = True
+            for item in out.queue:
+                if item is not None and item[1] is not None:
+                    item[1].event.set()
+            out.queue.clear()
+            fd = out.sock.fileno()
+            if fd in self._by_fd:
+                self._by_fd.pop(fd)
+                self._poll.unregister(fd)
+            out.sock.close()

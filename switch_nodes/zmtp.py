@@ -1,0 +1,460 @@
+"""The node's own ZMTP 3 listener (NULL mechanism): ZeroMQ's wire protocol, spoken by the node itself,
+so that what one peer may hold is bounded before anything is allocated.
+
+libzmq assembles a whole multipart message in its pipe before the application sees a frame of it. It
+bounds one frame (``MAXMSGSIZE``) and whole messages (``RCVHWM``), so a peer's unfinished message of
+many large frames, or of millions of empty ones, grows without limit and costs the event loop a
+message as long as the flood. Here the node reads each frame's header itself (asyncio
+``BufferedProtocol`` on uvloop; a large frame is read straight into its own buffer) and checks, before
+the frame's buffer exists:
+
+- a message has at most ``max_frames`` frames, a header of at most ``MAX_HEADER_BYTES`` and a payload
+  of at most ``max_message_bytes``;
+- what one peer holds (its unfinished message and its complete ones the node has not served yet) is
+  at most ``budget(ident)`` bytes: ``node.peer_bytes`` for a worker, ``node.stranger_bytes`` for a
+  connection that has not said HELLO. A message that cannot fit is refused by disconnecting the peer;
+  otherwise the node stops reading from the peer (TCP pushes back) until its messages are served;
+- a connection finishes the greeting within ``handshake_s``; at most ``max_connections`` are open.
+
+A peer past a limit is disconnected and named in the log once. The event loop parses at most one
+read (``_STAGING`` bytes) per callback. Workers keep their libzmq DEALER sockets: this is their
+protocol (ZMTP 3.1, https://rfc.zeromq.org/spec/37/). With CURVE the node uses libzmq
+(:mod:`.listener`), where only authenticated peers get past the handshake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import logging
+import os
+import socket
+import stat
+import struct
+from collections.abc import Callable
+
+import numpy as np
+
+from luwu.protocol.messages import MAX_HEADER_BYTES
+from luwu.switch_nodes.listener import AddressInUse, Listener, SendQueueFull
+from luwu.switch_nodes.sender import Sender, Sent
+
+__all__ = ["FRAME_COST", "ZmtpListener"]
+
+log = logging.getLogger(__name__)
+
+_MORE, _LONG, _COMMAND = 0x01, 0x02, 0x04
+_GREETING = 64
+_STAGING = 16 * 1024  # a frame up to this size is parsed out of the staging buffer; larger ones are read in place
+FRAME_COST = 64  # what a frame counts against its peer's budget beyond its bytes: empty frames count too
+_MAX_COMMAND = 4096
+
+
+def _greeting() -> bytes:
+    """Signature, version 3.1, mechanism NULL, as-server, filler (rfc 37, section "The Greeting")."""
+    return b"\xff" + b"\x00" * 7 + b"\x01\x7f" + b"\x03\x01" + b"NULL".ljust(20, b"\x00") + b"\x01" + b"\x00" * 31
+
+
+def _command(name: bytes, body: bytes) -> bytes:
+    data = bytes([len(name)]) + name + body
+    return (bytes([_COMMAND, len(data)]) if len(data) < 256 else bytes([_COMMAND | _LONG]) + struct.pack(">Q", len(data))) + data
+
+
+def _properties(data: bytes) -> dict[bytes, bytes]:
+    """READY's metadata: name-size, name, value-size (4 octets), value; ValueError on a torn list."""
+    props, at = {}, 0
+    while at < len(data):
+        n = data[at]
+        name = data[at + 1 : at + 1 + n]
+        if len(name) != n or at + 5 + n > len(data):
+            raise ValueError("torn property")
+        (v,) = struct.unpack_from(">I", data, at + 1 + n)
+        value = data[at + 5 + n : at + 5 + n + v]
+        if len(value) != v:
+            raise ValueError("torn property")
+        props[name.lower()] = value
+        at += 5 + n + v
+    return props
+
+
+class Refused(Exception):
+    """A peer broke a limit or the protocol: it is disconnected (the message says why)."""
+
+
+class _Peer(asyncio.BufferedProtocol):
+    """One connection: greeting, READY, then frames, within the listener's limits."""
+
+    def __init__(self, owner: ZmtpListener) -> None:
+        self.owner = owner
+        self.ident = b"\x00" + next(owner.idents).to_bytes(4, "big")
+        self.name = "?"
+        self.transport: asyncio.Transport | None = None
+        self.ready = False
+        self.buf = bytearray(512)  # greeting and READY; the staging buffer once they are through
+        self.view = memoryview(self.buf)
+        self.fill = self.at = 0
+        self.greeted = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.frames: list = []  # the message being read
+        self.held = 0  # what this peer holds: the message being read and the complete ones not served yet
+        self.waiting = 0  # of which the complete ones
+        self.direct: np.ndarray | None = None  # a large frame read in place
+        self.direct_at = 0
+        self.direct_more = False
+        self.paused = False
+        self.refused = False  # past a limit: what it sent before is served and answered, then it is closed
+        self.closed = False
+
+    # ---------------------------------------------------------------- asyncio callbacks
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.name = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "local")
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not self.owner.admit(self):
+            return
+        self.owner.sender.add(self.ident, sock.fileno())  # every write goes through the sending thread
+        self.owner.sender.put(self.ident, [_greeting()])
+        self.timer = self.owner.loop.call_later(self.owner.handshake_s, self._handshake_timeout)
+
+    def connection_lost(self, exc) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.timer is not None:
+            self.timer.cancel()
+        self.owner.gone(self)
+        self.owner.sender.drop(self.ident)
+        self.direct = None
+        self.frames = []
+
+    def get_buffer(self, sizehint: int):
+        if self.refused:
+            return self.owner.discard  # what a refused peer still sends is read and dropped
+        if self.direct is not None:
+            return memoryview(self.direct)[self.direct_at :]
+        if self.fill == len(self.buf):  # compact: move the unparsed tail to the front
+            tail = self.fill - self.at
+            self.buf[:tail] = self.buf[self.at : self.fill]
+            self.fill, self.at = tail, 0
+        return self.view[self.fill :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.refused:
+            return
+        try:
+            if self.direct is not None:
+                self.direct_at += nbytes
+                if self.direct_at == len(self.direct):
+                    frame, self.direct = memoryview(self.direct), None
+                    self._frame(frame, self.direct_more)
+            else:
+                self.fill += nbytes
+            self._parse()
+        except Refused as exc:
+            self.owner.refuse(self, str(exc))
+
+    # ---------------------------------------------------------------- parsing
+    def _handshake_timeout(self) -> None:
+        if not self.ready and not self.closed:
+            self.owner.refuse(self, f"no ZMTP handshake within {self.owner.handshake_s:g} s")
+
+    def _parse(self) -> None:
+        while not self.paused and self.direct is None and not self.closed:
+            if not self.ready:
+                if not self._handshake():
+                    return
+                continue
+            avail = self.fill - self.at
+            if avail < 2:
+                return
+            flags = self.buf[self.at]
+            if flags & ~(_MORE | _LONG | _COMMAND):
+                raise Refused(f"frame flags 0x{flags:02x} are not ZMTP 3")
+            if flags & _LONG:
+                if avail < 9:
+                    return
+                (size,) = struct.unpack_from(">Q", self.buf, self.at + 1)
+                head = 9
+            else:
+                size, head = self.buf[self.at + 1], 2
+            if flags & _COMMAND:
+                if size > _MAX_COMMAND or flags & _MORE:
+                    raise Refused(f"a command frame of {size} bytes")
+                if avail < head + size:
+                    return
+                self._on_command(bytes(self.view[self.at + head : self.at + head + size]))
+                self.at += head + size
+                continue
+            self._check(size)
+            if not self._fits(size):
+                self._pause()
+                return
+            self.at += head
+            inside = min(size, self.fill - self.at)
+            if size <= _STAGING and inside < size:
+                self.at -= head
+                return  # the rest of a small frame is still on its way: wait for it in staging
+            self.held += size + FRAME_COST
+            if size <= _STAGING:
+                frame = bytes(self.view[self.at : self.at + size])
+                self.at += size
+                self._frame(frame, bool(flags & _MORE))
+                continue
+            self.direct = np.empty(size, dtype=np.uint8)  # only now: after every limit said yes
+            self.direct[:inside] = np.frombuffer(self.view[self.at : self.at + inside], dtype=np.uint8)
+            self.direct_at, self.direct_more = inside, bool(flags & _MORE)
+            self.at += inside
+            if self.at == self.fill:
+                self.at = self.fill = 0
+            if inside == size:  # all of it was staged already (a frame just over _STAGING)
+                frame, self.direct = memoryview(self.direct), None
+                self._frame(frame, self.direct_more)
+
+    def _check(self, size: int) -> None:
+        """The limits that do not depend on what is queued: a frame past them can never be served."""
+        o, first = self.owner, not self.frames
+        if len(self.frames) >= o.max_frames:
+            raise Refused(f"a message of more than {o.max_frames} frames")
+        if first and size > MAX_HEADER_BYTES:
+            raise Refused(f"a header frame of {size} bytes (at most {MAX_HEADER_BYTES})")
+        payload = sum(len(f) for f in self.frames[1:]) + (0 if first else size)
+        if payload > o.max_message_bytes:
+            raise Refused(f"a message payload of {payload} bytes or more (at most {o.max_message_bytes})")
+        need = self._message_bytes() + size + FRAME_COST
+        if need > o.budget(self.ident):
+            raise Refused(f"a message of {need} bytes or more: more than this peer may hold ({o.budget(self.ident)})")
+
+    def _message_bytes(self) -> int:
+        return self.held - self.waiting
+
+    def _fits(self, size: int) -> bool:
+        """Whether a frame of ``size`` may be read now: within the budget, or nothing else is waiting (the
+        message alone fits: :meth:`_check`)."""
+        return self.waiting == 0 or self.held + size + FRAME_COST <= self.owner.budget(self.ident)
+
+    def _frame(self, frame, more: bool) -> None:
+        self.frames.append(frame)
+        if not more:
+            frames, self.frames = self.frames, []
+            n = self._message_bytes()
+            self.waiting += n
+            self.owner.deliver(self, frames, n)
+
+    def _pause(self) -> None:
+        self.paused = True
+        self.transport.pause_reading()
+
+    def stop(self) -> None:
+        """Past a limit: drop the message being read and whatever comes after it (read and discarded: a
+        socket closed with unread bytes resets the connection, which would lose the answers on their
+        way), then end the connection once the complete messages before it are answered (``_finish``);
+        at most ``handshake_s`` later it is cut whatever the peer does."""
+        self.refused = True
+        self.direct, self.frames = None, []
+        self.held = self.waiting
+        if self.paused:
+            self.paused = False
+            self.transport.resume_reading()
+        if not self.waiting:
+            self._finish()
+        self.owner.loop.call_later(self.owner.handshake_s, self.transport.abort)
+
+    def served(self, nbytes: int) -> None:
+        """A message of ``nbytes`` was served: read on if this peer waited for it."""
+        self.held -= nbytes
+        self.waiting -= nbytes
+        if self.refused:
+            if not self.waiting:
+                self._finish()
+            return
+        if self.paused and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+            try:
+                self._parse()
+            except Refused as exc:
+                self.owner.refuse(self, str(exc))
+
+    def _finish(self) -> None:
+        """Our side of the connection ends after the answers (the peer's libzmq closes it on the EOF)."""
+        self.owner.sender.end(self.ident)
+
+    def _handshake(self) -> bool:
+        """The peer's greeting, then its READY command; True once through."""
+        got = self.fill - self.at
+        if not self.greeted:
+            if got < _GREETING:
+                if got >= 1 and self.buf[0] != 0xFF or got >= 10 and self.buf[9] & 1 == 0:
+                    raise Refused("not a ZMTP peer")
+                return False
+            g = self.buf[:_GREETING]
+            if g[0] != 0xFF or g[9] & 1 == 0 or g[10] < 3:
+                raise Refused(f"not a ZMTP 3 peer (version {g[10]}.{g[11]})")
+            mech = bytes(g[12:32]).rstrip(b"\x00")
+            if mech != b"NULL":
+                raise Refused(f"security mechanism {mech.decode('ascii', 'replace')!r}: this node speaks NULL (no CURVE keys configured)")
+            self.at, self.greeted = _GREETING, True
+            got -= _GREETING
+        if got < 2:
+            return False
+        flags = self.buf[self.at]
+        long = flags & _LONG
+        if flags & ~(_COMMAND | _LONG) or not flags & _COMMAND:
+            raise Refused("expected READY after the greeting")
+        if long and got < 9:
+            return False
+        size = struct.unpack_from(">Q", self.buf, self.at + 1)[0] if long else self.buf[self.at + 1]
+        head = 9 if long else 2
+        if size > len(self.buf) - _GREETING - head:
+            raise Refused(f"a READY of {size} bytes")
+        if got < head + size:
+            return False
+        body = bytes(self.buf[self.at + head : self.at + head + size])
+        if not body.startswith(b"\x05READY"):
+            raise Refused("expected READY after the greeting")
+        try:
+            kind = _properties(body[6:]).get(b"socket-type", b"")
+        except ValueError:
+            raise Refused("a torn READY") from None
+        if kind != b"DEALER":
+            raise Refused(f"socket type {kind.decode('ascii', 'replace')!r}: a node serves DEALER sockets")
+        self.owner.sender.put(self.ident, [_command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", 6) + b"ROUTER")])
+        rest = bytes(self.buf[self.at + head + size : self.fill])
+        self.buf = bytearray(_STAGING + 64)  # a small frame and its header always fit
+        self.view = memoryview(self.buf)
+        self.buf[: len(rest)] = rest
+        self.at, self.fill, self.ready = 0, len(rest), True
+        self.timer.cancel()
+        return True
+
+    def _on_command(self, body: bytes) -> None:
+        n = body[0] if body else 0
+        name = body[1 : 1 + n]
+        if name == b"PING":  # heartbeats (ZMTP 3.1): answer with the ping's context
+            self.owner.sender.put(self.ident, [_command(b"PONG", body[1 + n + 2 :][:16])])
+        elif name not in (b"PONG", b"ERROR"):
+            raise Refused(f"unexpected command {name.decode('ascii', 'replace')!r}")
+
+    # ---------------------------------------------------------------- sending
+    def send(self, frames: list, track: bool) -> Sent | None:
+        parts: list = []
+        last = len(frames) - 1
+        for i, f in enumerate(frames):
+            n = f.nbytes if isinstance(f, memoryview) else len(f)
+            more = _MORE if i < last else 0
+            parts += [bytes([more, n]) if n < 256 else bytes([more | _LONG]) + struct.pack(">Q", n), f]
+        sent = Sent() if track else None
+        self.owner.sender.put(self.ident, parts, sent)
+        return sent
+
+
+class ZmtpListener(Listener):
+    """A node's listening socket and its peers (see the module's doc)."""
+
+    def __init__(self, bind: str, *, max_message_bytes: int, max_frames: int, budget: Callable[[bytes], int], who: Callable[[bytes], str], max_connections: int, sndhwm: int, handshake_s: float = 10.0) -> None:
+        self.max_message_bytes, self.max_frames, self.budget, self.who = max_message_bytes, max_frames, budget, who
+        self.max_connections, self.sndhwm, self.handshake_s = max_connections, sndhwm, handshake_s
+        self.idents = itertools.count(1)
+        self.sender = Sender()
+        self.discard = memoryview(bytearray(64 * 1024))
+        self.peers: dict[bytes, _Peer] = {}
+        self.refused = 0  # peers disconnected for breaking a limit
+        self._queue: asyncio.Queue | None = None
+        self._last: tuple[_Peer, int] | None = None
+        self._server = None
+        self._full_told = False
+        scheme, rest = bind.split("://", 1)
+        if scheme == "ipc":
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            if os.path.exists(rest) and stat.S_ISSOCK(os.stat(rest).st_mode):
+                os.unlink(rest)  # a stale socket file, as libzmq does on bind
+            self._sock.bind(rest)
+            self.address = bind
+        else:
+            host, port = rest.rsplit(":", 1)
+            host = host.strip("[]")
+            host = "0.0.0.0" if host == "*" else host
+            info = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+            self._sock = socket.socket(info[0], socket.SOCK_STREAM)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                self._sock.bind(info[4])
+            except OSError as exc:
+                self._sock.close()
+                if exc.errno == errno.EADDRINUSE:
+                    raise AddressInUse(errno.EADDRINUSE, f"{bind} is in use") from None
+                raise
+            got = self._sock.getsockname()
+            self.address = f"tcp://[{got[0]}]:{got[1]}" if info[0] == socket.AF_INET6 else f"tcp://{got[0]}:{got[1]}"
+        self._sock.listen(1024)
+        self._sock.setblocking(False)
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        if self._sock.family == socket.AF_UNIX:
+            self._server = await self.loop.create_unix_server(lambda: _Peer(self), sock=self._sock)
+        else:
+            self._server = await self.loop.create_server(lambda: _Peer(self), sock=self._sock)
+
+    # ---------------------------------------------------------------- peers
+    def admit(self, peer: _Peer) -> bool:
+        if len(self.peers) >= self.max_connections:
+            if not self._full_told:
+                self._full_told = True
+                log.warning("node refuses connections past node.max_connections = %d (first: %s)", self.max_connections, peer.name)
+            peer.transport.abort()
+            return False
+        self.peers[peer.ident] = peer
+        return True
+
+    def gone(self, peer: _Peer) -> None:
+        if self.peers.get(peer.ident) is peer:
+            del self.peers[peer.ident]
+            self._full_told = False
+
+    def refuse(self, peer: _Peer, why: str) -> None:
+        """Disconnect ``peer`` for breaking a limit, naming it in the log once."""
+        if peer.closed or peer.refused:
+            return
+        self.refused += 1
+        log.warning("disconnecting %s (%s): %s", self.who(peer.ident), peer.name, why)
+        peer.stop()
+
+    def deliver(self, peer: _Peer, frames: list, nbytes: int) -> None:
+        self._queue.put_nowait((peer, frames, nbytes))
+
+    def held(self, ident: bytes) -> int:
+        """Bytes ``ident``'s connection holds now (its unfinished message and the unserved ones)."""
+        p = self.peers.get(ident)
+        return 0 if p is None else p.held
+
+    # ---------------------------------------------------------------- the Listener contract
+    async def recv(self) -> tuple[bytes, list]:
+        if self._last is not None:
+            peer, n = self._last
+            self._last = None
+            peer.served(n)
+        peer, frames, n = await self._queue.get()
+        self._last = (peer, n)
+        return peer.ident, frames
+
+    def send(self, ident: bytes, frames: list, track: bool = False):
+        peer = self.peers.get(ident)
+        if peer is None or peer.closed or not peer.ready:
+            return None  # gone: what libzmq's ROUTER does with a message to an unknown peer
+        if self.sender.queued(ident) >= self.sndhwm:  # sends never wait on a peer: its queue is bounded by messages
+            raise SendQueueFull(ident)
+        return peer.send(frames, track)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for p in list(self.peers.values()):
+            p.transport.abort()
+        self._sock.close()
+        self.sender.close()
