@@ -24,6 +24,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+import zmq.utils.monitor
 from harness import assert_params_close, run_training, proc_status
 from workers.train import DEFAULTS, make_model, reference
 
@@ -33,6 +34,8 @@ from luwu.protocol.codecs import codec_names, get_codec
 from luwu.protocol.errors import ProtocolError
 from luwu.protocol.layout import ParamSpec, build_layout
 from luwu.protocol.messages import Op
+from luwu.switch_nodes.config import NodeConfig
+from luwu.switch_nodes.zmtp import FRAME_COST
 
 JOB = "luwu"
 WORLD = 2
@@ -365,16 +368,27 @@ class FuzzReport:
     internal_examples: list = field(default_factory=list)
     unsolicited: int = 0
     """Messages a node sent a fuzzer socket beyond one reply per message (UPDATEs of a hijacked rank)."""
+    disconnects: int = 0
+    """Connections the nodes closed as owed: after a message past a stranger's limits, with every
+    message before it answered."""
     sent_during_training: int = 0
     seconds: float = 0.0
     connections: int = 0
     """Fuzzer connections opened (each a fresh DEALER: a new TCP connection and identity)."""
 
 
-def expected_reply(frames: list[bytes]) -> Op:
+#: What a connection that has not said HELLO may hold (the nodes run the default node.stranger_bytes).
+STRANGER_BYTES = NodeConfig().stranger_bytes
+
+
+def expected_reply(frames: list[bytes]) -> Op | None:
     """What a node owes a stranger for ``frames``: a STATS is answered in kind, everything else is
     refused with ERROR (a stranger's HELLO claims a rank outside the world or one held by another live
-    connection; its HEARTBEAT, ROLLBACK, PUSH... claim a rank that is not its own)."""
+    connection; its HEARTBEAT, ROLLBACK, PUSH... claim a rank that is not its own). None: more than a
+    stranger may send (its header or its bytes past the limits): the node answers what came before and
+    disconnects."""
+    if len(frames[0]) > wire.MAX_HEADER_BYTES or sum(len(f) + FRAME_COST for f in frames) > STRANGER_BYTES or len(frames) > NodeConfig().max_message_frames:
+        return None
     try:
         h = wire.decode(frames, job=JOB).header
     except ProtocolError:
@@ -410,7 +424,10 @@ def fuzz(
     :func:`expected_reply`, in order per socket. A socket whose oldest message waits longer than
     ``reply_timeout_s`` counts its unanswered messages as ``missing`` and is replaced by a fresh one.
     ``reconnect_every``: a socket that has sent that many messages and has every answer is closed and
-    a fresh one (a new connection, a new identity) takes its place (``rep.connections`` counts them)."""
+    a fresh one (a new connection, a new identity) takes its place (``rep.connections`` counts them).
+    A message the node owes a disconnect (:func:`expected_reply` None) is the last its socket sends: the
+    node must answer the ones before it and close the connection (seen on a socket monitor); any other
+    disconnect is a violation."""
     ctx = zmq.Context()
     rep = rep if rep is not None else FuzzReport()
     t0 = time.monotonic() - rep.seconds
@@ -420,18 +437,70 @@ def fuzz(
     waiting_since: dict[zmq.Socket, float] = {}
 
     sent_on: dict[zmq.Socket, int] = {}
+    doomed: set[zmq.Socket] = set()  # sent a message the node owes a disconnect: sends nothing more
+    monitors: dict[zmq.Socket, zmq.Socket] = {}  # monitor socket -> its socket
 
     def open_socket(node: int) -> None:
         s = dealer(ctx, addrs[node])
         s.setsockopt(zmq.SNDHWM, 0)
         owner[s], pending[s], waiting_since[s], sent_on[s] = node, deque(), time.monotonic(), 0
+        mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitors[mon] = s
         poller.register(s, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         rep.connections += 1
 
     def drop_socket(s: zmq.Socket) -> None:
+        mon = next(m for m, o in monitors.items() if o is s)
         poller.unregister(s)
+        poller.unregister(mon)
+        s.disable_monitor()
+        mon.close(0)
         s.close(0)
-        del owner[s], pending[s], waiting_since[s], sent_on[s]
+        del owner[s], pending[s], waiting_since[s], sent_on[s], monitors[mon]
+        doomed.discard(s)
+
+    def read_replies(s: zmq.Socket) -> None:
+        while True:
+            try:
+                reply = s.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            rep.replies += 1
+            msg = wire.decode(reply, job=JOB)  # a node's reply must itself be a valid message
+            op = msg.header["op"]
+            rep.replies_by_op[op.name] += 1
+            if not pending[s]:
+                rep.unsolicited += 1
+                continue
+            waiting_since[s] = time.monotonic()
+            cat, frames = pending[s].popleft()
+            text = msg.header.get("message", "")
+            if op == Op.ERROR:
+                rep.errors_by_code[msg.header["code"]] += 1
+                if text.startswith("internal error"):
+                    rep.internal_errors[text[:100]] += 1
+                    if len(rep.internal_examples) < 10:
+                        rep.internal_examples.append((cat, shown(frames), text[:300]))
+            want = expected_reply(frames)
+            if op != want:
+                rep.num_violations += 1
+                if len(rep.violations) < 10:
+                    rep.violations.append((cat, shown(frames), op.name, text[:200] if want else "answered instead of disconnected"))
+
+    def disconnected(s: zmq.Socket) -> None:
+        """The node closed ``s``'s connection: owed once every message before the doomed one is answered."""
+        read_replies(s)
+        owed = s in doomed and len(pending[s]) == 1
+        if owed:
+            rep.disconnects += 1
+        else:
+            rep.num_violations += 1
+            if len(rep.violations) < 10:
+                rep.violations.append(("disconnect", shown(pending[s][0][1]) if pending[s] else "-", f"disconnected with {len(pending[s])} unanswered", ""))
+        node = owner[s]
+        drop_socket(s)
+        open_socket(node)
 
     for i in range(len(addrs)):
         for _ in range(sockets_per_node):
@@ -444,12 +513,14 @@ def fuzz(
                     drop_socket(s)
                     open_socket(node)
                     continue
-                while len(pending[s]) < window and rep.sent < num_messages and not (reconnect_every and sent_on[s] >= reconnect_every):
+                while s not in doomed and len(pending[s]) < window and rep.sent < num_messages and not (reconnect_every and sent_on[s] >= reconnect_every):
                     if not pending[s]:
                         waiting_since[s] = time.monotonic()
                     cat, frames = fuzzers[owner[s]].message()
                     s.send_multipart(frames, copy=True)
                     pending[s].append((cat, frames))
+                    if expected_reply(frames) is None:
+                        doomed.add(s)
                     sent_on[s] += 1
                     rep.sent += 1
                     rep.by_category[cat] += 1
@@ -458,31 +529,11 @@ def fuzz(
                         rep.seconds = time.monotonic() - t0
                         on_progress(rep)
             for s, _ in poller.poll(100):
-                while True:
-                    try:
-                        reply = s.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    rep.replies += 1
-                    msg = wire.decode(reply, job=JOB)  # a node's reply must itself be a valid message
-                    op = msg.header["op"]
-                    rep.replies_by_op[op.name] += 1
-                    if not pending[s]:
-                        rep.unsolicited += 1
-                        continue
-                    waiting_since[s] = time.monotonic()
-                    cat, frames = pending[s].popleft()
-                    text = msg.header.get("message", "")
-                    if op == Op.ERROR:
-                        rep.errors_by_code[msg.header["code"]] += 1
-                        if text.startswith("internal error"):
-                            rep.internal_errors[text[:100]] += 1
-                            if len(rep.internal_examples) < 10:
-                                rep.internal_examples.append((cat, shown(frames), text[:300]))
-                    if op != expected_reply(frames):
-                        rep.num_violations += 1
-                        if len(rep.violations) < 10:
-                            rep.violations.append((cat, shown(frames), op.name, text[:200]))
+                if s in monitors:
+                    zmq.utils.monitor.recv_monitor_message(s)
+                    disconnected(monitors[s])
+                elif s in owner:
+                    read_replies(s)
             now = time.monotonic()
             for s in [s for s in owner if pending[s] and now - waiting_since[s] > reply_timeout_s]:
                 rep.missing += len(pending[s])
@@ -491,7 +542,7 @@ def fuzz(
                 open_socket(node)
     finally:
         for s in list(owner):
-            s.close(0)
+            drop_socket(s)
         ctx.term()
     rep.seconds = time.monotonic() - t0
     return rep

@@ -1,0 +1,406 @@
+"""What one peer may hold in a node, and the time one message may take, are bounded (node.peer_bytes,
+node.stranger_bytes, node.max_message_frames, node.max_connections; the node's own ZMTP listener).
+
+Attackers speak ZMTP by hand over raw TCP (a libzmq client cannot leave a multipart message
+unfinished); workers and monitors use libzmq DEALER sockets. The first tests run the listener in this
+process (a real socket, a uvloop event loop on a thread) to look inside it; the last run real node
+processes while a real job trains, and compare the job with local AdamW.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import uvloop
+import zmq
+import zmq.utils.monitor
+from harness import assert_params_close, proc_status, run_training
+from integration.test_hostile_input import JOB, ask, job_layout, pack, stats, templates, wait_for_workers
+from workers.train import reference
+
+import luwu
+from luwu.protocol import messages as wire
+from luwu.protocol.messages import Op
+from luwu.switch_nodes.zmtp import FRAME_COST, ZmtpListener
+
+MiB = 1 << 20
+
+# -- a ZMTP peer by hand ------------------------------------------------------------------------------
+
+
+def frame(body: bytes, more: bool = False) -> bytes:
+    n = len(body)
+    return (bytes([int(more), n]) if n < 256 else bytes([int(more) | 2]) + struct.pack(">Q", n)) + body
+
+
+def frame_head(n: int, more: bool) -> bytes:
+    return bytes([int(more) | 2]) + struct.pack(">Q", n)
+
+
+class RawPeer:
+    """A TCP connection that did the ZMTP 3 handshake as a DEALER and sends whatever it is told."""
+
+    def __init__(self, addr: str, timeout_s: float = 10.0):
+        host, port = addr.split("://", 1)[1].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        greeting = b"\xff" + b"\x00" * 7 + b"\x01\x7f\x03\x01" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
+        self.sock.sendall(greeting)
+        got = self.recv_exact(64)
+        assert got[:1] == b"\xff" and got[10] == 3 and got[12:16] == b"NULL", got
+        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+        self.sock.sendall(bytes([4, len(ready)]) + ready)
+        flags, size = self.recv_exact(2)
+        assert flags == 4 and self.recv_exact(size).startswith(b"\x05READY")
+
+    def recv_exact(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            got = self.sock.recv(n - len(out))
+            if not got:
+                raise ConnectionError("closed")
+            out += got
+        return out
+
+    def send_message(self, frames: list[bytes]) -> None:
+        self.sock.sendall(b"".join(frame(f, i < len(frames) - 1) for i, f in enumerate(frames)))
+
+    def recv_message(self) -> list[bytes]:
+        frames = []
+        while True:
+            flags = self.recv_exact(1)[0]
+            n = struct.unpack(">Q", self.recv_exact(8))[0] if flags & 2 else self.recv_exact(1)[0]
+            frames.append(self.recv_exact(n))
+            if not flags & 1:
+                return frames
+
+    def closed_by_node(self, within_s: float) -> bool:
+        """True once the node ended the connection (EOF or reset) within ``within_s``; what it still
+        sends meanwhile is read and dropped."""
+        deadline = time.monotonic() + within_s
+        self.sock.settimeout(0.2)
+        while time.monotonic() < deadline:
+            try:
+                if not self.sock.recv(1 << 16):
+                    return True
+            except socket.timeout:
+                continue
+            except OSError:
+                return True
+        return False
+
+    def try_send(self, data: bytes) -> None:
+        """Send as much as the node takes (it may close the connection halfway)."""
+        try:
+            self.sock.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# -- the listener in this process ---------------------------------------------------------------------
+
+
+class Served:
+    """A ZmtpListener on a uvloop event loop in a thread; ``take()`` serves one message."""
+
+    def __init__(self, **kw):
+        self.loop = uvloop.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        args = {"max_message_bytes": 4 * MiB, "max_frames": 8, "budget": lambda ident: 6 * MiB, "who": lambda ident: "peer", "max_connections": 16, "sndhwm": 100, **kw}
+        self.listener = self.call(self._make(args))
+        self.address = self.listener.address
+
+    async def _make(self, args) -> ZmtpListener:
+        lis = ZmtpListener("tcp://127.0.0.1:0", **args)
+        await lis.start()
+        return lis
+
+    def call(self, coro, timeout_s: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def take(self, timeout_s: float = 10.0) -> tuple[bytes, list]:
+        async def one():
+            return await self.listener.recv()
+
+        return self.call(one(), timeout_s)
+
+    def serve_on(self) -> None:
+        """Serve every message from now on, unseen (as the node's receive loop does: the last one taken
+        counts as served once the next is asked for)."""
+
+        async def forever():
+            while True:
+                await self.listener.recv()
+
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(forever()))
+
+    def on_loop(self, fn, *args):
+        async def run():
+            return fn(*args)
+
+        return self.call(run())
+
+    def close(self) -> None:
+        self.on_loop(self.listener.close)
+
+        async def cancel():
+            for t in asyncio.all_tasks():
+                if t is not asyncio.current_task():
+                    t.cancel()
+
+        self.call(cancel())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def served():
+    made: list[Served] = []
+
+    def make(**kw) -> Served:
+        made.append(Served(**kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def dealer(addr: str) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.RCVTIMEO, 10_000)
+    s.connect(addr)
+    return s
+
+
+@pytest.mark.timeout(60)
+def test_a_libzmq_dealer_speaks_with_the_listener(served):
+    """The listener is ZMTP as libzmq speaks it: multipart messages with empty, small, staged and
+    in-place frames both ways, answers by routing id, send trackers done once the bytes left,
+    heartbeats (PING) answered so libzmq keeps the connection."""
+    srv = served()
+    s = dealer(srv.address)
+    s.setsockopt(zmq.HEARTBEAT_IVL, 50)
+    s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 300)
+    mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        big = bytes(range(256)) * (3 * MiB // 256)
+        sent = [b"head", b"", b"x" * 300, big, b"tail"]
+        s.send_multipart(sent)
+        ident, got = srv.take()
+        assert [bytes(f) for f in got] == sent
+        tracker = srv.on_loop(srv.listener.send, ident, [b"answer", memoryview(big)], True)
+        assert s.recv_multipart() == [b"answer", big]
+        tracker.wait(5)
+        time.sleep(1.0)  # ~20 heartbeats: unanswered, libzmq would drop the connection after 300 ms
+        assert not mon.poll(0), "libzmq dropped the connection: PING not answered"
+        s.send_multipart([b"again"])
+        assert [bytes(f) for f in srv.take()[1]] == [b"again"]
+        edge = [b"h", b"y" * (16 * 1024 + 10)]  # just over the staging size: it arrives whole in staging
+        s.send_multipart(edge)
+        assert [bytes(f) for f in srv.take()[1]] == edge
+    finally:
+        s.disable_monitor()
+        mon.close(0)
+        s.close(0)
+
+
+@pytest.mark.timeout(60)
+def test_what_a_peer_holds_is_bounded_and_it_is_read_on_once_served(served):
+    """A peer sending faster than its messages are served holds at most its budget in the listener
+    (the node stops reading it; TCP pushes back), and nothing is lost: every message arrives, in order,
+    once served."""
+    budget = 6 * MiB
+    srv = served(budget=lambda ident: budget)
+    peer = RawPeer(srv.address)
+    msgs = [[b"h%d" % i, bytes([i]) * MiB] for i in range(40)]  # 40 MiB, far past the budget
+    sender = threading.Thread(target=lambda: [peer.send_message(m) for m in msgs], daemon=True)
+    sender.start()
+    try:
+        time.sleep(1.0)
+        ident = next(iter(srv.on_loop(lambda: list(srv.listener.peers))))
+        held = srv.on_loop(srv.listener.held, ident)
+        assert 0 < held <= budget, held
+        assert sender.is_alive(), "the whole 40 MiB was taken in: the sender should be held back"
+        for i, m in enumerate(msgs):
+            _, got = srv.take()
+            assert [bytes(f) for f in got] == m, i
+            assert srv.on_loop(srv.listener.held, ident) <= budget
+        sender.join(10)
+        assert not sender.is_alive()
+    finally:
+        peer.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "attack, why",
+    [
+        ("unfinished", "more than this peer may hold"),
+        ("too_large", "a message payload of 1099511627776 bytes"),
+        ("header", "header frame"),
+        ("empty_frames", "more than 8 frames"),
+        ("flags", "not ZMTP 3"),
+    ],
+)
+def test_a_peer_past_a_limit_is_disconnected_named_once_and_answered_first(served, caplog, attack, why):
+    """Each limit is checked on a frame's header, before its buffer exists: the peer's earlier complete
+    message is served and answered, then the connection ends, and the log names the peer once."""
+    srv = served(budget=lambda ident: 3 * MiB, max_message_bytes=8 * MiB)
+    peer = RawPeer(srv.address)
+    caplog.set_level(logging.WARNING, logger="luwu.switch_nodes.zmtp")
+    try:
+        peer.send_message([b"first"])
+        attacks = {
+            "unfinished": frame(b"h", True) + frame_head(MiB, True) + bytes(MiB) + frame_head(MiB, True) + bytes(MiB) + frame_head(MiB, True) + bytes(1000),
+            "too_large": frame(b"h", True) + frame_head(1 << 40, False) + bytes(1000),
+            "header": frame_head(wire.MAX_HEADER_BYTES + 1, False) + bytes(1000),
+            "empty_frames": b"\x01\x00" * 3_000_000,  # 6 MB of empty frames, all MORE
+            "flags": b"\x80\x00",
+        }
+        peer.try_send(attacks[attack])
+        ident, got = srv.take()
+        assert [bytes(f) for f in got] == [b"first"]
+        srv.on_loop(srv.listener.send, ident, [b"answer"])
+        srv.serve_on()
+        peer.sock.settimeout(10)
+        assert peer.recv_message() == [b"answer"]
+        assert peer.closed_by_node(5)
+        peer.close()  # the node half-closed; libzmq closes on that EOF, as we do here
+        deadline = time.monotonic() + 5
+        while srv.on_loop(lambda: len(srv.listener.peers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.on_loop(lambda: len(srv.listener.peers)) == 0
+        lines = [r.getMessage() for r in caplog.records if "disconnecting" in r.getMessage()]
+        assert len(lines) == 1 and why in lines[0] and "peer (127.0.0.1:" in lines[0], lines
+    finally:
+        peer.close()
+
+
+@pytest.mark.timeout(60)
+def test_silent_connections_and_connections_past_the_limit_are_closed(served):
+    """A connection that never finishes the handshake is closed after handshake_s; past
+    max_connections a new one is closed at once, and there is room again once they are gone."""
+    srv = served(max_connections=3, handshake_s=0.5)
+    quiet = [socket.create_connection(srv.address.split("//")[1].rsplit(":", 1)) for _ in range(3)]
+    try:
+        extra = socket.create_connection(srv.address.split("//")[1].rsplit(":", 1))
+        extra.settimeout(5)
+        assert extra.recv(100) in (b"",), "the 4th connection is closed at once"
+        for q in quiet:  # the greeting, then nothing: closed after handshake_s
+            q.settimeout(5)
+            got = q.recv(100)
+            while got:
+                got = q.recv(100)
+            q.close()
+        time.sleep(0.2)
+        peer = RawPeer(srv.address)  # room again
+        peer.close()
+    finally:
+        for q in quiet:
+            q.close()
+
+
+# -- real nodes, a real job ---------------------------------------------------------------------------
+
+SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 40, "batch": 8, "bucket_bytes": 1024, "timeout_s": 60.0}
+
+
+def rss(pid: int) -> int:
+    return proc_status(pid)["VmRSS"]
+
+
+@pytest.mark.timeout(240)
+def test_floods_against_a_training_node_hold_nothing_and_change_nothing(tmp_path, capfd):
+    """While a 2-worker job trains, from 16 connections: unfinished multipart messages (a 100 MiB frame
+    announced, 4 MiB of it sent), 3M empty frames in one message (6 MB), 10 MiB header frames, and a
+    stranger's HELLO naming 3e7 ranks. Each flooding peer is cut off and named in the node's log once,
+    node RSS stays within 16 MiB of what it was, a monitor's STATS is answered within a second all
+    along, and the job equals local AdamW."""
+    with luwu.local_cluster(1, job=JOB) as cluster:
+        pid = cluster.procs[0].pid
+        out: dict = {}
+
+        def train():
+            try:
+                out["results"] = run_training(SPEC, cluster.addresses, tmp_path, world_size=2, timeout_s=180)
+            except BaseException as exc:
+                out["error"] = f"{type(exc).__name__}: {exc}"
+
+        th = threading.Thread(target=train, daemon=True)
+        th.start()
+        wait_for_workers(cluster.addresses, 2, 120, alive=th.is_alive)
+        before = rss(pid)
+        layout = job_layout(SPEC, 1)
+        hello, _ = templates(layout, 0)[Op.HELLO]
+        peers, slowest = [], 0.0
+        for i in range(16):
+            p = RawPeer(cluster.addresses[0])
+            kind = ("unfinished", "empty", "header", "hello")[i % 4]
+            if kind == "unfinished":
+                p.try_send(frame(pack(dict(hello), [])[0], True) + frame_head(100 * MiB, True) + bytes(4 * MiB))
+            elif kind == "empty":
+                p.try_send(b"\x01\x00" * 3_000_000)
+            elif kind == "header":
+                p.try_send(frame_head(10 * MiB, False) + bytes(MiB))
+            else:
+                p.send_message(pack({**hello, "world_size": 30_000_000}, []))
+                reply = wire.decode(p.recv_message(), job=JOB).header
+                assert reply["op"] == Op.ERROR and "max_world_size" in reply["message"], reply
+            t0 = time.monotonic()
+            stats(cluster.addresses[0])
+            slowest = max(slowest, time.monotonic() - t0)
+            peers.append((kind, p))
+        try:
+            for kind, p in peers:
+                if kind != "hello":
+                    assert p.closed_by_node(10), f"{kind}: still connected"
+            grown = rss(pid) - before
+            assert grown < 16 * MiB, f"node RSS grew by {grown / MiB:.1f} MiB"
+            assert slowest < 1.0, f"a STATS took {slowest:.2f} s during the floods"
+        finally:
+            for _, p in peers:
+                p.close()
+        th.join(200)
+        assert "error" not in out, out.get("error")
+        want, _ = reference(dict(SPEC, world_size=2))
+        for r in out["results"]:
+            assert_params_close(r["params"], want)
+        assert rss(pid) - before < 16 * MiB
+    named = [line for line in capfd.readouterr().err.splitlines() if "disconnecting a peer that did not say HELLO" in line]
+    assert len(named) == 12, named
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_rank_is_held_to_its_budget(tmp_path, capfd):
+    """A connection that said HELLO as a rank may send messages of up to node.max_message_bytes (here 4
+    MiB; it holds at most node.peer_bytes, 5 MiB, while they wait): an unfinished message past it is
+    refused before its third 2 MiB frame is allocated, and the node names the rank."""
+    with luwu.local_cluster(1, job=JOB, node_args=["--node.max_message_bytes", str(4 * MiB)]) as cluster:
+        pid = cluster.procs[0].pid
+        layout = job_layout(SPEC, 1)
+        hello, _ = templates(layout, 0)[Op.HELLO]
+        p = RawPeer(cluster.addresses[0])
+        try:
+            p.send_message(pack({**hello, "world_size": 1, "worker": 0}, []))
+            assert wire.decode(p.recv_message(), job=JOB).header["op"] == Op.WELCOME
+            before = rss(pid)
+            head = pack({"op": Op.STATS, "job": JOB, "step": 0, "worker": 0}, [])[0]
+            p.try_send(frame(head, True) + (frame_head(2 * MiB, True) + bytes(2 * MiB)) * 2 + frame_head(2 * MiB, True) + bytes(MiB))
+            assert p.closed_by_node(10)
+            assert rss(pid) - before < 8 * MiB
+            assert stats(cluster.addresses[0])["workers"] == 1  # the node is fine; the rank waits for a new HELLO
+        finally:
+            p.close()
+    named = [line for line in capfd.readouterr().err.splitlines() if "disconnecting" in line]
+    assert len(named) == 1 and "disconnecting worker rank 0" in named[0] and "a message payload of 6291456 bytes or more (at most 4194304)" in named[0], named
