@@ -156,18 +156,20 @@ def run(args) -> dict:
     cpu = {"tcp_client": [], "tcp_server": [], "luwu_worker": [], "luwu_node": []}
     faults = {k: [] for k in cpu}
     node_threads: dict[str, list[float]] = {}
-    sgd_s, curve_s = [], []
+    sgd_s, curve_s, zmq_s = [], [], []
     keys, tmp = KeySet.generate(1), tempfile.TemporaryDirectory(prefix="luwu-bench-keys-")
     node_file = Path(tmp.name) / "node.toml"  # the node's keys in a 0600 file, as luwu keys writes them
     node_file.touch(0o600)
     node_file.write_text(tomli_w.dumps({"node": keys.node_settings()}))
     with luwu.local_cluster(1, job=JOB, node_args=["--metrics.port", "0"]) as cluster, luwu.local_cluster(1, job=JOB + "-sgd") as sgd_cluster, \
-            luwu.local_cluster(1, job=JOB + "-curve", node_args=["--config", str(node_file)]) as curve_cluster:
+            luwu.local_cluster(1, job=JOB + "-curve", node_args=["--config", str(node_file)]) as curve_cluster, \
+            luwu.local_cluster(1, job=JOB + "-libzmq", node_args=["--node.listener", "libzmq"]) as zmq_cluster:
         url = cluster.metrics_urls[0]
         opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster.addresses, rank=0, world_size=1, job=JOB, lr=1e-4, bucket_bytes=args.bucket_mib * MIB, compression=False)
         sgd = luwu.RemoteOptimizer(model, "sgd", nodes=sgd_cluster.addresses, rank=0, world_size=1, job=JOB + "-sgd", lr=1e-6, bucket_bytes=args.bucket_mib * MIB, compression=False)
         curve = luwu.RemoteOptimizer(model, "adamw", nodes=curve_cluster.addresses, rank=0, world_size=1, job=JOB + "-curve", lr=1e-4, compression=False,
                                      transport=TransportConfig(bucket_bytes=args.bucket_mib * MIB, **keys.client_settings(keys.workers[0])))
+        via_zmq = luwu.RemoteOptimizer(model, "adamw", nodes=zmq_cluster.addresses, rank=0, world_size=1, job=JOB + "-libzmq", lr=1e-4, bucket_bytes=args.bucket_mib * MIB, compression=False)
         timed = TimedFinish(opt.worker)
         try:
             node_pid, server_pid = cluster.procs[0].pid, tcp.proc.pid
@@ -181,15 +183,22 @@ def run(args) -> dict:
                 n0, w0, th0 = proc_usage(node_pid), proc_usage(), threads_cpu_s(node_pid)
                 t0 = time.perf_counter()
                 opt.step()
+                opt.synchronize()  # the weights are back (per-layer waits would take them at the next read)
                 t_luwu = time.perf_counter() - t0
                 n1, w1, th1 = proc_usage(node_pid), proc_usage(), threads_cpu_s(node_pid)
                 m1 = scrape(url)
                 t0 = time.perf_counter()
                 sgd.step()
+                sgd.synchronize()  # the weights are back (per-layer waits would take them at the next read)
                 t_sgd = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 curve.step()
+                curve.synchronize()  # the weights are back (per-layer waits would take them at the next read)
                 t_curve = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                via_zmq.step()
+                via_zmq.synchronize()  # the weights are back (per-layer waits would take them at the next read)
+                t_zmq = time.perf_counter() - t0
                 if i >= args.warmup:
                     for k, v in node_threads_delta(node_pid, th0, th1).items():
                         node_threads.setdefault(k, []).append(v)
@@ -200,6 +209,7 @@ def run(args) -> dict:
                     luwu_s.append(t_luwu)
                     sgd_s.append(t_sgd)
                     curve_s.append(t_curve)
+                    zmq_s.append(t_zmq)
                     opt_s.append(m1["luwu_node_optimizer_step_seconds_sum"] - m0["luwu_node_optimizer_step_seconds_sum"])
                     opt_count.append(m1["luwu_node_optimizer_step_seconds_count"] - m0["luwu_node_optimizer_step_seconds_count"])
                     finish_s.append(timed.seconds)
@@ -209,11 +219,12 @@ def run(args) -> dict:
             opt.close()
             sgd.close()
             curve.close()
+            via_zmq.close()
             tcp.close()
             tmp.cleanup()
     gb = 2 * nbytes / 1e9
     t_l, t_t = median(luwu_s), median(tcp_s)
-    t_s, t_c = median(sgd_s), median(curve_s)
+    t_s, t_c, t_z = median(sgd_s), median(curve_s), median(zmq_s)
     rows = [
         {"impl": "raw TCP echo (sendall / recv_into, reused buffers)", "ms": t_t * 1e3, "GB_per_s": gb / t_t, "ratio_vs_tcp": 1.0, "ratio_paired": 1.0},
         {
@@ -237,6 +248,14 @@ def run(args) -> dict:
             "ratio_vs_tcp": t_t / t_c,
             "ratio_paired": paired_ratio(tcp_s, curve_s),
             "ratio_vs_plain_luwu": paired_ratio(luwu_s, curve_s),
+        },
+        {
+            "impl": "LuWu step() through libzmq's ROUTER (node.listener = libzmq, no per-peer bounds): push + AdamW on node + weights back",
+            "ms": t_z * 1e3,
+            "GB_per_s": gb / t_z,
+            "ratio_vs_tcp": t_t / t_z,
+            "ratio_paired": paired_ratio(tcp_s, zmq_s),
+            "ratio_vs_plain_luwu": paired_ratio(luwu_s, zmq_s),
         },
     ]
     breakdown = {
@@ -266,6 +285,7 @@ def run(args) -> dict:
         "tcp_s": tcp_s,
         "node_optimizer_s": opt_s,
         "curve_s": curve_s,
+        "libzmq_s": zmq_s,
     }
 
 
@@ -326,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         "network is the job's own: a private fabric or VLAN that only the job's hosts reach, or loopback; "
         "anywhere other hosts or tenants can reach the nodes' ports, keep CURVE on (the default there).",
         "",
+        f"The node's own ZMTP listener (the default without CURVE: what each peer holds is bounded before allocation) against "
+        f"libzmq's ROUTER for the same round trip: libzmq takes {1 / res['rows'][4]['ratio_vs_plain_luwu']:.2f}x the time of the default "
+        "(ratio_vs_plain_luwu, per repetition).",
+        "",
         "## LuWu step() breakdown (ms, medians)",
         "",
         md_table([b], list(b)),
@@ -337,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         md_table(res["cpu_per_round"], ["impl", "client_cpu_s", "server_cpu_s", "total_cpu_s", "client_page_faults", "server_page_faults"]),
         "",
-        "The node's CPU per step by thread (ms; loop = event loop / main thread, optimizer_thread = the busiest other Python thread, zmq_io = ZeroMQ's I/O threads; clock ticks of 10 ms, medians):",
+        "The node's CPU per step by thread (ms; loop = event loop / main thread, optimizer_thread = the busiest other Python thread, zmq_io = ZeroMQ's I/O threads (none: the node reads ZMTP itself), other = the rest (the node's sending thread); clock ticks of 10 ms, medians):",
         "",
         md_table([res["node_threads_cpu_ms"]], list(res["node_threads_cpu_ms"])),
         "",
