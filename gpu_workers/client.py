@@ -97,6 +97,8 @@ class WorkerClient:
             s.setsockopt(zmq.SNDBUF, self.cfg.sndbuf_bytes)
         s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by what we asked for
         s.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + wire.MAX_HEADER_BYTES)
+        if self.cfg.join_secret:
+            s.setsockopt(zmq.METADATA, wire.join_metadata(self.cfg.join_secret))
         if self.cfg.curve_server_key:
             s.curve_serverkey = self.cfg.curve_server_key.encode()
             s.curve_publickey = self.cfg.curve_public_key.encode()

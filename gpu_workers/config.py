@@ -38,6 +38,9 @@ class TransportConfig:
     """This worker's Z85 CURVE public key (must be authorized on the nodes)."""
     curve_secret_key: str = ""
     """This worker's Z85 CURVE secret key."""
+    join_secret: str = ""
+    """Shown to the nodes in the ZeroMQ handshake, for nodes that ask for one (node.join_secret). A secret:
+    never in argv (LUWU_TRANSPORT__JOIN_SECRET or a mode-600 --config file)."""
     retain_freed_memory: bool = True
     """Keep freed memory in the training process (glibc mallopt) so gradients, received weights and
     activations reuse already touched memory instead of fresh pages (~10x slower to fill); costs

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from luwu.protocol.errors import NodeTimeoutError, ProtocolError, error_for_code
+from luwu.protocol.messages import join_metadata
 from luwu.rundir import read_state
 from luwu.units import human_bytes, human_seconds
 
@@ -54,11 +55,12 @@ def _parse_reply(address: str, frames: list) -> dict:
     return msg.header["detail"]
 
 
-def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, context=None, curve: tuple[str, str, str] | None = None) -> list[NodeStatus]:
+def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, context=None, curve: tuple[str, str, str] | None = None, join_secret: str = "") -> list[NodeStatus]:
     """Ask every node at once; one deadline for all. Never raises for a node's fault.
 
     ``curve`` = (nodes' public key, our public key, our secret key) for nodes with CURVE on
-    (``luwu up`` makes a monitor key pair the nodes accept: keys/monitor.toml)."""
+    (``luwu up`` makes a monitor key pair the nodes accept: keys/monitor.toml); ``join_secret`` for
+    nodes that ask for one (node.join_secret)."""
     import zmq
 
     if not timeout_s > 0:
@@ -76,6 +78,8 @@ def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOU
             socks[s] = i
             if curve is not None:
                 s.curve_serverkey, s.curve_publickey, s.curve_secretkey = (k.encode() for k in curve)
+            if join_secret:
+                s.setsockopt(zmq.METADATA, join_metadata(join_secret))
             try:
                 s.connect(address)
                 s.send_multipart(_stats_request(job), flags=zmq.NOBLOCK)

@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 
 VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
+JOIN_PROPERTY = "X-Luwu-Join"
+"""The ZMTP handshake property (READY metadata, ZeroMQ's ZMQ_METADATA) that carries a job's join secret."""
+
+
+def join_metadata(secret: str) -> bytes:
+    """The ZMQ_METADATA value that shows ``secret`` to a node in the handshake."""
+    return f"{JOIN_PROPERTY}:{secret}".encode()
 
 
 class Op(enum.IntEnum):

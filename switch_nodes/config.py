@@ -49,6 +49,11 @@ class NodeConfig:
     """zmtp: the most frames one message may have (a header and its payload frames)."""
     max_connections: int = 1024
     """zmtp: the most connections open at once (workers, monitors); more are closed as they come."""
+    join_secret: str = ""
+    """zmtp: a connection must show this in its ZeroMQ handshake (workers and tools: transport.join_secret)
+    or it is closed before it may send a frame: no reply, no job state, no allocation. '' = anyone who
+    reaches the port may talk (loopback). A secret: never in argv (LUWU_NODE__JOIN_SECRET or a mode-600
+    --config file). With CURVE the keys do this."""
     torch_threads: int = 1
     """Threads for the optimizer kernel; the event loop needs a core of its own for communication."""
     checkpoint_dir: str = ""
@@ -115,6 +120,8 @@ class NodeConfig:
             raise ConfigError("node.listener = 'zmtp' speaks no CURVE: use 'auto' or 'libzmq' with CURVE keys")
         if self.listener == "zmtp" and self.bind.startswith("inproc://"):
             raise ConfigError("node.listener = 'zmtp' binds tcp:// or ipc:// addresses, not inproc://")
+        if self.join_secret and not self.uses_zmtp:
+            raise ConfigError("node.join_secret is checked by the zmtp listener: with CURVE keys, the authorized keys do this (leave it empty)")
         if self.stranger_bytes < 65 * 1024:
             raise ConfigError(f"node.stranger_bytes must be >= 66560 (a HELLO header of 64 KiB fits), got {self.stranger_bytes}")
         if self.peer_bytes and self.peer_bytes < self.max_message_bytes + 65 * 1024 + 64 * self.max_message_frames:

@@ -114,7 +114,7 @@ class NodeServer:
         if cfg.uses_zmtp:
             from luwu.switch_nodes.zmtp import ZmtpListener
 
-            self.listener = ZmtpListener(cfg.bind, max_message_bytes=cfg.max_message_bytes, max_frames=cfg.max_message_frames, budget=self._budget, who=self.who, max_connections=cfg.max_connections, sndhwm=cfg.rcvhwm)
+            self.listener = ZmtpListener(cfg.bind, max_message_bytes=cfg.max_message_bytes, max_frames=cfg.max_message_frames, budget=self._budget, who=self.who, max_connections=cfg.max_connections, sndhwm=cfg.rcvhwm, join_secret=cfg.join_secret)
         else:
             curve = (cfg.curve_public_key, cfg.curve_secret_key, cfg.curve_authorized_keys) if cfg.curve_secret_key else None
             self.listener = LibzmqListener(cfg.bind, max_message_bytes=cfg.max_message_bytes, hwm=cfg.rcvhwm, curve=curve)

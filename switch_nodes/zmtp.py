@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
+import time
 import itertools
 import logging
 import os
@@ -36,7 +38,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from luwu.protocol.messages import MAX_HEADER_BYTES
+from luwu.protocol.messages import JOIN_PROPERTY, MAX_HEADER_BYTES
 from luwu.switch_nodes.listener import AddressInUse, Listener, SendQueueFull
 from luwu.switch_nodes.sender import Sender, Sent
 
@@ -49,6 +51,29 @@ _GREETING = 64
 _STAGING = 16 * 1024  # a frame up to this size is parsed out of the staging buffer; larger ones are read in place
 FRAME_COST = 64  # what a frame counts against its peer's budget beyond its bytes: empty frames count too
 _MAX_COMMAND = 4096
+_JOIN = JOIN_PROPERTY.lower().encode()
+
+
+class _Told:
+    """How many strangers' disconnections were logged this minute: a stranger opening connection after
+    connection must not write the node's log for it."""
+
+    LINES = 20
+
+    def __init__(self) -> None:
+        self.since, self.lines, self.quiet = time.monotonic(), 0, 0
+
+    def may(self) -> bool:
+        now = time.monotonic()
+        if now - self.since >= 60:
+            if self.quiet:
+                log.warning("... and %d more peers that did not say HELLO disconnected in the last %.0f s", self.quiet, now - self.since)
+            self.since, self.lines, self.quiet = now, 0, 0
+        self.lines += 1
+        if self.lines > self.LINES:
+            self.quiet += 1
+            return False
+        return True
 
 
 def _greeting() -> bytes:
@@ -317,11 +342,14 @@ class _Peer(asyncio.BufferedProtocol):
         if not body.startswith(b"\x05READY"):
             raise Refused("expected READY after the greeting")
         try:
-            kind = _properties(body[6:]).get(b"socket-type", b"")
+            props = _properties(body[6:])
         except ValueError:
             raise Refused("a torn READY") from None
+        kind = props.get(b"socket-type", b"")
         if kind != b"DEALER":
             raise Refused(f"socket type {kind.decode('ascii', 'replace')!r}: a node serves DEALER sockets")
+        if self.owner.join_secret and not hmac.compare_digest(props.get(_JOIN, b""), self.owner.join_secret):
+            raise Refused("no join secret" if _JOIN not in props else "a wrong join secret")
         self.owner.sender.put(self.ident, [_command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", 6) + b"ROUTER")])
         rest = bytes(self.buf[self.at + head + size : self.fill])
         self.buf = bytearray(_STAGING + 64)  # a small frame and its header always fit
@@ -355,8 +383,10 @@ class _Peer(asyncio.BufferedProtocol):
 class ZmtpListener(Listener):
     """A node's listening socket and its peers (see the module's doc)."""
 
-    def __init__(self, bind: str, *, max_message_bytes: int, max_frames: int, budget: Callable[[bytes], int], who: Callable[[bytes], str], max_connections: int, sndhwm: int, handshake_s: float = 10.0) -> None:
+    def __init__(self, bind: str, *, max_message_bytes: int, max_frames: int, budget: Callable[[bytes], int], who: Callable[[bytes], str], max_connections: int, sndhwm: int, handshake_s: float = 10.0, join_secret: str = "") -> None:
         self.max_message_bytes, self.max_frames, self.budget, self.who = max_message_bytes, max_frames, budget, who
+        self.join_secret = join_secret.encode()
+        self._told = _Told()
         self.max_connections, self.sndhwm, self.handshake_s = max_connections, sndhwm, handshake_s
         self.idents = itertools.count(1)
         self.sender = Sender()
@@ -418,11 +448,14 @@ class ZmtpListener(Listener):
             self._full_told = False
 
     def refuse(self, peer: _Peer, why: str) -> None:
-        """Disconnect ``peer`` for breaking a limit, naming it in the log once."""
+        """Disconnect ``peer`` for breaking a limit, naming it in the log once (strangers: at most
+        ``_Told.LINES`` lines a minute, then one line counting the rest)."""
         if peer.closed or peer.refused:
             return
         self.refused += 1
-        log.warning("disconnecting %s (%s): %s", self.who(peer.ident), peer.name, why)
+        who = self.who(peer.ident)
+        if who.startswith("worker") or self._told.may():
+            log.warning("disconnecting %s (%s): %s", who, peer.name, why)
         peer.stop()
 
     def deliver(self, peer: _Peer, frames: list, nbytes: int) -> None:

@@ -23,6 +23,8 @@ class Target:
     """The cluster file read, or 'environment/flags'."""
     curve: tuple[str, str, str] | None
     """(nodes' public key, client public key, client secret key) when the nodes run CURVE."""
+    join_secret: str
+    """transport.join_secret, for nodes that ask for one."""
     run_dir: Path | None
     """The ``luwu up`` run dir the cluster file belongs to, if any."""
 
@@ -61,7 +63,7 @@ def resolve_cluster(args) -> Target:
     t = cfg.transport
     curve = (t.curve_server_key, t.curve_public_key, t.curve_secret_key) if t.curve_server_key else None
     files = [path] if isinstance(path, str) else list(path or ())
-    return Target(list(cfg.cluster.nodes), cfg.cluster.job, " + ".join(files) or "environment/flags", curve, _run_dir_of(files[0] if files else None))
+    return Target(list(cfg.cluster.nodes), cfg.cluster.job, " + ".join(files) or "environment/flags", curve, t.join_secret, _run_dir_of(files[0] if files else None))
 
 
 def _run_dir_of(path: str | None) -> Path | None:
@@ -111,12 +113,12 @@ def cmd_status(args) -> int:
         raise ConfigError(f"--sample must be >= 0 seconds, got {args.sample}")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    statuses = query_many(addresses, job, args.timeout, curve=target.curve)
+    statuses = query_many(addresses, job, args.timeout, curve=target.curve, join_secret=target.join_secret)
     prev = None
     if args.sample > 0:
         prev = {st.address: st for st in statuses}
         time.sleep(args.sample)
-        statuses = query_many(addresses, job, args.timeout, curve=target.curve)
+        statuses = query_many(addresses, job, args.timeout, curve=target.curve, join_secret=target.join_secret)
     restarts = restarts_of(target)
     warnings = warnings_of(target)
     if args.json:

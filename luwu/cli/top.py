@@ -28,7 +28,7 @@ def cmd_top(args) -> int:
 
     def frame():
         nonlocal prev
-        statuses = query_many(addresses, job, timeout_s, curve=target.curve)
+        statuses = query_many(addresses, job, timeout_s, curve=target.curve, join_secret=target.join_secret)
         title = f"luwu top - job [bold]{job}[/] ({source}) - {time.strftime('%H:%M:%S')} - every {args.interval:g} s, Ctrl-C quits"
         table = render_table(statuses, prev, title=title, restarts=restarts_of(target), width=out.width)
         prev = {st.address: st for st in statuses if st.up}

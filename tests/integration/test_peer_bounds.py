@@ -125,7 +125,12 @@ class Served:
         return lis
 
     def call(self, coro, timeout_s: float = 10.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            fut.cancel()  # or it would take the next message
+            raise
 
     def take(self, timeout_s: float = 10.0) -> tuple[bytes, list]:
         async def one():
@@ -404,3 +409,79 @@ def test_a_worker_rank_is_held_to_its_budget(tmp_path, capfd):
             p.close()
     named = [line for line in capfd.readouterr().err.splitlines() if "disconnecting" in line]
     assert len(named) == 1 and "disconnecting worker rank 0" in named[0] and "a message payload of 6291456 bytes or more (at most 4194304)" in named[0], named
+
+
+SECRET = "s3cr3t-join"
+
+
+def closed_at_handshake(addr: str, secret: str | None) -> bool:
+    """A libzmq DEALER (showing ``secret`` if given) asks STATS: True if the node closed the connection
+    without a word."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    if secret is not None:
+        s.setsockopt(zmq.METADATA, wire.join_metadata(secret))
+    mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        s.connect(addr)
+        s.send_multipart(wire.encode({"op": Op.STATS, "job": JOB, "step": 0, "worker": 0}))
+        disconnected = bool(mon.poll(5000))
+        assert not s.poll(200), "the node answered a peer without the join secret"
+        return disconnected
+    finally:
+        s.disable_monitor()
+        mon.close(0)
+        s.close(0)
+
+
+@pytest.mark.timeout(60)
+def test_the_listener_closes_a_peer_without_the_join_secret_before_its_first_frame(served):
+    srv = served(join_secret="abc")
+    assert closed_at_handshake(srv.address, None)
+    assert closed_at_handshake(srv.address, "abd")
+    with pytest.raises(TimeoutError):
+        srv.take(timeout_s=0.5)  # nothing reached the node
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.METADATA, wire.join_metadata("abc"))
+    s.connect(srv.address)
+    try:
+        s.send_multipart([b"hi"])
+        assert [bytes(f) for f in srv.take()[1]] == [b"hi"]
+    finally:
+        s.close(0)
+
+
+@pytest.mark.timeout(180)
+def test_a_node_with_a_join_secret_gives_a_stranger_nothing(tmp_path, monkeypatch, capfd):
+    """node.join_secret (here from LUWU_NODE__JOIN_SECRET, never argv): a peer that does not show it in
+    the handshake gets no reply, no job state and no allocation, and the node's log says so at most 20
+    times a minute (libzmq reconnects a refused socket every 100 ms); workers and
+    `luwu status` that show it (transport.join_secret) train and query as usual, and the job equals
+    local AdamW."""
+    from harness import TRAIN, start_workers, wait_all
+
+    from luwu.monitor import query_many
+
+    monkeypatch.setenv("LUWU_NODE__JOIN_SECRET", SECRET)
+    with luwu.local_cluster(1, job=JOB) as cluster:
+        addr = cluster.addresses[0]
+        assert SECRET not in " ".join(open(f"/proc/{cluster.procs[0].pid}/cmdline").read().split("\0"))
+        assert closed_at_handshake(addr, None) and closed_at_handshake(addr, "wrong")
+        with pytest.raises(ConnectionError):
+            RawPeer(addr)  # no READY back: the handshake is where it ends
+        (st,) = query_many([addr], JOB, 5, join_secret=SECRET)
+        assert st.up and st.detail["workers"] == 0, st
+        (st,) = query_many([addr], JOB, 2)
+        assert not st.up
+        spec = dict(SPEC, nodes=[addr], world_size=2, out=str(tmp_path / "joined"))
+        path_env = {"LUWU_TRANSPORT__JOIN_SECRET": SECRET}
+        wait_all(start_workers(TRAIN, spec, 2, tmp_path, env=path_env), 150)
+    want, _ = reference(dict(SPEC, world_size=2))
+    import torch
+
+    for r in range(2):
+        assert_params_close(torch.load(f"{spec['out']}.rank{r}")["params"], want)
+    named = [line for line in capfd.readouterr().err.splitlines() if "join secret" in line]
+    # libzmq reconnects a refused socket every 100 ms: at most 20 lines a minute say so, whatever the count
+    assert 3 <= len(named) <= 20 and any("a wrong join secret" in line for line in named), named

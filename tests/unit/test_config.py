@@ -31,6 +31,12 @@ def test_precedence_and_sources(tmp_path):
         ({"env": {"LUWU_NODE__STALENESS": "-1"}}, "node.staleness must be >= 0, got -1"),
         ({"argv": ["--optimizer.delayed_update_warmup=-3"]}, "optimizer.delayed_update_warmup must be >= 0, got -3"),
         ({"argv": ["--node.bind=tcp://0.0.0.0:5555"]}, "not loopback: configure CURVE keys"),
+        ({"argv": ["--node.listener=zmq"]}, "node.listener must be one of"),
+        ({"argv": ["--node.listener=zmtp", "--node.bind=inproc://n"]}, "binds tcp:// or ipc:// addresses, not inproc://"),
+        ({"argv": ["--node.stranger_bytes=1000"]}, "node.stranger_bytes must be >= 66560"),
+        ({"argv": ["--node.peer_bytes=1048576"]}, "cannot hold one message of node.max_message_bytes"),
+        ({"argv": ["--node.max_message_frames=0"]}, "node.max_message_frames must be >= 1"),
+        ({"env": {"LUWU_NODE__JOIN_SECRET": "x"}, "argv": ["--node.listener=libzmq"]}, "node.join_secret is checked by the zmtp listener"),
     ],
 )
 def test_bad_values_and_keys_are_named(kw, match):
