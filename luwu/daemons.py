@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 from luwu.cluster_file import cluster_file_text, cluster_sections, reachable
-from luwu.keyset import DEFAULT_WORKER_KEYS, KeySet, env_file_text, is_loopback, split_secrets, write_keyset
+from secrets import token_urlsafe
+
+from luwu.keyset import DEFAULT_WORKER_KEYS, KeySet, env_file_text, is_loopback, split_secrets, write_join_files, write_keyset
 from luwu.protocol.errors import ConfigError, LuwuError
 from luwu.rundir import (
     CLUSTER_FILE,
@@ -88,7 +90,8 @@ def node_secrets(options, cfg, overrides: list[str], nodes: list[NodeSpec]) -> t
     set is those plus a new pair for ``luwu status``, added to the authorized keys. Without, keys
     are made when a node binds an address other hosts can reach and node.insecure_public_bind is
     not set: one pair for the nodes, one per worker rank (--workers, else cluster.world_size, else
-    DEFAULT_WORKER_KEYS) and one for ``luwu status``.
+    DEFAULT_WORKER_KEYS) and one for ``luwu status``. With node.insecure_public_bind, the nodes get a
+    join secret instead (node.join_secret, made unless given): only who holds it may talk to them.
     """
     _, env = split_secrets(overrides, to_env=ENV_SETTINGS)
     warnings: list[str] = []
@@ -99,7 +102,8 @@ def node_secrets(options, cfg, overrides: list[str], nodes: list[NodeSpec]) -> t
         env["LUWU_NODE__CURVE_AUTHORIZED_KEYS"] = ",".join([*cfg.node.curve_authorized_keys, keys.monitor[0]])
     elif public:
         if cfg.node.insecure_public_bind:
-            warnings.append(f"nodes bind {', '.join(public)} WITHOUT encryption (node.insecure_public_bind): anyone who reaches these ports can join the job and read its traffic")
+            warnings.append(f"nodes bind {', '.join(public)} WITHOUT encryption (node.insecure_public_bind): anyone who reaches these ports can read the job's traffic (and its join secret)")
+            env["LUWU_NODE__JOIN_SECRET"] = cfg.node.join_secret or token_urlsafe(24)
         else:
             keys = KeySet.generate(getattr(options, "workers", None) or cfg.cluster.world_size or DEFAULT_WORKER_KEYS)
             env.update(keys.node_env())
@@ -171,14 +175,18 @@ def _node_error(log_tail: str) -> str:
     return f": {lines[-1][len(prefix):]}" if lines else ""
 
 
-def write_outputs(run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = None) -> None:
+def write_outputs(run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = None, join_secret: str = "") -> None:
     """``cluster.toml`` with the bound addresses (no secret: mode 0644) and ``targets.json`` for
     Prometheus; with ``keys``, ``keys/worker<r>.toml`` for each rank ``up`` made keys for and
-    ``keys/monitor.toml``: the cluster file's settings plus that client's keys, mode 0600."""
+    ``keys/monitor.toml``: the cluster file's settings plus that client's keys, mode 0600. With a
+    ``join_secret``, ``keys/join.toml`` (every rank's) and ``keys/monitor.toml``: the cluster file's
+    settings plus transport.join_secret, mode 0600."""
     job = cfg.cluster.job
     addresses = [reachable(n["address"]) for n in nodes]  # a node bound to 0.0.0.0 is listed by this host's name
     server_key = keys.node[0] if keys else ""
-    if server_key:
+    if join_secret:
+        point = f"Nodes ask for the job's join secret: workers use --config {run_dir / KEYS_DIR}/join.toml (this file plus the secret)"
+    elif server_key:
         point = f"CURVE is on: worker rank r uses --config {run_dir / KEYS_DIR}/worker<r>.toml (this file plus its keys)" if keys.workers else "CURVE is on: each worker adds its own key pair (worker<r>.toml of luwu keys, or LUWU_TRANSPORT__* variables)"
     else:
         point = "Point workers at it (--config, RemoteOptimizer(nodes=...) or LUWU_NODES)"
@@ -186,6 +194,8 @@ def write_outputs(run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = N
     write_atomic(run_dir / CLUSTER_FILE, cluster_file_text(cfg, addresses, header=header, server_key=server_key), 0o644)
     if keys is not None:
         write_keyset(run_dir / KEYS_DIR, keys, shared=cluster_sections(cfg, addresses, server_key=server_key), node_files=False)
+    if join_secret:
+        write_join_files(run_dir / KEYS_DIR, join_secret, cluster_sections(cfg, addresses))
     targets = [{"targets": [reachable(n["metrics_url"]).split("://", 1)[1]], "labels": {"luwu_job": job, "luwu_node": str(n["index"]), "luwu_role": "node"}} for n in nodes if n["metrics_url"]]
     write_atomic(run_dir / "targets.json", json.dumps(targets, indent=2), 0o644)
 

@@ -165,13 +165,33 @@ def write_keyset(out: Path | str, keys: KeySet, *, shared: dict | None = None, n
     """
     import tomli_w
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(out, 0o700)
+    out = _private_dir(out)
     files = {"node.toml": tomli_w.dumps({"node": keys.node_settings()}), "node.env": env_file_text(keys.node_env())} if node_files else {}
     for rank, pair in enumerate(keys.workers):
         files[f"worker{rank}.toml"] = tomli_w.dumps(client_file_sections(keys, pair, shared))
     files["monitor.toml"] = tomli_w.dumps(client_file_sections(keys, keys.monitor, shared))
+    return _write_private(out, files)
+
+
+def write_join_files(out: Path | str, secret: str, shared: dict) -> list[Path]:
+    """``join.toml`` (every worker rank's) and ``monitor.toml`` (``luwu status``/``top``): the cluster
+    file's ``shared`` sections plus transport.join_secret, each 0600 in ``out`` (0700)."""
+    import tomli_w
+
+    sections = {name: dict(table) for name, table in shared.items()}
+    sections["transport"] = {**sections.get("transport", {}), "join_secret": secret}
+    text = tomli_w.dumps(sections)
+    return _write_private(_private_dir(out), {"join.toml": text, "monitor.toml": text})
+
+
+def _private_dir(out: Path | str) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(out, 0o700)
+    return out
+
+
+def _write_private(out: Path, files: dict[str, str]) -> list[Path]:
     paths = []
     for name, text in files.items():
         write_atomic(out / name, text, 0o600)

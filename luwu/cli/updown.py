@@ -67,7 +67,8 @@ def cmd_up(args) -> int:
         daemons.stop_run_dir(run_dir, timeout_s=args.stop_timeout, console=err)
         return 1
     nodes = state["nodes"]
-    daemons.write_outputs(run_dir, cfg, nodes, keys)
+    join_secret = secrets.get("LUWU_NODE__JOIN_SECRET", "")
+    daemons.write_outputs(run_dir, cfg, nodes, keys, join_secret)
     table = Table(title=f"LuWu job [bold]{job}[/]: {len(nodes)} nodes up", title_justify="left", header_style="bold")
     for col in ("#", "address", "metrics", "pid"):
         table.add_column(col, no_wrap=True)
@@ -77,18 +78,22 @@ def cmd_up(args) -> int:
     made = keys is not None and bool(keys.workers)
     if made:
         console.print(f"CURVE on: keys made for {len(keys.workers)} worker ranks in {run_dir / KEYS_DIR} (mode 600; --workers N for more)", highlight=False, soft_wrap=True)
-    for line in next_steps(run_dir, made):
+    if join_secret:
+        console.print(f"join secret on: workers use {run_dir / KEYS_DIR}/join.toml (mode 600)", highlight=False, soft_wrap=True)
+    for line in next_steps(run_dir, made, join=bool(join_secret)):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0
 
 
-def next_steps(run_dir: Path, curve: bool = False) -> list[str]:
+def next_steps(run_dir: Path, curve: bool = False, *, join: bool = False) -> list[str]:
     """What ``up`` prints after its table: where things are and the commands to go on with,
     the training one with the shipped example, which reads the cluster file given by --config
     (with CURVE keys made by ``up``: each rank its own file, keys/worker<RANK>.toml)."""
     cluster_file = run_dir / CLUSTER_FILE
     if curve:
         train = f"torchrun --nproc-per-node 2 --no-python sh -c 'exec {sys.executable} {_example_script()} --config {run_dir / KEYS_DIR}/worker$RANK.toml'"
+    elif join:
+        train = f"torchrun --nproc-per-node 2 {_example_script()} --config {run_dir / KEYS_DIR}/join.toml"
     else:
         train = f"torchrun --nproc-per-node 2 {_example_script()} --config {cluster_file}"
     return [
@@ -140,7 +145,7 @@ def register(subparsers) -> None:
             "a mode 600 environment file, never their command line. Nodes bound to an address other hosts reach (--host "
             "0.0.0.0, a cluster file's host names) run CURVE: without keys configured, up makes them (node, one per worker "
             "rank, one for status) and writes <run dir>/keys/worker<r>.toml for rank r; node.insecure_public_bind = true "
-            "opts out, with a warning. The run dir is mode 700, its plan, state, logs and keys mode 600."
+            "opts out, with a warning, and up makes a join secret instead (<run dir>/keys/join.toml for the workers). The run dir is mode 700, its plan, state, logs and keys mode 600."
         ),
     )
     s.add_argument("--nodes", type=int, default=None, metavar="N", help="number of nodes (default: the cluster file's node list, else 2)")

@@ -166,12 +166,24 @@ def test_up_on_a_public_address_makes_curve_keys(tmp_path):
         s = luwu("status", "--config", str(run / "keys" / "monitor.toml"), f"--cluster.nodes={address}", "--json")
         assert s.returncode == 0 and json.loads(s.stdout)[0]["up"], s.stdout + s.stderr
 
-        # The explicit opt-out: no keys, one warning line.
+        # The explicit opt-out: no encryption, one warning line, and a join secret that only the
+        # mode-600 files hold: a client without it gets no answer.
         r = luwu("up", "--nodes", "1", "--host", "0.0.0.0", "--run-dir", str(plain), "--cluster.job=sd", "--node.insecure_public_bind=true", "--timeout", "90")
         assert r.returncode == 0, r.stdout + r.stderr
-        assert "WITHOUT encryption" in r.stderr and not (plain / "keys").exists() and not (plain / "node.env").exists()
+        assert "WITHOUT encryption" in r.stderr and "keys/join.toml" in r.stdout
+        assert sorted(p.name for p in (plain / "keys").iterdir()) == ["join.toml", "monitor.toml"]
+        assert all(mode(p) == 0o600 for p in (plain / "keys").iterdir()) and mode(plain / "node.env") == 0o600
+        secret = load_config(str(plain / "keys" / "join.toml"), env={}).transport.join_secret
+        assert len(secret) >= 24 and f"LUWU_NODE__JOIN_SECRET='{secret}'" in (plain / "node.env").read_text()
+        for public in ("cluster.toml", "plan.json"):
+            assert secret not in (plain / public).read_text(), public
         address = loopback(json.loads((plain / "state.json").read_text())["nodes"][0]["address"])
-        assert query_many([address], "sd", 10)[0].up
+        pid = json.loads((plain / "state.json").read_text())["nodes"][0]["pid"]
+        assert secret not in open(f"/proc/{pid}/cmdline").read()
+        assert not query_many([address], "sd", 1.5)[0].up, "no join secret, no answer"
+        assert query_many([address], "sd", 10, join_secret=secret)[0].up
+        s = luwu("status", "--run-dir", str(plain), f"--cluster.nodes={address}", "--json")
+        assert s.returncode == 0 and json.loads(s.stdout)[0]["up"], s.stdout + s.stderr
     finally:
         down(run)
         down(plain)
