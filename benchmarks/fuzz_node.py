@@ -4,7 +4,9 @@ The fuzzer, the checks and the cluster set-up are those of tests/integration/tes
 (:func:`fuzz_during_training`): a 2-node local cluster checkpointing every 10 steps, a legitimate
 2-worker training (tests/workers/train.py, AdamW), and once both workers are connected, mutated copies
 of valid messages of every op plus random garbage from three DEALER sockets per node. Each reply is
-checked against what a node owes a stranger (ERROR, or STATS to a STATS); at the end the training is
+checked against what a node owes a stranger (ERROR, or STATS to a STATS; a message past a stranger's
+limits, such as the 1-4 MiB ``big`` ones: every earlier message answered, then the connection
+closed, "disconnected as owed"); at the end the training is
 compared with the undisturbed single-process reference (over 400 steps: with the same job trained
 undisturbed by LuWu, bit for bit).
 
@@ -86,6 +88,7 @@ def study(name: str, num_messages: int, steps: int, seed: int, reconnect_every: 
         "rss_curve_bounded": all(r < rss_bound(w) for _, _, rss in curve for r, w in zip(rss, res.rss_warm)),
         "replies": rep.replies,
         "no_reply": rep.missing,
+        "disconnects_owed": rep.disconnects,
         "unsolicited": rep.unsolicited,
         "error_replies": rep.replies_by_op.get("ERROR", 0),
         "replies_by_op": dict(rep.replies_by_op),
@@ -137,7 +140,7 @@ def main() -> None:
         for name in [args.only] if args.only else list(CONFIGS):
             print(f"{name}: {n} messages, {args.steps} training steps", flush=True)
             rows.append(study(name, n, args.steps, args.seed, args.reconnect_every, args.rss_every))
-    cols = ["config", "messages", "connections", "ERROR replies", "STATS replies", "no reply", "unsolicited", "wrong replies", "internal errors", "during training", "nodes up", "RSS warm MiB", "RSS end MiB", "RSS peak MiB", "training equal", "msg/s"]
+    cols = ["config", "messages", "connections", "ERROR replies", "STATS replies", "disconnected as owed", "no reply", "unsolicited", "wrong replies", "internal errors", "during training", "nodes up", "RSS warm MiB", "RSS end MiB", "RSS peak MiB", "training equal", "msg/s"]
     table = [
         {
             "config": r["config"],
@@ -145,6 +148,7 @@ def main() -> None:
             "connections": r["connections"],
             "ERROR replies": r["error_replies"],
             "STATS replies": r["replies_by_op"].get("STATS", 0),
+            "disconnected as owed": r["disconnects_owed"],
             "no reply": r["no_reply"],
             "unsolicited": r["unsolicited"],
             "wrong replies": r["wrong_replies"],

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import socket
+import stat
 
 import zmq
 import zmq.asyncio
 
 from luwu.protocol import messages as wire
 
-__all__ = ["AddressInUse", "Listener", "LibzmqListener", "SendQueueFull"]
+__all__ = ["AddressInUse", "Listener", "LibzmqListener", "SendQueueFull", "listening_socket"]
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +40,11 @@ class Listener:
     async def start(self) -> None:
         """Begin accepting (on the node's event loop)."""
 
-    async def recv(self) -> tuple[bytes, list]:
-        """The next whole message: the connection's routing id and its frames (header first). Calling
-        it again says the previous message was served (what its peer held is given back)."""
+    async def recv(self) -> tuple[bytes, list, bool]:
+        """The next whole message: the connection's routing id, its frames (header first) and whether its
+        payload was dropped unread (a peer that did not say HELLO sent more than node.stranger_bytes: only
+        the header is there, to be answered as any stranger's). Calling it again says the previous message
+        was served (what its peer held is given back)."""
         raise NotImplementedError
 
     def send(self, ident: bytes, frames: list, track: bool = False):
@@ -57,6 +62,36 @@ class Listener:
 
     def close(self) -> None:
         raise NotImplementedError
+
+
+def listening_socket(bind: str) -> tuple[socket.socket, str]:
+    """A non-blocking listening socket on ``bind`` (tcp://HOST:PORT, port 0 any, ``*`` every interface;
+    ipc://PATH, a stale socket file replaced as libzmq does) and the address it got."""
+    scheme, rest = bind.split("://", 1)
+    if scheme == "ipc":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if os.path.exists(rest) and stat.S_ISSOCK(os.stat(rest).st_mode):
+            os.unlink(rest)
+        where, address = rest, bind
+    else:
+        host, port = rest.rsplit(":", 1)
+        host = "0.0.0.0" if host == "*" else host.strip("[]")
+        family, _, _, _, where = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(where)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise AddressInUse(errno.EADDRINUSE, f"{bind} is in use") from None
+        raise
+    if scheme != "ipc":
+        got = sock.getsockname()
+        address = f"tcp://[{got[0]}]:{got[1]}" if sock.family == socket.AF_INET6 else f"tcp://{got[0]}:{got[1]}"
+    sock.listen(1024)
+    sock.setblocking(False)
+    return sock, address
 
 
 class _KeyList:
@@ -105,12 +140,12 @@ class LibzmqListener(Listener):
         self._sock = sock
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    async def recv(self) -> tuple[bytes, list]:
+    async def recv(self) -> tuple[bytes, list, bool]:
         frames = await self._sock.recv_multipart(copy=False)
         ident, body = frames[0].bytes, frames[1:]
         if self._auth is not None and body:  # the CURVE key the connection authenticated with (z85)
             self._keys[ident] = body[0].get("User-Id")
-        return ident, body
+        return ident, body, False
 
     def peer_key(self, ident: bytes) -> str | None:
         return self._keys.get(ident)

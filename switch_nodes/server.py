@@ -114,16 +114,22 @@ class NodeServer:
         if cfg.uses_zmtp:
             from luwu.switch_nodes.zmtp import ZmtpListener
 
-            self.listener = ZmtpListener(cfg.bind, max_message_bytes=cfg.max_message_bytes, max_frames=cfg.max_message_frames, budget=self._budget, who=self.who, max_connections=cfg.max_connections, sndhwm=cfg.rcvhwm, join_secret=cfg.join_secret)
+            self.listener = ZmtpListener(
+                cfg.bind, max_message_bytes=cfg.max_message_bytes, max_frames=cfg.max_message_frames, budget=self._budget, who=self.who,
+                max_connections=cfg.max_connections, sndhwm=cfg.rcvhwm, join_secret=cfg.join_secret, member=self._member,
+            )
         else:
             curve = (cfg.curve_public_key, cfg.curve_secret_key, cfg.curve_authorized_keys) if cfg.curve_secret_key else None
             self.listener = LibzmqListener(cfg.bind, max_message_bytes=cfg.max_message_bytes, hwm=cfg.rcvhwm, curve=curve)
         self.address = self.listener.address
         return self.address
 
+    def _member(self, ident: bytes) -> bool:
+        return ident in self.peers.values()
+
     def _budget(self, ident: bytes) -> int:
         """What a connection may hold in the listener: a worker's budget once it said HELLO, else a stranger's."""
-        return self.cfg.peer_budget if ident in self.peers.values() else self.cfg.stranger_bytes
+        return self.cfg.peer_budget if self._member(ident) else self.cfg.stranger_bytes
 
     def who(self, ident: bytes) -> str:
         """A connection as a log line names it."""
@@ -195,8 +201,10 @@ class NodeServer:
     async def _recv_loop(self) -> None:
         listener = self.listener
         while True:
-            ident, body = await listener.recv()
+            ident, body, dropped = await listener.recv()
             try:
+                if dropped:
+                    raise self._dropped_error(ident, body)
                 msg = wire.decode(body, job=self.job, max_message_bytes=self.cfg.max_message_bytes)
                 await self._dispatch(ident, msg)
             except LuwuError as exc:
@@ -237,6 +245,20 @@ class NodeServer:
                 boot=self.boot,
             )
         return ProtocolError(f"{op.name} from a peer that did not say HELLO: say HELLO first")
+
+    def _dropped_error(self, ident: bytes, body) -> LuwuError:
+        """What a stranger is told for a message whose payload was dropped unread: what its header would get
+        (the payload decides nothing for a stranger)."""
+        try:
+            wire.decode(body[:1], job=self.job)
+        except ProtocolError as exc:
+            if not str(exc).startswith("header announces"):
+                raise  # garbage, another job: as any message
+        h = msgpack.unpackb(getattr(body[0], "bytes", body[0]), raw=False, strict_map_key=False)
+        op = Op(h["op"])
+        if op in _OPEN or ident in self.peers.values():
+            return ProtocolError(f"{op.name} with a payload of more than node.stranger_bytes = {self.cfg.stranger_bytes} from a peer that did not say HELLO")
+        return self._stranger_error(op)
 
     def _refuse(self, ident: bytes, body, exc: LuwuError) -> None:
         """Answer ERROR, echoing what can be read of the refused header (step, worker, bucket, op)."""

@@ -12,8 +12,10 @@ the frame's buffer exists:
   of at most ``max_message_bytes``;
 - what one peer holds (its unfinished message and its complete ones the node has not served yet) is
   at most ``budget(ident)`` bytes: ``node.peer_bytes`` for a worker, ``node.stranger_bytes`` for a
-  connection that has not said HELLO. A message that cannot fit is refused by disconnecting the peer;
-  otherwise the node stops reading from the peer (TCP pushes back) until its messages are served;
+  connection that has not said HELLO. A worker's message that cannot fit is refused by disconnecting
+  the peer; a stranger's payload that cannot fit is read and dropped, and its header alone reaches
+  the node (answered as any stranger's: what it says does not depend on the payload). Otherwise the
+  node stops reading from the peer (TCP pushes back) until its messages are served;
 - a connection finishes the greeting within ``handshake_s``; at most ``max_connections`` are open.
 
 A peer past a limit is disconnected and named in the log once. The event loop parses at most one
@@ -25,29 +27,25 @@ protocol (ZMTP 3.1, https://rfc.zeromq.org/spec/37/). With CURVE the node uses l
 from __future__ import annotations
 
 import asyncio
-import errno
 import hmac
-import time
 import itertools
 import logging
-import os
 import socket
-import stat
 import struct
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from luwu.protocol.messages import JOIN_PROPERTY, MAX_HEADER_BYTES
-from luwu.switch_nodes.listener import AddressInUse, Listener, SendQueueFull
+from luwu.switch_nodes.listener import Listener, SendQueueFull, listening_socket
 from luwu.switch_nodes.sender import Sender, Sent
+from luwu.switch_nodes.zmtp_frames import COMMAND, GREETING_BYTES, LONG, MORE, command, frame_head, greeting, properties
 
 __all__ = ["FRAME_COST", "ZmtpListener"]
 
 log = logging.getLogger(__name__)
 
-_MORE, _LONG, _COMMAND = 0x01, 0x02, 0x04
-_GREETING = 64
 _STAGING = 16 * 1024  # a frame up to this size is parsed out of the staging buffer; larger ones are read in place
 FRAME_COST = 64  # what a frame counts against its peer's budget beyond its bytes: empty frames count too
 _MAX_COMMAND = 4096
@@ -76,33 +74,6 @@ class _Told:
         return True
 
 
-def _greeting() -> bytes:
-    """Signature, version 3.1, mechanism NULL, as-server, filler (rfc 37, section "The Greeting")."""
-    return b"\xff" + b"\x00" * 7 + b"\x01\x7f" + b"\x03\x01" + b"NULL".ljust(20, b"\x00") + b"\x01" + b"\x00" * 31
-
-
-def _command(name: bytes, body: bytes) -> bytes:
-    data = bytes([len(name)]) + name + body
-    return (bytes([_COMMAND, len(data)]) if len(data) < 256 else bytes([_COMMAND | _LONG]) + struct.pack(">Q", len(data))) + data
-
-
-def _properties(data: bytes) -> dict[bytes, bytes]:
-    """READY's metadata: name-size, name, value-size (4 octets), value; ValueError on a torn list."""
-    props, at = {}, 0
-    while at < len(data):
-        n = data[at]
-        name = data[at + 1 : at + 1 + n]
-        if len(name) != n or at + 5 + n > len(data):
-            raise ValueError("torn property")
-        (v,) = struct.unpack_from(">I", data, at + 1 + n)
-        value = data[at + 5 + n : at + 5 + n + v]
-        if len(value) != v:
-            raise ValueError("torn property")
-        props[name.lower()] = value
-        at += 5 + n + v
-    return props
-
-
 class Refused(Exception):
     """A peer broke a limit or the protocol: it is disconnected (the message says why)."""
 
@@ -127,6 +98,9 @@ class _Peer(asyncio.BufferedProtocol):
         self.direct: np.ndarray | None = None  # a large frame read in place
         self.direct_at = 0
         self.direct_more = False
+        self.skipped = 0  # frames of the message being read that were dropped unread (a stranger's payload)
+        self.skip_left = 0  # bytes of the frame being dropped still to come
+        self.skip_more = False
         self.paused = False
         self.refused = False  # past a limit: what it sent before is served and answered, then it is closed
         self.closed = False
@@ -142,7 +116,7 @@ class _Peer(asyncio.BufferedProtocol):
         if not self.owner.admit(self):
             return
         self.owner.sender.add(self.ident, sock.fileno())  # every write goes through the sending thread
-        self.owner.sender.put(self.ident, [_greeting()])
+        self.owner.sender.put(self.ident, [greeting()])
         self.timer = self.owner.loop.call_later(self.owner.handshake_s, self._handshake_timeout)
 
     def connection_lost(self, exc) -> None:
@@ -159,6 +133,8 @@ class _Peer(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int):
         if self.refused:
             return self.owner.discard  # what a refused peer still sends is read and dropped
+        if self.skip_left:
+            return self.owner.discard[: self.skip_left]
         if self.direct is not None:
             return memoryview(self.direct)[self.direct_at :]
         if self.fill == len(self.buf):  # compact: move the unparsed tail to the front
@@ -171,7 +147,11 @@ class _Peer(asyncio.BufferedProtocol):
         if self.refused:
             return
         try:
-            if self.direct is not None:
+            if self.skip_left:
+                self.skip_left -= nbytes
+                if not self.skip_left:
+                    self._skipped(self.skip_more)
+            elif self.direct is not None:
                 self.direct_at += nbytes
                 if self.direct_at == len(self.direct):
                     frame, self.direct = memoryview(self.direct), None
@@ -188,7 +168,7 @@ class _Peer(asyncio.BufferedProtocol):
             self.owner.refuse(self, f"no ZMTP handshake within {self.owner.handshake_s:g} s")
 
     def _parse(self) -> None:
-        while not self.paused and self.direct is None and not self.closed:
+        while not self.paused and self.direct is None and not self.skip_left and not self.closed:
             if not self.ready:
                 if not self._handshake():
                     return
@@ -197,22 +177,25 @@ class _Peer(asyncio.BufferedProtocol):
             if avail < 2:
                 return
             flags = self.buf[self.at]
-            if flags & ~(_MORE | _LONG | _COMMAND):
+            if flags & ~(MORE | LONG | COMMAND):
                 raise Refused(f"frame flags 0x{flags:02x} are not ZMTP 3")
-            if flags & _LONG:
+            if flags & LONG:
                 if avail < 9:
                     return
                 (size,) = struct.unpack_from(">Q", self.buf, self.at + 1)
                 head = 9
             else:
                 size, head = self.buf[self.at + 1], 2
-            if flags & _COMMAND:
-                if size > _MAX_COMMAND or flags & _MORE:
+            if flags & COMMAND:
+                if size > _MAX_COMMAND or flags & MORE:
                     raise Refused(f"a command frame of {size} bytes")
                 if avail < head + size:
                     return
-                self._on_command(bytes(self.view[self.at + head : self.at + head + size]))
+                self._oncommand(bytes(self.view[self.at + head : self.at + head + size]))
                 self.at += head + size
+                continue
+            if self.skipped or self.frames and self._drops(size):
+                self._skip(head, size, bool(flags & MORE))
                 continue
             self._check(size)
             if not self._fits(size):
@@ -227,11 +210,11 @@ class _Peer(asyncio.BufferedProtocol):
             if size <= _STAGING:
                 frame = bytes(self.view[self.at : self.at + size])
                 self.at += size
-                self._frame(frame, bool(flags & _MORE))
+                self._frame(frame, bool(flags & MORE))
                 continue
             self.direct = np.empty(size, dtype=np.uint8)  # only now: after every limit said yes
             self.direct[:inside] = np.frombuffer(self.view[self.at : self.at + inside], dtype=np.uint8)
-            self.direct_at, self.direct_more = inside, bool(flags & _MORE)
+            self.direct_at, self.direct_more = inside, bool(flags & MORE)
             self.at += inside
             if self.at == self.fill:
                 self.at = self.fill = 0
@@ -239,10 +222,36 @@ class _Peer(asyncio.BufferedProtocol):
                 frame, self.direct = memoryview(self.direct), None
                 self._frame(frame, self.direct_more)
 
+    def _drops(self, size: int) -> bool:
+        """A payload frame of a peer that did not say HELLO, past its budget: read and dropped, so that its
+        header is answered as any stranger's is (a worker reconnected after a node restart is told to
+        roll back, whatever it was sending)."""
+        o = self.owner
+        return not o.member(self.ident) and self._message_bytes() + size + FRAME_COST > o.budget(self.ident)
+
+    def _skip(self, head: int, size: int, more: bool) -> None:
+        if len(self.frames) + self.skipped >= self.owner.max_frames:
+            raise Refused(f"a message of more than {self.owner.max_frames} frames")
+        self.at += head
+        take = min(size, self.fill - self.at)
+        self.at += take
+        if self.at == self.fill:
+            self.at = self.fill = 0
+        self.skipped += 1
+        self.skip_left, self.skip_more = size - take, more
+        if not self.skip_left:
+            self._skipped(more)
+
+    def _skipped(self, more: bool) -> None:
+        """A dropped frame is through: at the message's end its header goes to the node, marked."""
+        if not more:
+            self.skipped = 0
+            self._frame(None, False)
+
     def _check(self, size: int) -> None:
         """The limits that do not depend on what is queued: a frame past them can never be served."""
         o, first = self.owner, not self.frames
-        if len(self.frames) >= o.max_frames:
+        if len(self.frames) + self.skipped >= o.max_frames:
             raise Refused(f"a message of more than {o.max_frames} frames")
         if first and size > MAX_HEADER_BYTES:
             raise Refused(f"a header frame of {size} bytes (at most {MAX_HEADER_BYTES})")
@@ -262,12 +271,14 @@ class _Peer(asyncio.BufferedProtocol):
         return self.waiting == 0 or self.held + size + FRAME_COST <= self.owner.budget(self.ident)
 
     def _frame(self, frame, more: bool) -> None:
-        self.frames.append(frame)
+        """A frame is through (None: the end of a message whose payload was dropped)."""
+        if frame is not None:
+            self.frames.append(frame)
         if not more:
             frames, self.frames = self.frames, []
             n = self._message_bytes()
             self.waiting += n
-            self.owner.deliver(self, frames, n)
+            self.owner.deliver(self, frames, n, frame is None)
 
     def _pause(self) -> None:
         self.paused = True
@@ -312,29 +323,29 @@ class _Peer(asyncio.BufferedProtocol):
         """The peer's greeting, then its READY command; True once through."""
         got = self.fill - self.at
         if not self.greeted:
-            if got < _GREETING:
+            if got < GREETING_BYTES:
                 if got >= 1 and self.buf[0] != 0xFF or got >= 10 and self.buf[9] & 1 == 0:
                     raise Refused("not a ZMTP peer")
                 return False
-            g = self.buf[:_GREETING]
+            g = self.buf[:GREETING_BYTES]
             if g[0] != 0xFF or g[9] & 1 == 0 or g[10] < 3:
                 raise Refused(f"not a ZMTP 3 peer (version {g[10]}.{g[11]})")
             mech = bytes(g[12:32]).rstrip(b"\x00")
             if mech != b"NULL":
                 raise Refused(f"security mechanism {mech.decode('ascii', 'replace')!r}: this node speaks NULL (no CURVE keys configured)")
-            self.at, self.greeted = _GREETING, True
-            got -= _GREETING
+            self.at, self.greeted = GREETING_BYTES, True
+            got -= GREETING_BYTES
         if got < 2:
             return False
         flags = self.buf[self.at]
-        long = flags & _LONG
-        if flags & ~(_COMMAND | _LONG) or not flags & _COMMAND:
+        long = flags & LONG
+        if flags & ~(COMMAND | LONG) or not flags & COMMAND:
             raise Refused("expected READY after the greeting")
         if long and got < 9:
             return False
         size = struct.unpack_from(">Q", self.buf, self.at + 1)[0] if long else self.buf[self.at + 1]
         head = 9 if long else 2
-        if size > len(self.buf) - _GREETING - head:
+        if size > len(self.buf) - GREETING_BYTES - head:
             raise Refused(f"a READY of {size} bytes")
         if got < head + size:
             return False
@@ -342,7 +353,7 @@ class _Peer(asyncio.BufferedProtocol):
         if not body.startswith(b"\x05READY"):
             raise Refused("expected READY after the greeting")
         try:
-            props = _properties(body[6:])
+            props = properties(body[6:])
         except ValueError:
             raise Refused("a torn READY") from None
         kind = props.get(b"socket-type", b"")
@@ -350,7 +361,7 @@ class _Peer(asyncio.BufferedProtocol):
             raise Refused(f"socket type {kind.decode('ascii', 'replace')!r}: a node serves DEALER sockets")
         if self.owner.join_secret and not hmac.compare_digest(props.get(_JOIN, b""), self.owner.join_secret):
             raise Refused("no join secret" if _JOIN not in props else "a wrong join secret")
-        self.owner.sender.put(self.ident, [_command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", 6) + b"ROUTER")])
+        self.owner.sender.put(self.ident, [command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", 6) + b"ROUTER")])
         rest = bytes(self.buf[self.at + head + size : self.fill])
         self.buf = bytearray(_STAGING + 64)  # a small frame and its header always fit
         self.view = memoryview(self.buf)
@@ -359,11 +370,11 @@ class _Peer(asyncio.BufferedProtocol):
         self.timer.cancel()
         return True
 
-    def _on_command(self, body: bytes) -> None:
+    def _oncommand(self, body: bytes) -> None:
         n = body[0] if body else 0
         name = body[1 : 1 + n]
         if name == b"PING":  # heartbeats (ZMTP 3.1): answer with the ping's context
-            self.owner.sender.put(self.ident, [_command(b"PONG", body[1 + n + 2 :][:16])])
+            self.owner.sender.put(self.ident, [command(b"PONG", body[1 + n + 2 :][:16])])
         elif name not in (b"PONG", b"ERROR"):
             raise Refused(f"unexpected command {name.decode('ascii', 'replace')!r}")
 
@@ -373,8 +384,7 @@ class _Peer(asyncio.BufferedProtocol):
         last = len(frames) - 1
         for i, f in enumerate(frames):
             n = f.nbytes if isinstance(f, memoryview) else len(f)
-            more = _MORE if i < last else 0
-            parts += [bytes([more, n]) if n < 256 else bytes([more | _LONG]) + struct.pack(">Q", n), f]
+            parts += [frame_head(n, i < last), f]
         sent = Sent() if track else None
         self.owner.sender.put(self.ident, parts, sent)
         return sent
@@ -383,8 +393,8 @@ class _Peer(asyncio.BufferedProtocol):
 class ZmtpListener(Listener):
     """A node's listening socket and its peers (see the module's doc)."""
 
-    def __init__(self, bind: str, *, max_message_bytes: int, max_frames: int, budget: Callable[[bytes], int], who: Callable[[bytes], str], max_connections: int, sndhwm: int, handshake_s: float = 10.0, join_secret: str = "") -> None:
-        self.max_message_bytes, self.max_frames, self.budget, self.who = max_message_bytes, max_frames, budget, who
+    def __init__(self, bind: str, *, max_message_bytes: int, max_frames: int, budget: Callable[[bytes], int], who: Callable[[bytes], str], max_connections: int, sndhwm: int, handshake_s: float = 10.0, join_secret: str = "", member: Callable[[bytes], bool] = lambda ident: True) -> None:
+        self.max_message_bytes, self.max_frames, self.budget, self.who, self.member = max_message_bytes, max_frames, budget, who, member
         self.join_secret = join_secret.encode()
         self._told = _Told()
         self.max_connections, self.sndhwm, self.handshake_s = max_connections, sndhwm, handshake_s
@@ -397,31 +407,7 @@ class ZmtpListener(Listener):
         self._last: tuple[_Peer, int] | None = None
         self._server = None
         self._full_told = False
-        scheme, rest = bind.split("://", 1)
-        if scheme == "ipc":
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            if os.path.exists(rest) and stat.S_ISSOCK(os.stat(rest).st_mode):
-                os.unlink(rest)  # a stale socket file, as libzmq does on bind
-            self._sock.bind(rest)
-            self.address = bind
-        else:
-            host, port = rest.rsplit(":", 1)
-            host = host.strip("[]")
-            host = "0.0.0.0" if host == "*" else host
-            info = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)[0]
-            self._sock = socket.socket(info[0], socket.SOCK_STREAM)
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                self._sock.bind(info[4])
-            except OSError as exc:
-                self._sock.close()
-                if exc.errno == errno.EADDRINUSE:
-                    raise AddressInUse(errno.EADDRINUSE, f"{bind} is in use") from None
-                raise
-            got = self._sock.getsockname()
-            self.address = f"tcp://[{got[0]}]:{got[1]}" if info[0] == socket.AF_INET6 else f"tcp://{got[0]}:{got[1]}"
-        self._sock.listen(1024)
-        self._sock.setblocking(False)
+        self._sock, self.address = listening_socket(bind)
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -458,8 +444,8 @@ class ZmtpListener(Listener):
             log.warning("disconnecting %s (%s): %s", who, peer.name, why)
         peer.stop()
 
-    def deliver(self, peer: _Peer, frames: list, nbytes: int) -> None:
-        self._queue.put_nowait((peer, frames, nbytes))
+    def deliver(self, peer: _Peer, frames: list, nbytes: int, dropped: bool) -> None:
+        self._queue.put_nowait((peer, frames, nbytes, dropped))
 
     def held(self, ident: bytes) -> int:
         """Bytes ``ident``'s connection holds now (its unfinished message and the unserved ones)."""
@@ -467,14 +453,14 @@ class ZmtpListener(Listener):
         return 0 if p is None else p.held
 
     # ---------------------------------------------------------------- the Listener contract
-    async def recv(self) -> tuple[bytes, list]:
+    async def recv(self) -> tuple[bytes, list, bool]:
         if self._last is not None:
             peer, n = self._last
             self._last = None
             peer.served(n)
-        peer, frames, n = await self._queue.get()
+        peer, frames, n, dropped = await self._queue.get()
         self._last = (peer, n)
-        return peer.ident, frames
+        return peer.ident, frames, dropped
 
     def send(self, ident: bytes, frames: list, track: bool = False):
         peer = self.peers.get(ident)

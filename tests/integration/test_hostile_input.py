@@ -35,7 +35,6 @@ from luwu.protocol.errors import ProtocolError
 from luwu.protocol.layout import ParamSpec, build_layout
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.config import NodeConfig
-from luwu.switch_nodes.zmtp import FRAME_COST
 
 JOB = "luwu"
 WORLD = 2
@@ -377,17 +376,13 @@ class FuzzReport:
     """Fuzzer connections opened (each a fresh DEALER: a new TCP connection and identity)."""
 
 
-#: What a connection that has not said HELLO may hold (the nodes run the default node.stranger_bytes).
-STRANGER_BYTES = NodeConfig().stranger_bytes
-
-
 def expected_reply(frames: list[bytes]) -> Op | None:
     """What a node owes a stranger for ``frames``: a STATS is answered in kind, everything else is
     refused with ERROR (a stranger's HELLO claims a rank outside the world or one held by another live
-    connection; its HEARTBEAT, ROLLBACK, PUSH... claim a rank that is not its own). None: more than a
-    stranger may send (its header or its bytes past the limits): the node answers what came before and
-    disconnects."""
-    if len(frames[0]) > wire.MAX_HEADER_BYTES or sum(len(f) + FRAME_COST for f in frames) > STRANGER_BYTES or len(frames) > NodeConfig().max_message_frames:
+    connection; its HEARTBEAT, ROLLBACK, PUSH... claim a rank that is not its own; a payload past
+    node.stranger_bytes is dropped unread and the header answered). None: a header past 64 KiB or
+    too many frames: the node answers what came before and disconnects."""
+    if len(frames[0]) > wire.MAX_HEADER_BYTES or len(frames) > NodeConfig().max_message_frames:
         return None
     try:
         h = wire.decode(frames, job=JOB).header
