@@ -82,6 +82,7 @@ class NodeServer:
         self._jobs: asyncio.Queue | None = None
         self._stop: asyncio.Event | None = None
         self.listener: Listener | None = None
+        self._full_told: set[bytes] = set()  # connections told of in the log for not reading
         self.ckpt = CheckpointStore(cfg.checkpoint_dir, cfg.index) if cfg.checkpoint_dir and cfg.index >= 0 else None
         self.accumulators = AccumulatorPool(cfg.inflight_bytes)  # shared by the buckets (luwu.switch_nodes.store)
         self.replies = Replies(self)
@@ -286,7 +287,11 @@ class NodeServer:
             return self.listener.send(ident, frames, track)
         except SendQueueFull:
             self.metrics.errors.labels("send_queue_full").inc()
-            log.warning("send queue full for peer %r; reply dropped", ident)
+            if ident not in self._full_told:  # once per connection: a peer that does not read writes no log
+                if len(self._full_told) > 4096:
+                    self._full_told.clear()
+                self._full_told.add(ident)
+                log.warning("send queue full for %s (%r): it does not read; its replies are dropped (luwu_node_errors_total{code=\"send_queue_full\"} counts them)", self.who(ident), ident)
             return None
 
     def send_to(self, worker: int, frames: list, track: bool = False):

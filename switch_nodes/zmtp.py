@@ -27,6 +27,7 @@ protocol (ZMTP 3.1, https://rfc.zeromq.org/spec/37/). With CURVE the node uses l
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import itertools
 import logging
@@ -93,6 +94,7 @@ class _Peer(asyncio.BufferedProtocol):
         self.greeted = False
         self.timer: asyncio.TimerHandle | None = None
         self.frames: list = []  # the message being read
+        self.inbox: collections.deque = collections.deque()  # complete messages the node has not taken yet
         self.held = 0  # what this peer holds: the message being read and the complete ones not served yet
         self.waiting = 0  # of which the complete ones
         self.direct: np.ndarray | None = None  # a large frame read in place
@@ -403,7 +405,8 @@ class ZmtpListener(Listener):
         self.discard = memoryview(bytearray(64 * 1024))
         self.peers: dict[bytes, _Peer] = {}
         self.refused = 0  # peers disconnected for breaking a limit
-        self._queue: asyncio.Queue | None = None
+        self._ready: collections.deque[_Peer] = collections.deque()  # peers with complete messages, taken in turn
+        self._arrived: asyncio.Event | None = None
         self._last: tuple[_Peer, int] | None = None
         self._server = None
         self._full_told = False
@@ -411,7 +414,7 @@ class ZmtpListener(Listener):
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._queue = asyncio.Queue()
+        self._arrived = asyncio.Event()
         if self._sock.family == socket.AF_UNIX:
             self._server = await self.loop.create_unix_server(lambda: _Peer(self), sock=self._sock)
         else:
@@ -445,7 +448,10 @@ class ZmtpListener(Listener):
         peer.stop()
 
     def deliver(self, peer: _Peer, frames: list, nbytes: int, dropped: bool) -> None:
-        self._queue.put_nowait((peer, frames, nbytes, dropped))
+        peer.inbox.append((frames, nbytes, dropped))
+        if len(peer.inbox) == 1:
+            self._ready.append(peer)
+            self._arrived.set()
 
     def held(self, ident: bytes) -> int:
         """Bytes ``ident``'s connection holds now (its unfinished message and the unserved ones)."""
@@ -458,7 +464,14 @@ class ZmtpListener(Listener):
             peer, n = self._last
             self._last = None
             peer.served(n)
-        peer, frames, n, dropped = await self._queue.get()
+        await asyncio.sleep(0)  # the loop reads the sockets between two messages: a busy peer starves no other's I/O
+        while not self._ready:  # one message per peer in turn: a peer with many queued delays no other by them
+            self._arrived.clear()
+            await self._arrived.wait()
+        peer = self._ready.popleft()
+        frames, n, dropped = peer.inbox.popleft()
+        if peer.inbox:
+            self._ready.append(peer)
         self._last = (peer, n)
         return peer.ident, frames, dropped
 

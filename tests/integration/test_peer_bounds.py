@@ -46,9 +46,13 @@ def frame_head(n: int, more: bool) -> bytes:
 class RawPeer:
     """A TCP connection that did the ZMTP 3 handshake as a DEALER and sends whatever it is told."""
 
-    def __init__(self, addr: str, timeout_s: float = 10.0):
+    def __init__(self, addr: str, timeout_s: float = 10.0, rcvbuf: int = 0):
         host, port = addr.split("://", 1)[1].rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        self.sock = socket.socket()
+        if rcvbuf:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(timeout_s)
+        self.sock.connect((host, int(port)))
         greeting = b"\xff" + b"\x00" * 7 + b"\x01\x7f\x03\x01" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
         self.sock.sendall(greeting)
         got = self.recv_exact(64)
@@ -315,6 +319,39 @@ def test_a_strangers_payload_past_its_budget_is_dropped_unread_and_its_header_ke
 
 
 @pytest.mark.timeout(60)
+def test_a_peer_that_does_not_read_gets_at_most_sndhwm_replies_queued(served):
+    """Replies to a peer that does not read wait in the sending thread up to ``sndhwm`` messages; past
+    it the listener refuses them (the node drops them and logs the peer once), and a reader is served."""
+    from luwu.switch_nodes.listener import SendQueueFull
+
+    srv = served(sndhwm=50)
+    deaf = RawPeer(srv.address, rcvbuf=4096)
+    try:
+        deaf.send_message([b"hi"])
+        ident, _, _ = srv.take()
+        big = memoryview(bytes(MiB))
+
+        def flood() -> int:
+            for i in range(1000):
+                try:
+                    srv.listener.send(ident, [b"r", big])
+                except SendQueueFull:
+                    return i
+            return -1
+
+        refused_at = srv.on_loop(flood)
+        assert 50 <= refused_at < 1000, refused_at  # the kernel took a few MiB, the queue 50 messages
+        reader = dealer(srv.address)
+        reader.send_multipart([b"ping"])
+        rid, _, _ = srv.take()
+        srv.on_loop(srv.listener.send, rid, [b"pong"])
+        assert reader.recv_multipart() == [b"pong"]
+        reader.close(0)
+    finally:
+        deaf.close()
+
+
+@pytest.mark.timeout(60)
 def test_silent_connections_and_connections_past_the_limit_are_closed(served):
     """A connection that never finishes the handshake is closed after handshake_s; past
     max_connections a new one is closed at once, and there is room again once they are gone."""
@@ -349,11 +386,12 @@ def rss(pid: int) -> int:
 
 @pytest.mark.timeout(240)
 def test_floods_against_a_training_node_hold_nothing_and_change_nothing(tmp_path, capfd):
-    """While a 2-worker job trains, from 16 connections: unfinished multipart messages (a 100 MiB frame
+    """While a 2-worker job trains, from 20 connections: unfinished multipart messages (a 100 MiB frame
     announced, 4 MiB of it sent: read and dropped, the connection kept), 3M empty frames in one message
-    (6 MB), 10 MiB header frames, and a stranger's HELLO naming 3e7 ranks. The empty-frame and header
-    flooders are cut off and named in the node's log once, node RSS stays within 16 MiB of what it was,
-    a monitor's STATS is answered within a second all along, and the job equals local AdamW."""
+    (6 MB), 10 MiB header frames, a stranger's HELLO naming 3e7 ranks, and peers asking STATS 20000
+    times without reading a reply. The empty-frame and header flooders are cut off and named in the
+    node's log once, each deaf peer once, node RSS stays within 16 MiB of what it was, a monitor's STATS
+    is answered within a second all along, and the job equals local AdamW."""
     with luwu.local_cluster(1, job=JOB) as cluster:
         pid = cluster.procs[0].pid
         out: dict = {}
@@ -371,10 +409,13 @@ def test_floods_against_a_training_node_hold_nothing_and_change_nothing(tmp_path
         layout = job_layout(SPEC, 1)
         hello, _ = templates(layout, 0)[Op.HELLO]
         peers, slowest = [], 0.0
-        for i in range(16):
-            p = RawPeer(cluster.addresses[0])
-            kind = ("unfinished", "empty", "header", "hello")[i % 4]
-            if kind == "unfinished":
+        for i in range(20):
+            kind = ("unfinished", "empty", "header", "hello", "deaf")[i % 5]
+            p = RawPeer(cluster.addresses[0], rcvbuf=4096 if kind == "deaf" else 0)
+            if kind == "deaf":  # asks and asks, never reads: its replies queue up to node.rcvhwm, the rest dropped
+                ask_stats = b"".join(frame(f) for f in wire.encode({"op": Op.STATS, "job": JOB, "step": 0, "worker": 0}))
+                threading.Thread(target=p.try_send, args=(ask_stats * 20000,), daemon=True).start()
+            elif kind == "unfinished":
                 p.try_send(frame(pack(dict(hello), [])[0], True) + frame_head(100 * MiB, True) + bytes(4 * MiB))
             elif kind == "empty":
                 p.try_send(b"\x01\x00" * 3_000_000)
@@ -404,8 +445,11 @@ def test_floods_against_a_training_node_hold_nothing_and_change_nothing(tmp_path
         for r in out["results"]:
             assert_params_close(r["params"], want)
         assert rss(pid) - before < 16 * MiB
-    named = [line for line in capfd.readouterr().err.splitlines() if "disconnecting a peer that did not say HELLO" in line]
+    err = capfd.readouterr().err.splitlines()
+    named = [line for line in err if "disconnecting a peer that did not say HELLO" in line]
     assert len(named) == 8, named
+    deaf = [line for line in err if "send queue full for a peer that did not say HELLO" in line]
+    assert len(deaf) <= 4, deaf  # at most once each, however many replies were dropped
 
 
 @pytest.mark.timeout(120)
