@@ -130,8 +130,9 @@ def _where(h: dict) -> str:
     return ", ".join(parts)
 
 
-def decode(frames: Sequence, *, job: str | None = None, max_message_bytes: int = 1 << 31) -> Message:
-    """Validate and decode received frames; raises ProtocolError naming the fault."""
+def decode(frames: Sequence, *, job: str | None = None, max_message_bytes: int = 1 << 31, header_only: bool = False) -> Message:
+    """Validate and decode received frames; raises ProtocolError naming the fault. ``header_only``: the
+    payload was dropped unread by the receiver; only the header is checked, and the message has none."""
     if not frames:
         raise ProtocolError("empty message")
     raw = frames[0]
@@ -172,6 +173,8 @@ def decode(frames: Sequence, *, job: str | None = None, max_message_bytes: int =
         raise ProtocolError(f"negative step or worker ({_where(header)})")
     if job is not None and header["job"] != job:
         raise JobMismatchError(f"message of job {header['job']!r} refused: this node serves job {job!r} ({_where(header)})")
+    if header_only:
+        return Message(header, [])
     payload = list(frames[1:])
     nbytes = header.get("nbytes", [])
     if not isinstance(nbytes, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in nbytes):

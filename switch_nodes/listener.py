@@ -56,10 +56,6 @@ class Listener:
         """The CURVE public key (z85) ``ident`` authenticated with (None without CURVE)."""
         return None
 
-    def held(self, ident: bytes) -> int:
-        """Bytes the connection ``ident`` holds in the listener (0 where the listener cannot tell)."""
-        return 0
-
     def close(self) -> None:
         raise NotImplementedError
 

@@ -29,10 +29,6 @@ class Sent:
     def __init__(self) -> None:
         self.event = threading.Event()
 
-    @property
-    def done(self) -> bool:
-        return self.event.is_set()
-
     def wait(self, timeout: float | None = None) -> None:
         import zmq
 

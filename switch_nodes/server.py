@@ -1,8 +1,8 @@
 """The node daemon: a ZMTP listener on an asyncio (uvloop) event loop.
 
 The listener (:mod:`.zmtp`, or libzmq's ROUTER with CURVE: :mod:`.listener`) hands
-over whole messages within per-peer bounds. The loop receives and validates every message and dispatches it by op to the
-room that serves it: :mod:`.membership` (HELLO, INIT, the watchdog),
+over whole messages within per-peer bounds. The loop validates every message and
+dispatches it by op to the room that serves it: :mod:`.membership` (HELLO, INIT, the watchdog),
 :mod:`.aggregation` (PUSH, COMMIT, the optimizer step), :mod:`.replies`
 (PULL, the weights sent back) and :mod:`.durability` (STATE, CHECKPOINT,
 ROLLBACK). Work on the shard goes into a job queue: one consumer hands the
@@ -204,9 +204,9 @@ class NodeServer:
         while True:
             ident, body, dropped = await listener.recv()
             try:
+                msg = wire.decode(body, job=self.job, max_message_bytes=self.cfg.max_message_bytes, header_only=dropped)
                 if dropped:
-                    raise self._dropped_error(ident, body)
-                msg = wire.decode(body, job=self.job, max_message_bytes=self.cfg.max_message_bytes)
+                    raise self._dropped_error(ident, msg.header["op"])
                 await self._dispatch(ident, msg)
             except LuwuError as exc:
                 self._refuse(ident, body, exc)
@@ -247,17 +247,10 @@ class NodeServer:
             )
         return ProtocolError(f"{op.name} from a peer that did not say HELLO: say HELLO first")
 
-    def _dropped_error(self, ident: bytes, body) -> LuwuError:
+    def _dropped_error(self, ident: bytes, op: Op) -> LuwuError:
         """What a stranger is told for a message whose payload was dropped unread: what its header would get
         (the payload decides nothing for a stranger)."""
-        try:
-            wire.decode(body[:1], job=self.job)
-        except ProtocolError as exc:
-            if not str(exc).startswith("header announces"):
-                raise  # garbage, another job: as any message
-        h = msgpack.unpackb(getattr(body[0], "bytes", body[0]), raw=False, strict_map_key=False)
-        op = Op(h["op"])
-        if op in _OPEN or ident in self.peers.values():
+        if op in _OPEN or self._member(ident):
             return ProtocolError(f"{op.name} with a payload of more than node.stranger_bytes = {self.cfg.stranger_bytes} from a peer that did not say HELLO")
         return self._stranger_error(op)
 
@@ -282,7 +275,8 @@ class NodeServer:
         self.send(ident, wire.error_message(self.job, code, str(exc), ref_op=num("op", 0), step=step, worker=num("worker", 0), bucket=bucket, detail=detail))
 
     def send(self, ident: bytes, frames: list, track: bool = False):
-        """Send without blocking; returns the MessageTracker when ``track``. A full queue drops the reply."""
+        """Send without blocking; returns the send tracker when ``track`` (see :meth:`Listener.send`). A full
+        queue drops the reply."""
         try:
             return self.listener.send(ident, frames, track)
         except SendQueueFull:

@@ -41,7 +41,7 @@ import numpy as np
 from luwu.protocol.messages import JOIN_PROPERTY, MAX_HEADER_BYTES
 from luwu.switch_nodes.listener import Listener, SendQueueFull, listening_socket
 from luwu.switch_nodes.sender import Sender, Sent
-from luwu.switch_nodes.zmtp_frames import COMMAND, GREETING_BYTES, LONG, MORE, command, frame_head, greeting, properties
+from luwu.switch_nodes.zmtp_frames import COMMAND, GREETING_BYTES, LONG, MORE, command, frame_head, greeting, properties, ready
 
 __all__ = ["FRAME_COST", "ZmtpListener"]
 
@@ -193,7 +193,7 @@ class _Peer(asyncio.BufferedProtocol):
                     raise Refused(f"a command frame of {size} bytes")
                 if avail < head + size:
                     return
-                self._oncommand(bytes(self.view[self.at + head : self.at + head + size]))
+                self._on_command(bytes(self.view[self.at + head : self.at + head + size]))
                 self.at += head + size
                 continue
             if self.skipped or self.frames and self._drops(size):
@@ -231,9 +231,13 @@ class _Peer(asyncio.BufferedProtocol):
         o = self.owner
         return not o.member(self.ident) and self._message_bytes() + size + FRAME_COST > o.budget(self.ident)
 
-    def _skip(self, head: int, size: int, more: bool) -> None:
+    def _count_frame(self) -> None:
+        """One more frame of the message being read, kept or dropped."""
         if len(self.frames) + self.skipped >= self.owner.max_frames:
             raise Refused(f"a message of more than {self.owner.max_frames} frames")
+
+    def _skip(self, head: int, size: int, more: bool) -> None:
+        self._count_frame()
         self.at += head
         take = min(size, self.fill - self.at)
         self.at += take
@@ -253,8 +257,7 @@ class _Peer(asyncio.BufferedProtocol):
     def _check(self, size: int) -> None:
         """The limits that do not depend on what is queued: a frame past them can never be served."""
         o, first = self.owner, not self.frames
-        if len(self.frames) + self.skipped >= o.max_frames:
-            raise Refused(f"a message of more than {o.max_frames} frames")
+        self._count_frame()
         if first and size > MAX_HEADER_BYTES:
             raise Refused(f"a header frame of {size} bytes (at most {MAX_HEADER_BYTES})")
         payload = sum(len(f) for f in self.frames[1:]) + (0 if first else size)
@@ -363,7 +366,7 @@ class _Peer(asyncio.BufferedProtocol):
             raise Refused(f"socket type {kind.decode('ascii', 'replace')!r}: a node serves DEALER sockets")
         if self.owner.join_secret and not hmac.compare_digest(props.get(_JOIN, b""), self.owner.join_secret):
             raise Refused("no join secret" if _JOIN not in props else "a wrong join secret")
-        self.owner.sender.put(self.ident, [command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", 6) + b"ROUTER")])
+        self.owner.sender.put(self.ident, [ready(b"ROUTER")])
         rest = bytes(self.buf[self.at + head + size : self.fill])
         self.buf = bytearray(_STAGING + 64)  # a small frame and its header always fit
         self.view = memoryview(self.buf)
@@ -372,7 +375,7 @@ class _Peer(asyncio.BufferedProtocol):
         self.timer.cancel()
         return True
 
-    def _oncommand(self, body: bytes) -> None:
+    def _on_command(self, body: bytes) -> None:
         n = body[0] if body else 0
         name = body[1 : 1 + n]
         if name == b"PING":  # heartbeats (ZMTP 3.1): answer with the ping's context
@@ -404,7 +407,6 @@ class ZmtpListener(Listener):
         self.sender = Sender()
         self.discard = memoryview(bytearray(64 * 1024))
         self.peers: dict[bytes, _Peer] = {}
-        self.refused = 0  # peers disconnected for breaking a limit
         self._ready: collections.deque[_Peer] = collections.deque()  # peers with complete messages, taken in turn
         self._arrived: asyncio.Event | None = None
         self._last: tuple[_Peer, int] | None = None
@@ -441,7 +443,6 @@ class ZmtpListener(Listener):
         ``_Told.LINES`` lines a minute, then one line counting the rest)."""
         if peer.closed or peer.refused:
             return
-        self.refused += 1
         who = self.who(peer.ident)
         if who.startswith("worker") or self._told.may():
             log.warning("disconnecting %s (%s): %s", who, peer.name, why)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["COMMAND", "GREETING_BYTES", "LONG", "MORE", "command", "frame_head", "greeting", "properties"]
+__all__ = ["COMMAND", "GREETING_BYTES", "LONG", "MORE", "command", "frame_head", "greeting", "properties", "ready"]
 
 MORE, LONG, COMMAND = 0x01, 0x02, 0x04
 """Frame flag bits: more frames follow, an 8-octet size, a command."""
@@ -26,6 +26,11 @@ def greeting() -> bytes:
 def command(name: bytes, body: bytes) -> bytes:
     data = bytes([len(name)]) + name + body
     return (bytes([COMMAND, len(data)]) if len(data) < 256 else bytes([COMMAND | LONG]) + struct.pack(">Q", len(data))) + data
+
+
+def ready(socket_type: bytes) -> bytes:
+    """The READY command of a socket of ``socket_type`` (NULL mechanism: its only property)."""
+    return command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type)
 
 
 def properties(data: bytes) -> dict[bytes, bytes]:

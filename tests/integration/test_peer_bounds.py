@@ -27,7 +27,8 @@ from workers.train import reference
 import luwu
 from luwu.protocol import messages as wire
 from luwu.protocol.messages import Op
-from luwu.switch_nodes.zmtp import FRAME_COST, ZmtpListener
+from luwu.switch_nodes.zmtp import ZmtpListener
+from luwu.switch_nodes.zmtp_frames import frame_head, ready
 
 MiB = 1 << 20
 
@@ -35,12 +36,7 @@ MiB = 1 << 20
 
 
 def frame(body: bytes, more: bool = False) -> bytes:
-    n = len(body)
-    return (bytes([int(more), n]) if n < 256 else bytes([int(more) | 2]) + struct.pack(">Q", n)) + body
-
-
-def frame_head(n: int, more: bool) -> bytes:
-    return bytes([int(more) | 2]) + struct.pack(">Q", n)
+    return frame_head(len(body), more) + body
 
 
 class RawPeer:
@@ -57,8 +53,7 @@ class RawPeer:
         self.sock.sendall(greeting)
         got = self.recv_exact(64)
         assert got[:1] == b"\xff" and got[10] == 3 and got[12:16] == b"NULL", got
-        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-        self.sock.sendall(bytes([4, len(ready)]) + ready)
+        self.sock.sendall(ready(b"DEALER"))
         flags, size = self.recv_exact(2)
         assert flags == 4 and self.recv_exact(size).startswith(b"\x05READY")
 

@@ -135,3 +135,15 @@ def test_the_kinds_and_the_node_lines_load_without_torch():
         imported = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
         imported += [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module]
         assert not [m for m in imported if m.split(".")[0] in ("torch", "zmq") or m.startswith("luwu.protocol.") and m != "luwu.protocol.errors"], (path, imported)
+
+
+def test_a_header_whose_payload_was_dropped_is_checked_alone():
+    """header_only (the node's listener dropped a stranger's payload unread): the header is validated as
+    ever, the missing payload frames are not held against it."""
+    frames = wire.encode({"op": Op.PUSH, "job": "j", "step": 3, "worker": 0, "bucket": 1, "codec": "none", "cmeta": {}, "hyper": {}, "nograd": [], "two_phase": False, "pull": "none"}, [torch.zeros(4)])
+    with pytest.raises(ProtocolError, match="announces 1 payload frames"):
+        wire.decode(frames[:1], job="j")
+    msg = wire.decode(frames[:1], job="j", header_only=True)
+    assert msg.header["op"] == Op.PUSH and msg.payload == []
+    with pytest.raises(JobMismatchError):
+        wire.decode(frames[:1], job="other", header_only=True)
