@@ -19,7 +19,9 @@ transport with as little compute as a node can do. The worker's side of
 them) and the CPU of every thread are reported too. A third LuWu row runs the
 AdamW round trip over CURVE (ZeroMQ's encryption, a node of its own with a key
 set made here): the price of encryption, against the same round trip in plain
-TCP and against raw TCP.
+TCP and against raw TCP. Two more run the AdamW round trip through libzmq's
+ROUTER (``node.listener = libzmq``), plain and over CURVE: the node's own ZMTP
+listener against libzmq, each way.
 
     python3 benchmarks/bench_transport.py [--quick] [--mib M] [--reps R]
 
@@ -156,20 +158,23 @@ def run(args) -> dict:
     cpu = {"tcp_client": [], "tcp_server": [], "luwu_worker": [], "luwu_node": []}
     faults = {k: [] for k in cpu}
     node_threads: dict[str, list[float]] = {}
-    sgd_s, curve_s, zmq_s = [], [], []
+    sgd_s, curve_s, zmq_s, zmq_curve_s = [], [], [], []
     keys, tmp = KeySet.generate(1), tempfile.TemporaryDirectory(prefix="luwu-bench-keys-")
     node_file = Path(tmp.name) / "node.toml"  # the node's keys in a 0600 file, as luwu keys writes them
     node_file.touch(0o600)
     node_file.write_text(tomli_w.dumps({"node": keys.node_settings()}))
     with luwu.local_cluster(1, job=JOB, node_args=["--metrics.port", "0"]) as cluster, luwu.local_cluster(1, job=JOB + "-sgd") as sgd_cluster, \
             luwu.local_cluster(1, job=JOB + "-curve", node_args=["--config", str(node_file)]) as curve_cluster, \
-            luwu.local_cluster(1, job=JOB + "-libzmq", node_args=["--node.listener", "libzmq"]) as zmq_cluster:
+            luwu.local_cluster(1, job=JOB + "-libzmq", node_args=["--node.listener", "libzmq"]) as zmq_cluster, \
+            luwu.local_cluster(1, job=JOB + "-libzmq-curve", node_args=["--config", str(node_file), "--node.listener", "libzmq"]) as zmq_curve_cluster:
         url = cluster.metrics_urls[0]
         opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster.addresses, rank=0, world_size=1, job=JOB, lr=1e-4, bucket_bytes=args.bucket_mib * MIB, compression=False)
         sgd = luwu.RemoteOptimizer(model, "sgd", nodes=sgd_cluster.addresses, rank=0, world_size=1, job=JOB + "-sgd", lr=1e-6, bucket_bytes=args.bucket_mib * MIB, compression=False)
         curve = luwu.RemoteOptimizer(model, "adamw", nodes=curve_cluster.addresses, rank=0, world_size=1, job=JOB + "-curve", lr=1e-4, compression=False,
                                      transport=TransportConfig(bucket_bytes=args.bucket_mib * MIB, **keys.client_settings(keys.workers[0])))
         via_zmq = luwu.RemoteOptimizer(model, "adamw", nodes=zmq_cluster.addresses, rank=0, world_size=1, job=JOB + "-libzmq", lr=1e-4, bucket_bytes=args.bucket_mib * MIB, compression=False)
+        via_zmq_curve = luwu.RemoteOptimizer(model, "adamw", nodes=zmq_curve_cluster.addresses, rank=0, world_size=1, job=JOB + "-libzmq-curve", lr=1e-4, compression=False,
+                                             transport=TransportConfig(bucket_bytes=args.bucket_mib * MIB, **keys.client_settings(keys.workers[0])))
         timed = TimedFinish(opt.worker)
         try:
             node_pid, server_pid = cluster.procs[0].pid, tcp.proc.pid
@@ -199,6 +204,10 @@ def run(args) -> dict:
                 via_zmq.step()
                 via_zmq.synchronize()  # the weights are back (per-layer waits would take them at the next read)
                 t_zmq = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                via_zmq_curve.step()
+                via_zmq_curve.synchronize()
+                t_zmq_curve = time.perf_counter() - t0
                 if i >= args.warmup:
                     for k, v in node_threads_delta(node_pid, th0, th1).items():
                         node_threads.setdefault(k, []).append(v)
@@ -210,6 +219,7 @@ def run(args) -> dict:
                     sgd_s.append(t_sgd)
                     curve_s.append(t_curve)
                     zmq_s.append(t_zmq)
+                    zmq_curve_s.append(t_zmq_curve)
                     opt_s.append(m1["luwu_node_optimizer_step_seconds_sum"] - m0["luwu_node_optimizer_step_seconds_sum"])
                     opt_count.append(m1["luwu_node_optimizer_step_seconds_count"] - m0["luwu_node_optimizer_step_seconds_count"])
                     finish_s.append(timed.seconds)
@@ -220,11 +230,12 @@ def run(args) -> dict:
             sgd.close()
             curve.close()
             via_zmq.close()
+            via_zmq_curve.close()
             tcp.close()
             tmp.cleanup()
     gb = 2 * nbytes / 1e9
     t_l, t_t = median(luwu_s), median(tcp_s)
-    t_s, t_c, t_z = median(sgd_s), median(curve_s), median(zmq_s)
+    t_s, t_c, t_z, t_zc = median(sgd_s), median(curve_s), median(zmq_s), median(zmq_curve_s)
     rows = [
         {"impl": "raw TCP echo (sendall / recv_into, reused buffers)", "ms": t_t * 1e3, "GB_per_s": gb / t_t, "ratio_vs_tcp": 1.0, "ratio_paired": 1.0},
         {
@@ -257,6 +268,15 @@ def run(args) -> dict:
             "ratio_paired": paired_ratio(tcp_s, zmq_s),
             "ratio_vs_plain_luwu": paired_ratio(luwu_s, zmq_s),
         },
+        {
+            "impl": "LuWu step() over CURVE through libzmq's ROUTER (node.listener = libzmq): push + AdamW on node + weights back",
+            "ms": t_zc * 1e3,
+            "GB_per_s": gb / t_zc,
+            "ratio_vs_tcp": t_t / t_zc,
+            "ratio_paired": paired_ratio(tcp_s, zmq_curve_s),
+            "ratio_vs_plain_luwu": paired_ratio(luwu_s, zmq_curve_s),
+            "ratio_vs_luwu_curve": paired_ratio(curve_s, zmq_curve_s),
+        },
     ]
     breakdown = {
         "step_ms": t_l * 1e3,
@@ -286,6 +306,7 @@ def run(args) -> dict:
         "node_optimizer_s": opt_s,
         "curve_s": curve_s,
         "libzmq_s": zmq_s,
+        "libzmq_curve_s": zmq_curve_s,
     }
 
 
@@ -339,16 +360,17 @@ def main(argv: list[str] | None = None) -> int:
         f"GB/s counts both directions ({2 * args.mib} MiB per round); ratio_vs_tcp = TCP ms / that row's ms; _paired: per repetition. "
         f"LuWu: codec none both ways, buckets of {args.bucket_mib} MiB, world size 1, node with 1 torch thread.",
         "",
-        md_table(res["rows"], ["impl", "ms", "GB_per_s", "ratio_vs_tcp", "ratio_paired", "ratio_vs_plain_luwu"]),
+        md_table(res["rows"], ["impl", "ms", "GB_per_s", "ratio_vs_tcp", "ratio_paired", "ratio_vs_plain_luwu", "ratio_vs_luwu_curve"]),
         "",
         f"Encryption (CURVE) costs the round trip {1 / res['rows'][3]['ratio_vs_plain_luwu']:.2f}x the time of the plain one "
         "(ratio_vs_plain_luwu, per repetition). Insecure mode (node.insecure_public_bind) still makes sense where the "
         "network is the job's own: a private fabric or VLAN that only the job's hosts reach, or loopback; "
         "anywhere other hosts or tenants can reach the nodes' ports, keep CURVE on (the default there).",
         "",
-        f"The node's own ZMTP listener (the default without CURVE: what each peer holds is bounded before allocation) against "
+        f"The node's own ZMTP listener (the default: what each peer holds is bounded before allocation, with CURVE too) against "
         f"libzmq's ROUTER for the same round trip: libzmq takes {1 / res['rows'][4]['ratio_vs_plain_luwu']:.2f}x the time of the default "
-        "(ratio_vs_plain_luwu, per repetition).",
+        f"in plain TCP, and over CURVE {1 / res['rows'][5]['ratio_vs_luwu_curve']:.2f}x the time of the node's own CURVE "
+        "(ratio_vs_plain_luwu / ratio_vs_luwu_curve, per repetition).",
         "",
         "## LuWu step() breakdown (ms, medians)",
         "",

@@ -34,11 +34,11 @@ class NodeConfig:
     worker that leaves its replies unread for a quarter of it is lost too."""
     max_message_bytes: int = 256 * 1024 * 1024
     """Largest message payload accepted; a peer sending a larger one is disconnected before its frames are
-    allocated (with CURVE, libzmq checks it per frame)."""
+    allocated (listener = libzmq: checked per frame)."""
     listener: str = "auto"
-    """Who reads the peers' frames. zmtp: the node's own ZMTP reader, which bounds what each peer holds (below)
-    before anything is allocated; libzmq: ZeroMQ's ROUTER (bounds one frame and whole messages only). auto:
-    zmtp without CURVE keys, libzmq with them (there only authenticated workers get past the handshake)."""
+    """Who reads the peers' frames. zmtp: the node's own ZMTP reader (NULL or CURVE), which bounds what each
+    peer holds (below) before anything is allocated; libzmq: ZeroMQ's ROUTER (bounds one frame and whole
+    messages only; kept for comparison, and for inproc:// addresses). auto: zmtp, libzmq for inproc://."""
     peer_bytes: int = 0
     """zmtp: the most one worker's connection holds in the node before its messages are served (the message
     being read and the complete ones waiting); past it the node reads no more from it until served.
@@ -93,7 +93,7 @@ class NodeConfig:
     def uses_zmtp(self) -> bool:
         """Whether the node reads its peers' frames itself (:mod:`luwu.switch_nodes.zmtp`)."""
         if self.listener == "auto":
-            return not self.curve_secret_key and not self.bind.startswith("inproc://")
+            return not self.bind.startswith("inproc://")
         return self.listener == "zmtp"
 
     @property
@@ -116,12 +116,10 @@ class NodeConfig:
                 raise ConfigError(f"node.{name} must be >= 1, got {getattr(self, name)}")
         if self.listener not in LISTENERS:
             raise ConfigError(f"node.listener must be one of {LISTENERS}, got {self.listener!r}")
-        if self.listener == "zmtp" and self.curve_secret_key:
-            raise ConfigError("node.listener = 'zmtp' speaks no CURVE: use 'auto' or 'libzmq' with CURVE keys")
         if self.listener == "zmtp" and self.bind.startswith("inproc://"):
             raise ConfigError("node.listener = 'zmtp' binds tcp:// or ipc:// addresses, not inproc://")
-        if self.join_secret and not self.uses_zmtp:
-            raise ConfigError("node.join_secret is checked by the zmtp listener: with CURVE keys, the authorized keys do this (leave it empty)")
+        if self.join_secret and (not self.uses_zmtp or self.curve_secret_key):
+            raise ConfigError("node.join_secret is checked by the zmtp listener without CURVE: with CURVE keys, the authorized keys do this (leave it empty)")
         if self.stranger_bytes < 65 * 1024:
             raise ConfigError(f"node.stranger_bytes must be >= 66560 (a HELLO header of 64 KiB fits), got {self.stranger_bytes}")
         if self.peer_bytes and self.peer_bytes < self.max_message_bytes + 65 * 1024 + 64 * self.max_message_frames:

@@ -1,9 +1,9 @@
 """How a node meets its peers: a listening socket that yields whole messages and sends replies.
 
 Two listeners keep one contract (:class:`Listener`): the node's own ZMTP listener
-(:mod:`.zmtp`, the default without CURVE: per-peer and per-message bounds before allocation) and
-libzmq's ROUTER (:class:`LibzmqListener`, with CURVE, where libzmq authenticates every peer before
-it may send a frame). Workers speak ZMTP through libzmq DEALER sockets to either.
+(:mod:`.zmtp`, the default, NULL or CURVE: per-peer and per-message bounds before allocation) and
+libzmq's ROUTER (:class:`LibzmqListener`, ``node.listener = libzmq``: kept to compare, and for
+inproc:// addresses). Workers speak ZMTP through libzmq DEALER sockets to either.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class _KeyList:
 
 class LibzmqListener(Listener):
     """libzmq's ROUTER. Bounds one frame (``MAXMSGSIZE``) and whole messages (``RCVHWM``), not an
-    unfinished multipart message: with CURVE only authenticated workers can send one."""
+    unfinished multipart message (with CURVE, only authenticated workers can send one)."""
 
     def __init__(self, bind: str, *, max_message_bytes: int, hwm: int, curve: tuple[str, str, list[str]] | None = None) -> None:
         ctx = zmq.asyncio.Context.instance()

@@ -14,11 +14,16 @@ import os
 import select
 import socket
 import threading
+from collections.abc import Callable
 
 __all__ = ["Sender", "Sent"]
 
 _IOV = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 _BATCH = 256  # messages per sendmsg at most
+
+
+def _views(parts: list) -> list:
+    return [memoryview(p).cast("B") for p in parts if len(p)]
 
 
 class Sent:
@@ -37,7 +42,8 @@ class Sent:
 
 
 class _Out:
-    """One peer's socket and queue: [parts still to send, Sent or None], or ``None`` for the end of writing."""
+    """One peer's socket and queue: [parts still to send, Sent or None, seal or None], or ``None`` for the end
+    of writing."""
 
     __slots__ = ("sock", "queue", "blocked", "dead")
 
@@ -69,15 +75,17 @@ class Sender:
         with self._lock:
             self._outs[key] = _Out(fd)
 
-    def put(self, key: bytes, parts: list, sent: Sent | None = None) -> bool:
-        """Queue ``parts`` (bytes / memoryviews, untouched until ``sent`` is done) for ``key``; False if gone."""
+    def put(self, key: bytes, parts: list, sent: Sent | None = None, seal: Callable[[list], list] | None = None) -> bool:
+        """Queue ``parts`` (bytes / memoryviews, untouched until ``sent`` is done) for ``key``; False if gone.
+        ``seal``: ``parts`` are a message's frames, turned into what goes out by ``seal(parts)`` on this
+        thread, right before they are sent (CURVE: nonces in the order of the wire)."""
         with self._lock:
             out = self._outs.get(key)
             if out is None or out.dead:
                 if sent is not None:
                     sent.event.set()
                 return False
-            out.queue.append([[memoryview(p).cast("B") for p in parts if len(p)], sent])
+            out.queue.append([parts if seal else _views(parts), sent, seal])
         self._wake()
         return True
 
@@ -159,9 +167,14 @@ class Sender:
                 continue
             bufs: list = []
             for i in range(min(len(q), _BATCH)):
-                if q[i] is None or (bufs and len(bufs) + len(q[i][0]) > _IOV):
+                item = q[i]
+                if item is None:
                     break
-                bufs += q[i][0]
+                if item[2] is not None:
+                    item[0], item[2] = _views(item[2](item[0])), None
+                if bufs and len(bufs) + len(item[0]) > _IOV:
+                    break
+                bufs += item[0]
             try:
                 n = out.sock.sendmsg(bufs[:_IOV]) if bufs else 0
             except BlockingIOError:
@@ -174,7 +187,7 @@ class Sender:
                 self._fail(out)
                 return
             while q and q[0] is not None:  # what went out: whole messages are done, a part is cut
-                parts, sent = q[0]
+                parts, sent, _ = q[0]
                 while n and parts:
                     if n >= len(parts[0]):
                         n -= len(parts.pop(0))

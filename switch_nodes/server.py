@@ -1,6 +1,6 @@
 """The node daemon: a ZMTP listener on an asyncio (uvloop) event loop.
 
-The listener (:mod:`.zmtp`, or libzmq's ROUTER with CURVE: :mod:`.listener`) hands
+The listener (:mod:`.zmtp`, NULL or CURVE; libzmq's ROUTER in :mod:`.listener` on request) hands
 over whole messages within per-peer bounds. The loop validates every message and
 dispatches it by op to the room that serves it: :mod:`.membership` (HELLO, INIT, the watchdog),
 :mod:`.aggregation` (PUSH, COMMIT, the optimizer step), :mod:`.replies`
@@ -113,11 +113,13 @@ class NodeServer:
     def bind(self) -> str:
         cfg = self.cfg
         if cfg.uses_zmtp:
+            from luwu.switch_nodes.curve import CurveKeys
             from luwu.switch_nodes.zmtp import ZmtpListener
 
+            keys = CurveKeys(cfg.curve_public_key, cfg.curve_secret_key, cfg.curve_authorized_keys) if cfg.curve_secret_key else None
             self.listener = ZmtpListener(
                 cfg.bind, max_message_bytes=cfg.max_message_bytes, max_frames=cfg.max_message_frames, budget=self._budget, who=self.who,
-                max_connections=cfg.max_connections, sndhwm=cfg.rcvhwm, join_secret=cfg.join_secret, member=self._member,
+                max_connections=cfg.max_connections, sndhwm=cfg.rcvhwm, join_secret=cfg.join_secret, member=self._member, curve=keys,
             )
         else:
             curve = (cfg.curve_public_key, cfg.curve_secret_key, cfg.curve_authorized_keys) if cfg.curve_secret_key else None
@@ -126,7 +128,8 @@ class NodeServer:
         return self.address
 
     def _member(self, ident: bytes) -> bool:
-        return ident in self.peers.values()
+        """Said HELLO, or holds an authorized CURVE key (it proved it belongs to the job)."""
+        return ident in self.peers.values() or self.listener.peer_key(ident) is not None
 
     def _budget(self, ident: bytes) -> int:
         """What a connection may hold in the listener: a worker's budget once it said HELLO, else a stranger's."""
@@ -135,7 +138,10 @@ class NodeServer:
     def who(self, ident: bytes) -> str:
         """A connection as a log line names it."""
         rank = next((r for r, i in self.peers.items() if i == ident), None)
-        return "a peer that did not say HELLO" if rank is None else f"worker rank {rank}"
+        if rank is not None:
+            return f"worker rank {rank}"
+        key = self.listener.peer_key(ident) if self.listener is not None else None
+        return "a peer that did not say HELLO" + (f" (CURVE key {key})" if key else "")
 
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()

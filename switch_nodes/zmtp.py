@@ -20,28 +20,30 @@ the frame's buffer exists:
 
 A peer past a limit is disconnected and named in the log once. The event loop parses at most one
 read (``_STAGING`` bytes) per callback. Workers keep their libzmq DEALER sockets: this is their
-protocol (ZMTP 3.1, https://rfc.zeromq.org/spec/37/). With CURVE the node uses libzmq
-(:mod:`.listener`), where only authenticated peers get past the handshake.
+protocol (ZMTP 3.1, https://rfc.zeromq.org/spec/37/). The handshake (:mod:`.zmtp_handshake`) is NULL,
+or CURVE with the node's keys (:mod:`.curve`): then every frame is a MESSAGE opened here, and the
+same bounds hold for an authenticated worker, checked on the frame's size before it is read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
+import functools
 import itertools
 import logging
 import socket
 import struct
-import time
 from collections.abc import Callable
 
 import numpy as np
 
-from luwu.protocol.messages import JOIN_PROPERTY, MAX_HEADER_BYTES
+from luwu.protocol.messages import MAX_HEADER_BYTES
+from luwu.switch_nodes.curve import OVERHEAD, CurveKeys
 from luwu.switch_nodes.listener import Listener, SendQueueFull, listening_socket
 from luwu.switch_nodes.sender import Sender, Sent
-from luwu.switch_nodes.zmtp_frames import COMMAND, GREETING_BYTES, LONG, MORE, command, frame_head, greeting, properties, ready
+from luwu.switch_nodes.zmtp_frames import COMMAND, GREETING_BYTES, LONG, MORE, Refused, command, frame_head
+from luwu.switch_nodes.zmtp_handshake import BUFFER_BYTES, Handshake, StrangerLog, command_at
 
 __all__ = ["FRAME_COST", "ZmtpListener"]
 
@@ -50,33 +52,6 @@ log = logging.getLogger(__name__)
 _STAGING = 16 * 1024  # a frame up to this size is parsed out of the staging buffer; larger ones are read in place
 FRAME_COST = 64  # what a frame counts against its peer's budget beyond its bytes: empty frames count too
 _MAX_COMMAND = 4096
-_JOIN = JOIN_PROPERTY.lower().encode()
-
-
-class _Told:
-    """How many strangers' disconnections were logged this minute: a stranger opening connection after
-    connection must not write the node's log for it."""
-
-    LINES = 20
-
-    def __init__(self) -> None:
-        self.since, self.lines, self.quiet = time.monotonic(), 0, 0
-
-    def may(self) -> bool:
-        now = time.monotonic()
-        if now - self.since >= 60:
-            if self.quiet:
-                log.warning("... and %d more peers that did not say HELLO disconnected in the last %.0f s", self.quiet, now - self.since)
-            self.since, self.lines, self.quiet = now, 0, 0
-        self.lines += 1
-        if self.lines > self.LINES:
-            self.quiet += 1
-            return False
-        return True
-
-
-class Refused(Exception):
-    """A peer broke a limit or the protocol: it is disconnected (the message says why)."""
 
 
 class _Peer(asyncio.BufferedProtocol):
@@ -88,7 +63,9 @@ class _Peer(asyncio.BufferedProtocol):
         self.name = "?"
         self.transport: asyncio.Transport | None = None
         self.ready = False
-        self.buf = bytearray(512)  # greeting and READY; the staging buffer once they are through
+        self.hs = Handshake(owner.curve, owner.join_secret)
+        self.curve = None  # the CURVE session once the handshake is through (None: NULL)
+        self.buf = bytearray(BUFFER_BYTES)  # the handshake; the staging buffer once it is through
         self.view = memoryview(self.buf)
         self.fill = self.at = 0
         self.greeted = False
@@ -118,7 +95,7 @@ class _Peer(asyncio.BufferedProtocol):
         if not self.owner.admit(self):
             return
         self.owner.sender.add(self.ident, sock.fileno())  # every write goes through the sending thread
-        self.owner.sender.put(self.ident, [greeting()])
+        self.owner.sender.put(self.ident, [self.hs.greeting()])
         self.timer = self.owner.loop.call_later(self.owner.handshake_s, self._handshake_timeout)
 
     def connection_lost(self, exc) -> None:
@@ -156,13 +133,12 @@ class _Peer(asyncio.BufferedProtocol):
             elif self.direct is not None:
                 self.direct_at += nbytes
                 if self.direct_at == len(self.direct):
-                    frame, self.direct = memoryview(self.direct), None
-                    self._frame(frame, self.direct_more)
+                    self._direct_done()
             else:
                 self.fill += nbytes
             self._parse()
         except Refused as exc:
-            self.owner.refuse(self, str(exc))
+            self.owner.refuse(self, exc)
 
     # ---------------------------------------------------------------- parsing
     def _handshake_timeout(self) -> None:
@@ -188,7 +164,7 @@ class _Peer(asyncio.BufferedProtocol):
                 head = 9
             else:
                 size, head = self.buf[self.at + 1], 2
-            if flags & COMMAND:
+            if flags & COMMAND and self.curve is None:
                 if size > _MAX_COMMAND or flags & MORE:
                     raise Refused(f"a command frame of {size} bytes")
                 if avail < head + size:
@@ -196,11 +172,16 @@ class _Peer(asyncio.BufferedProtocol):
                 self._on_command(bytes(self.view[self.at + head : self.at + head + size]))
                 self.at += head + size
                 continue
-            if self.skipped or self.frames and self._drops(size):
+            plain = size
+            if self.curve is not None:  # a MESSAGE: the frame it carries is OVERHEAD bytes smaller
+                if size < OVERHEAD:
+                    raise Refused(f"a CURVE frame of {size} bytes")
+                plain = size - OVERHEAD
+            elif self.skipped or self.frames and self._drops(size):
                 self._skip(head, size, bool(flags & MORE))
                 continue
-            self._check(size)
-            if not self._fits(size):
+            self._check(plain)
+            if not self._fits(plain):
                 self._pause()
                 return
             self.at += head
@@ -208,21 +189,52 @@ class _Peer(asyncio.BufferedProtocol):
             if size <= _STAGING and inside < size:
                 self.at -= head
                 return  # the rest of a small frame is still on its way: wait for it in staging
-            self.held += size + FRAME_COST
             if size <= _STAGING:
-                frame = bytes(self.view[self.at : self.at + size])
+                frame = self.view[self.at : self.at + size]
                 self.at += size
-                self._frame(frame, bool(flags & MORE))
+                self._small(frame, bool(flags & MORE))
                 continue
-            self.direct = np.empty(size, dtype=np.uint8)  # only now: after every limit said yes
+            self.held += plain + FRAME_COST
+            self.direct = self._buffer(size)  # only now: after every limit said yes
             self.direct[:inside] = np.frombuffer(self.view[self.at : self.at + inside], dtype=np.uint8)
             self.direct_at, self.direct_more = inside, bool(flags & MORE)
             self.at += inside
             if self.at == self.fill:
                 self.at = self.fill = 0
             if inside == size:  # all of it was staged already (a frame just over _STAGING)
-                frame, self.direct = memoryview(self.direct), None
-                self._frame(frame, self.direct_more)
+                self._direct_done()
+
+    def _buffer(self, size: int) -> np.ndarray:
+        """A large frame's own buffer. With CURVE the frame is opened in place and what it carries starts
+        OVERHEAD bytes in: the buffer is placed so that this is 64-byte aligned (tensors are read from it)."""
+        if self.curve is None:
+            return np.empty(size, dtype=np.uint8)
+        raw = np.empty(size + 63, dtype=np.uint8)
+        at = -(raw.ctypes.data + OVERHEAD) % 64
+        return raw[at : at + size]
+
+    def _small(self, frame: memoryview, more: bool) -> None:
+        """A frame read from the staging buffer (copied out of it)."""
+        if self.curve is not None:
+            out = bytearray(len(frame) - 32)
+            more, cmd = self.curve.open(frame, memoryview(out))
+            if cmd:
+                return self._on_command(bytes(out[1:]))
+            frame = memoryview(out)[1:]
+        self.held += len(frame) + FRAME_COST
+        self._frame(bytes(frame), more)
+
+    def _direct_done(self) -> None:
+        """A large frame is read whole."""
+        frame, self.direct = memoryview(self.direct), None
+        more = self.direct_more
+        if self.curve is not None:
+            more, cmd = self.curve.open(frame, frame[32:])
+            if cmd:
+                raise Refused(f"a command of {len(frame) - OVERHEAD} bytes")
+            frame = frame[OVERHEAD:]
+        self._frame(frame, more)
+
 
     def _drops(self, size: int) -> bool:
         """A payload frame of a peer that did not say HELLO, past its budget: read and dropped, so that its
@@ -318,56 +330,31 @@ class _Peer(asyncio.BufferedProtocol):
             try:
                 self._parse()
             except Refused as exc:
-                self.owner.refuse(self, str(exc))
+                self.owner.refuse(self, exc)
 
     def _finish(self) -> None:
         """Our side of the connection ends after the answers (the peer's libzmq closes it on the EOF)."""
         self.owner.sender.end(self.ident)
 
     def _handshake(self) -> bool:
-        """The peer's greeting, then its READY command; True once through."""
-        got = self.fill - self.at
+        """The peer's greeting, then the mechanism's commands (:class:`Handshake`); True once through."""
         if not self.greeted:
-            if got < GREETING_BYTES:
-                if got >= 1 and self.buf[0] != 0xFF or got >= 10 and self.buf[9] & 1 == 0:
-                    raise Refused("not a ZMTP peer")
+            if self.fill - self.at < GREETING_BYTES:
+                self.hs.check_start(bytes(self.buf[: self.fill]))
                 return False
-            g = self.buf[:GREETING_BYTES]
-            if g[0] != 0xFF or g[9] & 1 == 0 or g[10] < 3:
-                raise Refused(f"not a ZMTP 3 peer (version {g[10]}.{g[11]})")
-            mech = bytes(g[12:32]).rstrip(b"\x00")
-            if mech != b"NULL":
-                raise Refused(f"security mechanism {mech.decode('ascii', 'replace')!r}: this node speaks NULL (no CURVE keys configured)")
+            self.hs.on_greeting(bytes(self.buf[:GREETING_BYTES]))
             self.at, self.greeted = GREETING_BYTES, True
-            got -= GREETING_BYTES
-        if got < 2:
-            return False
-        flags = self.buf[self.at]
-        long = flags & LONG
-        if flags & ~(COMMAND | LONG) or not flags & COMMAND:
-            raise Refused("expected READY after the greeting")
-        if long and got < 9:
-            return False
-        size = struct.unpack_from(">Q", self.buf, self.at + 1)[0] if long else self.buf[self.at + 1]
-        head = 9 if long else 2
-        if size > len(self.buf) - GREETING_BYTES - head:
-            raise Refused(f"a READY of {size} bytes")
-        if got < head + size:
-            return False
-        body = bytes(self.buf[self.at + head : self.at + head + size])
-        if not body.startswith(b"\x05READY"):
-            raise Refused("expected READY after the greeting")
-        try:
-            props = properties(body[6:])
-        except ValueError:
-            raise Refused("a torn READY") from None
-        kind = props.get(b"socket-type", b"")
-        if kind != b"DEALER":
-            raise Refused(f"socket type {kind.decode('ascii', 'replace')!r}: a node serves DEALER sockets")
-        if self.owner.join_secret and not hmac.compare_digest(props.get(_JOIN, b""), self.owner.join_secret):
-            raise Refused("no join secret" if _JOIN not in props else "a wrong join secret")
-        self.owner.sender.put(self.ident, [ready(b"ROUTER")])
-        rest = bytes(self.buf[self.at + head + size : self.fill])
+        while True:
+            body, used = command_at(self.buf, self.at, self.fill)
+            if body is None:
+                return False
+            self.at += used
+            answer, done = self.hs.on_command(body)
+            self.owner.sender.put(self.ident, [answer])
+            if done:
+                break
+        self.curve = self.hs.curve
+        rest = bytes(self.buf[self.at : self.fill])
         self.buf = bytearray(_STAGING + 64)  # a small frame and its header always fit
         self.view = memoryview(self.buf)
         self.buf[: len(rest)] = rest
@@ -379,18 +366,25 @@ class _Peer(asyncio.BufferedProtocol):
         n = body[0] if body else 0
         name = body[1 : 1 + n]
         if name == b"PING":  # heartbeats (ZMTP 3.1): answer with the ping's context
-            self.owner.sender.put(self.ident, [command(b"PONG", body[1 + n + 2 :][:16])])
+            context = body[1 + n + 2 :][:16]
+            if self.curve is None:
+                self.owner.sender.put(self.ident, [command(b"PONG", context)])
+            else:
+                self.owner.sender.put(self.ident, [b"\x04PONG" + context], seal=functools.partial(self.curve.seal, command=True))
         elif name not in (b"PONG", b"ERROR"):
             raise Refused(f"unexpected command {name.decode('ascii', 'replace')!r}")
 
     # ---------------------------------------------------------------- sending
     def send(self, frames: list, track: bool) -> Sent | None:
+        sent = Sent() if track else None
+        if self.curve is not None:  # sealed on the sending thread, in the order they go out
+            self.owner.sender.put(self.ident, list(frames), sent, seal=self.curve.seal)
+            return sent
         parts: list = []
         last = len(frames) - 1
         for i, f in enumerate(frames):
             n = f.nbytes if isinstance(f, memoryview) else len(f)
             parts += [frame_head(n, i < last), f]
-        sent = Sent() if track else None
         self.owner.sender.put(self.ident, parts, sent)
         return sent
 
@@ -398,10 +392,10 @@ class _Peer(asyncio.BufferedProtocol):
 class ZmtpListener(Listener):
     """A node's listening socket and its peers (see the module's doc)."""
 
-    def __init__(self, bind: str, *, max_message_bytes: int, max_frames: int, budget: Callable[[bytes], int], who: Callable[[bytes], str], max_connections: int, sndhwm: int, handshake_s: float = 10.0, join_secret: str = "", member: Callable[[bytes], bool] = lambda ident: True) -> None:
+    def __init__(self, bind: str, *, max_message_bytes: int, max_frames: int, budget: Callable[[bytes], int], who: Callable[[bytes], str], max_connections: int, sndhwm: int, handshake_s: float = 10.0, join_secret: str = "", member: Callable[[bytes], bool] = lambda ident: True, curve: CurveKeys | None = None) -> None:
         self.max_message_bytes, self.max_frames, self.budget, self.who, self.member = max_message_bytes, max_frames, budget, who, member
-        self.join_secret = join_secret.encode()
-        self._told = _Told()
+        self.join_secret, self.curve = join_secret.encode(), curve
+        self._told = StrangerLog()
         self.max_connections, self.sndhwm, self.handshake_s = max_connections, sndhwm, handshake_s
         self.idents = itertools.count(1)
         self.sender = Sender()
@@ -438,11 +432,13 @@ class ZmtpListener(Listener):
             del self.peers[peer.ident]
             self._full_told = False
 
-    def refuse(self, peer: _Peer, why: str) -> None:
+    def refuse(self, peer: _Peer, why: str | Refused) -> None:
         """Disconnect ``peer`` for breaking a limit, naming it in the log once (strangers: at most
-        ``_Told.LINES`` lines a minute, then one line counting the rest)."""
+        ``StrangerLog.LINES`` lines a minute, then one line counting the rest)."""
         if peer.closed or peer.refused:
             return
+        if isinstance(why, Refused) and why.answer is not None:
+            self.sender.put(peer.ident, [why.answer])
         who = self.who(peer.ident)
         if who.startswith("worker") or self._told.may():
             log.warning("disconnecting %s (%s): %s", who, peer.name, why)
@@ -475,6 +471,10 @@ class ZmtpListener(Listener):
             self._ready.append(peer)
         self._last = (peer, n)
         return peer.ident, frames, dropped
+
+    def peer_key(self, ident: bytes) -> str | None:
+        peer = self.peers.get(ident)
+        return peer.curve.client_key if peer is not None and peer.curve is not None else None
 
     def send(self, ident: bytes, frames: list, track: bool = False):
         peer = self.peers.get(ident)

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["COMMAND", "GREETING_BYTES", "LONG", "MORE", "command", "frame_head", "greeting", "properties", "ready"]
+__all__ = ["Refused", "COMMAND", "GREETING_BYTES", "LONG", "MORE", "command", "frame_head", "greeting", "properties", "property_list", "ready"]
+
+class Refused(Exception):
+    """A peer broke a limit or the protocol: it is disconnected (the message says why). ``answer``: a
+    command frame to send it first (an ERROR)."""
+
+    def __init__(self, why: str, answer: bytes | None = None) -> None:
+        super().__init__(why)
+        self.answer = answer
+
 
 MORE, LONG, COMMAND = 0x01, 0x02, 0x04
 """Frame flag bits: more frames follow, an 8-octet size, a command."""
@@ -18,9 +27,9 @@ def frame_head(n: int, more: bool) -> bytes:
     return bytes([flag, n]) if n < 256 else bytes([flag | LONG]) + struct.pack(">Q", n)
 
 
-def greeting() -> bytes:
-    """Signature, version 3.1, mechanism NULL, as-server, filler (rfc 37, section "The Greeting")."""
-    return b"\xff" + b"\x00" * 7 + b"\x01\x7f" + b"\x03\x01" + b"NULL".ljust(20, b"\x00") + b"\x01" + b"\x00" * 31
+def greeting(mechanism: bytes = b"NULL") -> bytes:
+    """Signature, version 3.1, the security mechanism, as-server, filler (rfc 37, section "The Greeting")."""
+    return b"\xff" + b"\x00" * 7 + b"\x01\x7f" + b"\x03\x01" + mechanism.ljust(20, b"\x00") + b"\x01" + b"\x00" * 31
 
 
 def command(name: bytes, body: bytes) -> bytes:
@@ -30,7 +39,12 @@ def command(name: bytes, body: bytes) -> bytes:
 
 def ready(socket_type: bytes) -> bytes:
     """The READY command of a socket of ``socket_type`` (NULL mechanism: its only property)."""
-    return command(b"READY", b"\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type)
+    return command(b"READY", property_list({b"Socket-Type": socket_type}))
+
+
+def property_list(props: dict[bytes, bytes]) -> bytes:
+    """ZMTP metadata: name-size, name, value-size (4 octets), value, for each property."""
+    return b"".join(bytes([len(k)]) + k + struct.pack(">I", len(v)) + v for k, v in props.items())
 
 
 def properties(data: bytes) -> dict[bytes, bytes]:

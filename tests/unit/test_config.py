@@ -175,3 +175,18 @@ def test_resolve_config_reads_env_and_falls_back_to_luwu_nodes():
         resolve_config(env=env, delayed_params="a*, b")
     on = resolve_config(env=dict(env, LUWU_OPTIMIZER__DELAYED_UPDATE="true"), delayed_params="a*")
     assert on.optimizer.delayed_update and on.optimizer.delayed_params == ["a*"]
+
+
+def test_the_nodes_own_listener_serves_curve_too():
+    """listener = auto reads ZMTP itself with CURVE keys as without (libzmq only for inproc://); a join
+    secret is refused with CURVE keys (the authorized keys do that job)."""
+    import zmq
+
+    from luwu.switch_nodes.config import NodeConfig
+
+    pub, sec = (k.decode() for k in zmq.curve_keypair())
+    keys = {"curve_public_key": pub, "curve_secret_key": sec, "curve_authorized_keys": [pub]}
+    assert NodeConfig(**keys).uses_zmtp and NodeConfig(listener="zmtp", **keys).uses_zmtp
+    assert not NodeConfig(bind="inproc://n", **keys).uses_zmtp and not NodeConfig(listener="libzmq", **keys).uses_zmtp
+    with pytest.raises(ConfigError, match="with CURVE keys, the authorized keys do this"):
+        NodeConfig(join_secret="x", **keys)
