@@ -24,7 +24,7 @@ import pytest
 import torch
 import zmq
 from harness import proc_status
-from integration.test_peer_bounds import MiB, Served, dealer, served  # noqa: F401  (served: the fixture)
+from integration.test_peer_bounds import MiB, RawPeer, answered_then_closed, served  # noqa: F401  (served: the fixture)
 from nacl import bindings as nacl
 
 import luwu
@@ -33,9 +33,9 @@ from luwu.switch_nodes.curve import CurveKeys
 from luwu.switch_nodes.zmtp_frames import command, frame_head, property_list
 
 
-class CurvePeer:
+class CurvePeer(RawPeer):
     """A TCP connection that did the CurveZMQ handshake as a DEALER with the given client keys (z85), and
-    sends whatever MESSAGE frames it is told."""
+    sends whatever MESSAGE frames it is told (reading, closing: as :class:`RawPeer`)."""
 
     def __init__(self, addr: str, server_public: str, public: str, secret: str, timeout_s: float = 10.0):
         host, port = addr.split("://", 1)[1].rsplit(":", 1)
@@ -69,15 +69,6 @@ class CurvePeer:
         self.nonce += 1
         return struct.pack(">Q", self.nonce - 1)
 
-    def recv_exact(self, n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            got = self.sock.recv(n - len(out))
-            if not got:
-                raise ConnectionError("closed")
-            out += got
-        return out
-
     def recv_frame(self) -> tuple[int, bytes]:
         flags = self.recv_exact(1)[0]
         n = struct.unpack(">Q", self.recv_exact(8))[0] if flags & 2 else self.recv_exact(1)[0]
@@ -106,28 +97,6 @@ class CurvePeer:
             frames.append(plain[1:])
             if not plain[0] & 1:
                 return frames
-
-    def try_send(self, data: bytes) -> None:
-        try:
-            self.sock.sendall(data)
-        except OSError:
-            pass
-
-    def closed_by_node(self, within_s: float) -> bool:
-        deadline = time.monotonic() + within_s
-        self.sock.settimeout(0.2)
-        while time.monotonic() < deadline:
-            try:
-                if not self.sock.recv(1 << 16):
-                    return True
-            except socket.timeout:
-                continue
-            except OSError:
-                return True
-        return False
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 @pytest.fixture
@@ -227,18 +196,8 @@ def test_an_authenticated_peer_past_a_limit_is_disconnected_named_once_and_answe
             held.append(srv.on_loop(srv.listener.held, ident))
             time.sleep(0.02)
         assert max(held) <= 3 * MiB, held
-        srv.on_loop(srv.listener.send, ident, [b"answer"])
-        srv.serve_on()
-        assert peer.recv_message() == [b"answer"]
-        assert peer.closed_by_node(5)
-        peer.close()
+        answered_then_closed(srv, peer, ident, caplog, why)
         sender.join(10)
-        deadline = time.monotonic() + 5
-        while srv.on_loop(lambda: len(srv.listener.peers)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert srv.on_loop(lambda: len(srv.listener.peers)) == 0
-        lines = [r.getMessage() for r in caplog.records if "disconnecting" in r.getMessage()]
-        assert len(lines) == 1 and why in lines[0] and "peer (127.0.0.1:" in lines[0], lines
     finally:
         peer.close()
 

@@ -275,20 +275,25 @@ def test_a_peer_past_a_limit_is_disconnected_named_once_and_answered_first(serve
         peer.try_send(attacks[attack])
         ident, got, _ = srv.take()
         assert [bytes(f) for f in got] == [b"first"]
-        srv.on_loop(srv.listener.send, ident, [b"answer"])
-        srv.serve_on()
-        peer.sock.settimeout(10)
-        assert peer.recv_message() == [b"answer"]
-        assert peer.closed_by_node(5)
-        peer.close()  # the node half-closed; libzmq closes on that EOF, as we do here
-        deadline = time.monotonic() + 5
-        while srv.on_loop(lambda: len(srv.listener.peers)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert srv.on_loop(lambda: len(srv.listener.peers)) == 0
-        lines = [r.getMessage() for r in caplog.records if "disconnecting" in r.getMessage()]
-        assert len(lines) == 1 and why in lines[0] and "peer (127.0.0.1:" in lines[0], lines
+        answered_then_closed(srv, peer, ident, caplog, why)
     finally:
         peer.close()
+
+
+def answered_then_closed(srv: Served, peer: RawPeer, ident: bytes, caplog, why: str) -> None:
+    """The peer's earlier message is answered, then the node ends the connection and names it once (``why``)."""
+    srv.on_loop(srv.listener.send, ident, [b"answer"])
+    srv.serve_on()
+    peer.sock.settimeout(10)
+    assert peer.recv_message() == [b"answer"]
+    assert peer.closed_by_node(5)
+    peer.close()  # the node half-closed; libzmq closes on that EOF, as we do here
+    deadline = time.monotonic() + 5
+    while srv.on_loop(lambda: len(srv.listener.peers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.on_loop(lambda: len(srv.listener.peers)) == 0
+    lines = [r.getMessage() for r in caplog.records if "disconnecting" in r.getMessage()]
+    assert len(lines) == 1 and why in lines[0] and "peer (127.0.0.1:" in lines[0], lines
 
 
 @pytest.mark.timeout(60)
