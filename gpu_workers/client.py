@@ -129,6 +129,13 @@ class WorkerClient:
             self._woken = True
             os.write(self._wake_w, b"x")
 
+    def release(self, step: int) -> None:
+        """Tell every node this worker reached ``step()`` of ``step``: the replies they hold for it may come
+        (``optimizer.hold_replies``; luwu.switch_nodes.held_replies). Ahead of the pushes still queued: on a
+        slow link they would hold up the replies the node has ready."""
+        for n in range(len(self._out)):
+            self.send(n, {"op": Op.HEARTBEAT, "step": step, "seq": step}, priority=-1)
+
     def wait(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply", errors_of: tuple | None = None) -> list[wire.Message]:
         """Wait for messages filed under ``keys`` = (op, node, step, bucket); pops and returns them.
         ``errors_of``: raise only ERRORs answering these ops (the others stay for later or are fenced off)."""

@@ -80,6 +80,11 @@ class OptimizerConfig:
     """Resident mode: step() returns once the pushes are out, and each parameter waits for its new weights
     when it is next read, in the next forward when its layer runs (luwu.gpu_workers.layer_waits). False:
     step() waits for every bucket's new weights."""
+    hold_replies: bool = True
+    """Resident mode: the nodes hold a step's new weights until this worker's ``step()`` (one small message
+    to each node at its start), so the worker never keeps a reply it may not write yet: its memory stays at
+    the model and its gradients. False: replies come as soon as the nodes have them (on a fast link, during
+    backward) and wait in the worker (luwu.switch_nodes.held_replies)."""
     grads_in_buckets: bool = True
     """Resident mode: a parameter's ``.grad`` is a view of its bucket's buffer once backward produced it, so the
     gradients exist once (DDP's gradient_as_bucket_view; luwu.gpu_workers.grad_views). False: ``.grad`` keeps

@@ -393,6 +393,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if not self.worker.two_phase:
                 raise ConfigError("a GradScaler drives this optimizer: construct RemoteOptimizer(..., amp=True) so the overflow decision is made globally")
             inv_scale = 1.0 / float(grad_scaler.get_scale())
+        if self.config.optimizer.hold_replies and not self.worker.streamed:  # the nodes may send this step's weights now
+            self.client.release(self.worker.step_num)
         report = self.worker.step(delay=self._delaying(self.worker.step_num), inv_scale=inv_scale, max_norm=self.max_grad_norm)
         streaming.end_step(self.streamer, report)
         if grad_scaler is not None:

@@ -47,9 +47,11 @@ class Listener:
         was served (what its peer held is given back)."""
         raise NotImplementedError
 
-    def send(self, ident: bytes, frames: list, track: bool = False):
+    def send(self, ident: bytes, frames: list, track: bool = False, priority=None):
         """Send without blocking (frames are sent zero-copy: untouched until the tracker is done); the
-        tracker (``wait(timeout)`` raises ``zmq.NotDone``) when ``track``. Raises :class:`SendQueueFull`."""
+        tracker (``wait(timeout)`` raises ``zmq.NotDone``) when ``track``. Raises :class:`SendQueueFull`.
+        ``priority``: among queued messages with one, not yet on their way, the lowest goes first (the
+        zmtp listener; libzmq's sends in order)."""
         raise NotImplementedError
 
     def peer_key(self, ident: bytes) -> str | None:
@@ -146,7 +148,7 @@ class LibzmqListener(Listener):
     def peer_key(self, ident: bytes) -> str | None:
         return self._keys.get(ident)
 
-    def send(self, ident: bytes, frames: list, track: bool = False):
+    def send(self, ident: bytes, frames: list, track: bool = False, priority=None):
         try:
             fut = self._sock.send_multipart([ident, *frames], copy=False, track=track, flags=zmq.NOBLOCK)
         except zmq.Again:

@@ -146,6 +146,7 @@ class Membership:
         node.param_names.update(names)
         node.layout_hash = h["layout"]
         node.peers[w] = ident
+        node.replies.held.forget(w)  # a new connection: nothing held for the old one goes to it
         if not node.members:
             node.members = set(range(node.world_size))
         node.members.add(w)
@@ -171,6 +172,8 @@ class Membership:
     def on_heartbeat(self, ident: bytes, msg: wire.Message) -> None:
         w = msg.header["worker"]
         self.node.last_seen[w] = time.monotonic()
+        if "seq" in msg.header and self.node.peers.get(w) == ident:  # it reached step() of seq (optimizer.hold_replies)
+            self.node.replies.held.release(w, msg.header["seq"])
         self.node.answer(ident, Op.HEARTBEAT, w)
 
     def check_worker(self, ident: bytes, h: dict) -> None:
@@ -242,6 +245,8 @@ class Membership:
         """Elastic mode: the missing ranks leave the job; the steps waiting only for them go on."""
         node = self.node
         node.members -= missing
+        for w in missing:
+            node.replies.held.forget(w)
         node.metrics.dropped_workers.inc(len(missing))
         log.warning("node %s: dropped workers %s from step %d (elastic)", node.index, sorted(missing), step)
         text = f"dropped from step {step} after {node.cfg.worker_timeout_s:.0f} s without a push (elastic mode): call optimizer.recover() to rejoin"

@@ -27,6 +27,7 @@ from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
 from luwu.protocol.feedback import DeltaEncoder
 from luwu.protocol.messages import PULL_ACK as ACK, Op
+from luwu.switch_nodes.held_replies import HeldReplies
 from luwu.switch_nodes.store import BucketState
 
 if TYPE_CHECKING:
@@ -168,6 +169,7 @@ class Replies:
         self.buffers: dict[int, ReplyBuffers] = {}
         self._delta: DeltaPullCodec | None = None  # made on first use: it holds a shadow per bucket
         self._pending: dict[int, list[tuple[int, str]]] = {}  # PULLs that came before the bucket's INIT
+        self.held = HeldReplies(node.send_to, node.cfg.mode == "sync", node.cfg.rcvhwm // 2)  # until the worker's step()
 
     def codec(self, name: str) -> PullCodec:
         """The pull codec named by a worker (raises on an unknown name)."""
@@ -185,6 +187,7 @@ class Replies:
     def reset(self) -> None:
         """Forget every bucket's buffers and pending PULLs (a restore replaced the buckets)."""
         self.buffers, self._pending = {}, {}
+        self.held.forget()
         self.resync()
 
     def resync(self, bid: int | None = None) -> None:
@@ -232,9 +235,13 @@ class Replies:
         data = wire.encode(header, payload.frames)
         nbytes = sum(f.nbytes for f in data[1:])
         metrics, trackers = self.node.metrics, []
+        # a step's weights: the next forward reads the buckets from the highest id down, so a worker's queued
+        # replies go in that order (a PULL's answer, a streaming fetch, keeps its place)
+        priority = (b.version, -b.id) if payload.frames and seq is not None else None
         for w in workers:
             if w in self.node.peers:
-                trackers.append((w, self.node.send_to(w, data, track=True)))
+                later = self.held.hold(w, seq, b.id, data, priority) if seq is not None and payload.frames else None
+                trackers.append((w, later or self.node.send_to(w, data, True, priority)))
                 metrics.bytes_out.labels("update").inc(nbytes)
                 if payload.frames:  # (an ack carries no weights)
                     metrics.raw_out.labels("update").inc(b.numel * 4)

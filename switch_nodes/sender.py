@@ -20,6 +20,7 @@ __all__ = ["Sender", "Sent"]
 
 _IOV = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 _BATCH = 256  # messages per sendmsg at most
+_AHEAD = 8 << 20  # bytes per sendmsg at most (more than a socket buffer takes): what is not in it may still be reordered
 
 
 def _views(parts: list) -> list:
@@ -42,15 +43,16 @@ class Sent:
 
 
 class _Out:
-    """One peer's socket and queue: [parts still to send, Sent or None, seal or None], or ``None`` for the end
-    of writing."""
+    """One peer's socket and queue: [parts still to send, Sent or None, seal or None, priority or None, fixed],
+    or ``None`` for the end of writing. ``fixed``: its bytes (or, sealed, its nonces) are on their way: it
+    keeps its place. ``unsorted``: a message with a priority came since the queue was last ordered."""
 
-    __slots__ = ("sock", "queue", "blocked", "dead")
+    __slots__ = ("sock", "queue", "blocked", "dead", "unsorted")
 
     def __init__(self, fd: int) -> None:
         self.sock = socket.socket(fileno=os.dup(fd))
         self.queue: collections.deque = collections.deque()
-        self.blocked = self.dead = False
+        self.blocked = self.dead = self.unsorted = False
 
 
 class Sender:
@@ -75,17 +77,20 @@ class Sender:
         with self._lock:
             self._outs[key] = _Out(fd)
 
-    def put(self, key: bytes, parts: list, sent: Sent | None = None, seal: Callable[[list], list] | None = None) -> bool:
+    def put(self, key: bytes, parts: list, sent: Sent | None = None, seal: Callable[[list], list] | None = None, priority=None) -> bool:
         """Queue ``parts`` (bytes / memoryviews, untouched until ``sent`` is done) for ``key``; False if gone.
         ``seal``: ``parts`` are a message's frames, turned into what goes out by ``seal(parts)`` on this
-        thread, right before they are sent (CURVE: nonces in the order of the wire)."""
+        thread, right before they are sent (CURVE: nonces in the order of the wire). ``priority``: among
+        the messages with one queued one after another and not yet on their way, the lowest goes first
+        (a message without one keeps its place: nothing overtakes it or falls behind it)."""
         with self._lock:
             out = self._outs.get(key)
             if out is None or out.dead:
                 if sent is not None:
                     sent.event.set()
                 return False
-            out.queue.append([parts if seal else _views(parts), sent, seal])
+            out.queue.append([parts if seal else _views(parts), sent, seal, priority, False])
+            out.unsorted |= priority is not None
         self._wake()
         return True
 
@@ -157,6 +162,8 @@ class Sender:
         up to ``_BATCH`` messages: each call gives the GIL back, and getting it back can take the loop's
         switch interval (5 ms) when the loop is busy in Python, so calls, not bytes, are what costs."""
         q = out.queue
+        if out.unsorted:
+            self._order(out)
         while q:
             if q[0] is None:
                 try:
@@ -166,15 +173,17 @@ class Sender:
                 q.popleft()
                 continue
             bufs: list = []
+            ahead = 0
             for i in range(min(len(q), _BATCH)):
                 item = q[i]
-                if item is None:
+                if item is None or ahead > _AHEAD:
                     break
                 if item[2] is not None:
-                    item[0], item[2] = _views(item[2](item[0])), None
+                    item[0], item[2], item[4] = _views(item[2](item[0])), None, True
                 if bufs and len(bufs) + len(item[0]) > _IOV:
                     break
                 bufs += item[0]
+                ahead += sum(len(b) for b in item[0])
             try:
                 n = out.sock.sendmsg(bufs[:_IOV]) if bufs else 0
             except BlockingIOError:
@@ -187,8 +196,9 @@ class Sender:
                 self._fail(out)
                 return
             while q and q[0] is not None:  # what went out: whole messages are done, a part is cut
-                parts, sent, _ = q[0]
+                parts, sent = q[0][0], q[0][1]
                 while n and parts:
+                    q[0][4] = True
                     if n >= len(parts[0]):
                         n -= len(parts.pop(0))
                     else:
@@ -198,6 +208,24 @@ class Sender:
                 q.popleft()
                 if sent is not None:
                     sent.event.set()
+
+    def _order(self, out: _Out) -> None:
+        """Sort each run of messages with a priority that are not on their way yet (stable: equals keep their order)."""
+        with self._lock:
+            out.unsorted = False
+            items, q = list(out.queue), out.queue
+            at = 0
+            while at < len(items) and items[at] is not None and items[at][4]:
+                at += 1
+            done, run = items[:at], []
+            for item in items[at:]:
+                if item is not None and item[3] is not None:
+                    run.append(item)
+                    continue
+                done += sorted(run, key=lambda m: m[3]) + [item]
+                run = []
+            q.clear()
+            q.extend(done + sorted(run, key=lambda m: m[3]))
 
     def _fail(self, out: _Out) -> None:
         """The peer is gone: nothing more is sent, and every queued message is done (its frames are free)."""

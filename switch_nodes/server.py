@@ -280,11 +280,11 @@ class NodeServer:
         bucket = num("bucket", -1) if "bucket" in hdr else -1
         self.send(ident, wire.error_message(self.job, code, str(exc), ref_op=num("op", 0), step=step, worker=num("worker", 0), bucket=bucket, detail=detail))
 
-    def send(self, ident: bytes, frames: list, track: bool = False):
+    def send(self, ident: bytes, frames: list, track: bool = False, priority=None):
         """Send without blocking; returns the send tracker when ``track`` (see :meth:`Listener.send`). A full
         queue drops the reply."""
         try:
-            return self.listener.send(ident, frames, track)
+            return self.listener.send(ident, frames, track, priority)
         except SendQueueFull:
             self.metrics.errors.labels("send_queue_full").inc()
             if ident not in self._full_told:  # once per connection: a peer that does not read writes no log
@@ -294,10 +294,10 @@ class NodeServer:
                 log.warning("send queue full for %s (%r): it does not read; its replies are dropped (luwu_node_errors_total{code=\"send_queue_full\"} counts them)", self.who(ident), ident)
             return None
 
-    def send_to(self, worker: int, frames: list, track: bool = False):
+    def send_to(self, worker: int, frames: list, track: bool = False, priority=None):
         """:meth:`send` to a connected worker rank (nothing if it is not connected)."""
         ident = self.peers.get(worker)
-        return None if ident is None else self.send(ident, frames, track)
+        return None if ident is None else self.send(ident, frames, track, priority)
 
     def not_reading(self, ranks: set[int]) -> None:
         """From the optimizer thread: these workers left their replies unread (see :class:`ReplyBuffers`)."""

@@ -375,17 +375,17 @@ class _Peer(asyncio.BufferedProtocol):
             raise Refused(f"unexpected command {name.decode('ascii', 'replace')!r}")
 
     # ---------------------------------------------------------------- sending
-    def send(self, frames: list, track: bool) -> Sent | None:
+    def send(self, frames: list, track: bool, priority=None) -> Sent | None:
         sent = Sent() if track else None
         if self.curve is not None:  # sealed on the sending thread, in the order they go out
-            self.owner.sender.put(self.ident, list(frames), sent, seal=self.curve.seal)
+            self.owner.sender.put(self.ident, list(frames), sent, seal=self.curve.seal, priority=priority)
             return sent
         parts: list = []
         last = len(frames) - 1
         for i, f in enumerate(frames):
             n = f.nbytes if isinstance(f, memoryview) else len(f)
             parts += [frame_head(n, i < last), f]
-        self.owner.sender.put(self.ident, parts, sent)
+        self.owner.sender.put(self.ident, parts, sent, priority=priority)
         return sent
 
 
@@ -476,13 +476,13 @@ class ZmtpListener(Listener):
         peer = self.peers.get(ident)
         return peer.curve.client_key if peer is not None and peer.curve is not None else None
 
-    def send(self, ident: bytes, frames: list, track: bool = False):
+    def send(self, ident: bytes, frames: list, track: bool = False, priority=None):
         peer = self.peers.get(ident)
         if peer is None or peer.closed or not peer.ready:
             return None  # gone: what libzmq's ROUTER does with a message to an unknown peer
         if self.sender.queued(ident) >= self.sndhwm:  # sends never wait on a peer: its queue is bounded by messages
             raise SendQueueFull(ident)
-        return peer.send(frames, track)
+        return peer.send(frames, track, priority)
 
     def close(self) -> None:
         if self._server is not None:

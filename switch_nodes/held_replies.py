@@ -1,0 +1,86 @@
+"""Replies held at the node until their worker may write them.
+
+A resident worker's weights may change only in its ``step()``. On a fast link the node answers the
+last layers' buckets while the worker's backward is still running; a reply that lands before
+``step()`` had to be kept by the worker, a second copy of those weights (4 bytes a parameter with fp32
+pulls). So a worker says when it reached ``step()`` of step s (a HEARTBEAT with ``seq`` = s, sent
+first thing in ``step()``: ``optimizer.hold_replies``), and from its first such word on, the node holds
+the replies to its pushes of a later step until it says so. What a held reply holds is the node's
+reply buffer (or the shard itself, fp32, zero-copy), which exists anyway: the copy moves from worker
+to node for free. Once released they go out first layers first (the layout lists buckets in backward
+order: the next forward's order is the reverse).
+
+Held only in sync mode (there the next step of a bucket waits for this worker's push, which comes
+after its ``step()``, so the weights a held fp32 reply points to cannot change under it), and only
+replies that carry weights (an ack lets a streaming worker reuse a buffer during backward). At most
+``limit`` replies per worker are held; past it they go at once, so a release never bursts past the
+send queue. A rank that says HELLO again, is dropped, or a rollback forgets what was held.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+__all__ = ["HeldReplies", "Later"]
+
+
+class Later:
+    """The send tracker of a held reply: done once it was sent and its bytes left (or it was forgotten)."""
+
+    __slots__ = ("event", "real")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.real = None  # the tracker of the send, once released
+
+    def wait(self, timeout: float | None = None) -> None:
+        import zmq
+
+        t0 = time.monotonic()
+        if not self.event.wait(timeout):
+            raise zmq.NotDone
+        if self.real is not None:
+            self.real.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
+
+
+class HeldReplies:
+    """Per worker: the last step it reached ``step()`` of, and its replies held until it does (see the module's doc)."""
+
+    def __init__(self, send_to, sync: bool, limit: int) -> None:
+        self.send_to, self.sync, self.limit = send_to, sync, limit
+        self.released: dict[int, int] = {}  # worker -> the last step it said it reached step() of
+        self.held: dict[int, list] = {}  # worker -> [(bucket, step, frames, priority, Later)]
+
+    def hold(self, worker: int, step: int, bucket: int, frames: list, priority) -> Later | None:
+        """Keep the reply to ``worker``'s push of ``step`` if it has not reached that step's ``step()``; its
+        tracker. None: send it now."""
+        r = self.released.get(worker)
+        held = self.held.setdefault(worker, [])
+        if not self.sync or r is None or step <= r or len(held) >= self.limit:
+            return None
+        later = Later()
+        held.append((bucket, step, frames, priority, later))
+        return later
+
+    def release(self, worker: int, step: int) -> None:
+        """``worker`` reached ``step()`` of ``step``: its replies up to that step go, first layers first."""
+        self.released[worker] = max(self.released.get(worker, step), step)
+        held = self.held.get(worker)
+        if not held:
+            return
+        now = [h for h in held if h[1] <= step]
+        self.held[worker] = [h for h in held if h[1] > step]
+        for _, _, frames, priority, later in sorted(now, key=lambda h: (h[1], -h[0])):
+            later.real = self.send_to(worker, frames, True, priority)
+            later.event.set()
+
+    def forget(self, worker: int | None = None) -> None:
+        """Drop what is held for ``worker`` (None: everyone), and when it reached ``step()``."""
+        for w in list(self.held) if worker is None else [worker]:
+            for *_, later in self.held.pop(w, []):
+                later.event.set()
+            self.released.pop(w, None)
+
+    def count(self, worker: int) -> int:
+        return len(self.held.get(worker, ()))
