@@ -134,7 +134,7 @@ class WorkerClient:
         (``optimizer.hold_replies``; luwu.switch_nodes.held_replies). Ahead of the pushes still queued: on a
         slow link they would hold up the replies the node has ready."""
         for n in range(len(self._out)):
-            self.send(n, {"op": Op.HEARTBEAT, "step": step, "seq": step}, priority=-1)
+            self.send(n, {"op": Op.HEARTBEAT, "step": max(step, 0), "seq": step}, priority=-1)
 
     def wait(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply", errors_of: tuple | None = None) -> list[wire.Message]:
         """Wait for messages filed under ``keys`` = (op, node, step, bucket); pops and returns them.

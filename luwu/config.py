@@ -26,6 +26,9 @@ from luwu.protocol.errors import ConfigError
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.optimizers.kinds import OPTIMIZER_NAMES, UNSUPPORTED
 
+HOLD_REPLIES = ("auto", "always", "never")
+"""optimizer.hold_replies's values."""
+
 if TYPE_CHECKING:
     from luwu.protocol.policy import CompressionConfig
 
@@ -80,11 +83,13 @@ class OptimizerConfig:
     """Resident mode: step() returns once the pushes are out, and each parameter waits for its new weights
     when it is next read, in the next forward when its layer runs (luwu.gpu_workers.layer_waits). False:
     step() waits for every bucket's new weights."""
-    hold_replies: bool = True
-    """Resident mode: the nodes hold a step's new weights until this worker's ``step()`` (one small message
-    to each node at its start), so the worker never keeps a reply it may not write yet: its memory stays at
-    the model and its gradients. False: replies come as soon as the nodes have them (on a fast link, during
-    backward) and wait in the worker (luwu.switch_nodes.held_replies)."""
+    hold_replies: str = "auto"
+    """Resident mode: ``always``: the nodes hold a step's new weights until this worker's ``step()`` (one small
+    message to each node at its start, which travels behind the pushes already handed to ZeroMQ), so the
+    worker never keeps a reply it may not write yet. ``never``: replies come as soon as the nodes have them
+    and wait in the worker. ``auto``: always where replies come before ``step()``, on fast links
+    (``compression.link_gbps`` >= 10, the default: loopback, datacenter NICs); never on slower ones, where
+    they come after it anyway and holding would only delay the first (luwu.switch_nodes.held_replies)."""
     grads_in_buckets: bool = True
     """Resident mode: a parameter's ``.grad`` is a view of its bucket's buffer once backward produced it, so the
     gradients exist once (DDP's gradient_as_bucket_view; luwu.gpu_workers.grad_views). False: ``.grad`` keeps
@@ -122,6 +127,8 @@ class OptimizerConfig:
             )
         if self.max_grad_norm < 0:
             raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
+        if self.hold_replies not in HOLD_REPLIES:
+            raise ConfigError(f"optimizer.hold_replies must be one of {HOLD_REPLIES}, got {self.hold_replies!r}")
         if self.delayed_update_warmup < 0:  # the loader already made it an int, as every other key
             raise ConfigError(f"optimizer.delayed_update_warmup must be >= 0, got {self.delayed_update_warmup}")
         if any(not isinstance(p, str) or not p for p in self.delayed_params):

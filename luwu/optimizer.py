@@ -254,6 +254,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.worker.connect(step)
         trim_heap()  # the start-up pull's replies, freed: not kept for reuse as a step's (a second model's worth)
         self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer, self.metrics)
+        hold = self.config.optimizer.hold_replies
+        self._hold_replies = not self.worker.streamed and (hold == "always" or hold == "auto" and self.config.compression.link_gbps >= 10)
+        if self._hold_replies:  # from the first step on: as if the step before it had just begun
+            self.client.release(step - 1)
         self._close_waits()
         self._waits = layer_waits.attach(self.worker, self.config.optimizer)
         grad_views.attach(self.worker, self.config.optimizer)
@@ -393,7 +397,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if not self.worker.two_phase:
                 raise ConfigError("a GradScaler drives this optimizer: construct RemoteOptimizer(..., amp=True) so the overflow decision is made globally")
             inv_scale = 1.0 / float(grad_scaler.get_scale())
-        if self.config.optimizer.hold_replies and not self.worker.streamed:  # the nodes may send this step's weights now
+        if self._hold_replies:  # the nodes may send this step's weights now
             self.client.release(self.worker.step_num)
         report = self.worker.step(delay=self._delaying(self.worker.step_num), inv_scale=inv_scale, max_norm=self.max_grad_norm)
         streaming.end_step(self.streamer, report)
