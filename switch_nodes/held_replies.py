@@ -14,7 +14,8 @@ Held only in sync mode (there the next step of a bucket waits for this worker's 
 after its ``step()``, so the weights a held fp32 reply points to cannot change under it), and only
 replies that carry weights (an ack lets a streaming worker reuse a buffer during backward). At most
 ``limit`` replies per worker are held; past it they go at once, so a release never bursts past the
-send queue. A rank that says HELLO again, is dropped, or a rollback forgets what was held.
+send queue. A rank that says HELLO again, is dropped, or a rollback forgets what was held; a reply
+held for a connection that closed counts as sent (as a send to a gone peer is dropped).
 """
 
 from __future__ import annotations
@@ -26,20 +27,25 @@ __all__ = ["HeldReplies", "Later"]
 
 
 class Later:
-    """The send tracker of a held reply: done once it was sent and its bytes left (or it was forgotten)."""
+    """The send tracker of a held reply: done once it was sent and its bytes left (or it was forgotten, or
+    its worker's connection closed: ``alive()`` says False)."""
 
-    __slots__ = ("event", "real")
+    __slots__ = ("event", "real", "alive")
 
-    def __init__(self) -> None:
+    def __init__(self, alive=lambda: True) -> None:
         self.event = threading.Event()
         self.real = None  # the tracker of the send, once released
+        self.alive = alive
 
     def wait(self, timeout: float | None = None) -> None:
         import zmq
 
         t0 = time.monotonic()
-        if not self.event.wait(timeout):
-            raise zmq.NotDone
+        while not self.event.wait(0.25 if timeout is None else min(0.25, max(0.0, timeout - (time.monotonic() - t0)))):
+            if not self.alive():
+                return
+            if timeout is not None and time.monotonic() - t0 >= timeout:
+                raise zmq.NotDone
         if self.real is not None:
             self.real.wait(None if timeout is None else max(0.0, timeout - (time.monotonic() - t0)))
 
@@ -47,8 +53,8 @@ class Later:
 class HeldReplies:
     """Per worker: the last step it reached ``step()`` of, and its replies held until it does (see the module's doc)."""
 
-    def __init__(self, send_to, sync: bool, limit: int) -> None:
-        self.send_to, self.sync, self.limit = send_to, sync, limit
+    def __init__(self, send_to, sync: bool, limit: int, alive=lambda worker: True) -> None:
+        self.send_to, self.sync, self.limit, self.alive = send_to, sync, limit, alive
         self.released: dict[int, int] = {}  # worker -> the last step it said it reached step() of
         self.held: dict[int, list] = {}  # worker -> [(bucket, step, frames, priority, Later)]
 
@@ -59,7 +65,7 @@ class HeldReplies:
         held = self.held.setdefault(worker, [])
         if not self.sync or r is None or step <= r or len(held) >= self.limit:
             return None
-        later = Later()
+        later = Later(lambda: self.alive(worker))
         held.append((bucket, step, frames, priority, later))
         return later
 

@@ -58,6 +58,10 @@ class Listener:
         """The CURVE public key (z85) ``ident`` authenticated with (None without CURVE)."""
         return None
 
+    def connected(self, ident: bytes) -> bool:
+        """Whether ``ident``'s connection is still open (libzmq's ROUTER does not say: True)."""
+        return True
+
     def close(self) -> None:
         raise NotImplementedError
 

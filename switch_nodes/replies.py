@@ -169,7 +169,7 @@ class Replies:
         self.buffers: dict[int, ReplyBuffers] = {}
         self._delta: DeltaPullCodec | None = None  # made on first use: it holds a shadow per bucket
         self._pending: dict[int, list[tuple[int, str]]] = {}  # PULLs that came before the bucket's INIT
-        self.held = HeldReplies(node.send_to, node.cfg.mode == "sync", node.cfg.rcvhwm // 2)  # until the worker's step()
+        self.held = HeldReplies(node.send_to, node.cfg.mode == "sync", node.cfg.rcvhwm // 2, node.connected)  # until the worker's step()
 
     def codec(self, name: str) -> PullCodec:
         """The pull codec named by a worker (raises on an unknown name)."""

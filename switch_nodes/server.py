@@ -299,6 +299,11 @@ class NodeServer:
         ident = self.peers.get(worker)
         return None if ident is None else self.send(ident, frames, track, priority)
 
+    def connected(self, worker: int) -> bool:
+        """Whether ``worker``'s connection is still open (from any thread)."""
+        ident = self.peers.get(worker)
+        return ident is not None and self.listener is not None and self.listener.connected(ident)
+
     def not_reading(self, ranks: set[int]) -> None:
         """From the optimizer thread: these workers left their replies unread (see :class:`ReplyBuffers`)."""
         self.loop.call_soon_threadsafe(asyncio.ensure_future, self.membership.not_reading(set(ranks)))

@@ -472,6 +472,10 @@ class ZmtpListener(Listener):
         self._last = (peer, n)
         return peer.ident, frames, dropped
 
+    def connected(self, ident: bytes) -> bool:
+        peer = self.peers.get(ident)
+        return peer is not None and not peer.closed
+
     def peer_key(self, ident: bytes) -> str | None:
         peer = self.peers.get(ident)
         return peer.curve.client_key if peer is not None and peer.curve is not None else None

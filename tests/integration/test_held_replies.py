@@ -63,3 +63,31 @@ def test_a_steps_weights_reach_the_worker_only_at_its_step(cluster1, monkeypatch
         assert all(g >= weights for g in got), (got, weights)
     for a, b in zip(m.parameters(), local.parameters()):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(30)
+def test_held_replies_go_at_the_release_first_layers_first_and_a_closed_connection_frees_them():
+    """The node's side alone: held until the worker reaches the step, then sent highest bucket first; a
+    reply held for a connection that closed counts as sent (its tracker is done), one for a live connection
+    that never says so is not (the node's stuck-worker timeout handles it)."""
+    import zmq
+
+    from luwu.switch_nodes.held_replies import HeldReplies
+
+    sent, alive = [], {0: True, 1: True}
+    held = HeldReplies(lambda w, frames, track, priority: sent.append((w, frames[0])), sync=True, limit=8, alive=lambda w: alive[w])
+    assert held.hold(0, 0, 1, [b"b1"], None) is None  # before the worker's first word: at once
+    held.release(0, -1)  # connected: holds from step 0 on
+    trackers = [held.hold(0, 0, b, [b"b%d" % b], None) for b in (1, 3, 2)]
+    assert all(t is not None for t in trackers) and sent == []
+    held.release(0, 0)
+    assert sent == [(0, b"b3"), (0, b"b2"), (0, b"b1")]
+    for t in trackers:
+        t.wait(1)
+    held.release(1, 4)
+    gone, stuck = held.hold(1, 5, 0, [b"x"], None), held.hold(1, 5, 1, [b"y"], None)
+    with pytest.raises(zmq.NotDone):
+        stuck.wait(0.3)
+    alive[1] = False
+    gone.wait(2)  # the connection closed: nothing more to wait for
+    assert held.count(1) == 2 and len(sent) == 3
