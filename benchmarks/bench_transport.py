@@ -186,28 +186,10 @@ def run(args) -> dict:
                 c1, s1 = proc_usage(), proc_usage(server_pid)
                 m0 = scrape(url)
                 n0, w0, th0 = proc_usage(node_pid), proc_usage(), threads_cpu_s(node_pid)
-                t0 = time.perf_counter()
-                opt.step()
-                opt.synchronize()  # the weights are back (per-layer waits would take them at the next read)
-                t_luwu = time.perf_counter() - t0
+                t_luwu = round_trip(opt)
                 n1, w1, th1 = proc_usage(node_pid), proc_usage(), threads_cpu_s(node_pid)
                 m1 = scrape(url)
-                t0 = time.perf_counter()
-                sgd.step()
-                sgd.synchronize()  # the weights are back (per-layer waits would take them at the next read)
-                t_sgd = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                curve.step()
-                curve.synchronize()  # the weights are back (per-layer waits would take them at the next read)
-                t_curve = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                via_zmq.step()
-                via_zmq.synchronize()  # the weights are back (per-layer waits would take them at the next read)
-                t_zmq = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                via_zmq_curve.step()
-                via_zmq_curve.synchronize()
-                t_zmq_curve = time.perf_counter() - t0
+                t_sgd, t_curve, t_zmq, t_zmq_curve = (round_trip(o) for o in (sgd, curve, via_zmq, via_zmq_curve))
                 if i >= args.warmup:
                     for k, v in node_threads_delta(node_pid, th0, th1).items():
                         node_threads.setdefault(k, []).append(v)
@@ -308,6 +290,14 @@ def run(args) -> dict:
         "libzmq_s": zmq_s,
         "libzmq_curve_s": zmq_curve_s,
     }
+
+
+def round_trip(opt) -> float:
+    """Seconds of one step() until the weights are back (per-layer waits would take them at the next read)."""
+    t0 = time.perf_counter()
+    opt.step()
+    opt.synchronize()
+    return time.perf_counter() - t0
 
 
 def why_lines(res: dict, mib: int) -> list[str]:
