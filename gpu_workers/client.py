@@ -181,6 +181,11 @@ class WorkerClient:
                     self._cv.wait(min(left, 0.5))
         return [out[k] for k in keys]
 
+    def ready(self, keys: list[tuple]) -> list[tuple]:
+        """Those of ``keys`` filed now (no waiting; the messages stay filed)."""
+        with self._cv:
+            return [k for k in keys if k in self._inbox]
+
     def filed(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply") -> list[tuple]:
         """Wait until some of ``keys`` are filed and return those keys, leaving the messages filed for
         a later :meth:`wait` (a streaming worker learns that a push arrived without taking its reply)."""

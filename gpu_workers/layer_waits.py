@@ -123,26 +123,34 @@ class LayerWaits:
         w = self.worker
         return bid not in w.streamed and bid not in w.delayed and all(type(w.params[i]) in (torch.nn.Parameter, OwedParameter) for i in self._bucket_params[bid])
 
-    def owe(self, key: tuple) -> None:
+    def owe(self, keys: list[tuple]) -> None:
+        """Owe the replies ``keys`` (this step's): from now on the I/O thread writes each as it lands, else the
+        first read does. One that is here already (it came between the release of held replies and now) is
+        written at once, not at the next forward: its frames would be a second copy of those weights until then."""
         with self._lock:
-            self.owed[key[3]] = key
-        for i in self._bucket_params[key[3]]:
-            p = self.worker.params[i]
-            _OWNER[id(p)] = self
-            p.__class__ = OwedParameter
+            for key in keys:
+                self.owed[key[3]] = key
+        for key in keys:
+            for i in self._bucket_params[key[3]]:
+                p = self.worker.params[i]
+                _OWNER[id(p)] = self
+                p.__class__ = OwedParameter
+        if here := self.worker.client.ready(keys):
+            self.settle([k[3] for k in here], read=False)
 
     def settle_param(self, p: torch.Tensor) -> None:
         """Write the weights of every owed bucket holding ``p``."""
         self.settle([bid for bid, _ in self.worker.where.get(self._index[id(p)], ())])
 
-    def settle(self, bids=None, timeout_s: float | None = None) -> None:
-        """Wait for the owed replies of ``bids`` (None: all) and write the weights in, in arrival order."""
+    def settle(self, bids=None, timeout_s: float | None = None, read: bool = True) -> None:
+        """Wait for the owed replies of ``bids`` (None: all) and write the weights in, in arrival order.
+        ``read``: a forward (or any reader) asked for them: the first time counts for the pushes' priority."""
         with self._lock:  # (popped: the I/O thread no longer writes them)
             keys = [self.owed.pop(b) for b in (list(self.owed) if bids is None else bids) if b in self.owed]
         if not keys:
             return
         w = self.worker
-        for key in keys:
+        for key in keys if read else ():
             self.order.setdefault(key[3], len(self.order))
         for key in keys:  # back to plain parameters before writing (a parameter in a bucket still owed stays owed)
             for i in self._bucket_params[key[3]]:

@@ -431,13 +431,13 @@ class Worker:
         freed for reuse at once. Returns whether the nodes skipped ``step`` in a bucket waited for at
         ``step`` (what a delayed bucket says of ``delayed_step`` is not counted, as with full delay),
         and the seconds spent waiting (writing excluded)."""
-        keys = []
+        keys, owed = [], []
         for b in reversed(self.layout.buckets):
             s = delayed_step if b.id in self.delayed else step
-            if s is not None and self.defer is not None and s == step and self.defer.takes(b.id):
-                self.defer.owe((Op.UPDATE, b.node, s, b.id))  # written when the next forward reaches it
-            elif s is not None:
-                keys.append((Op.UPDATE, b.node, s, b.id))
+            if s is not None:  # per-layer waits: written when the next forward reaches it (or as it lands)
+                (owed if self.defer is not None and s == step and self.defer.takes(b.id) else keys).append((Op.UPDATE, b.node, s, b.id))
+        if owed:
+            self.defer.owe(owed)
         waited, skipped, t0 = 0.0, False, time.perf_counter()
         for key, m in self.client.arrivals(keys, what="updated weights"):
             t1 = time.perf_counter()

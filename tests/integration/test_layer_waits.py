@@ -21,6 +21,7 @@ from harness import assert_params_close, tanh_mlp
 
 import luwu
 from luwu.gpu_workers.layer_waits import WRITTEN, OwedParameter
+from luwu.protocol.messages import Op
 
 LR = 0.05
 
@@ -164,6 +165,32 @@ def test_replies_landing_while_owed_are_written_on_arrival():
             assert not any(_owed(model)) and not opt.worker.defer.owed
         finally:
             opt.close()
+
+
+@pytest.mark.timeout(60)
+def test_replies_landing_before_step_are_written_in_step(cluster1, monkeypatch):
+    """A reply that came before ``step()`` (replies not held, or released by ``step()`` before it owed them)
+    is written by ``step()``: its frames are not kept until the next forward, a second copy of those weights.
+    The buckets stay out of the forward-order record (no forward read them)."""
+    monkeypatch.setenv("LUWU_OPTIMIZER__HOLD_REPLIES", "never")  # the node answers during backward
+    model, opt, ref, lopt = _pair(cluster1)
+    try:
+        for step in range(2):
+            opt.zero_grad()
+            model(_batch(step)).square().mean().backward()
+            keys = [(Op.UPDATE, b.node, step, b.id) for b in opt.worker.layout.buckets]
+            deadline = time.monotonic() + 20
+            while not all(k in opt.client._inbox for k in keys):  # every reply in before step()
+                assert time.monotonic() < deadline, "the replies did not land"
+                time.sleep(0.01)
+            opt.step()
+            _step(ref, lopt, step)
+            assert not opt.worker.defer.owed and not any(_owed(model)), "step() wrote the replies that were here"
+            assert not any(k in opt.client._inbox for k in keys), "no reply (nor its frames) is kept for the next forward"
+            assert_params_close(list(model.parameters()), list(ref.parameters()))
+        assert opt.worker.defer.order == {}
+    finally:
+        opt.close()
 
 
 @pytest.mark.timeout(60)
