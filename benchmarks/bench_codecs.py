@@ -101,6 +101,34 @@ def bench_delta(x: torch.Tensor, reps: int) -> dict:
             "decode_add_gbps": gb / t_dec, "rel_error": math.nan}
 
 
+def _steps_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, the weights a step before): weights of 0.02 typical size moved by AdamW-like steps of ~1e-4
+    (about 0.5% of the steps escape, as on the cluster task after its first steps)."""
+    g = torch.Generator().manual_seed(1)
+    w = x * 0.02
+    return w, w - 1e-4 * torch.randn(x.numel(), generator=g)
+
+
+def bench_steps(x: torch.Tensor, reps: int) -> dict:
+    """The pull direction's bf16 steps: the node's snapshot of the weights before the step and its encode
+    after (encode); the worker's stepping of its bf16 copy (decode)."""
+    n = x.numel()
+    gb = 4 * n / 1e9
+    codec = get_codec("bf16_steps")
+    w, before = _steps_pair(x)
+    out = codec.alloc(n)[0]
+    t_enc = median_s(lambda: codec.encode_steps(w, codec.snapshot(before), out), reps)
+    enc = codec.encode_steps(w, codec.snapshot(before), out)
+    frames = as_received(enc.frames)
+    held = before.to(torch.bfloat16).float()
+    t_dec = median_s(lambda: (held.copy_(before.to(torch.bfloat16)), codec.decode_add_(held, frames, enc.meta)), reps)
+    t_reset = median_s(lambda: held.copy_(before.to(torch.bfloat16)), reps)
+    wire = sum(f.numel() for f in frames)
+    return {"codec": "bf16_steps", "bytes_per_element": wire / n, "wire_bytes": wire, "ratio_vs_fp32": 4 * n / wire,
+            "encode_gbps": gb / t_enc, "encode_ef_gbps": gb / t_enc, "decode_add_gbps": gb / max(1e-9, t_dec - t_reset),
+            "rel_error": float((held - w).norm() / w.norm())}
+
+
 def bench_blocks(x: torch.Tensor, reps: int) -> list[dict]:
     rows = []
     for name in ("int8", "int4"):
@@ -133,6 +161,12 @@ def bench_small(reps: int) -> list[dict]:
         t = median_s(lambda: (enc.encode("b", x, next(step)), apply_pull_(acc, "int8", True, frames, reply.encoded.meta)),
                      max(reps, 20))
         rows.append({"numel": n, "codec": "int8_delta", "encode_decode_us": t * 1e6})
+        c, (w, before) = get_codec("bf16_steps"), _steps_pair(x)
+        held = before.to(torch.bfloat16).float()
+        enc = c.encode_steps(w, c.snapshot(before))
+        frames = as_received(enc.frames)
+        t = median_s(lambda: (c.encode_steps(w, c.snapshot(before)), c.decode_add_(held.clone(), frames, enc.meta)), max(reps, 20))
+        rows.append({"numel": n, "codec": "bf16_steps", "encode_decode_us": t * 1e6})
     return rows
 
 
@@ -235,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     codecs = [bench_codec(n, x, args.reps) for n in CODECS[:-1]]
     codecs.append(bench_codec("topk", x, args.reps, values="bf16"))
     codecs.append(bench_delta(x, args.reps))
+    codecs.append(bench_steps(x, args.reps))
     blocks = bench_blocks(x, args.reps)
     small = bench_small(args.reps)
     topk = [bench_topk(x, args.reps, d) for d in (0.01, 0.001, 0.05)]

@@ -18,7 +18,9 @@ int8 / int4 / top-k 1% on the large matrices with and without error feedback
 cost rule told the link is 1 Gbit/s so it never vetoes the codec under test).
 The pull direction is bf16 in every forced variant. ``hybrid 1gbit`` is the
 defaults told the link is 1 Gbit/s: int8 + error feedback pushes and, by the
-cost rule of ``pull_codec = "auto"``, int8-delta pulls. ``stream 1gbit`` is
+cost rule of ``pull_codec = "auto"``, bf16-steps pulls (bit for bit the bf16
+pull); ``hybrid 1gbit int8delta`` the same with int8-delta pulls, the default
+before bf16 steps. ``stream 1gbit`` is
 streaming mode (``stream_weights``) on the same defaults: int8 weights
 fetched and int8 gradients pushed, without error feedback, compared with
 streaming uncompressed (the optimizer takes the model there, so weight decay
@@ -275,6 +277,7 @@ VARIANTS = [
     Variant("hybrid", {}, 0.02),
     # the defaults told the link is 1 Gbit/s: int8 + EF pushes and, by the cost rule, int8-delta pulls
     Variant("hybrid 1gbit", {"link_gbps": 1.0}, 0.02),
+    Variant("hybrid 1gbit int8delta", {"link_gbps": 1.0, "pull_codec": "int8_delta"}, 0.02),
     Variant("int8+EF", {"large_codec": "int8", **FORCED}, 0.02),
     Variant("int4+EF", {"large_codec": "int4", **FORCED}, 0.03),
     # the error-feedback residual as fp32 (compression.residual_dtype; the default keeps it bf16, half the memory)
@@ -649,7 +652,7 @@ def report(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) 
         f"{plan_txt}. Final eval loss against the uncompressed run (same seeds, same global batches). "
         "Forced variants: the codec on matrices of >= 64K elements, bf16 on the rest, the cost rule told 1 Gbit/s "
         "so it does not veto; hybrid = `CompressionConfig()` defaults. The first 10 steps go bf16 both ways, without "
-        "error feedback (the default warm-up). Pull direction bf16 in every forced variant; `hybrid 1gbit` = the defaults told the link is 1 Gbit/s (int8 + EF pushes, int8-delta pulls by the cost rule of `pull_codec = \"auto\"`); `stream 1gbit`: streaming mode on the same defaults (int8 weights and gradients, no error feedback) against `uncompressed stream` (one param group: weight decay on every parameter). The workers keep their error-feedback residuals as bf16 (`compression.residual_dtype`, the default); the `fp32res` rows keep them fp32. compressed share = "
+        "error feedback (the default warm-up). Pull direction bf16 in every forced variant; `hybrid 1gbit` = the defaults told the link is 1 Gbit/s (int8 + EF pushes, bf16-steps pulls by the cost rule of `pull_codec = \"auto\"`: the bf16 pull's very bits); `hybrid 1gbit int8delta`: the same with int8-delta pulls (the default before bf16 steps); `stream 1gbit`: streaming mode on the same defaults (int8 weights and gradients, no error feedback) against `uncompressed stream` (one param group: weight decay on every parameter). The workers keep their error-feedback residuals as bf16 (`compression.residual_dtype`, the default); the `fp32res` rows keep them fp32. compressed share = "
         "fraction of the gradient bytes after warm-up sent with int8 / int4 / top-k; push x / pull x = fp32 bytes / "
         "wire bytes per worker per step after warm-up. The `SGD` rows run SGD + momentum (lr 0.05, 0.9, no weight decay) on the nodes "
         "and compare with their own uncompressed SGD run. The `freeze` rows run the nodes' AdamW with `variance_freeze_step` = 10 "

@@ -9,9 +9,10 @@ views of it, :mod:`luwu.gpu_workers.grad_views`) and is pushed as is with the
 gradient backward produced, with no error-feedback residual on the worker (a
 bucket mixing dtypes has an fp32 buffer, exact too). The weights come back rounded to bf16: the
 ``bf16`` pull codec rounds to nearest even on the node, which is what writing
-fp32 weights into a bf16 tensor does, at half the bytes. Delta codecs are not
-used for such a model: a delta is added to what the worker holds, and a bf16
-sum drifts from the node's record of it.
+fp32 weights into a bf16 tensor does, at half the bytes; ``bf16_steps`` gives the
+same bits as one-byte steps on the bf16 grid, and is kept where the policy picks
+it. ``int8_delta`` is not used for such a model: its delta is added to what the
+worker holds, and a bf16 sum drifts from the node's record of it.
 
 Streaming mode fetches weights into the model's own parameters at every use;
 it keeps fp32 parameters (use ``torch.autocast`` for bf16 compute there).
@@ -27,8 +28,8 @@ from luwu.protocol.errors import ConfigError
 
 #: Parameter dtypes a resident worker trains; streaming mode takes only the first.
 TRAINABLE = (torch.float32, torch.bfloat16)
-#: The pull codec of a bucket holding bf16 parameters.
-BF16_PULL = "bf16"
+#: The pull codec of a bucket holding bf16 parameters, and the one that gives the same bits in steps.
+BF16_PULL, STEPS_PULL = "bf16", "bf16_steps"
 
 
 def check_dtypes(params: list[torch.Tensor], name_of: Callable[[torch.Tensor], str], streaming: bool) -> None:
@@ -42,14 +43,16 @@ def check_dtypes(params: list[torch.Tensor], name_of: Callable[[torch.Tensor], s
 
 def pull_codec_for(params: list[torch.Tensor], pull_for: Callable | None) -> Callable | None:
     """``pull_for(bucket, step)`` for a model with bf16 parameters: ``bf16`` for every bucket
-    holding one (see the module docstring); ``pull_for`` itself when there are none."""
+    holding one, unless the policy picks ``bf16_steps`` (see the module docstring); ``pull_for`` itself
+    when there are none."""
     half = frozenset(i for i, p in enumerate(params) if p.dtype == torch.bfloat16)
     if not half:
         return pull_for
 
     def choose(bucket, step: int) -> str:
-        if any(s.param in half for s in bucket.segments):
+        name = pull_for(bucket, step) if pull_for is not None else "none"
+        if any(s.param in half for s in bucket.segments) and name != STEPS_PULL:
             return BF16_PULL
-        return pull_for(bucket, step) if pull_for is not None else "none"
+        return name
 
     return choose

@@ -23,7 +23,7 @@ from luwu.protocol.errors import ConfigError
 BLOCK: dict[str, int] = {"int8": 256, "int4": 64}
 
 #: The codecs the registry builds without any plug-in.
-BUILTIN_CODECS = ("none", "bf16", "fp16", "int8", "int4", "topk")
+BUILTIN_CODECS = ("none", "bf16", "fp16", "int8", "int4", "topk", "bf16_steps")
 
 #: Codecs whose error is large enough to need error feedback; bf16 and fp16
 #: round to nearest (unbiased, ~2**-9 relative), so they go without.
@@ -35,16 +35,17 @@ ROUNDING_CODECS = ("none", "bf16", "fp16")
 #: Codecs that send a subset of the elements.
 SPARSE_CODECS = frozenset({"topk"})
 
-#: What the nodes may send the weights back with. ``int8_delta`` is not a registry codec: the
-#: node runs :class:`luwu.protocol.feedback.DeltaEncoder` (int8 deltas against a shadow).
-PULL_CODECS = ("none", "bf16", "fp16", "int8_delta")
+#: What the nodes may send the weights back with. ``bf16_steps`` gives the workers what ``bf16`` does, as
+#: one-byte steps on the bf16 grid (:mod:`luwu.protocol.codecs.steps`). ``int8_delta`` is not a registry
+#: codec: the node runs :class:`luwu.protocol.feedback.DeltaEncoder` (int8 deltas against a shadow).
+PULL_CODECS = ("none", "bf16", "fp16", "bf16_steps", "int8_delta")
 
 #: What a streamed unit's large matrices may travel with, both ways, without error feedback (a
 #: streamed unit keeps nothing between uses): the rounding codecs and the blockwise integer ones.
 STREAM_CODECS = ("none", "bf16", "fp16", "int8", "int4")
 
 #: How much a codec loses, for ranking options: 0 is exact.
-LOSSINESS: dict[str, int] = {"none": 0, "bf16": 1, "fp16": 1, "int8": 2, "int8_delta": 2, "int4": 3, "topk": 4}
+LOSSINESS: dict[str, int] = {"none": 0, "bf16": 1, "fp16": 1, "bf16_steps": 1, "int8": 2, "int8_delta": 2, "int4": 3, "topk": 4}
 
 # BEGIN MEASURED (benchmarks/bench_codecs.py --write-facts rewrites this block)
 #: Per codec: encode, encode with error feedback and decode-add throughput, GB/s of fp32 input, one
@@ -58,6 +59,7 @@ MEASURED: dict[str, dict[str, float]] = {
     "int4": {"encode_gbps": 13.5, "encode_ef_gbps": 8.61, "decode_gbps": 15.5, "overhead_us": 8.48},
     "topk": {"encode_gbps": 1.24, "encode_ef_gbps": 1.07, "decode_gbps": 36.7, "overhead_us": 21.7},
     "int8_delta": {"encode_gbps": 2.9, "encode_ef_gbps": 2.9, "decode_gbps": 14.1, "overhead_us": 22.7},
+    "bf16_steps": {"encode_gbps": 11.0, "encode_ef_gbps": 11.0, "decode_gbps": 14.0, "overhead_us": 10.0},
 }
 # END MEASURED
 

@@ -51,10 +51,11 @@ class CompressionConfig:
     link_gbps: float = 10.0
     """Link bandwidth in Gbit/s used by the cost rule (compress only where it pays)."""
     pull_codec: str = "auto"
-    """Weights sent back to workers: ``auto`` (by the cost rule at ``link_gbps``, per bucket: int8
-    deltas where they pay, on slow links; bf16 at the default 10 Gbit/s; small and 1-D parameters bf16
-    at most), ``bf16``, ``fp16``, ``none``, or ``int8_delta`` (int8 deltas against a shadow of the
-    workers' copy, with error feedback and a periodic full resync)."""
+    """Weights sent back to workers: ``auto`` (by the cost rule at ``link_gbps``, per bucket:
+    ``bf16_steps`` up to ~80 Gbit/s, fp32 on faster links), ``bf16_steps`` (the bf16 rounding of the
+    weights as one-byte steps on the bf16 grid: what ``bf16`` gives, at about half its bytes, no state on
+    the node), ``bf16``, ``fp16``, ``none``, or ``int8_delta`` (int8 deltas against a shadow of the
+    workers' copy kept on the node, with error feedback and a periodic full resync)."""
     stream_codec: str = "int8"
     """Streaming mode: codec of the streamed units' large matrices after the warm-up, both ways, without
     error feedback (a streamed unit keeps no residual between uses): the weights each fetch carries,

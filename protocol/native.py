@@ -1,4 +1,4 @@
-"""The fused C kernels of the blockwise codecs (``blockquant.c``), compiled at first use.
+"""The fused C kernels of the codecs (``blockquant.c``: int8, int4; ``bf16steps.c``: bf16_steps), compiled at first use.
 
 Like DeepSpeed's CPU Adam, the kernels are built on the machine that runs
 them (``cc -O3 -march=native``), once, into a cache keyed by the source, the
@@ -27,7 +27,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("blockquant.c")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("blockquant.c", "bf16steps.c"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-math-errno", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -78,7 +78,7 @@ def _compile(cc: str, folder: Path, lib: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".blockquant-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        out = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        out = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             raise RuntimeError(f"{cc} failed: {out.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)
@@ -90,7 +90,7 @@ def _compile(cc: str, folder: Path, lib: Path) -> Path:
 
 
 def _build(cc: str) -> Path:
-    src = SOURCE.read_bytes()
+    src = b"\0".join(p.read_bytes() for p in SOURCES)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), "".join(version).encode(), _cpu_id().encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
@@ -129,6 +129,11 @@ def _load() -> ctypes.CDLL:
     lib.luwu_block_decode_pair.argtypes = [p, p, p, p, p, i64, i64, i32, f32]
     for f in (lib.luwu_block_encode, lib.luwu_block_decode, lib.luwu_block_decode_pair):
         f.restype = None
+    lib.luwu_bf16_round.argtypes = [p, p, i64]
+    lib.luwu_bf16_round.restype = None
+    lib.luwu_bf16_steps_encode.argtypes = [p, p, p, p, i64]
+    lib.luwu_bf16_steps_apply.argtypes = [p, i32, p, p, i64, i64]
+    lib.luwu_bf16_steps_encode.restype = lib.luwu_bf16_steps_apply.restype = i64
     return lib
 
 

@@ -131,23 +131,24 @@ def choose_fetch_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str
 def choose_pull_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str:
     """Codec of the weights the node sends back for ``bucket`` at ``step``.
 
-    ``auto`` (the default) picks by the cost rule of the pushes: of ``int8_delta`` (large matrices
-    only), ``bf16`` and ``none``, the one whose modelled encode + wire + decode time at ``link_gbps``
-    is least (int8 deltas on slow links, bf16 at 10 Gbit/s, fp32 where the link is faster than the
-    codecs). ``int8_delta`` (not a registry codec: the node runs
-    :class:`luwu.protocol.feedback.DeltaEncoder`) only for buckets of large matrices and after the
-    warm-up; small and 1-D parameters get bf16 at most.
+    ``auto`` (the default) picks by the cost rule of the pushes: of ``bf16_steps``, ``bf16`` and
+    ``none``, the one whose modelled encode + wire + decode time at ``link_gbps`` is least (bf16 steps
+    up to ~80 Gbit/s, fp32 where the link is faster than the codecs). ``bf16_steps`` gives every bucket
+    exactly what ``bf16`` gives (small and 1-D parameters too) for half the bytes, with no state on the
+    node, from the first step. ``int8_delta`` (not a registry codec: the node runs
+    :class:`luwu.protocol.feedback.DeltaEncoder`) only when asked for, for buckets of large matrices and
+    after the warm-up; small and 1-D parameters then get bf16 at most.
     """
     if not cfg.enabled or bucket.numel == 0 or cfg.pull_codec == "none":
         return "none"
     want = cfg.pull_codec
+    if want == "auto":
+        return min(("bf16_steps", "bf16", "none"), key=lambda name: codec_seconds(name, bucket.numel, cfg.link_gbps))
+    if want == "bf16_steps":
+        return _first_paying([want, "bf16"], bucket.numel, cfg)
     if step < cfg.warmup_steps and want not in ROUNDING_CODECS:
         want = cfg.warmup_codec  # int8_delta starts after the warm-up, with a full resync
-    small = any(is_small(s, cfg) for s in bucket.segments)
-    if want == "auto":
-        candidates = ["bf16", "none"] if small else ["int8_delta", "bf16", "none"]
-        return min(candidates, key=lambda name: codec_seconds(name, bucket.numel, cfg.link_gbps))
-    if want == "int8_delta" and small:
+    if want == "int8_delta" and any(is_small(s, cfg) for s in bucket.segments):
         want = "bf16"
     candidates = ["int8_delta", "bf16"] if want == "int8_delta" else [want]
     return _first_paying(candidates, bucket.numel, cfg)

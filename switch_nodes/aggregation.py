@@ -40,6 +40,8 @@ class Aggregation:
         payload (a sparse codec's indices), and for the first push of a step also its ``nograd``
         segments, reply codec and hyperparameters (None otherwise)."""
         codec = get_codec(h["codec"])
+        if codec.pull_only:
+            raise ProtocolError(f"bucket {b.id}: codec {codec.name!r} carries weights back, not gradients")
         codec.validate(b.numel, h["nbytes"], h["cmeta"])
         codec.check_payload(b.numel, frames, h["cmeta"])
         nograd = tuple(h["nograd"])
@@ -226,11 +228,13 @@ class Aggregation:
         gen = node.gen
 
         def work():
+            pull = replies.codec(acc.pull)
+            pull.before_step(b)  # (bf16 steps: the weights' bits before the step)
             if not skip:
                 replies.wait_sent(b.id)  # the last fp32 reply may still be leaving from the shard
                 b.apply(acc, divisor)
             b.version = step + 1
-            return replies.encode(b, replies.codec(acc.pull))
+            return replies.encode(b, pull)
 
         try:
             payload = await node.run(work)

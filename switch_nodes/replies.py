@@ -16,6 +16,7 @@ with PULL just before it needs them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -35,25 +36,34 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The pull codec of int8 deltas against the workers' copy (every other name is a plain codec).
-INT8_DELTA = "int8_delta"
+#: The pull codec of int8 deltas against the workers' copy, and that of steps on the bf16 grid (every other
+#: name is a plain codec).
+INT8_DELTA, STEPS = "int8_delta", "bf16_steps"
 
 
 class ReplyBuffers:
-    """Preallocated encode buffers for a bucket's replies, two per codec (by step parity), each reused
-    only once ZeroMQ has finished sending what was encoded into it last time.
+    """A bucket's replies in flight. An encoded reply gets frames of its own, freed once sent: a node holds
+    the replies on their way (and those held for a worker's step()), not buffers per bucket; with
+    ``node.retain_freed_memory`` the next reply reuses the freed memory without faulting it in. Borrowed
+    frames (an fp32 reply goes zero-copy from the shard; ``int8_delta`` reuses its encoder's) are
+    tracked, and whatever changes them first waits for those replies to leave (:meth:`wait_all`).
 
     A worker that does not read its replies never holds the optimizer thread for more than
-    ``stuck_s``: its replies are given up on (a buffer still referenced by them is replaced, not
-    reused) and ``on_stuck`` is told its rank."""
+    ``stuck_s``: its zero-copy replies are given up on (they may go out torn) and ``on_stuck`` is told
+    its rank."""
 
     def __init__(self, on_stuck: Callable[[set[int]], None] | None = None, stuck_s: float = 15.0) -> None:
-        self._bufs: dict[tuple[str, int], list[torch.Tensor]] = {}
-        self._trackers: dict[tuple[str, int], list] = {}  # (worker, MessageTracker) of the replies in flight
+        self._trackers: list = []  # (worker, MessageTracker) of the zero-copy replies in flight
         self.on_stuck, self.stuck_s = on_stuck, stuck_s
 
-    def _settle(self, pairs: list) -> set[int]:
-        """Wait (at most ``stuck_s`` in all) for these replies to leave; the ranks whose did not."""
+    def encode(self, codec, params: torch.Tensor):
+        """The bucket's weights encoded for a reply: fp32 zero-copy (the frame is ``params`` itself), any
+        other codec into new frames."""
+        return codec.encode(params)
+
+    def wait_all(self) -> None:
+        """Before the weights change under replies sent zero-copy (a stuck worker's may be torn: it is lost)."""
+        pairs, self._trackers = self._trackers, []
         deadline, stuck = time.monotonic() + self.stuck_s, set()
         for w, t in pairs:
             if w in stuck:
@@ -64,46 +74,21 @@ class ReplyBuffers:
                 stuck.add(w)
         if stuck and self.on_stuck is not None:
             self.on_stuck(stuck)
-        return stuck
 
-    def take(self, codec, numel: int, parity: int) -> list[torch.Tensor]:
-        key = (codec.name, parity)
-        if self._settle(self._trackers.pop(key, [])):
-            self._bufs.pop(key, None)  # still referenced by the unsent replies: a fresh one
-        buf = self._bufs.get(key)
-        if buf is None:
-            buf = self._bufs[key] = codec.alloc(numel)
-        return buf
-
-    def encode(self, codec, params: torch.Tensor, version: int):
-        """The bucket's weights encoded for the reply of ``version``. fp32 goes zero-copy: the frame is
-        ``params`` itself, so whatever changes them next calls :meth:`wait_all` first."""
-        if codec.name == "none":
-            return codec.encode(params)
-        return codec.encode(params, self.take(codec, params.numel(), version & 1))
-
-    def wait_all(self) -> None:
-        """Before the weights change under replies sent zero-copy (a stuck worker's may be torn: it is lost)."""
-        pairs = [p for key in list(self._trackers) for p in self._trackers.pop(key, ())]
-        self._settle(pairs)
-
-    def drop(self) -> None:
-        """Free the buffers (after :meth:`wait_all`: their replies are out). A bucket whose replies go as
-        int8 deltas, whose encoder has buffers of its own, keeps no bf16 buffers from the warm-up."""
-        self._bufs.clear()
-
-    def sent(self, codec_name: str, parity: int, trackers: list) -> None:
-        """``trackers``: (worker, MessageTracker) of the replies just sent."""
-        self._trackers.setdefault((codec_name, parity), []).extend((w, t) for w, t in trackers if t is not None)
+    def sent(self, trackers: list) -> None:
+        """``trackers``: (worker, MessageTracker) of replies just sent from borrowed frames."""
+        self._trackers.extend((w, t) for w, t in trackers if t is not None)
 
 
 class Payload(NamedTuple):
-    """An encoded reply: the codec it went through, whether it is a delta, the codec's meta, the frames."""
+    """An encoded reply: the codec it went through, whether it is a delta, the codec's meta, the frames, and
+    whether those are borrowed (the shard itself, or an encoder's buffers: they change after the reply)."""
 
     codec: str
     delta: bool
     meta: dict
     frames: list
+    borrowed: bool = False
 
 
 class PullCodec:
@@ -115,8 +100,8 @@ class PullCodec:
 
     def encode(self, b: BucketState, buffers: ReplyBuffers) -> Payload:
         """The reply payload of the bucket's weights now (on the optimizer thread)."""
-        enc = buffers.encode(self.codec, b.params, b.version)
-        return Payload(self.name, False, enc.meta, enc.frames)
+        enc = buffers.encode(self.codec, b.params)
+        return Payload(self.name, False, enc.meta, enc.frames, self.name == "none")
 
     @property
     def full(self) -> PullCodec:
@@ -125,6 +110,9 @@ class PullCodec:
 
     def resync(self, bucket: int | None = None) -> None:
         """The weights changed outside a step (a restore, a state load): nothing to forget here."""
+
+    def before_step(self, b: BucketState) -> None:
+        """On the optimizer thread, just before the bucket's weights change in a step (or are skipped)."""
 
 
 class AckPullCodec(PullCodec):
@@ -135,6 +123,44 @@ class AckPullCodec(PullCodec):
 
     def encode(self, b: BucketState, buffers: ReplyBuffers) -> Payload:
         return Payload(ACK, False, {}, [])
+
+
+class StepsPullCodec(PullCodec):
+    """``bf16_steps``: the bf16 rounding of the weights as one-byte steps from the last one sent
+    (:mod:`luwu.protocol.codecs.steps`). The old bits are taken just before the step
+    (:meth:`before_step`, per-thread scratch of one bucket); a full ``bf16`` reply goes instead whenever
+    the workers may not hold the rounding of the weights before the step: a bucket's first reply, after a
+    resync, or when the last reply was not a step of this codec."""
+
+    def __init__(self) -> None:
+        self.name = STEPS
+        self.codec = get_codec(STEPS)
+        self._plain = PullCodec("bf16")
+        self._synced: dict[int, int] = {}  # bucket -> the version whose bf16 rounding the workers hold
+        self._local = threading.local()  # (bucket, version, its bits) of the step being applied
+
+    def before_step(self, b: BucketState) -> None:
+        self._local.old = (b.id, b.version, self.codec.snapshot(b.params))
+
+    def encode(self, b: BucketState, buffers: ReplyBuffers) -> Payload:
+        bid, version, old = getattr(self._local, "old", (None, None, None))
+        self._local.old = None
+        held = self._synced.get(b.id)
+        self._synced[b.id] = b.version
+        if bid != b.id or held is None or held != version:
+            return self._plain.encode(b, buffers)
+        enc = self.codec.encode_steps(b.params, old)
+        return Payload(self.name, True, enc.meta, enc.frames)
+
+    @property
+    def full(self) -> PullCodec:
+        return self._plain
+
+    def resync(self, bucket: int | None = None) -> None:
+        if bucket is None:
+            self._synced.clear()
+        else:
+            self._synced.pop(bucket, None)
 
 
 class DeltaPullCodec(PullCodec):
@@ -148,10 +174,9 @@ class DeltaPullCodec(PullCodec):
         self._encoder = DeltaEncoder("int8")
 
     def encode(self, b: BucketState, buffers: ReplyBuffers) -> Payload:
-        buffers.wait_all()  # the encoder reuses its buffers
-        buffers.drop()
+        buffers.wait_all()  # the encoder reuses its buffers (a full reply is its shadow, zero-copy)
         enc = self._encoder.encode(b.id, b.params, b.version)
-        return Payload(enc.codec, enc.delta, enc.encoded.meta, enc.encoded.frames)
+        return Payload(enc.codec, enc.delta, enc.encoded.meta, enc.encoded.frames, True)
 
     @property
     def full(self) -> PullCodec:
@@ -168,6 +193,7 @@ class Replies:
         self.node = node
         self.buffers: dict[int, ReplyBuffers] = {}
         self._delta: DeltaPullCodec | None = None  # made on first use: it holds a shadow per bucket
+        self._steps: StepsPullCodec | None = None  # made on first use: it knows which versions the workers hold
         self._pending: dict[int, list[tuple[int, str]]] = {}  # PULLs that came before the bucket's INIT
         self.held = HeldReplies(node.send_to, node.cfg.mode == "sync", node.cfg.rcvhwm // 2, node.connected)  # until the worker's step()
 
@@ -175,6 +201,10 @@ class Replies:
         """The pull codec named by a worker (raises on an unknown name)."""
         if name == ACK:
             return AckPullCodec()
+        if name == STEPS:
+            if self._steps is None:
+                self._steps = StepsPullCodec()
+            return self._steps
         if name != INT8_DELTA:
             return PullCodec(name)
         if self._delta is None:
@@ -192,8 +222,9 @@ class Replies:
 
     def resync(self, bid: int | None = None) -> None:
         """The next delta reply of ``bid`` (or of every bucket) is full weights."""
-        if self._delta is not None:
-            self._delta.resync(bid)
+        for codec in (self._delta, self._steps):
+            if codec is not None:
+                codec.resync(bid)
 
     def wait_sent(self, bid: int) -> None:
         """Wait until the replies leaving from the bucket's weights are out (before changing them)."""
@@ -245,4 +276,5 @@ class Replies:
                 metrics.bytes_out.labels("update").inc(nbytes)
                 if payload.frames:  # (an ack carries no weights)
                     metrics.raw_out.labels("update").inc(b.numel * 4)
-        self.buffers[b.id].sent(payload.codec, b.version & 1, trackers)
+        if payload.borrowed:
+            self.buffers[b.id].sent(trackers)

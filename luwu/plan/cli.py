@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacities", type=_floats, default=None, help="relative node capacities, comma-separated")
     parser.add_argument("--push-codec", default="hybrid", help="gradient codec: none, bf16, fp16, int8, hybrid, "
                         "int4, topk, topk:<density> (default hybrid, ~int8 for large models)")
-    parser.add_argument("--pull-codec", default=None, help="weights codec: none, bf16, int8_delta, int8 (default: as the "
+    parser.add_argument("--pull-codec", default=None, help="weights codec: none, bf16, bf16_steps, int8_delta, int8 (default: as the "
                         "defaults pick it, compression.pull_codec = auto by the cost rule at --worker-gbps; with --stream, "
                         "compression.stream_codec, int8)")
     parser.add_argument("--no-codec-cost", action="store_true", help="ignore encode/decode time")

@@ -126,6 +126,8 @@ class Codec:
     lossy: bool = True
     sparse: bool = False
     """Sends a subset of the elements (and :meth:`clear_sent_` can tell which)."""
+    pull_only: bool = False
+    """Carries weights back to the workers only (steps from what they hold): never a gradient."""
 
     def __init__(self) -> None:
         self._local = threading.local()

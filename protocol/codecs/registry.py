@@ -8,6 +8,7 @@ from typing import Any, Callable
 from luwu.protocol.codecs.base import Codec
 from luwu.protocol.codecs.block import Int4Codec, Int8Codec
 from luwu.protocol.codecs.dense import Bf16Codec, Fp16Codec, NoneCodec
+from luwu.protocol.codecs.steps import Bf16StepsCodec
 from luwu.protocol.codecs.topk import TopkCodec
 from luwu.protocol.errors import ConfigError
 
@@ -66,5 +67,5 @@ def codec_names() -> list[str]:
     return sorted(_FACTORIES)
 
 
-for _cls in (NoneCodec, Bf16Codec, Fp16Codec, Int8Codec, Int4Codec, TopkCodec):
+for _cls in (NoneCodec, Bf16Codec, Fp16Codec, Int8Codec, Int4Codec, TopkCodec, Bf16StepsCodec):
     register_codec(_cls.name, _cls)

@@ -255,7 +255,8 @@ META_KEYS = st.sampled_from(["scale", "block", "k", "values", "x", ""])
 
 
 def valid_meta(name: str, numel: int) -> tuple[dict, list[int]]:
-    enc = get_codec(name).encode(torch.randn(numel))
+    codec, x = get_codec(name), torch.randn(numel)
+    enc = codec.encode_steps(x, codec.snapshot(x * 1.5)) if codec.pull_only else codec.encode(x)
     return dict(enc.meta), [f.numel() * f.element_size() for f in enc.frames]
 
 

@@ -155,24 +155,43 @@ def test_node_step_equals_torch_adamw_on_the_averaged_gradient(n):
     torch.testing.assert_close(b.state["exp_avg_sq"], opt.state[p]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
 
 
-def test_pull_codecs_plain_and_int8_delta_share_one_interface():
-    """A plain pull codec sends the weights; int8_delta sends full fp32 first, then deltas the workers add
-    to their copy, and full weights again after a resync (a restore or a state load)."""
-    from luwu.switch_nodes.replies import DeltaPullCodec, PullCodec, ReplyBuffers
+def test_pull_codecs_plain_steps_and_int8_delta_share_one_interface():
+    """A plain pull codec sends the weights in frames of the reply's own (a node keeps no buffers per bucket);
+    bf16_steps sends full bf16 first, then steps from the bits taken before each step (the same bits as a
+    bf16 reply), and full bf16 again after a resync or a gap; int8_delta sends full fp32 first, then deltas
+    the workers add to their copy, and full weights again after a resync (a restore or a state load)."""
+    from luwu.switch_nodes.replies import DeltaPullCodec, PullCodec, ReplyBuffers, StepsPullCodec
 
     b, buffers = _bucket(1024), ReplyBuffers()
     b.params.copy_(torch.randn(1024))
     plain = PullCodec("bf16")
     assert plain.full is plain
-    out = plain.encode(b, buffers)
-    assert (out.codec, out.delta) == ("bf16", False)
-    assert buffers._bufs, "bf16 replies are encoded into buffers kept per step parity"
+    out, again = plain.encode(b, buffers), plain.encode(b, buffers)
+    assert (out.codec, out.delta, out.borrowed) == ("bf16", False, False)
+    assert out.frames[0].data_ptr() != again.frames[0].data_ptr(), "each reply's frames are its own"
+    assert PullCodec("none").encode(b, buffers).borrowed, "fp32 goes zero-copy from the shard"
+
+    steps, held = StepsPullCodec(), torch.empty(1024)
+    assert steps.full.name == "bf16"
+    for k in range(4):
+        if k == 2:
+            steps.resync(b.id)
+        steps.before_step(b)
+        b.params.add_(torch.randn(1024) * 1e-2)
+        b.version += 1
+        r = steps.encode(b, buffers)
+        assert r.delta == (k not in (0, 2)) and r.codec == ("bf16_steps" if r.delta else "bf16")
+        (get_codec(r.codec).decode_add_ if r.delta else get_codec(r.codec).decode_)(held, r.frames, r.meta)
+        assert torch.equal(held, b.params.to(torch.bfloat16).float()), "the bf16 rounding, bit for bit"
+    b.version += 1  # a step whose reply did not go through this codec: full bf16 again
+    steps.before_step(b)
+    b.version += 1
+    assert steps.encode(b, buffers).delta is False
+
     delta = DeltaPullCodec()
     assert delta.full.name == "none"
-    held = torch.empty(1024)
     first = delta.encode(b, buffers)
-    assert (first.codec, first.delta) == ("none", False)
-    assert not buffers._bufs, "once the replies go as int8 deltas, the bf16 buffers of the warm-up are freed"
+    assert (first.codec, first.delta, first.borrowed) == ("none", False, True)
     get_codec("none").decode_(held, first.frames, first.meta)
     b.params.add_(0.01)
     b.version += 1
