@@ -52,7 +52,8 @@ class CompressionConfig:
     """Link bandwidth in Gbit/s used by the cost rule (compress only where it pays)."""
     pull_codec: str = "auto"
     """Weights sent back to workers: ``auto`` (by the cost rule at ``link_gbps``, per bucket:
-    ``bf16_steps`` up to ~80 Gbit/s, fp32 on faster links), ``bf16_steps`` (the bf16 rounding of the
+    ``bf16_steps`` below ~5 Gbit/s, bf16 at the default 10 Gbit/s, fp32 on links faster than the
+    codecs), ``bf16_steps`` (the bf16 rounding of the
     weights as one-byte steps on the bf16 grid: what ``bf16`` gives, at about half its bytes, no state on
     the node), ``bf16``, ``fp16``, ``none``, or ``int8_delta`` (int8 deltas against a shadow of the
     workers' copy kept on the node, with error feedback and a periodic full resync)."""

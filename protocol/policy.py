@@ -133,7 +133,7 @@ def choose_pull_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str:
 
     ``auto`` (the default) picks by the cost rule of the pushes: of ``bf16_steps``, ``bf16`` and
     ``none``, the one whose modelled encode + wire + decode time at ``link_gbps`` is least (bf16 steps
-    up to ~80 Gbit/s, fp32 where the link is faster than the codecs). ``bf16_steps`` gives every bucket
+    below ~5 Gbit/s, bf16 at the default 10, fp32 where the link is faster than the codecs). ``bf16_steps`` gives every bucket
     exactly what ``bf16`` gives (small and 1-D parameters too) for half the bytes, with no state on the
     node, from the first step. ``int8_delta`` (not a registry codec: the node runs
     :class:`luwu.protocol.feedback.DeltaEncoder`) only when asked for, for buckets of large matrices and

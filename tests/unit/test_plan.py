@@ -366,13 +366,13 @@ def test_plan_cli_models_streaming(capsys):
 
 def test_cli_models_the_default_weight_codec_of_the_link_and_mode():
     """Without --pull-codec the plan models what the defaults send: ``pull_codec = auto`` by the cost rule
-    at the worker link's speed (bf16 steps at 1 and 10 Gbit/s, fp32 at 400), and with --stream the fetches'
+    at the worker link's speed (bf16 steps at 1 Gbit/s, bf16 at 10, fp32 at 400), and with --stream the fetches'
     ``stream_codec`` (int8); the streaming recommendation never names int8 deltas (a fetch is full weights)."""
     from luwu.plan.cli import default_pull_codec, spec_from_args
 
     common = ("--params", "16.7M", "--workers", "4", "--nodes", "2", "--compute-ms", "100")
     assert default_pull_codec(parse(*common, "--worker-gbps", "1")) == "bf16_steps"
-    assert default_pull_codec(parse(*common, "--worker-gbps", "10")) == "bf16_steps"
+    assert default_pull_codec(parse(*common, "--worker-gbps", "10")) == "bf16"
     assert default_pull_codec(parse(*common, "--worker-gbps", "400")) == "none"
     assert default_pull_codec(parse(*common, "--worker-gbps", "1", "--stream")) == "int8"
     assert default_pull_codec(parse(*common, "--worker-gbps", "1", "--pull-codec", "none")) == "none"
