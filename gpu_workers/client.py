@@ -28,6 +28,11 @@ from luwu.gpu_workers.config import TransportConfig
 
 log = logging.getLogger(__name__)
 
+#: Replies libzmq may hold for the I/O thread, per node (a DEALER's receive pipe). Past it libzmq stops
+#: reading the socket and a burst (the held replies of a step, released at once) waits at the node,
+#: where it is in flight anyway, instead of piling up here as a second copy of the weights it brings.
+REPLY_HWM = 4
+
 #: A wait longer than this logs a progress line this often (INFO), so a slow start is never silent.
 PROGRESS_EVERY_S = 5.0
 
@@ -95,7 +100,7 @@ class WorkerClient:
         s.setsockopt(zmq.SNDHWM, self.cfg.sndhwm)
         if self.cfg.sndbuf_bytes:
             s.setsockopt(zmq.SNDBUF, self.cfg.sndbuf_bytes)
-        s.setsockopt(zmq.RCVHWM, 0)  # replies are bounded by what we asked for
+        s.setsockopt(zmq.RCVHWM, REPLY_HWM)
         s.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + wire.MAX_HEADER_BYTES)
         if self.cfg.join_secret:
             s.setsockopt(zmq.METADATA, wire.join_metadata(self.cfg.join_secret))
