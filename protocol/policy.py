@@ -133,16 +133,17 @@ def choose_pull_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str:
 
     ``auto`` (the default) picks by the cost rule of the pushes: of ``bf16_steps``, ``bf16`` and
     ``none``, the one whose modelled encode + wire + decode time at ``link_gbps`` is least (bf16 steps
-    below ~5 Gbit/s, bf16 at the default 10, fp32 where the link is faster than the codecs). ``bf16_steps`` gives every bucket
-    exactly what ``bf16`` gives (small and 1-D parameters too) for half the bytes, with no state on the
-    node, from the first step. ``int8_delta`` (not a registry codec: the node runs
-    :class:`luwu.protocol.feedback.DeltaEncoder`) only when asked for, for buckets of large matrices and
-    after the warm-up; small and 1-D parameters then get bf16 at most.
+    below ~5 Gbit/s, bf16 at the default 10, fp32 where the link is faster than the codecs).
+    ``bf16_steps`` gives every bucket exactly what ``bf16`` gives (small and 1-D parameters too) for
+    about half the bytes, with no state on the node, so it serves the default bf16 warm-up too; a
+    warm-up in fp16 or fp32 (``warmup_codec``) pulls that way. ``int8_delta`` (not a registry codec:
+    the node runs :class:`luwu.protocol.feedback.DeltaEncoder`) only when asked for, for buckets of
+    large matrices and after the warm-up; small and 1-D parameters then get bf16 at most.
     """
     if not cfg.enabled or bucket.numel == 0 or cfg.pull_codec == "none":
         return "none"
     want = cfg.pull_codec
-    if want == "auto":
+    if want == "auto" and (step >= cfg.warmup_steps or cfg.warmup_codec == "bf16"):
         return min(("bf16_steps", "bf16", "none"), key=lambda name: codec_seconds(name, bucket.numel, cfg.link_gbps))
     if want == "bf16_steps":
         return _first_paying([want, "bf16"], bucket.numel, cfg)

@@ -237,6 +237,8 @@ def test_auto_pull_codec_follows_the_cost_rule_of_the_link():
     assert picks == {0.1: "bf16_steps", 1.0: "bf16_steps", 10.0: "bf16", 40.0: "bf16", 1000.0: "none"}
     slow = CompressionConfig(link_gbps=1.0)
     assert choose_pull_codec(MIXED, STEP, slow) == choose_pull_codec(SMALLS, STEP, slow) == choose_pull_codec(LARGE, 2, slow) == "bf16_steps"
+    fp32_warmup = CompressionConfig(link_gbps=1.0, warmup_codec="none")
+    assert choose_pull_codec(LARGE, 2, fp32_warmup) == "none" and choose_pull_codec(LARGE, STEP, fp32_warmup) == "bf16_steps"
     for g, name in picks.items():  # the pick is the cheapest modelled
         costs = {n: codec_seconds(n, LARGE.numel, g) for n in ("bf16_steps", "bf16", "none")}
         assert costs[name] == min(costs.values())
