@@ -6,10 +6,10 @@ last layers' buckets while the worker's backward is still running; a reply that 
 pulls). So a worker says when it reached ``step()`` of step s (a HEARTBEAT with ``seq`` = s, sent
 first thing in ``step()``: ``optimizer.hold_replies``), and from its first such word on, the node holds
 the replies to its pushes of a later step until it says so. What a held reply holds is its encoded
-frames (about 1 byte a parameter with bf16 steps, shared by the workers it goes to; fp32 points at the
-shard itself, zero-copy): the copy moves from the worker to the node, smaller. Once released they go
-out first layers first (the layout lists buckets in backward order: the next forward's order is the
-reverse).
+frames, shared by the workers it goes to (2 bytes a parameter with the bf16 pulls of a fast link; fp32
+points at the shard itself, zero-copy): the copy moves from the worker to the node, where it is in
+flight anyway. Once released they go out first layers first (the layout lists buckets in backward
+order: the next forward's order is the reverse).
 
 Held only in sync mode (there the next step of a bucket waits for this worker's push, which comes
 after its ``step()``, so the weights a held fp32 reply points to cannot change under it), and only

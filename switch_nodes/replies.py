@@ -56,11 +56,6 @@ class ReplyBuffers:
         self._trackers: list = []  # (worker, MessageTracker) of the zero-copy replies in flight
         self.on_stuck, self.stuck_s = on_stuck, stuck_s
 
-    def encode(self, codec, params: torch.Tensor):
-        """The bucket's weights encoded for a reply: fp32 zero-copy (the frame is ``params`` itself), any
-        other codec into new frames."""
-        return codec.encode(params)
-
     def wait_all(self) -> None:
         """Before the weights change under replies sent zero-copy (a stuck worker's may be torn: it is lost)."""
         pairs, self._trackers = self._trackers, []
@@ -99,8 +94,9 @@ class PullCodec:
         self.codec = get_codec(name)  # validates the name
 
     def encode(self, b: BucketState, buffers: ReplyBuffers) -> Payload:
-        """The reply payload of the bucket's weights now (on the optimizer thread)."""
-        enc = buffers.encode(self.codec, b.params)
+        """The reply payload of the bucket's weights now (on the optimizer thread): fp32 zero-copy (the frame is
+        the shard itself), any other codec into new frames."""
+        enc = self.codec.encode(b.params)
         return Payload(self.name, False, enc.meta, enc.frames, self.name == "none")
 
     @property
@@ -187,7 +183,8 @@ class DeltaPullCodec(PullCodec):
 
 
 class Replies:
-    """The reply room: pull codecs, per-bucket reply buffers, PULL, and sending weights to workers."""
+    """The reply room: pull codecs, per-bucket trackers of replies sent from borrowed frames, PULL, and sending
+    weights to workers."""
 
     def __init__(self, node: NodeServer):
         self.node = node
