@@ -264,8 +264,10 @@ class WorkerClient:
 
     def file(self, key: tuple, msg: wire.Message) -> None:
         with self._cv:
-            if key[0] == Op.WELCOME:
-                # a new session with this node: whatever it answered before belongs to abandoned steps
+            if key[0] in (Op.WELCOME, Op.ROLLBACK):
+                # a new session with this node, or its answer to ROLLBACK (a step it finished between
+                # answering HELLO and rolling back sent its weights in between): whatever it answered
+                # before belongs to abandoned steps
                 node = key[1]
                 self._errors = [(n, e) for n, e in self._errors if n != node]
                 for k in [k for k in self._inbox if k[1] == node]:
