@@ -24,6 +24,8 @@ from __future__ import annotations
 import threading
 import time
 
+import zmq
+
 __all__ = ["HeldReplies", "Later"]
 
 
@@ -39,8 +41,6 @@ class Later:
         self.alive = alive
 
     def wait(self, timeout: float | None = None) -> None:
-        import zmq
-
         t0 = time.monotonic()
         while not self.event.wait(0.25 if timeout is None else min(0.25, max(0.0, timeout - (time.monotonic() - t0)))):
             if not self.alive():
@@ -63,11 +63,10 @@ class HeldReplies:
         """Keep the reply to ``worker``'s push of ``step`` if it has not reached that step's ``step()``; its
         tracker. None: send it now."""
         r = self.released.get(worker)
-        held = self.held.setdefault(worker, [])
-        if not self.sync or r is None or step <= r or len(held) >= self.limit:
+        if not self.sync or r is None or step <= r or self.count(worker) >= self.limit:
             return None
         later = Later(lambda: self.alive(worker))
-        held.append((bucket, step, frames, priority, later))
+        self.held.setdefault(worker, []).append((bucket, step, frames, priority, later))
         return later
 
     def release(self, worker: int, step: int) -> None:
