@@ -27,6 +27,7 @@ import torch
 
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.grad_views import bucket_buffers, copy_in
+from luwu.gpu_workers.segments import gather, scatter
 from luwu.protocol.codecs import get_codec, has_nonfinite
 from luwu.protocol.errors import LayoutMismatchError, LuwuError, StepMismatchError
 from luwu.protocol.feedback import WORKER_MOMENTUM, worker_momentum
@@ -66,6 +67,7 @@ class _BucketBuf:
     pushed_step: int = -1
     partials: int = 0  # micro-batch pushes this step (no_sync() in streaming mode: summed on the node)
     out: dict = field(default_factory=dict)  # (codec, parity) -> preallocated encode frames
+    version: int = -1  # the node's version of the weights written last: a delta reply must step from it
 
 
 class Worker:
@@ -158,7 +160,7 @@ class Worker:
         buf = self.bufs[bid]
         # a streamed bucket has no buffer of its own: a one-off copy, kept alive by its frame
         flat = buf.grads[0] if buf.grads and buf.grads[0].dtype == torch.float32 else torch.empty(buf.bucket.numel)
-        self._gather(buf, flat, lambda p: p.detach())
+        gather(buf.bucket, self.params, flat, lambda p: p.detach())
         enc = get_codec("none").encode(flat)
         self.client.send(buf.bucket.node, {"op": Op.INIT, "bucket": bid, "codec": "none", "cmeta": enc.meta}, enc.frames)
 
@@ -458,43 +460,32 @@ class Worker:
             self._write_locked(buf, msg)
 
     def _write_locked(self, buf: _BucketBuf, msg) -> None:
-        b = buf.bucket
-        h = msg.header
+        b, h = buf.bucket, msg.header
         codec = get_codec(h["codec"])
         codec.validate(b.numel, h.get("nbytes", []), h["cmeta"])
         if self.views is not None:  # (the push's frame is free now)
             self.views.landed(b.id)
         frames = msg.tensors()
-        delta = h.get("delta", False)  # int8 deltas against what this worker holds
+        delta = h.get("delta", False)  # int8 deltas / bf16 steps from the weights this worker holds
+        if delta and buf.version != h["step"] - 1:  # (a reply of an abandoned timeline, one missed): write nothing
+            raise StepMismatchError(f"node {self.client.nodes[b.node]} sent bucket {b.id}'s weights of step {h['step']} as {h['codec']} from those of "
+                                    f"step {h['step'] - 1}, this worker holds step {buf.version}'s: nothing written (recover() pulls them whole)",
+                                    node=self.client.nodes[b.node], step=h["step"], bucket=b.id)
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # (a parameter owing other buckets' weights: no wait)
             if not buf.multi:
                 s = b.segments[0]
                 target = self.params[s.param].data.view(-1).narrow(0, s.param_offset, s.numel)
                 (codec.decode_add_ if delta else codec.decode_)(target, frames, h["cmeta"])
-                return
-            staging = buf.staging if buf.staging is not None else self.pool.take(b.numel, self._reclaim)
-            try:
-                if delta:
-                    self._gather(buf, staging, lambda p: p.detach())
-                    codec.decode_add_(staging, frames, h["cmeta"])
-                else:
-                    codec.decode_(staging, frames, h["cmeta"])
-                self._scatter(buf, staging)
-            finally:
-                if buf.staging is None:
-                    self.pool.give(staging)
-
-    def _scatter(self, buf: _BucketBuf, flat: torch.Tensor) -> None:
-        for s in buf.bucket.segments:
-            p = self.params[s.param].data
-            src = flat.narrow(0, s.offset, s.numel)
-            if p.is_contiguous():
-                p.view(-1).narrow(0, s.param_offset, s.numel).copy_(src)
             else:
-                tmp = p.reshape(-1).clone()
-                tmp.narrow(0, s.param_offset, s.numel).copy_(src)
-                p.copy_(tmp.view_as(p))
-
-    def _gather(self, buf: _BucketBuf, flat: torch.Tensor, get) -> None:
-        for s in buf.bucket.segments:
-            flat.narrow(0, s.offset, s.numel).copy_(get(self.params[s.param]).reshape(-1).narrow(0, s.param_offset, s.numel))
+                staging = buf.staging if buf.staging is not None else self.pool.take(b.numel, self._reclaim)
+                try:
+                    if delta:
+                        gather(b, self.params, staging, lambda p: p.detach())
+                        codec.decode_add_(staging, frames, h["cmeta"])
+                    else:
+                        codec.decode_(staging, frames, h["cmeta"])
+                    scatter(b, self.params, staging)
+                finally:
+                    if buf.staging is None:
+                        self.pool.give(staging)
+        buf.version = h["step"]

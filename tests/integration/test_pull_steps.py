@@ -104,3 +104,45 @@ def test_a_node_restarted_from_its_checkpoint_resends_full_weights(tmp_path):
             assert restarted and rollbacks >= 1
         finally:
             opt.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_step_reply_from_weights_the_worker_does_not_hold_is_refused_and_writes_nothing():
+    """A delta reply (bf16 steps) names the step it leads to; the worker writes it only onto the weights of the
+    step before. Replayed when the worker already holds the next step's, it is refused with the node, bucket
+    and step, the parameters untouched, and training goes on exact."""
+    m = model()
+    with luwu.local_cluster(2) as c:
+        opt = luwu.RemoteOptimizer(m, nodes=c.addresses, lr=3e-3, compression=CompressionConfig(warmup_steps=0, link_gbps=1.0), bucket_bytes=64 << 10, timeout_s=30)
+        seen, write = {}, opt.worker._write
+
+        def keep(buf, msg):
+            if msg.header.get("delta"):
+                seen[buf.bucket.id] = msg
+            write(buf, msg)
+
+        opt.worker._write = keep
+        try:
+            for s in range(4):
+                x, y = batch(s)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+                opt.synchronize()
+            check_weights(opt, 3)
+            assert seen, "bf16 steps replies after the first"
+            bid, msg = next(iter(seen.items()))
+            before = [p.detach().clone() for p in m.parameters()]
+            with pytest.raises(luwu.StepMismatchError, match=f"bucket {bid}'s weights of step {msg.header['step']} as bf16_steps") as err:
+                write(opt.worker.bufs[bid], msg)
+            assert err.value.bucket == bid and err.value.step == msg.header["step"]
+            assert all(torch.equal(a, b.detach()) for a, b in zip(before, m.parameters()))
+            for s in range(4, 6):
+                x, y = batch(s)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+                opt.step()
+                opt.synchronize()
+                check_weights(opt, s)
+        finally:
+            opt.close()
