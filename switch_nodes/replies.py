@@ -6,7 +6,8 @@ it), after INIT (to the workers that asked before the seed came) or on PULL
 the worker per push: a plain codec of the weights (``none`` = fp32 zero-copy
 from the shard, ``bf16``...) or ``int8_delta``, int8 deltas against a shadow
 copy of what the workers hold, with periodic full resync. Each is a
-:class:`PullCodec`; a full resend (a PULL, a retried push) goes the plain way.
+:class:`PullCodec`; a full resend (a PULL, a retried push) goes the plain way, and the bucket's
+next reply is whole for everyone (the workers it went to hold other weights than the rest).
 A streaming worker holds no weights between uses: it names ``ack`` as the pull
 codec of its streamed buckets' pushes, and the reply is an UPDATE without
 payload that says the step was applied (or skipped); it fetches the weights
@@ -249,9 +250,17 @@ class Replies:
     async def send_current(self, b: BucketState, workers: list[int], codec: PullCodec, seq: int | None = None) -> None:
         """Encode the bucket's weights on the optimizer thread (behind the queued steps) and send them."""
         gen = self.node.gen
-        payload = await self.node.run(self.encode, b, codec)
+        payload = await self.node.run(self._encode_for_some, b, codec)
         if gen == self.node.gen:
             self.send(b, workers, payload, seq=seq)
+
+    def _encode_for_some(self, b: BucketState, codec: PullCodec) -> Payload:
+        """The weights whole, for some workers (a PULL, a retried push): they will hold them as sent, the
+        others what the last replies gave them (the bf16 rounding, int8_delta's shadow), so the next reply
+        of the bucket goes whole to everyone (a step from either would be one from weights someone lacks)."""
+        payload = self.encode(b, codec)
+        self.resync(b.id)
+        return payload
 
     def send(self, b: BucketState, workers: list[int], payload: Payload, *, skipped: bool = False, seq: int | None = None) -> None:
         """Send an UPDATE with ``payload`` to ``workers``. ``seq``: the step it answers (absent for a PULL)."""

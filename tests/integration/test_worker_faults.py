@@ -49,10 +49,15 @@ def test_strict_mode_names_the_missing_rank(sig, tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_elastic_mode_drops_a_killed_worker_and_a_new_one_rejoins(tmp_path):
+@pytest.mark.parametrize("pull", [None, "int8_delta", "bf16_steps"])
+def test_elastic_mode_drops_a_killed_worker_and_a_new_one_rejoins(tmp_path, pull):
+    """Uncompressed, and with the delta pulls (each reply a step from what the workers hold): the joiner pulls
+    the weights whole, then holds exactly what the worker that never left holds."""
     args = ["--node.worker_policy", "elastic", "--node.worker_timeout_s", "2"]
+    compression = None if pull is None else {"pull_codec": pull, "warmup_steps": 0, "link_gbps": 1.0}
     with luwu.local_cluster(2, node_args=args) as cluster:
-        spec = dict(SPEC, nodes=cluster.addresses, world_size=2, out=str(tmp_path / "res"), resilient=True, steps=40)
+        # slow enough that rank 0 is still training when the new process has started and joins
+        spec = dict(SPEC, nodes=cluster.addresses, world_size=2, out=str(tmp_path / "res"), resilient=True, steps=120, step_sleep=0.1, compression=compression)
         procs = start_workers(TRAIN, spec, 2, tmp_path)
         read_until(procs[1], "STEP 5")
         procs[1].kill()
@@ -63,6 +68,7 @@ def test_elastic_mode_drops_a_killed_worker_and_a_new_one_rejoins(tmp_path):
         rejoin[0].wait(10)
         wait_all([procs[0], rejoin[1]], 150)
     a, b = torch.load(f"{spec['out']}.rank0"), torch.load(f"{spec['out']}.rank1")
+    assert len(b["losses"]) >= 10, "the new rank 1 joined a running job and trained with rank 0"
     for x, y in zip(a["params"], b["params"]):
         assert torch.equal(x, y)  # the rejoined worker holds the same weights at the end
 
