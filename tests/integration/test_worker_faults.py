@@ -74,10 +74,12 @@ def test_elastic_mode_drops_a_killed_worker_and_a_new_one_rejoins(tmp_path, pull
 
 
 @pytest.mark.timeout(180)
-def test_elastic_mode_stalled_worker_is_dropped_then_recovers(tmp_path):
+@pytest.mark.parametrize("pull", [None, "bf16_steps"])
+def test_elastic_mode_stalled_worker_is_dropped_then_recovers(tmp_path, pull):
     args = ["--node.worker_policy", "elastic", "--node.worker_timeout_s", "2"]
+    compression = None if pull is None else {"pull_codec": pull, "warmup_steps": 0, "link_gbps": 1.0}
     with luwu.local_cluster(1, node_args=args) as cluster:
-        spec = dict(SPEC, nodes=cluster.addresses, world_size=2, out=str(tmp_path / "res"), resilient=True, steps=40)
+        spec = dict(SPEC, nodes=cluster.addresses, world_size=2, out=str(tmp_path / "res"), resilient=True, steps=120, step_sleep=0.1, compression=compression)
         procs = start_workers(TRAIN, spec, 2, tmp_path)
         read_until(procs[1], "STEP 5")
         procs[1].send_signal(signal.SIGSTOP)
@@ -85,6 +87,8 @@ def test_elastic_mode_stalled_worker_is_dropped_then_recovers(tmp_path):
         procs[1].send_signal(signal.SIGCONT)
         outs = wait_all(procs, 150)
     assert "RECOVERED" in outs[1] and "WorkerLostError" in outs[1], outs[1][-2000:]
+    resumed = int(outs[1].split("RECOVERED ")[1].split()[0])
+    assert resumed <= 110, f"rank 1 resumed at step {resumed}: it should train on with rank 0"
     a, b = torch.load(f"{spec['out']}.rank0"), torch.load(f"{spec['out']}.rank1")
     for x, y in zip(a["params"], b["params"]):
         assert torch.equal(x, y)
