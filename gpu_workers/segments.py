@@ -4,17 +4,15 @@ multi-segment bucket's new weights, decoded into a staging buffer)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from luwu.protocol.layout import Bucket
 
 
-def gather(bucket: Bucket, params: list[torch.Tensor], flat: torch.Tensor, get: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """``flat[segment] = get(param)[its elements]`` for every segment of ``bucket``."""
+def gather(bucket: Bucket, params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """``flat[segment] = param[its elements]`` for every segment of ``bucket``."""
     for s in bucket.segments:
-        flat.narrow(0, s.offset, s.numel).copy_(get(params[s.param]).reshape(-1).narrow(0, s.param_offset, s.numel))
+        flat.narrow(0, s.offset, s.numel).copy_(params[s.param].detach().reshape(-1).narrow(0, s.param_offset, s.numel))
 
 
 def scatter(bucket: Bucket, params: list[torch.Tensor], flat: torch.Tensor) -> None:

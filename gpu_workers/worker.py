@@ -160,7 +160,7 @@ class Worker:
         buf = self.bufs[bid]
         # a streamed bucket has no buffer of its own: a one-off copy, kept alive by its frame
         flat = buf.grads[0] if buf.grads and buf.grads[0].dtype == torch.float32 else torch.empty(buf.bucket.numel)
-        gather(buf.bucket, self.params, flat, lambda p: p.detach())
+        gather(buf.bucket, self.params, flat)
         enc = get_codec("none").encode(flat)
         self.client.send(buf.bucket.node, {"op": Op.INIT, "bucket": bid, "codec": "none", "cmeta": enc.meta}, enc.frames)
 
@@ -463,14 +463,14 @@ class Worker:
         b, h = buf.bucket, msg.header
         codec = get_codec(h["codec"])
         codec.validate(b.numel, h.get("nbytes", []), h["cmeta"])
-        if self.views is not None:  # (the push's frame is free now)
-            self.views.landed(b.id)
-        frames = msg.tensors()
         delta = h.get("delta", False)  # int8 deltas / bf16 steps from the weights this worker holds
-        if delta and buf.version != h["step"] - 1:  # (a reply of an abandoned timeline, one missed): write nothing
+        if delta and buf.version != h["step"] - 1:  # (a reply of an abandoned timeline, one missed): nothing changes
             raise StepMismatchError(f"node {self.client.nodes[b.node]} sent bucket {b.id}'s weights of step {h['step']} as {h['codec']} from those of "
                                     f"step {h['step'] - 1}, this worker holds step {buf.version}'s: nothing written (recover() pulls them whole)",
                                     node=self.client.nodes[b.node], step=h["step"], bucket=b.id)
+        if self.views is not None:  # (the push's frame is free now)
+            self.views.landed(b.id)
+        frames = msg.tensors()
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():  # (a parameter owing other buckets' weights: no wait)
             if not buf.multi:
                 s = b.segments[0]
@@ -480,7 +480,7 @@ class Worker:
                 staging = buf.staging if buf.staging is not None else self.pool.take(b.numel, self._reclaim)
                 try:
                     if delta:
-                        gather(b, self.params, staging, lambda p: p.detach())
+                        gather(b, self.params, staging)
                         codec.decode_add_(staging, frames, h["cmeta"])
                     else:
                         codec.decode_(staging, frames, h["cmeta"])
