@@ -361,6 +361,12 @@ def _file_settings(path: str):
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"cluster file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"cluster file {path!r} is a folder, not a TOML file") from None
+    except OSError as exc:  # permission denied, an I/O error: one line, never a traceback
+        raise ConfigError(f"cluster file {path!r} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cluster file {path!r} is not valid TOML: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"cluster file {path!r} is not valid TOML: {exc}") from None
     for section, table in data.items():

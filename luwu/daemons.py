@@ -152,9 +152,7 @@ def wait_ready(run_dir: Path, num: int, timeout_s: float, console) -> tuple[dict
             if failed:
                 n = failed[0]
                 log = node_log(run_dir, n["index"])
-                why = _node_error(tail(log))
-                if "Address already in use" in why:
-                    why += " (with luwu up: --base-port P for other ports, 0 for any free ones)"
+                why = _up_port_hint(_node_error(tail(log)))
                 return state, f"node {n['index']} {n['last_exit'] or 'exited'} before printing {READY_LINE}{why}; its log {log} ends with:\n{tail(log)}"
             if len(nodes) == num and all(n["state"] == "up" for n in nodes):
                 return state, ""
@@ -173,6 +171,24 @@ def _node_error(log_tail: str) -> str:
     prefix = "luwu node: error: "
     lines = [line for line in log_tail.splitlines() if line.startswith(prefix)]
     return f": {lines[-1][len(prefix):]}" if lines else ""
+
+
+UP_PORT_FLAGS = {
+    "the node address": "--base-port P (node i binds P+i; 0: any free ports; with a cluster file's nodes, add --nodes N)",
+    "the metrics endpoint": "--metrics-port P (node i serves /metrics on P+i; 0: any free ports; -1: off)",
+}
+"""What a node that cannot bind says it could not bind -> the ``luwu up`` flag that moves it."""
+
+
+def _up_port_hint(why: str) -> str:
+    """A busy-port reason from a node's log, its advice given as ``luwu up``'s flag for that port
+    (the node names its own ``--section.field`` setting, which ``up`` hands on per node)."""
+    if "Address already in use" not in why:
+        return why
+    for what, flag in UP_PORT_FLAGS.items():
+        if f"cannot bind {what} " in why:
+            return f"{why.partition(', or choose another port')[0]}, or with luwu up: {flag}"
+    return why
 
 
 def write_outputs(run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = None, join_secret: str = "") -> None:

@@ -59,10 +59,11 @@ def warnings_for(cfg, node) -> list[str]:
 
 def cmd_node(args) -> int:
     from luwu.config import load_config
+
+    cfg = load_config(args.config, argv=args.overrides)  # a bad setting is told before torch loads
     from luwu.switch_nodes.daemon import run_node
     from luwu.switch_nodes.listener import AddressInUse
 
-    cfg = load_config(args.config, argv=args.overrides)
     node = own_node_config(cfg)
     for line in warnings_for(cfg, node):
         print(f"luwu node: warning: {line}", file=sys.stderr)

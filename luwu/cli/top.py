@@ -6,8 +6,21 @@ import sys
 import time
 
 from luwu.cli.common import add_command
-from luwu.cli.status import DEFAULT_TIMEOUT_S, add_cluster_arguments, console, resolve_cluster, restarts_of
+from luwu.cli.status import DEFAULT_TIMEOUT_S, Target, add_cluster_arguments, console, resolve_cluster, restarts_of
 from luwu.protocol.errors import ConfigError
+
+
+def reread(args, target: Target) -> tuple[Target, str]:
+    """The cluster to poll now, read again from its cluster file at every refresh: ``luwu down`` and
+    ``luwu up`` bind new ports and rewrite the run dir's cluster.toml, and top follows them. While the
+    file cannot be read (``up`` removes it until its nodes are ready), the nodes read before are kept
+    and the title says why: (target, '' or that note)."""
+    from rich.markup import escape
+
+    try:
+        return resolve_cluster(args), ""
+    except ConfigError as exc:
+        return target, f"\n[yellow]cannot read the cluster again ({escape(str(exc))}): polling the nodes read before[/]"
 
 
 def cmd_top(args) -> int:
@@ -16,7 +29,6 @@ def cmd_top(args) -> int:
     from luwu.monitor import NodeStatus, query_many, render_table
 
     target = resolve_cluster(args)
-    addresses, job, source = target.addresses, target.job, target.source
     if not args.interval > 0:
         raise ConfigError(f"--interval must be > 0 seconds, got {args.interval}")
     if args.iterations < 0:
@@ -27,9 +39,10 @@ def cmd_top(args) -> int:
     n = 0
 
     def frame():
-        nonlocal prev
-        statuses = query_many(addresses, job, timeout_s, curve=target.curve, join_secret=target.join_secret)
-        title = f"luwu top - job [bold]{job}[/] ({source}) - {time.strftime('%H:%M:%S')} - every {args.interval:g} s, Ctrl-C quits"
+        nonlocal prev, target
+        target, stale = reread(args, target)
+        statuses = query_many(target.addresses, target.job, timeout_s, curve=target.curve, join_secret=target.join_secret)
+        title = f"luwu top - job [bold]{target.job}[/] ({target.source}) - {time.strftime('%H:%M:%S')} - every {args.interval:g} s, Ctrl-C quits{stale}"
         table = render_table(statuses, prev, title=title, restarts=restarts_of(target), width=out.width)
         prev = {st.address: st for st in statuses if st.up}
         return table

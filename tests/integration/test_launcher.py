@@ -143,24 +143,88 @@ def test_up_status_restart_top_down(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-def test_up_names_the_node_that_failed(tmp_path, capsys):
-    """A node that cannot bind: `up` says which one, shows its log, and leaves nothing running."""
+@pytest.mark.parametrize("busy_port, flag, other", [("--base-port", "--base-port", "--metrics-port"), ("--metrics-port", "--metrics-port", "--base-port")])
+def test_up_names_the_node_that_failed(tmp_path, capsys, busy_port, flag, other):
+    """A node that cannot bind (its address, or its metrics endpoint): `up` says which one, shows its
+    log, names the flag of `up` that moves that port (not the other one), and leaves nothing running."""
     run_dir = tmp_path / "run"
     seen: set[int] = set()
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
+        ports = {"--base-port": "0", "--metrics-port": "-1", busy_port: str(port)}
         try:
-            rc, out, err = cli(capsys, launcher_main, "up", "--nodes", "1", "--base-port", str(port), "--run-dir", str(run_dir), "--timeout", "60", "--metrics-port", "-1")
+            rc, out, err = cli(capsys, launcher_main, "up", "--nodes", "1", "--run-dir", str(run_dir), "--timeout", "60", *(w for kv in ports.items() for w in kv))
             seen |= set(pids_of(run_dir).values())
             assert rc == 1, (out, err)
             assert "node 0 exit code 1" in err and "Address already in use" in err and "node-0.log" in err, err
+            (head,) = [line for line in err.splitlines() if line.startswith("luwu up: node 0")]
+            assert f"or with luwu up: {flag} P" in head and other not in head, head
             supervisor = state(run_dir)["supervisor_pid"]
             assert not pid_alive(supervisor) and not list(run_dir.glob("*.pid"))
             assert not (run_dir / "cluster.toml").exists()
         finally:
             cleanup(run_dir, seen)
+
+
+def _free_port(not_this: int) -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port != not_this:
+            return port
+
+
+def _wait_for(path: Path, offset: int, text: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in path.read_text()[offset:]:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in what luwu top printed within {timeout_s:g} s:\n{path.read_text()[offset:][-3000:]}")
+
+
+@pytest.mark.timeout(240)
+def test_top_follows_the_cluster_through_down_and_up(tmp_path):
+    """`luwu top --run-dir` polls the nodes of the run dir's current cluster.toml: after `luwu down`
+    and `luwu up` on other ports it shows the new nodes UP, not the old addresses DOWN."""
+    run_dir, log = tmp_path / "run", tmp_path / "top.out"
+    job = f"follow{os.getpid()}"
+    seen: set[int] = set()
+    top = None
+
+    def up(port: int) -> str:
+        r = luwu("luwu", "up", "--nodes", "1", "--base-port", str(port), "--metrics-port", "-1", "--run-dir", str(run_dir), f"--cluster.job={job}", "--timeout", "60", "--stop-timeout", "10")
+        seen.update(pids_of(run_dir).values())
+        assert r.returncode == 0, f"up failed:\n{r.stdout}\n{r.stderr}"
+        (address,) = load_config(str(run_dir / "cluster.toml"), env={}).cluster.nodes
+        return address
+
+    try:
+        first = up(0)
+        with open(log, "w") as out:  # not a terminal: one table per refresh
+            top = subprocess.Popen([sys.executable, "-m", "luwu", "top", "--run-dir", str(run_dir), "--interval", "0.3", "--timeout", "0.5"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        _wait_for(log, 0, "1/1 nodes up")
+        assert first in log.read_text()
+        r = luwu("luwu", "down", "--run-dir", str(run_dir), "--timeout", "10")
+        assert r.returncode == 0, r.stderr
+        second = up(_free_port(int(first.rsplit(":", 1)[1])))
+        assert second != first
+        mark = len(log.read_text())
+        _wait_for(log, mark, second)
+        _wait_for(log, mark, "1/1 nodes up")
+        assert top.poll() is None, log.read_text()[-3000:]
+    finally:
+        if top is not None:
+            top.send_signal(signal.SIGINT)
+            try:
+                top.wait(10)
+            except subprocess.TimeoutExpired:
+                top.kill()
+                top.wait(10)
+        cleanup(run_dir, seen)
 
 
 @pytest.mark.timeout(30)

@@ -7,6 +7,7 @@ import importlib.metadata
 import io
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,49 @@ def test_version_comes_from_the_package_metadata(capsys):
     import luwu
 
     assert luwu.__version__ == importlib.metadata.version("luwu-runtime")
+
+
+def _unreadable_prefix() -> list[str]:
+    """A command prefix under which a chmod 000 file cannot be read: none for a normal user; for
+    root (who reads it anyway), setpriv without the capabilities that bypass file modes."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root, where chmod 000 does not stop reads, and no setpriv to drop the capabilities that allow them")
+    caps = "-dac_override,-dac_read_search"
+    return [setpriv, f"--inh-caps={caps}", f"--bounding-set={caps}"]
+
+
+def _bad_config_path(tmp_path: Path, kind: str) -> tuple[str, list[str], str]:
+    """(path, command prefix, what the error must say) of a cluster file that cannot be used."""
+    path = tmp_path / "cluster.toml"
+    if kind == "folder":
+        path.mkdir()
+        return str(path), [], "is a folder, not a TOML file"
+    if kind == "unreadable":
+        path.write_text('[cluster]\njob = "j"\n')
+        path.chmod(0)
+        return str(path), _unreadable_prefix(), "cannot be read: Permission denied"
+    path.write_bytes({"not-utf8": b'[cluster]\njob = "\xff"\n', "syntax": b"[cluster\njob = 1\n"}[kind])
+    return str(path), [], "is not valid TOML"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["folder", "unreadable", "not-utf8", "syntax"])
+def test_a_cluster_file_that_cannot_be_used_exits_2_with_one_line(tmp_path, kind):
+    """Every command that reads a cluster file, and load_config, say which file and what is wrong
+    with it (exit code 2, one line, no traceback); nothing is started."""
+    path, prefix, says = _bad_config_path(tmp_path, kind)
+    probe = "from luwu.config import ConfigError, load_config\ntry:\n    load_config(__import__('sys').argv[1], env={})\nexcept ConfigError as exc:\n    print(exc)"
+    r = subprocess.run([*prefix, sys.executable, "-c", probe, path], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    message = r.stdout.strip()
+    assert r.returncode == 0 and repr(path) in message and says in message, (r.stdout, r.stderr)
+    run_dir = tmp_path / "run"
+    for command in (["up", "--nodes", "1", "--run-dir", str(run_dir)], ["node"], ["config", "show"], ["status"], ["down", "--run-dir", str(run_dir)]):
+        r = subprocess.run([*prefix, sys.executable, "-m", "luwu", *command, "--config", path], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 2 and r.stderr == f"luwu {command[0]}: error: {message}\n", (command, r.stderr)
+    assert not run_dir.exists(), "a refused `up` started nothing"
 
 
 # ----------------------------------------------------------------- config show

@@ -1,5 +1,6 @@
 """The Grafana dashboard against the code: every query is scoped to one job and the chosen instances,
-and every metric it names is one the metric factories really make.
+every metric it names is one the metric factories really make, and every node and worker metric
+that README.md or docs/ name has a panel.
 
 The metric names come from the factories themselves (``NodeMetrics``, ``WorkerMetrics``, the prefetch
 metrics, all built on ``MetricsFactory``) in fresh registries, never from a list kept by hand.
@@ -14,7 +15,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "luwu-dashboard.json"
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "deploy" / "grafana" / "luwu-dashboard.json"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+"""What users read: a metric named there should be on the dashboard."""
 #: the label a LuWu job puts on its targets (file_sd targets written by `luwu up` and train_example.py)
 JOB_LABEL = "luwu_job"
 #: the series one metric family exposes, by type (what a PromQL query can name)
@@ -37,6 +41,18 @@ def exposed_series() -> set[str]:
     for registry in registries:
         for family in registry.collect():
             out.update(family.name + suffix for suffix in SUFFIXES[family.type])
+    return out
+
+
+def node_and_worker_families() -> dict[str, set[str]]:
+    """Each metric family ``NodeMetrics`` and ``WorkerMetrics`` make -> the series names it exposes."""
+    from luwu.gpu_workers.metrics import WorkerMetrics
+    from luwu.switch_nodes.metrics import NodeMetrics
+
+    out = {}
+    for registry in (NodeMetrics(CollectorRegistry()).registry, WorkerMetrics(CollectorRegistry()).registry):
+        for family in registry.collect():
+            out[family.name] = {family.name + suffix for suffix in SUFFIXES[family.type]}
     return out
 
 
@@ -102,6 +118,18 @@ def test_every_metric_a_query_uses_exists():
     assert len({name for name, _ in used}) >= 20
     unknown = sorted(f"{name} (panel {title!r})" for name, title in used if name not in exposed)
     assert not unknown, "the dashboard queries metrics no factory makes:\n" + "\n".join(unknown)
+
+
+def test_every_node_and_worker_metric_the_docs_name_has_a_panel():
+    """A metric the README or docs/ point users at (by its family name or one of its series) is on
+    the dashboard."""
+    named = {name for doc in DOCS for name in re.findall(r"\bluwu_[a-z0-9_]+", doc.read_text())}
+    families = node_and_worker_families()
+    advertised = {name for name, series in families.items() if name in named or series & named}
+    assert advertised, f"README.md and docs/ name none of the node and worker metrics: {sorted(named)}"
+    used = {name for _, expr in queries(load()) for name, _ in METRIC_RE.findall(expr)}
+    missing = sorted(name for name in advertised if not families[name] & used)
+    assert not missing, "metrics README.md or docs/ name that no dashboard panel shows:\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize("expr, ok", [
