@@ -7,6 +7,7 @@ cannot parse, a page link that points nowhere or a moved module fails here, in `
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,20 @@ def test_protocol_page_includes_the_one_copy():
     text = (ROOT / "docs" / "protocol.md").read_text()
     assert '--8<-- "protocol/PROTOCOL.md"' in text
     assert "## Ops" not in text
+
+
+def test_the_readme_is_a_users_document():
+    """README.md stays short (the rest lives on the docs site), its two commands are Makefile targets that
+    set everything up first, and every file it links to exists."""
+    text = (ROOT / "README.md").read_text()
+    lines = text.count("\n")
+    assert lines <= 250, f"README.md has {lines} lines: move details to docs/ (mkdocs nav) and keep it under 250"
+    makefile = (ROOT / "Makefile").read_text()
+    for target in ("demo", "test"):
+        assert f"make {target}" in text, f"the README no longer shows `make {target}`"
+        assert re.search(rf"^{target}: setup$", makefile, flags=re.M), f"`make {target}` must run setup first"
+    missing = []
+    for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" not in link and not (ROOT / link).exists():
+            missing.append(link)
+    assert not missing, f"README.md links to files that do not exist: {missing}"
