@@ -5,20 +5,28 @@ training thread (and autograd threads running gradient hooks) hand it frames
 through a queue and wake it through a pipe; it sends without blocking (a full
 high-water mark leaves the message queued, and receiving goes on) and files
 every reply where a waiter finds it. Every wait has a deadline and its error
-names the node address, this worker's rank, the step and the bucket.
+names the node address, this worker's rank, the step and the bucket. A node
+address that refuses every connection at start-up is named within
+``REFUSED_WINDOW_S`` (ZeroMQ would retry it silently until the deadline).
+Closing says BYE to the nodes, so the rank is free at once for the next run;
+a client still open when the interpreter exits (Ctrl-C, a script that never
+closed its optimizer) is closed then.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import os
 import socket
 import threading
 import time
+import weakref
 from typing import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from luwu.protocol import messages as wire
 from luwu.protocol.memory import retain_freed_memory
@@ -35,6 +43,26 @@ REPLY_HWM = 4
 
 #: A wait longer than this logs a progress line this often (INFO), so a slow start is never silent.
 PROGRESS_EVERY_S = 5.0
+
+#: Start-up: a node address that refused every connection this long is named as not listening (a node that is
+#: just starting has this long to bind).
+REFUSED_WINDOW_S = 1.0
+
+#: What closing waits at most for the nodes to answer BYE (a node that is gone costs this, never more).
+BYE_LINGER_S = 1.0
+
+_OPEN_CLIENTS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    """At interpreter exit (Ctrl-C, a script that never closed its optimizer): every client still open says
+    BYE, while its I/O thread still runs (atexit comes before daemon threads stop)."""
+    for client in [c for c in list(_OPEN_CLIENTS) if c.pid == os.getpid()]:  # (not a forked copy: its sockets are the parent's)
+        try:
+            client.close()
+        except Exception:  # exiting anyway: a failed goodbye leaves the rank to the node's timeout
+            log.debug("closing a worker client at exit failed", exc_info=True)
 
 
 def _check_resolves(addr: str) -> None:
@@ -89,10 +117,17 @@ class WorkerClient:
         self.bytes_sent = 0
         self.bytes_received = 0
         self._last_heard = [time.monotonic()] * len(nodes)
+        self._welcomed: set[int] = set()  # nodes that answered HELLO: told BYE on close
+        self._reached = [False] * len(nodes)  # a connection to the node was made (TCP/IPC), since the start
+        self._refused_since: list[float | None] = [None] * len(nodes)  # first failed attempt while never reached
+        self._monitors: list[zmq.Socket | None] = []  # connection events of each socket, until first reached
+        self._closed = False
+        self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=f"luwu-io-r{rank}", daemon=True)
         self._ctx = zmq.Context()
         self._socks = [self._connect(a) for a in nodes]
         self._thread.start()
+        _OPEN_CLIENTS.add(self)
 
     def _connect(self, addr: str) -> zmq.Socket:
         s = self._ctx.socket(zmq.DEALER)
@@ -108,6 +143,9 @@ class WorkerClient:
             s.curve_serverkey = self.cfg.curve_server_key.encode()
             s.curve_publickey = self.cfg.curve_public_key.encode()
             s.curve_secretkey = self.cfg.curve_secret_key.encode()
+        mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        mon.setsockopt(zmq.LINGER, 0)
+        self._monitors.append(mon)
         s.connect(addr)
         return s
 
@@ -206,6 +244,7 @@ class WorkerClient:
             ready = [k for k in missing if k in self._inbox]
             if ready:
                 return ready
+            self._raise_refused(missing)
             now = time.monotonic()
             left = deadline - now
             if left <= 0 or not self._running:
@@ -222,6 +261,21 @@ class WorkerClient:
                 probed = time.monotonic()
                 for n in sorted({m[1] for m in missing}):
                     self.send(n, {"op": Op.HEARTBEAT})
+
+    def _raise_refused(self, missing: list[tuple]) -> None:
+        """Start-up: a node whose address refused every connection for REFUSED_WINDOW_S has nothing listening
+        there; named now instead of after the deadline."""
+        if all(self._reached):
+            return
+        now = time.monotonic()
+        for n in sorted({m[1] for m in missing}):
+            since = self._refused_since[n]
+            if since is not None and not self._reached[n] and now - since >= REFUSED_WINDOW_S:
+                raise NodeTimeoutError(
+                    f"worker {self.rank}: node {n} at {self.nodes[n]} refused every connection for {now - since:.1f} s: no node "
+                    "listens there. Start it (luwu up, luwu node) or fix cluster.nodes (or LUWU_NODES)",
+                    node=self.nodes[n], worker=self.rank,
+                )
 
     def _timeout(self, missing: list[tuple], what: str, timeout_s: float, total: int) -> NodeTimeoutError:
         """The error for a wait past its deadline: which node, and (past start-up) which step and bucket."""
@@ -254,7 +308,7 @@ class WorkerClient:
         """Where a reply is filed: (op, node, step, bucket). WELCOME and STATS have no step; an UPDATE
         answering a push carries the pushed step in ``seq`` (-1 for the answer to a PULL)."""
         op = h["op"]
-        if op in (Op.WELCOME, Op.STATS, Op.ROLLBACK, Op.CHECKPOINT, Op.EXPORT):
+        if op in (Op.WELCOME, Op.STATS, Op.ROLLBACK, Op.CHECKPOINT, Op.EXPORT, Op.BYE):
             return (op, node, None, -1)
         if op == Op.STATE:
             return (op, node, None, h["bucket"])
@@ -269,6 +323,7 @@ class WorkerClient:
                 # answering HELLO and rolling back sent its weights in between): whatever it answered
                 # before belongs to abandoned steps
                 node = key[1]
+                self._welcomed.add(node)
                 self._errors = [(n, e) for n, e in self._errors if n != node]
                 for k in [k for k in self._inbox if k[1] == node]:
                     del self._inbox[k]
@@ -276,17 +331,37 @@ class WorkerClient:
             self._cv.notify_all()
 
     def close(self) -> None:
+        """Say BYE to the nodes that welcomed this worker (the rank is free there at once), then stop the I/O
+        thread and close the sockets. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN_CLIENTS.discard(self)
+        self._say_bye()
         self._running = False
         try:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
         self._thread.join(5)
-        for s in self._socks:
-            s.close(0)
+        for s in [*self._socks, *self._monitors]:
+            if s is not None:
+                s.close(0)
         self._ctx.term()
         os.close(self._wake_r)
         os.close(self._wake_w)
+
+    def _say_bye(self) -> None:
+        """BYE to every node that welcomed this worker; their answers waited for at most BYE_LINGER_S."""
+        nodes = sorted(self._welcomed)
+        if not nodes or not self._thread.is_alive() or threading.current_thread() is self._thread:
+            return
+        for n in nodes:
+            self.send(n, {"op": Op.BYE})
+        try:
+            self.answers([(Op.BYE, n, None, -1) for n in nodes], Op.BYE, timeout_s=BYE_LINGER_S, what="answer to BYE")
+        except LuwuError as exc:
+            log.info("worker %d: %s; its rank frees there after node.worker_timeout_s", self.rank, exc)
 
     # ----------------------------------------------------------------- the I/O thread
     def _run(self) -> None:
@@ -294,6 +369,8 @@ class WorkerClient:
         for s in self._socks:
             poller.register(s, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        for m in self._monitors:
+            poller.register(m, zmq.POLLIN)
         waiting_out: set[int] = set()
         hb = self.cfg.heartbeat_s
         last_sent = [time.monotonic()] * len(self._socks)
@@ -330,9 +407,33 @@ class WorkerClient:
                         waiting_out.discard(i)
                 if events.get(s, 0) & zmq.POLLIN:
                     self._drain(i, s)
+                mon = self._monitors[i]
+                if mon is not None and events.get(mon, 0) & zmq.POLLIN:
+                    self._watch(i, mon, poller)
                 if hb and time.monotonic() - last_sent[i] > hb and not q:
                     self.send(i, {"op": Op.HEARTBEAT})
                     last_sent[i] = time.monotonic()
+
+    def _watch(self, node: int, mon: zmq.Socket, poller: zmq.Poller) -> None:
+        """A node socket's connection events, until the node is first reached: when each attempt was refused
+        (waiters check :meth:`_raise_refused`), then that it was reached (the monitor is closed)."""
+        while True:
+            try:
+                event = recv_monitor_message(mon, flags=zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            with self._cv:
+                if event == zmq.EVENT_CONNECTED:
+                    self._reached[node] = True
+                elif self._refused_since[node] is None:
+                    self._refused_since[node] = time.monotonic()
+                self._cv.notify_all()
+            if event == zmq.EVENT_CONNECTED:
+                poller.unregister(mon)
+                self._socks[node].disable_monitor()
+                mon.close(0)
+                self._monitors[node] = None
+                return
 
     def _drain(self, node: int, s: zmq.Socket) -> None:
         while True:

@@ -118,6 +118,11 @@ class OptimizerConfig:
     """With stream_weights and a model built on the meta device: seed the nodes from these weights instead of
     reset_parameters(), one unit at a time: a torch state-dict file (read with mmap) or a
     torch.distributed.checkpoint folder (e.g. luwu.export_dcp's). Nodes that hold weights already keep them."""
+    resume: bool = False
+    """Continue the job from the step the nodes hold (restored from their checkpoints, or left by an earlier run):
+    their weights and optimizer state go on. Without it, a worker meeting nodes that hold the job past step 0,
+    with no other worker training it, is refused (JobExistsError): resuming is never silent. Nodes at step 0:
+    a fresh start either way."""
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZER_NAMES:
@@ -305,6 +310,7 @@ KEYWORD_SETTINGS = {
     "stream_units": "optimizer.stream_units",
     "prefetch": "optimizer.stream_prefetch",
     "init_weights": "optimizer.init_weights",
+    "resume": "optimizer.resume",
     "bucket_bytes": "transport.bucket_bytes",
     "timeout_s": "transport.timeout_s",
     "metrics_host": "metrics.host",

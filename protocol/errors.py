@@ -104,6 +104,14 @@ class CorruptCheckpointError(LuwuError):
     code = "corrupt_checkpoint"
 
 
+class JobExistsError(LuwuError):
+    """A new worker without ``resume=True`` met nodes that hold its job at a step past 0 (restored from a
+    checkpoint, or left by an earlier run) with nobody training it: continuing from there is a choice the
+    worker makes (``RemoteOptimizer(..., resume=True)``), never a silent default. ``step``: the nodes' step."""
+
+    code = "job_exists"
+
+
 class RemoteError(LuwuError):
     """A node answered ERROR with a code this side does not know (kept in ``code``)."""
 
@@ -129,6 +137,7 @@ _BY_CODE: dict[str, type[LuwuError]] = {
         RollbackError,
         NodeStateLostError,
         CorruptCheckpointError,
+        JobExistsError,
     )
 }
 

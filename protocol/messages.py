@@ -48,6 +48,8 @@ class Op(enum.IntEnum):
     COMMIT = 13  # worker -> node: apply step with this clip/unscale coefficient, or skip it
     ROLLBACK = 14  # worker -> node: roll this node back to a checkpointed step
     EXPORT = 15  # worker -> node: write your shard of the weights into a DCP folder; node -> worker: what was written
+    BYE = 16  # worker -> node: this rank leaves the job (a clean close); node -> worker: its rank is free
+    IMPORT = 17  # worker -> node: read your shard of a training checkpoint (a DCP folder); node -> worker: done
 
 
 #: The ``pull`` of a PUSH whose reply carries no weights, only that the step was applied (streaming mode).
@@ -73,11 +75,15 @@ SCHEMA: dict[Op, dict[str, tuple]] = {
     Op.COMMIT: {"coef": (F,), "skip": (B,), "buckets": (L,)},
     Op.ROLLBACK: {},
     Op.EXPORT: {"path": (S,)},
+    Op.BYE: {},
+    Op.IMPORT: {"path": (S,)},
 }
 # Optional fields (checked when present).
-OPTIONAL: dict[str, tuple] = {"seq": (I,), "detail": (D,), "ahead": (I,), "delta": (B,), "param_names": (D,), "partial": (B,)}
+OPTIONAL: dict[str, tuple] = {"seq": (I,), "detail": (D,), "ahead": (I,), "delta": (B,), "param_names": (D,), "partial": (B,), "resume": (B,)}
 """``partial`` (PUSH): a micro-batch's gradient under ``no_sync()`` in streaming mode; the node adds it
-to the step's sum and answers nothing; the worker's last push of the step comes without it."""
+to the step's sum and answers nothing; the worker's last push of the step comes without it. ``resume``
+(HELLO): the worker continues the job from the step the nodes hold (``RemoteOptimizer(resume=True)``, or
+``recover()``); without it, nodes holding the job at a step past 0 with no live worker refuse the HELLO."""
 
 
 @dataclass(slots=True)

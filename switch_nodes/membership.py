@@ -3,9 +3,13 @@
 HELLO binds a connection to a worker rank and checks it against the job
 (node index, optimizer, mode, world size, layout hash; a new layout is
 accepted only as an extension of the known buckets, what ``add_param_group``
-sends); INIT seeds a bucket's weights (the first seed wins). The watchdog says
-which ranks the node still waits for and, past ``worker_timeout_s``, fails the
-step naming them (strict) or drops them and goes on (elastic).
+sends); INIT seeds a bucket's weights (the first seed wins). A worker that is
+not resuming (HELLO without ``resume``) is refused when the node holds the job
+at a step past 0 and no worker of it is live: it would silently train on from
+another run's weights and moments. BYE frees a rank at once (a clean close); a
+crashed worker's rank frees after ``worker_timeout_s`` of silence. The watchdog
+says which ranks the node still waits for and, past ``worker_timeout_s``, fails
+the step naming them (strict) or drops them and goes on (elastic).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
-from luwu.protocol.errors import ConfigError, LayoutMismatchError, ProtocolError, WorkerLostError
+from luwu.protocol.errors import ConfigError, JobExistsError, LayoutMismatchError, ProtocolError, WorkerLostError
 from luwu.protocol.layout import Bucket
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.optimizers import OptimizerKind, get_kind
@@ -28,6 +32,15 @@ if TYPE_CHECKING:
     from luwu.switch_nodes.server import NodeServer
 
 log = logging.getLogger(__name__)
+
+#: A start-up wait for ranks that have not connected yet is normal this long (the other processes are still
+#: importing torch and building their model): said at INFO, and at WARNING once it lasts longer.
+WAIT_GRACE_S = 10.0
+
+
+def _ids(buckets) -> str:
+    ids = sorted(buckets)
+    return f"{ids[:8]}{' ...' if len(ids) > 8 else ''} ({len(ids)})"
 
 
 def ranks_text(ranks: list[int], limit: int = 12) -> str:
@@ -56,6 +69,8 @@ class Membership:
         self.node = node
         self._lost_reported: set[tuple[int, int]] = set()
         self._not_reading: set[int] = set()  # ranks named for leaving their replies unread (until they say HELLO again)
+        self._waiting_since: float | None = None  # when the node began to wait for ranks (start-up, a step), for the log
+        self._left: set[int] = set()  # ranks that said BYE (until they say HELLO again)
 
     # ----------------------------------------------------------------- HELLO
     def on_hello(self, ident: bytes, msg: wire.Message) -> None:
@@ -76,10 +91,9 @@ class Membership:
             raise ProtocolError("param_names must map parameter indices (ints) to names (short strings)")
         self._check_key(ident, w)
         bound = node.peers.get(w)
-        if bound is not None and bound != ident and time.monotonic() - node.last_seen.get(w, 0.0) < node.cfg.worker_timeout_s:
-            # a rank is one connection: another peer claiming a live rank is refused (a restarted worker
-            # can take its rank back once the old connection has been silent for worker_timeout_s)
-            raise ProtocolError(f"worker rank {w} is held by a live connection (heard from {time.monotonic() - node.last_seen[w]:.1f} s ago)")
+        self._check_rank_free(ident, w, bound)
+        if bound != ident and not h.get("resume", False):
+            self._check_fresh(w)
         self._check_capacity(w, kind, buckets)
         if node.layout_hash is not None and h["layout"] != node.layout_hash and bound != ident:
             raise LayoutMismatchError(
@@ -91,6 +105,46 @@ class Membership:
         else:
             self._check_same_job(h, kind, buckets)
         self._admit(ident, h, kind, buckets, names)
+
+    def _check_rank_free(self, ident: bytes, w: int, bound: bytes | None) -> None:
+        """A rank is one connection: another peer claiming a live rank is refused. A worker that closed said
+        BYE and freed it; a crashed one's rank frees once its connection has been silent for worker_timeout_s."""
+        node = self.node
+        if bound is None or bound == ident:
+            return
+        ago, timeout = time.monotonic() - node.last_seen.get(w, 0.0), node.cfg.worker_timeout_s
+        if ago < timeout:
+            raise ProtocolError(
+                f"worker rank {w} is held by a live connection (heard from {ago:.1f} s ago): it frees in {timeout - ago:.1f} s "
+                f"(node.worker_timeout_s = {timeout:g}) if that worker is gone, at once if it closes (opt.close() says BYE)"
+            )
+
+    def live_ranks(self, but: int | None = None) -> list[int]:
+        """Ranks (other than ``but``) whose connection is open and was heard from within worker_timeout_s: a
+        job with one of them is being trained right now."""
+        node, now = self.node, time.monotonic()
+        return sorted(
+            r for r in node.peers if r != but and now - node.last_seen.get(r, 0.0) < node.cfg.worker_timeout_s and node.connected(r)
+        )
+
+    def _check_fresh(self, w: int) -> None:
+        """A worker that did not ask to resume, arriving while nobody trains the job: refused when this node holds
+        the job at a step past 0 (restored from a checkpoint, or left by an earlier run), before anything
+        changes; at step 0 it is a fresh start. Every worker of the new run gets the same answer."""
+        node = self.node
+        step = node.step
+        if step == 0 or self.live_ranks(but=w):
+            return
+        how = "restored from its checkpoint" if node.restored_step == step else "left by an earlier run"
+        ckpt = f" whose node.checkpoint_dir holds no checkpoint of it (this node's, {node.cfg.checkpoint_dir}, does)" if node.ckpt else ""
+        raise JobExistsError(
+            f"job {node.job!r}: node {node.index} holds its weights and optimizer state at step {step} ({how}) and no worker "
+            f"is training it; worker {w} did not ask to resume. Continue from step {step}: RemoteOptimizer(..., resume=True) "
+            f"(or optimizer.resume = true). Or start a fresh job: new nodes (`luwu down && luwu up`, a new local_cluster){ckpt}, "
+            "or another job= name (cluster.job) served by nodes of its own",
+            worker=w,
+            step=step,
+        )
 
     def _check_key(self, ident: bytes, w: int) -> None:
         """With CURVE and node.curve_keys_by_rank, rank w may only say HELLO with the w-th authorized key
@@ -126,9 +180,14 @@ class Membership:
             raise LayoutMismatchError(f"worker {w} says world size {h['world_size']}, the job has {node.world_size}")
         if kind is not node.kind:
             raise LayoutMismatchError(f"worker {w} uses optimizer {kind.name!r}, the job uses {node.kind.name!r}")
-        if h["layout"] == node.layout_hash:
-            return
         new = {b.id: b.to_wire() for b in buckets}
+        if h["layout"] == node.layout_hash and new.keys() != node.buckets.keys():
+            # the job's layout names exactly the job's buckets: a HELLO with its hash and other bucket ids would
+            # make the node allocate what a stranger names
+            raise LayoutMismatchError(
+                f"worker {w} says layout {h['layout']} (the job's) with buckets {_ids(new)}, the job's are {_ids(node.buckets)}: "
+                f"nothing allocated"
+            )
         for b in node.buckets.values():
             if new.get(b.id) != b.to_wire():
                 raise LayoutMismatchError(
@@ -151,6 +210,7 @@ class Membership:
             node.members = set(range(node.world_size))
         node.members.add(w)
         self._not_reading.discard(w)
+        self._left.discard(w)
         node.last_seen[w] = time.monotonic()
         node.metrics.workers.set(len(node.peers))
         versions = {b.id: b.version for b in node.buckets.values()}
@@ -168,6 +228,23 @@ class Membership:
         codec.decode_(b.params, msg.tensors(), h["cmeta"])
         b.initialized = True
         self.node.replies.initialized(b)
+
+    async def on_bye(self, ident: bytes, msg: wire.Message) -> None:
+        """A worker leaves (its connection said HELLO as this rank: :meth:`check_worker` saw to it): the rank is
+        free at once for another run or a restarted worker. In elastic mode the others go on without it; in
+        strict mode the steps keep waiting for the rank (a worker that resumes takes its place)."""
+        node, w = self.node, msg.header["worker"]
+        del node.peers[w]
+        node.last_seen.pop(w, None)
+        node.replies.held.forget(w)
+        self._not_reading.discard(w)
+        self._left.add(w)
+        node.metrics.workers.set(len(node.peers))
+        log.info("node %s: worker %d left the job at step %d (BYE); %d workers connected", node.index, w, node.step, len(node.peers))
+        node.answer(ident, Op.BYE, w)
+        if node.cfg.worker_policy == "elastic" and node.members - {w}:
+            node.members.discard(w)
+            await node.aggregation.complete_ready()
 
     def on_heartbeat(self, ident: bytes, msg: wire.Message) -> None:
         w = msg.header["worker"]
@@ -196,7 +273,7 @@ class Membership:
         while True:
             await asyncio.sleep(min(1.0, node.cfg.worker_timeout_s / 4))
             now = time.monotonic()
-            if now - last_said >= 5.0 and node.world_size and self._say_waiting(now):
+            if node.world_size and self._say_waiting(now, due=now - last_said >= 5.0):
                 last_said = now
             if node.ckpt is not None and node.ckpt.last_time is not None:
                 node.metrics.checkpoint_age.set(time.time() - node.ckpt.last_time)
@@ -213,14 +290,23 @@ class Membership:
                         for w in acc.workers:
                             node.tell(w, WorkerLostError.code, text, step=step, bucket=b.id)
 
-    def _say_waiting(self, now: float) -> bool:
-        """Start-up without silent hangs: log which ranks this node still waits for (True if any)."""
+    def _say_waiting(self, now: float, due: bool) -> bool:
+        """Start-up without silent hangs: when ``due``, log which ranks the connected workers wait for (True if
+        said). A wait shorter than WAIT_GRACE_S is the normal start of a job (INFO); a longer one is a WARNING.
+        With no worker connected nobody waits; a rank that left (BYE) is not waited for unless a step needs it."""
         node = self.node
-        absent = sorted(set(range(node.world_size)) - set(node.peers))
+        absent = sorted(set(range(node.world_size)) - set(node.peers) - self._left)
         waiting = sorted({w for b in node.buckets.values() for acc in b.accs.values() if now - acc.first_at > 5.0 for w in node.members - acc.workers})
-        if absent or waiting:
-            log.warning("node %s at %s: waiting for worker ranks %s (not connected: %s)", node.index, node.address, ranks_text(waiting or absent), ranks_text(absent))
-        return bool(absent or waiting)
+        if not node.peers or not (absent or waiting):
+            self._waiting_since = None
+            return False
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if not due:
+            return False
+        level = logging.WARNING if now - self._waiting_since >= WAIT_GRACE_S else logging.INFO
+        log.log(level, "node %s at %s: waiting for worker ranks %s (not connected: %s)", node.index, node.address, ranks_text(waiting or absent), ranks_text(absent))
+        return True
 
     async def not_reading(self, ranks: set[int]) -> None:
         """Workers that leave their replies unread are lost: named in the log once; strict mode tells the

@@ -50,7 +50,7 @@ __all__ = ["NodeServer", "READY_LINE", "ReplyBuffers"]
 log = logging.getLogger(__name__)
 
 #: Ops a worker sends as a rank: the sender must be the connection that said HELLO as that rank.
-_RANKED = frozenset({Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE, Op.CHECKPOINT, Op.ROLLBACK, Op.EXPORT})
+_RANKED = frozenset({Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE, Op.CHECKPOINT, Op.ROLLBACK, Op.EXPORT, Op.BYE, Op.IMPORT})
 #: Ops served to a connection that has not said HELLO.
 _OPEN = frozenset({Op.HELLO, Op.STATS})
 
@@ -94,6 +94,7 @@ class NodeServer:
             Op.HELLO: self.membership.on_hello,
             Op.INIT: self.membership.on_init,
             Op.HEARTBEAT: self.membership.on_heartbeat,
+            Op.BYE: self.membership.on_bye,
             Op.PUSH: self.aggregation.on_push,
             Op.COMMIT: self.aggregation.on_commit,
             Op.PULL: self.replies.on_pull,
@@ -102,6 +103,7 @@ class NodeServer:
             Op.ROLLBACK: self.durability.on_rollback,
             Op.STATS: self._on_stats,
             Op.EXPORT: self.exports.on_export,
+            Op.IMPORT: self.exports.on_import,
         }
 
     @property

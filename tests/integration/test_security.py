@@ -1,6 +1,7 @@
 """With CURVE keys, only authorized workers get in and traffic is encrypted; other jobs are refused."""
 
 import subprocess
+import time
 import sys
 import tomllib
 
@@ -58,3 +59,41 @@ def test_a_curve_key_is_tied_to_its_rank(tmp_path):
             opt.step()
         finally:
             opt.close()
+
+
+def _hello(sock: zmq.Socket, worker: int, layout_hash: str, buckets: list) -> dict:
+    """A raw HELLO (rank ``worker`` of 2) naming ``buckets`` (wire form) under ``layout_hash``; its answer."""
+    from luwu.protocol import messages as wire
+    from luwu.protocol.messages import Op
+
+    header = {"op": Op.HELLO, "job": "luwu", "step": 0, "worker": worker, "world_size": 2, "layout": layout_hash, "node_index": 0,
+              "buckets": buckets, "optimizer": "adamw", "mode": "sync", "param_names": {0: "w"}}
+    sock.send_multipart(wire.encode(header))
+    return wire.decode(sock.recv_multipart(), job="luwu").header
+
+
+@pytest.mark.timeout(60)
+def test_a_known_layout_hash_with_other_buckets_is_refused_before_allocation(cluster1):
+    """A second HELLO with the job's layout hash but a bucket the job does not have (here 1 GiB) used to be
+    admitted and allocated; it is refused, naming the buckets, and the node's RSS does not move."""
+    pid = cluster1.procs[0].pid
+    rss = lambda: int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:")).split()[1]) * 1024  # noqa: E731
+    ctx = zmq.Context.instance()
+    socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    for s in socks:
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+        s.connect(cluster1.addresses[0])
+    try:
+        small = [0, 0, 64, [[0, 0, 0, 64]]]  # bucket 0: 64 elements of parameter 0
+        assert _hello(socks[0], 0, "f" * 16, [small])["op"] == luwu.protocol.messages.Op.WELCOME
+        before = rss()
+        big = [1, 0, 2**28, [[1, 0, 0, 2**28]]]  # bucket 1: 1 GiB of fp32
+        reply = _hello(socks[1], 1, "f" * 16, [small, big])
+        assert reply["op"] == luwu.protocol.messages.Op.ERROR, reply
+        assert "the job's are [0]" in reply["message"] and "nothing allocated" in reply["message"], reply
+        time.sleep(0.5)
+        assert rss() < before + 64 * 2**20
+    finally:
+        for s in socks:
+            s.close(0)

@@ -94,20 +94,21 @@ def test_a_busy_port_is_one_line_that_names_the_address():
 
 @pytest.mark.timeout(90)
 def test_a_dead_node_is_named_with_what_to_do(caplog):
-    """Nothing listens at the address: the error names it and says what to do (no 'step None,
-    bucket -1'), and the wait logs progress lines meanwhile instead of staying silent."""
+    """Something takes connections at the address but never answers HELLO: the error names it and says
+    what to do (no 'step None, bucket -1'), and the wait logs progress lines meanwhile instead of staying
+    silent. (An address where nothing listens at all is named at once: test_lifecycle.py.)"""
     import socket
 
-    with socket.socket() as s:  # a free port that nobody listens on
-        s.bind(("127.0.0.1", 0))
-        addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     from luwu.gpu_workers import client
     from luwu.gpu_workers.config import TransportConfig
 
     caplog.set_level("INFO", logger="luwu.gpu_workers.client")
     old, client.PROGRESS_EVERY_S = client.PROGRESS_EVERY_S, 1.0
     try:
-        with pytest.raises(luwu.NodeTimeoutError) as e:
+        with socket.socket() as s, pytest.raises(luwu.NodeTimeoutError) as e:  # the kernel accepts, nobody speaks
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
             luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=[addr], rank=0, world_size=1, transport=TransportConfig(connect_timeout_s=3.0))
     finally:
         client.PROGRESS_EVERY_S = old

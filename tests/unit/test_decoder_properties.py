@@ -41,8 +41,10 @@ FIELDS: dict[Op, dict] = {
     Op.COMMIT: {"coef": 0.5, "skip": False, "buckets": [0, 1]},
     Op.ROLLBACK: {},
     Op.EXPORT: {"path": "exports/step-3"},
+    Op.BYE: {},
+    Op.IMPORT: {"path": "checkpoints/step-3"},
 }
-PAYLOAD: dict[Op, list[bytes]] = {Op.INIT: [b"\0" * 16], Op.PUSH: [b"\0" * 16], Op.UPDATE: [b"\0" * 16], Op.STATE: [b"\0" * 16, b"\0" * 4], Op.EXPORT: [b"\x81\x00\x91\x04"]}
+PAYLOAD: dict[Op, list[bytes]] = {Op.INIT: [b"\0" * 16], Op.PUSH: [b"\0" * 16], Op.UPDATE: [b"\0" * 16], Op.STATE: [b"\0" * 16, b"\0" * 4], Op.EXPORT: [b"\x81\x00\x91\x04"], Op.IMPORT: [b"\x81\xa6params\x80"]}
 
 
 def valid(op: Op) -> tuple[dict, list[bytes]]:
