@@ -31,7 +31,6 @@ the source has them. Nodes that already hold weights (a resumed job) keep theirs
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -105,23 +104,28 @@ class StateDictFile:
 
 
 class DcpFolder:
-    """Weights from a ``torch.distributed.checkpoint`` folder, read one unit's tensors at a time."""
+    """Weights from a ``torch.distributed.checkpoint`` folder, read one unit's tensors at a time. Its
+    metadata is read without running its pickle (:mod:`luwu.protocol.dcp_files`). The weights of a
+    training checkpoint (``luwu.save_checkpoint``, an FSDP2 job's ``{"model": ..., "optim": ...}``) are
+    under ``model.<name>``: read from there when the folder has no plain ``<name>``."""
 
     def __init__(self, path: str):
-        from torch.distributed.checkpoint import FileSystemReader
+        from luwu.protocol.dcp_files import DcpFolder as Folder
 
         self.path = path
-        self.metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        self.folder = Folder(path, f"optimizer.init_weights {path!r}")
+        keys = self.folder.entries
+        self.keys = {k[len("model.") :]: k for k in keys if k.startswith("model.")} | {k: k for k in keys}  # name -> key
 
     def names(self) -> set[str]:
-        return set(self.metadata)
+        return set(self.keys)
 
     def read(self, into: dict[str, torch.Tensor]) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(into, checkpoint_id=self.path, no_dist=True)  # in place, only these keys
+        for name, t in into.items():
+            size = self.folder.size(self.keys[name])
+            if size != tuple(t.shape):
+                raise ConfigError(f"optimizer.init_weights {self.path!r}: {name} has shape {size}, the model's is {tuple(t.shape)}")
+        self.folder.read({self.keys[name]: [((0,) * t.dim(), t)] for name, t in into.items()})  # in place, only these keys
 
 
 def open_weights(path: str) -> StateDictFile | DcpFolder | None:

@@ -12,7 +12,8 @@ import torch
 
 from luwu.protocol.errors import ProtocolError
 from luwu.protocol.messages import Op
-from luwu.switch_nodes.optimizers import torch_scalars, torch_state
+from luwu.switch_nodes.optimizers import torch_state
+from luwu.switch_nodes.torch_state import step_of, torch_param_state
 
 
 def fetch(worker) -> dict[int, list[torch.Tensor]]:
@@ -50,14 +51,9 @@ def to_torch(kind, layout, params: list[torch.Tensor], groups: list[dict], flats
                 d[n].narrow(0, seg.param_offset, seg.numel).copy_(t.narrow(0, seg.offset, seg.numel))
     group_of = [gi for gi, g in enumerate(groups) for _ in g["params"]]
     state = {}
-    for i, d in per.items():
-        if d["step"] == 0:
-            continue  # torch creates state lazily: a parameter never stepped has none
-        g = groups[group_of[i]]
-        entry = {"step": torch.tensor(d["step"], dtype=torch.float32)} if kind.step_in_state else {}
-        entry |= torch_scalars(kind, int(d["step"]), g)  # NAdam's mu_product, derived from the step
-        shapes = kind.state_shapes(params[i].shape)
-        entry |= {n: torch_state(d[n], shapes[n]) for n in kind.state_for(g) if n in shapes}  # the state this group uses
+    for i, d in per.items():  # (a parameter never stepped has no state: torch creates it lazily)
+        scalars, shapes = torch_param_state(kind, tuple(params[i].shape), d["step"], groups[group_of[i]])
+        entry = scalars | {n: torch_state(d[n], shape) for n, shape in shapes.items()}
         if entry:
             state[i] = entry
     return state
@@ -78,9 +74,6 @@ def from_torch(kind, layout, params: list[torch.Tensor], state: dict) -> dict[in
                 if t is not None:  # (a shaped state, Adafactor's, may be shorter than its whole parameter's slot)
                     m = min(seg.numel, t.numel() - seg.param_offset)
                     out[k].narrow(0, seg.offset, m).copy_(t.detach().reshape(-1).narrow(0, seg.param_offset, m))
-            if "step" in st:
-                out[-1][si] = float(st["step"])
-            elif st.get("momentum_buffer") is not None:
-                out[-1][si] = 1.0
+            out[-1][si] = step_of(kind, st.get("step"), any(st.get(n) is not None for n in kind.state_names))
         flats[b.id] = out
     return flats

@@ -1,25 +1,30 @@
-"""EXPORT: a node writes its shard of the weights into a ``torch.distributed.checkpoint`` directory.
+"""EXPORT and IMPORT: a node writes (reads) its shard into (from) a ``torch.distributed.checkpoint`` folder.
 
-Every node writes the pieces of the parameters it holds, in parallel, into one
-data file of its own (``__<node index>_0.distcp``, as torch's ``FileSystemWriter``
-names a rank's file), in torch's own format: each piece ``torch.save``-d at a
-recorded offset. A bucket holds flat ranges of parameters; DCP stores n-d boxes,
-so each range is cut into boxes (:func:`boxes`: a partial first row, whole rows,
-a partial last row, recursively). The node answers with what it wrote: per piece
-the parameter name, the box (offsets and sizes), the file offset and length; the
-worker that asked writes the directory's ``.metadata`` from every node's answer
-(:mod:`luwu.model_io`). The folder must be one filesystem the nodes and that
-worker share.
+EXPORT: every node writes the pieces of the parameters it holds, in parallel, into one data file
+of its own (``__<node index>_0.distcp``, as torch's ``FileSystemWriter`` names a rank's file), in
+torch's own format: each piece ``torch.save``-d at a recorded offset. A bucket holds flat ranges of
+parameters; DCP stores n-d boxes, so each range is cut into boxes (:func:`boxes`: a partial first
+row, whole rows, a partial last row, recursively). The node answers with what it wrote: per piece
+the key, the tensor's size, the box (offsets and sizes), the file offset and length; the worker that
+asked writes the folder's ``.metadata`` from every node's answer (:mod:`luwu.model_io`). The folder
+must be one filesystem the nodes and that worker share.
 
-A node writes only below its export root (``node.export_root``, else its
-``checkpoint_dir``; neither: exports are refused), never over an existing file,
-and publishes its file by an atomic rename once it is complete and synced.
+Two layouts: the weights alone, by parameter name (``export_dcp``); or a training checkpoint in the
+key layout of torch's distributed state dicts (``get_state_dict(model, optimizer)`` flattened by
+DCP): ``model.<name>`` for the fp32 master weights and ``optim.state.<name>.<state>`` for torch's
+per-parameter optimizer state (:mod:`.torch_state`: ``step``, ``exp_avg``...), which FSDP2 loads
+with ``dcp.load`` + ``set_state_dict``. IMPORT reads such a checkpoint back (:mod:`.dcp_import`).
+
+A node writes and reads only below its export root (``node.export_root``, else its
+``checkpoint_dir``; neither: refused), never over an existing file, and publishes its file by an
+atomic rename once it is complete and synced.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,9 +34,14 @@ import torch
 from luwu.protocol import messages as wire
 from luwu.protocol.errors import ConfigError, ProtocolError
 from luwu.protocol.messages import Op
+from luwu.switch_nodes.torch_state import slot, torch_param_state
 
 if TYPE_CHECKING:
     from luwu.switch_nodes.server import NodeServer
+    from luwu.switch_nodes.store import BucketState
+
+#: The key prefixes of a training checkpoint (torch's ``get_state_dict`` as DCP flattens it).
+MODEL, OPTIM_STATE = "model.", "optim.state."
 
 
 def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -57,16 +67,65 @@ def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int
     return out
 
 
-def _flat_index(offsets: tuple[int, ...], shape: tuple[int, ...]) -> int:
+def flat_index(offsets: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """The row-major flat index of element ``offsets`` of a tensor of ``shape``."""
     index = 0
     for o, d in zip(offsets, shape):
         index = index * d + o
     return index
 
 
+def box_views(flat: torch.Tensor, shape: tuple[int, ...], start: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """``flat`` holds elements ``start`` to ``start + flat.numel()`` of a tensor of ``shape``: the boxes of
+    that range, each with the view of ``flat`` that holds it (shaped as the box)."""
+    out = []
+    for offsets, sizes in boxes(tuple(shape), start, start + flat.numel()):
+        out.append((offsets, flat.narrow(0, flat_index(offsets, shape) - start, math.prod(sizes)).view(sizes)))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What an EXPORT or IMPORT asks, from its frame: each parameter's name and shape; with ``groups``
+    (each param group's hyperparameters) the training-checkpoint layout, else the weights by name."""
+
+    params: dict[int, tuple[str, tuple[int, ...]]]
+    groups: list[dict] | None
+
+    @classmethod
+    def parse(cls, op: Op, frames: list[torch.Tensor]) -> Request:
+        """The frame: a msgpack map ``{"params": {index: [name, shape]}, "groups": [hyperparameters] | None}``."""
+        if len(frames) != 1:
+            raise ProtocolError(f"{op.name} carries one frame: the parameters' names and shapes")
+        try:
+            body = msgpack.unpackb(frames[0].numpy().tobytes(), strict_map_key=False)
+            params = {int(k): (str(v[0]), tuple(int(d) for d in v[1])) for k, v in body["params"].items()}
+            groups = body.get("groups")
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+            raise ProtocolError(f"{op.name} frame is not a msgpack map of parameter names and shapes: {type(exc).__name__}: {exc}") from None
+        if any(d < 0 for _, shape in params.values() for d in shape) or any(len(name) > 1024 for name, _ in params.values()):
+            raise ProtocolError(f"{op.name}: a parameter shape is negative or a name over 1024 characters")
+        if groups is not None and not (isinstance(groups, list) and all(isinstance(g, dict) for g in groups)):
+            raise ProtocolError(f"{op.name}: groups must be a list of hyperparameter maps")
+        return cls(params, groups)
+
+    def param(self, s) -> tuple[str, tuple[int, ...]]:
+        """The name and shape of segment ``s``'s parameter, checked to hold the segment."""
+        got = self.params.get(s.param)
+        if got is None or math.prod(got[1]) < s.param_offset + s.numel:
+            raise ProtocolError(f"no valid shape for parameter {s.param} (got {got and list(got[1])})")
+        return got
+
+    def hyper(self, b: BucketState) -> dict:
+        if self.groups is None or not 0 <= b.group < len(self.groups):
+            raise ProtocolError(f"no hyperparameters for param group {b.group} of bucket {b.id}")
+        return self.groups[b.group]
+
+
 class Exports:
     def __init__(self, node: NodeServer):
         self.node = node
+        self._imports = None
 
     def root(self) -> Path:
         cfg = self.node.cfg
@@ -85,23 +144,28 @@ class Exports:
         return folder
 
     async def on_export(self, ident: bytes, msg: wire.Message) -> None:
-        """Write this node's pieces of every parameter into the folder the header names; answer with what was
-        written (a msgpack frame). The payload frame maps each of its parameters to its shape."""
+        """Write this node's pieces into the folder the header names; answer with what was written (a
+        msgpack frame)."""
         node, h = self.node, msg.header
         folder = self.target(h["path"])
-        frames = msg.tensors()
-        if len(frames) != 1:
-            raise ProtocolError("EXPORT carries one frame: the parameters' shapes")
+        request = Request.parse(Op.EXPORT, msg.tensors())
         try:
-            shapes = {int(k): tuple(int(d) for d in v) for k, v in msgpack.unpackb(frames[0].numpy().tobytes(), strict_map_key=False).items()}
-        except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-            raise ProtocolError(f"EXPORT shapes frame is not a msgpack map of shapes: {exc}") from None
-        entries = await node.run(self.write, folder, shapes)
+            entries = await node.run(self.write, folder, request)
+        except OSError as exc:
+            raise ConfigError(f"node {node.index} could not write its shard into {folder}: {exc}") from None
         body = torch.frombuffer(bytearray(msgpack.packb(entries)), dtype=torch.uint8)
         node.send(ident, wire.encode({"op": Op.EXPORT, "job": node.job, "step": node.step, "worker": h["worker"], "path": str(folder)}, [body]))
 
-    def write(self, folder: Path, shapes: dict[int, tuple[int, ...]]) -> list[list]:
-        """On the optimizer thread: every piece of this node's parameters into ``__<index>_0.distcp``."""
+    async def on_import(self, ident: bytes, msg: wire.Message) -> None:
+        """Read this node's shard from the training checkpoint the header names (:mod:`.dcp_import`)."""
+        if self._imports is None:
+            from luwu.switch_nodes.dcp_import import Imports
+
+            self._imports = Imports(self.node, self)
+        await self._imports.on_import(ident, msg)
+
+    def write(self, folder: Path, request: Request) -> list[list]:
+        """On the optimizer thread: every piece of this node's shard into ``__<index>_0.distcp``."""
         node = self.node
         name = f"__{node.index}_0.distcp"
         final, tmp = folder / name, folder / f".{name}.tmp"
@@ -112,8 +176,10 @@ class Exports:
         try:
             with open(tmp, "xb") as f:
                 for b in sorted(node.buckets.values(), key=lambda b: b.id):
-                    for s in b.segments:
-                        entries += self._pieces(f, b.params.narrow(0, s.offset, s.numel), s, shapes)
+                    try:
+                        entries += self._bucket(f, b, request)
+                    except ProtocolError as exc:
+                        raise ProtocolError(f"EXPORT to node {node.index}, bucket {b.id}: {exc}") from None
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, final)
@@ -121,16 +187,36 @@ class Exports:
             tmp.unlink(missing_ok=True)
         return entries
 
-    def _pieces(self, f, flat: torch.Tensor, s, shapes: dict[int, tuple[int, ...]]) -> list[list]:
-        shape = shapes.get(s.param)
-        if shape is None or math.prod(shape) < s.param_offset + s.numel:
-            raise ProtocolError(f"EXPORT: no valid shape for parameter {s.param} (got {shape})")
-        name = self.node.param_names.get(s.param, f"param{s.param}")
+    def _bucket(self, f, b: BucketState, request: Request) -> list[list]:
+        """The pieces of bucket ``b``: its weights, and with a checkpoint request torch's optimizer state of
+        each parameter it holds (the step and derived scalars written by the segment that starts it)."""
         out = []
-        for offsets, sizes in boxes(shape, s.param_offset, s.param_offset + s.numel):
-            start = _flat_index(offsets, shape) - s.param_offset
-            piece = flat.narrow(0, start, math.prod(sizes)).clone().view(sizes)  # a copy: torch.save writes a view's whole storage
+        if request.groups is None:
+            for s in b.segments:
+                name, shape = request.param(s)
+                out += self._pieces(f, name, shape, b.params.narrow(0, s.offset, s.numel), s.param_offset)
+            return out
+        hyper, kind = request.hyper(b), b.kind
+        flats = {n: b.state.read(n) for n in kind.state_for(hyper)}
+        for si, s in enumerate(b.segments):
+            name, shape = request.param(s)
+            out += self._pieces(f, MODEL + name, shape, b.params.narrow(0, s.offset, s.numel), s.param_offset)
+            scalars, shapes = torch_param_state(kind, shape, float(b.steps[si]), hyper)
+            for n, state_shape in shapes.items():
+                start, length = slot(shape, state_shape, s.param_offset, s.numel)
+                out += self._pieces(f, f"{OPTIM_STATE}{name}.{n}", state_shape, flats[n].narrow(0, s.offset, length), start)
+            if s.param_offset == 0:
+                for n, value in scalars.items():
+                    out += self._pieces(f, f"{OPTIM_STATE}{name}.{n}", (), value.reshape(1), 0)
+        return out
+
+    @staticmethod
+    def _pieces(f, key: str, shape: tuple[int, ...], flat: torch.Tensor, start: int) -> list[list]:
+        """``flat``: elements ``start``... of tensor ``key`` of ``shape``; each of its boxes ``torch.save``-d
+        into ``f``. Returns ``[key, size, offsets, sizes, file offset, length]`` per piece."""
+        out = []
+        for offsets, view in box_views(flat, shape, start):
             at = f.tell()
-            torch.save(piece, f)
-            out.append([name, list(offsets), list(sizes), at, f.tell() - at])
+            torch.save(view.clone(), f)  # a copy: torch.save writes a view's whole storage
+            out.append([key, list(shape), list(offsets), list(view.shape), at, f.tell() - at])
         return out
