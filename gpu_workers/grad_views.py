@@ -19,8 +19,8 @@ What it asks of a training script: ``p.grad`` after ``backward()`` is the gradie
 pushed it. An uncompressed push sends the buffer itself (zero copy) while ``step()`` may already
 have returned (per-layer waits), so an in-place change of such a gradient before the node has it
 would change what a node receives. Such a change is refused with the parameter's name at ``step()``
-or when the reply lands, whichever comes first (clip with ``max_grad_norm=``, scale with
-``amp=True``: the nodes apply both to the averaged gradient), and
+or when the reply lands, whichever comes first (clip with ``opt.clip_grad_norm_`` or ``max_grad_norm=``,
+scale with ``amp=``: the nodes apply both to the averaged gradient), and
 ``RemoteOptimizer.zero_grad(set_to_none=False)`` waits for the step's replies before zeroing.
 """
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from luwu.gpu_workers.grad_marks import FIX
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import Bucket
 
@@ -123,12 +124,7 @@ class GradViews:
     def _check(self, bid: int, step: int, versions: dict[int, int]) -> None:
         changed = sorted(self._name(i) for i, v in versions.items() if self.views[i]._version != v)
         if changed:
-            raise ConfigError(
-                f"step {step}, bucket {bid}: the gradient of {changed} changed in place while its push was on its way (the "
-                f"push sends that memory): LuWu sends gradients during backward, so clip with the optimizer's own "
-                f"max_grad_norm= and scale with amp=True (the nodes apply both to the averaged gradient), and zero "
-                f"gradients with opt.zero_grad() (or set_to_none=True)"
-            )
+            raise ConfigError(f"step {step}, bucket {bid}: the gradient of {changed} changed in place while its push was on its way (the push sends that memory): {FIX}", step=step, bucket=bid)
 
     def _name(self, param: int) -> str:
         bid, si = self.worker.where[param][0]

@@ -3,12 +3,33 @@
 from __future__ import annotations
 
 import threading
+import time
 import types
+from dataclasses import dataclass
 import weakref
 
 from prometheus_client import CollectorRegistry
 
 from luwu.protocol.metrics import MetricsFactory
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one step found out: whether the nodes skipped it and the gradient norm (the same on every
+    worker), and how long this worker waited for the nodes."""
+
+    step: int
+    skipped: bool = False
+    grad_norm: float | None = None
+    """Norm of the unscaled averaged gradient (only with the two-phase round: clipping or AMP)."""
+    push_wait_s: float = 0.0
+    """Seconds waited for the partial gradient norms (two-phase round)."""
+    update_wait_s: float = 0.0
+    """Seconds waited for the new weights (writing them in excluded)."""
+    delayed: bool = False
+    """The step's delayed buckets land a step late (delayed update past its warm-up)."""
+    fetch_wait_s: float = 0.0
+    """Streaming mode: seconds forward and backward waited for streamed units' weights this step."""
 
 
 class WorkerMetrics:
@@ -38,6 +59,33 @@ class WorkerMetrics:
         self.unit_fetch_wait = f.counter("unit_fetch_wait_seconds_total", "Seconds waited for the weights of each streamed unit", ("unit",))
         self.unit_fetches = f.counter("unit_fetches_total", "Weight fetches of each streamed unit (forward and backward)", ("unit",))
         self.names = list(f.names)
+        self._last = (0, 0, None)  # the I/O thread's byte totals and the time at the last step's record
+
+    def record_step(self, report, sent: int, received: int, raw: int, data_wait_s: float | None) -> None:
+        """One step's metrics: the byte counters from the I/O thread's totals (``sent``, ``received``), ``raw``
+        fp32 bytes each way, and the step-time breakdown from its ``StepReport`` (``data_wait_s``: from a
+        Prefetcher, None without one)."""
+        now = time.perf_counter()
+        prev_sent, prev_received, prev_t = self._last
+        self.bytes_pushed.inc(sent - prev_sent)
+        self.bytes_pulled.inc(received - prev_received)
+        self.raw_pushed.inc(raw)
+        self.raw_pulled.inc(raw)
+        if sent > prev_sent:
+            self.compression_ratio.set(raw / (sent - prev_sent))
+        self.steps.inc()
+        if report.skipped:
+            self.skipped.inc()
+        if data_wait_s is not None:
+            self.data_wait.observe(data_wait_s)
+        self.push_wait.observe(report.push_wait_s)
+        self.update_wait.observe(report.update_wait_s)
+        self.staleness.set(1 if report.delayed else 0)
+        if prev_t is not None:
+            step_s = now - prev_t
+            self.step_seconds.observe(step_s)
+            self.compute.observe(max(0.0, step_s - report.push_wait_s - report.update_wait_s - (data_wait_s or 0.0)))
+        self._last = (sent, received, now)
 
 
 class PrefetchMetrics:

@@ -77,7 +77,8 @@ from luwu.gpu_workers.metrics import WorkerMetrics
 from luwu.gpu_workers.pool import FP32_BYTES, BufferPool
 from luwu.gpu_workers import materialize
 from luwu.gpu_workers.units import Unit, Units, alloc_storage, free_storage, select_units, unit_of_params
-from luwu.gpu_workers.worker import StepReport, Worker
+from luwu.gpu_workers.metrics import StepReport
+from luwu.gpu_workers.worker import Worker
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.memory import retain_freed_memory, trim_heap
 from luwu.protocol.layout import Bucket, Layout

@@ -18,15 +18,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from luwu.gpu_workers import global_round
 from luwu.gpu_workers.client import WorkerClient
+from luwu.gpu_workers.grad_marks import GradMarks
 from luwu.gpu_workers.grad_views import bucket_buffers, copy_in
+from luwu.gpu_workers.metrics import StepReport
 from luwu.gpu_workers.segments import gather, scatter
 from luwu.protocol.codecs import get_codec, has_nonfinite
 from luwu.protocol.errors import LayoutMismatchError, LuwuError, StepMismatchError
@@ -36,25 +38,6 @@ from luwu.protocol.messages import PULL_ACK, Op
 from luwu.gpu_workers.pool import BufferPool
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StepReport:
-    """What one step found out: whether the nodes skipped it and the gradient norm (the same on every
-    worker), and how long this worker waited for the nodes."""
-
-    step: int
-    skipped: bool = False
-    grad_norm: float | None = None
-    """Norm of the unscaled averaged gradient (only with the two-phase round: clipping or AMP)."""
-    push_wait_s: float = 0.0
-    """Seconds waited for the partial gradient norms (two-phase round)."""
-    update_wait_s: float = 0.0
-    """Seconds waited for the new weights (writing them in excluded)."""
-    delayed: bool = False
-    """The step's delayed buckets land a step late (delayed update past its warm-up)."""
-    fetch_wait_s: float = 0.0
-    """Streaming mode: seconds forward and backward waited for streamed units' weights this step."""
 
 
 @dataclass(slots=True)
@@ -134,13 +117,16 @@ class Worker:
         self._pending: int | None = None  # delayed update: the step whose delayed buckets' weights are still to come
         self._lock, self._write_lock = threading.Lock(), threading.Lock()
         self.two_phase = two_phase  # gradient norms and found-inf decided across all shards before the update
+        self.grad_marks = GradMarks(self)  # each gradient as it was copied out: a later change is refused at step()
+        self._round: tuple[int, tuple[bool, float, float]] | None = None  # (step, the global round's result) when run before step()
 
     # ----------------------------------------------------------------- start-up
-    def connect(self, step: int = 0) -> list[dict]:
+    def connect(self, step: int = 0, resume: bool = False) -> list[dict]:
         """HELLO every node; rank 0 seeds uninitialized buckets; everyone pulls the current weights.
-        ``step``: the job's step when a layout is extended (add_param_group) mid-training. A model
+        ``step``: the job's step when a layout is extended (add_param_group) mid-training. ``resume``: continue
+        from the step the nodes hold (without it, nodes holding the job past step 0 refuse). A model
         started on the meta device is initialized here, one unit at a time (``self.initialize``)."""
-        welcomes = self.hello(step)
+        welcomes = self.hello(step, resume)
         versions, todo = {}, set()
         for n, w in enumerate(welcomes):
             versions.update({int(k): v for k, v in w["versions"].items()})
@@ -153,6 +139,9 @@ class Worker:
                 self.send_init(bid)
         self.pull_all()
         self.step_num = min(versions.values(), default=0)
+        if resume and step == 0:  # (not when add_param_group extends the layout mid-training)
+            said = f"resumes from step {self.step_num}: the nodes' weights and optimizer state go on" if self.step_num else "starts fresh: the nodes hold no step"
+            (log.warning if self.step_num else log.info)("worker %d: job %r %s (resume=True)", self.rank, self.client.job, said)
         return welcomes
 
     def send_init(self, bid: int) -> None:
@@ -173,6 +162,8 @@ class Worker:
             self.defer.reset()
         self._pending = None
         self.last_error = None
+        self._round = None
+        self.grad_marks.clear()
         for buf in self.bufs:
             buf.filled, buf.pushed_step, buf.partials = set(), -1, 0
         for bid in [b.bucket.id for b in self.bufs if b.bucket.id in self.streamed and b.grads]:
@@ -181,7 +172,7 @@ class Worker:
             self.on_reset()
         if self._feedback is not None:
             self._feedback.reset()
-        welcomes = self.hello(self.step_num)
+        welcomes = self.hello(self.step_num, resume=True)
         if rollback_to is not None:
             for n in range(self.layout.num_nodes):
                 self.client.send(n, {"op": Op.ROLLBACK, "step": rollback_to, "detail": {"boot": boot}})
@@ -192,12 +183,14 @@ class Worker:
         self.pull_all()
         return self.step_num
 
-    def hello(self, step: int) -> list[dict]:
+    def hello(self, step: int, resume: bool = False) -> list[dict]:
+        """HELLO every node, wait for the WELCOMEs. ``resume``: go on from the nodes' step (resume=True, recover())."""
         for n in range(self.layout.num_nodes):
             mine = self.layout.buckets_of(n)
             self.client.send(n, {
                 "op": Op.HELLO, "step": step, "param_names": {s.param: s.name for b in mine for s in b.segments}, "world_size": self.world_size,
                 "layout": self.layout.hash, "node_index": n, "buckets": [b.to_wire() for b in mine], "optimizer": self.optimizer, "mode": self.mode,
+                "resume": resume,
             })
         keys = [(Op.WELCOME, n, None, -1) for n in range(self.layout.num_nodes)]
         welcomes = [m.header for m in self.client.wait(keys, self.client.cfg.connect_timeout_s, what="WELCOME", errors_of=(Op.HELLO,))]
@@ -269,6 +262,8 @@ class Worker:
                     full.append(buf)
         if self.views is not None and not partial:
             self.views.adopt(param)  # the bucket's slice becomes .grad: autograd's tensor is freed now
+        if not partial:
+            self.grad_marks.note(param, self.params[param].grad)
         for buf in full:
             self._push(buf, self._parity(buf.bucket.id), (), partial=partial)
 
@@ -329,6 +324,7 @@ class Worker:
                         nograd.append(si)
                 else:
                     copy_in(view, grad.detach().reshape(-1).narrow(0, s.param_offset, s.numel))
+                    self.grad_marks.note(s.param, grad)
             self._push(buf, parity, tuple(nograd))
 
     def _push(self, buf: _BucketBuf, parity: int, nograd: tuple, partial: bool = False) -> None:
@@ -378,14 +374,14 @@ class Worker:
         the next one (those of the previous step land now); ``inv_scale``: 1 / the GradScaler's scale;
         ``max_norm``: clip by the global norm."""
         step = self.step_num
-        if self.views is not None:
-            self.views.check()
-        if self.defer is not None:  # what no forward waited for: written before finish() refills the buffers
-            self.defer.settle()
-        self.finish()
+        self.end_pushes()
         skipped, norm, push_wait = False, None, 0.0
-        if self.two_phase:
+        if self._round is not None and self._round[0] == step:  # clip_grad_norm_ ran the round already
+            skipped, norm, push_wait = self._round[1]
+        elif self.two_phase:
             skipped, norm, push_wait = self.global_round(step, inv_scale, max_norm)
+        self._round = None
+        self.grad_marks.clear()
         if delay:
             # the buckets not delayed (partial delay) land now, the delayed ones bring the last step's
             late, update_wait = self.wait(step, self._pending)
@@ -398,6 +394,27 @@ class Worker:
         self.step_num = step + 1
         return StepReport(step, skipped or late, norm, push_wait, update_wait, delay)
 
+    def end_pushes(self) -> None:
+        """Every gradient of the step leaves: refuse one changed after it was copied out, settle what the
+        last step still owes, push what the hooks did not (idempotent within a step)."""
+        self.grad_marks.check(self.step_num)
+        if self.views is not None:
+            self.views.check()
+        if self.defer is not None:  # what no forward waited for: written before finish() refills the buffers
+            self.defer.settle()
+        self.finish()
+
+    def clip_round(self, inv_scale: float, max_norm: float | None) -> tuple[bool, float]:
+        """The global round of the current step run before ``step()`` (``clip_grad_norm_``): push what is
+        left, gather the norm, COMMIT with the clip coefficient. Returns (nonfinite, grad norm); ``step()``
+        then only waits for the weights."""
+        step = self.step_num
+        if self._round is not None and self._round[0] == step:
+            raise StepMismatchError(f"step {step}: the gradients were clipped already this step (the nodes have the coefficient)", step=step)
+        self.end_pushes()
+        self._round = (step, self.global_round(step, inv_scale, max_norm))
+        return self._round[1][0], self._round[1][1]
+
     def synchronize(self) -> None:
         """Wait for the weights a delayed step or the per-layer waits still owe."""
         if self.defer is not None:
@@ -407,24 +424,8 @@ class Worker:
             self._pending = None
 
     def global_round(self, step: int, inv_scale: float, max_norm: float | None) -> tuple[bool, float, float]:
-        """Two-phase step: gather the partial norms, decide skip / clip coefficient alike on every worker,
-        and COMMIT. Returns (skipped, grad norm of the unscaled averaged gradient, seconds waited)."""
-        keys = [(Op.NORM, b.node, step, b.id) for b in self.layout.buckets]
-        t0 = time.perf_counter()
-        msgs = self.client.wait(keys, what="gradient norm")
-        waited = time.perf_counter() - t0
-        sq = math.fsum(m.header["sqnorm"] for m in msgs)
-        nonfinite = any(m.header["nonfinite"] for m in msgs)
-        norm = math.sqrt(sq) * inv_scale if not nonfinite else float("inf")
-        coef = inv_scale
-        if max_norm is not None and not nonfinite:
-            # torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (norm + 1e-6), clamped to 1
-            t = torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6)
-            coef = inv_scale * float(torch.clamp(t, max=1.0))
-        for n, bids in enumerate(self.node_buckets):
-            if bids:
-                self.client.send(n, {"op": Op.COMMIT, "step": step, "coef": float(coef), "skip": nonfinite, "buckets": bids})
-        return nonfinite, norm, waited
+        """Two-phase step (:func:`luwu.gpu_workers.global_round.run`): (skipped, grad norm, seconds waited)."""
+        return global_round.run(self.client, self.layout, self.node_buckets, step, inv_scale, max_norm)
 
     def wait(self, step: int | None, delayed_step: int | None) -> tuple[bool, float]:
         """Wait for the weights after ``step`` of the buckets not delayed and after ``delayed_step`` of

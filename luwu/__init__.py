@@ -20,11 +20,14 @@ _LAZY = {
     "local_cluster": "luwu.cluster",
     "LocalCluster": "luwu.cluster",
     "export_dcp": "luwu.model_io",
+    "save_checkpoint": "luwu.model_io",
+    "load_checkpoint": "luwu.model_io",
     "LuwuError": _ERRORS,
     "ConfigError": _ERRORS,
     "CorruptCheckpointError": _ERRORS,
     "ProtocolError": _ERRORS,
     "JobMismatchError": _ERRORS,
+    "JobExistsError": _ERRORS,
     "LayoutMismatchError": _ERRORS,
     "NodeTimeoutError": _ERRORS,
     "RemoteError": _ERRORS,
@@ -39,11 +42,12 @@ __all__ = [*_LAZY, "__version__"]
 if typing.TYPE_CHECKING:  # what type checkers and IDEs see; at run time these load on first use
     from luwu.cluster import LocalCluster, local_cluster
     from luwu.gpu_workers.prefetch import Prefetcher
-    from luwu.model_io import export_dcp
+    from luwu.model_io import export_dcp, load_checkpoint, save_checkpoint
     from luwu.optimizer import RemoteOptimizer
     from luwu.protocol.errors import (
         ConfigError,
         CorruptCheckpointError,
+        JobExistsError,
         JobMismatchError,
         LayoutMismatchError,
         LuwuError,

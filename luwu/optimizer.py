@@ -12,7 +12,7 @@ Settings come from the configuration tree (:mod:`luwu.config`), as for the
 node daemons: the hybrid compression policy is on by default, and
 ``compression=False`` sends fp32 both ways, bit-exact against ``torch.optim``.
 The worker (:class:`luwu.gpu_workers.worker.Worker`) runs each step and
-returns its :class:`~luwu.gpu_workers.worker.StepReport` (``last_report``),
+returns its :class:`~luwu.gpu_workers.metrics.StepReport` (``last_report``),
 from which the metrics are recorded.
 """
 
@@ -20,39 +20,33 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import inspect
 import logging
 import os
-import time
 import warnings
 
 import torch
 
-from luwu import optim_state
+from luwu import hyper as hyperparameters
+from luwu import model_io, optim_state
+from luwu.clipping import RoundPolicy
 from luwu.config import LuwuConfig, resolve_config
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers import grad_views, layer_waits, precision, streaming
-from luwu.gpu_workers.metrics import WorkerMetrics
-from luwu.gpu_workers.worker import StepReport, Worker
+from luwu.gpu_workers.metrics import StepReport, WorkerMetrics
+from luwu.gpu_workers.worker import Worker
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
 from luwu.protocol.memory import trim_heap
 from luwu.protocol.metrics import serve_metrics
-from luwu.protocol.feedback import WORKER_MOMENTUM
 from luwu.protocol.layout import ParamSpec, build_layout
-from luwu.switch_nodes.optimizers import EXTRA_HYPER, IMPLEMENTATION_SWITCHES, check_hyper, get_kind
+from luwu.switch_nodes.optimizers import EXTRA_HYPER, check_hyper, get_kind
 
 log = logging.getLogger(__name__)
 
 # GradScaler hands itself to optimizers that take a ``grad_scaler`` argument and warns that this will
 # change; LuWu needs the scaler to make the overflow decision global, so the warning is expected.
 warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
-
-
-def _num(v):
-    """A hyperparameter as it travels: tensors as floats, pairs (``betas``, ``etas``) as lists."""
-    if isinstance(v, (tuple, list)):
-        return [_num(x) for x in v]
-    return float(v.item()) if isinstance(v, torch.Tensor) else v
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -77,33 +71,44 @@ class RemoteOptimizer(torch.optim.Optimizer):
             ignored: the nodes choose their kernels.
         nodes: node addresses (``tcp://host:port``) or a comma-separated string (``cluster.nodes``; when
             none is configured, ``LUWU_NODES``).
-        rank, world_size: this worker's identity; default torchrun's ``RANK`` / ``WORLD_SIZE``.
-        job, capacities: ``cluster.job``, ``cluster.capacities`` (relative node capacities for the layout).
+        rank: this worker's rank; default torchrun's ``RANK``.
+        world_size: the number of workers (``cluster.world_size``); default torchrun's ``WORLD_SIZE``.
+        job: ``cluster.job``, the job id the nodes serve.
+        capacities: ``cluster.capacities``, relative node capacities for the layout.
         mode: ``node.mode``, the nodes' aggregation mode (``sync`` or ``async``).
         delayed_update: ZeRO-Offload's DPU: ``step()`` returns at once, the weights land at the next step.
         delayed_update_warmup: with ``delayed_update``, the steps (from 0) run in sync before the delay
-            starts, as ZeRO-Offload turns DPU on only after a warm-up: early gradients change the weights
-            the most, so applying them a step late costs the most there.
+            starts (ZeRO-Offload's DPU warm-up).
         delayed_params: with ``delayed_update``, delay only the parameters whose names match one of these
-            fnmatch patterns (a list, or a comma-separated string; None: all). The first layers' gradients
-            come last in backward and their weights are needed first in forward, so their round trip is
-            the tail of a sync step: delaying just them takes it off the critical path at a fraction of
-            full delay's cost in loss. The rest stays sync.
-        max_grad_norm: clip by the global norm of the averaged gradient across all shards.
-        layer_waits: ``optimizer.layer_waits`` (on by default): ``step()`` returns once the pushes are out and
-            each parameter waits for its new weights when it is next read, in the next forward when its layer
-            runs (:mod:`luwu.gpu_workers.layer_waits`).
-        amp: set when a ``torch.amp.GradScaler`` drives this optimizer (the overflow decision is global).
-        transport, bucket_bytes, timeout_s: the ``transport`` section, or two of its fields.
+            fnmatch patterns (a list, or a comma-separated string; None: all); the rest stays sync.
+        max_grad_norm: clip by the global norm of the averaged gradient across all shards, every step (or call
+            :meth:`clip_grad_norm_` after ``backward()``, as with FSDP).
+        layer_waits: ``optimizer.layer_waits`` (on by default): ``step()`` returns once the pushes are out and, in
+            the next forward, each module waits for its parameters' new weights when it runs (forward pre-hooks on
+            the model's modules, graph breaks under ``torch.compile``; :mod:`luwu.gpu_workers.layer_waits`). Needs
+            the model (``params`` a module): with tensors alone ``step()`` waits for every reply. A read of a
+            parameter outside a forward before its weights landed (an EMA, a copy) waits for them.
+        amp: True, or the ``torch.amp.GradScaler`` itself, when one drives this optimizer (the overflow decision is
+            global); the scaler itself lets :meth:`clip_grad_norm_` unscale the norm.
+        transport: the ``transport`` section (a ``TransportConfig``).
+        bucket_bytes: ``transport.bucket_bytes``.
+        timeout_s: ``transport.timeout_s``.
         compression: the hybrid codec policy (``compression`` section, on by default): a
             ``CompressionConfig``, or False for bit-exact fp32 both ways (True: the configured policy, on).
         registry: the Prometheus registry of the worker metrics (default: a new one).
-        metrics_port, metrics_host: serve ``/metrics`` on this port (0: any free one; None: not served)
-            of this host (``metrics.host``). ``metrics.port`` is the nodes' (``luwu up`` gives node i
-            port + i), so a worker serves its endpoint only when asked here.
-        stream_weights, stream_units, prefetch, init_weights: streaming mode (``optimizer.stream_*``, :mod:`luwu.gpu_workers.streaming`):
-            no weights of the units held between uses, each fetched before use. ``model``: the module the units are found in when
-            ``params`` are param groups or tensors of it (weight decay on matrices only, as GPT training does); else ``params`` is the model.
+        metrics_port: serve ``/metrics`` on this port (0: any free one; None: not served). ``metrics.port`` is
+            the nodes' (``luwu up`` gives node i port + i), so a worker serves its endpoint only when asked here.
+        metrics_host: the host it is served on (``metrics.host``).
+        stream_weights: streaming mode (``optimizer.stream_weights``, :mod:`luwu.gpu_workers.streaming`): no
+            weights of the units held between uses, each fetched before use.
+        stream_units: which modules are units (class names or name patterns; default: the largest
+            ModuleList's blocks).
+        prefetch: units fetched ahead (``optimizer.stream_prefetch``).
+        init_weights: a ``torch.save`` state dict (mmap) or DCP folder to start the units from.
+        model: the module the units are found in when ``params`` are param groups or tensors of it (weight
+            decay on matrices only, as GPT training does); else ``params`` is the model.
+        resume: ``optimizer.resume``: continue from the step the nodes hold, their weights and optimizer state (rewind the data to
+            ``worker.step_num``). Without it, nodes holding the job past step 0 with nobody training it refuse (JobExistsError).
     """
 
     _step_supports_amp_scaling = True
@@ -124,7 +129,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         delayed_params=None,
         max_grad_norm: float | None = None,
         layer_waits: bool | None = None,
-        amp: bool = False,
+        amp=False,
         transport: TransportConfig | None = None,
         compression=None,
         bucket_bytes: int | None = None,
@@ -134,6 +139,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         metrics_port: int | None = None,
         metrics_host: str | None = None,
         stream_weights: bool | None = None, stream_units=None, prefetch: int | None = None, init_weights: str | None = None, model=None,
+        resume: bool | None = None,
         **hyper,
     ):
         if optimizer is not None:
@@ -142,21 +148,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
             config, optimizer=optimizer, nodes=nodes, capacities=capacities, world_size=world_size, job=job, mode=mode,
             delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup, delayed_params=delayed_params,
             max_grad_norm=max_grad_norm, layer_waits=layer_waits, bucket_bytes=bucket_bytes, timeout_s=timeout_s, metrics_host=metrics_host,
-            transport=transport, compression=compression, stream_weights=stream_weights, prefetch=prefetch, stream_units=streaming.patterns_of(stream_units), init_weights=init_weights,
+            transport=transport, compression=compression, stream_weights=stream_weights, prefetch=prefetch, stream_units=streaming.patterns_of(stream_units), init_weights=init_weights, resume=resume,
         )
         self.config = cfg
         self.streamer, self._waits, (self._units, self._unit_of) = None, None, streaming.plan_units(params if model is None else model, stream_units, cfg.optimizer, model is not None)
         kind = get_kind(cfg.optimizer.name)
-        defaults = dict(kind.defaults)
-        for k, v in hyper.items():
-            if k == "differentiable" and v:
-                raise ConfigError("differentiable=True: a node's step runs outside autograd, nothing can differentiate through it")
-            if v is None or k in IMPLEMENTATION_SWITCHES:
-                continue
-            if k not in defaults:
-                raise ConfigError(f"{k}={v!r} does not apply to optimizer {kind.name!r} (its hyperparameters: {', '.join(defaults)})")
-            defaults[k] = v
+        keywords = [n for n, p in inspect.signature(RemoteOptimizer.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        defaults = hyperparameters.defaults_of(kind, hyper, keywords)
         names: dict[int, str] = {} if model is None else {id(p): n for n, p in model.named_parameters()}  # groups named by model=
+        self._model = params if isinstance(params, torch.nn.Module) else model  # (model_state_dict's keys)
         if isinstance(params, torch.nn.Module):
             named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
             names = {id(p): n for n, p in named}
@@ -171,6 +171,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.nodes = list(cfg.cluster.nodes)
         self.job = cfg.cluster.job
         self.amp = amp
+        self._round_policy = RoundPolicy(max_grad_norm=self.max_grad_norm, amp=amp, mode=cfg.node.mode, resume=cfg.optimizer.resume)
         self._flat_params()  # a pattern that matches no parameter fails here, before any thread or socket
         self._sync_grads = True
         self._hooks: list = []
@@ -180,10 +181,19 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if metrics_port is not None:
             self._http, port = serve_metrics(self.metrics.registry, cfg.metrics.host, metrics_port)
             self.metrics_url = f"http://{cfg.metrics.host}:{port}"
-        self.client = WorkerClient(self.nodes, job=self.job, rank=self.rank, cfg=cfg.transport)
-        self._build()
+        self._start()
         self.last_report: StepReport | None = None
         self._last_error: LuwuError | None = None
+
+    def _start(self) -> None:
+        """Connect to the nodes and join the job. A refused start holds no rank there: BYE to the nodes that
+        welcomed this worker before another refused it."""
+        self.client = WorkerClient(self.nodes, job=self.job, rank=self.rank, cfg=self.config.transport)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def from_config(cls, params, cfg: LuwuConfig, **kwargs) -> RemoteOptimizer:
@@ -248,10 +258,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
             feedback=feedback,
             hyper_of=self._hyper_of,
             momentum_correction=cc.enabled and cc.momentum_correction,
-            two_phase=self.max_grad_norm is not None or self.amp,
+            two_phase=False,  # (decided once connected: RoundPolicy)
             **streaming.worker_arguments(self.layout, self._units, self.config.optimizer, cc),
         )
-        self.worker.connect(step)
+        self.worker.connect(step, resume=self.config.optimizer.resume)
+        self.worker.two_phase = self._round_policy.wants_round(self.worker.step_num)  # (whether it starts the job with the others: known now)
         trim_heap()  # the start-up pull's replies, freed: not kept for reuse as a step's (a second model's worth)
         self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer, self.metrics)
         hold = self.config.optimizer.hold_replies
@@ -259,7 +270,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if self._hold_replies:  # from the first step on: as if the step before it had just begun
             self.client.release(step - 1)
         self._close_waits()
-        self._waits = layer_waits.attach(self.worker, self.config.optimizer)
+        self._waits = layer_waits.attach(self.worker, self.config.optimizer, self._model)
         grad_views.attach(self.worker, self.config.optimizer)
         for h in self._hooks:
             h.remove()
@@ -281,9 +292,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         return hook
 
     def _hyper_of(self, group: int) -> dict:
-        g = self.param_groups[group]
-        keys = self.kind.hyper_keys + tuple(k for k in EXTRA_HYPER[self.kind.name] if g.get(k) is not None)
-        return {k: _num(g[k]) for k in keys}
+        return hyperparameters.of_group(self.kind, self.param_groups[group])
 
     def _check_group(self, gi: int) -> None:
         """What the compression config asks of a param group: momentum correction needs an update linear
@@ -292,17 +301,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if not cc.enabled or not cc.momentum_correction:
             return
         try:
-            mode = self.config.node.mode
-            if mode != "sync":
-                raise ConfigError(f"compression.momentum_correction needs mode='sync', not {mode!r}")
-            h = self._hyper_of(gi) | {WORKER_MOMENTUM: cc.topk_density}
-            check_hyper(self.kind, h)
-            freeze = h.get("variance_freeze_step")
-            if freeze is not None and freeze > cc.warmup_steps:
-                raise ConfigError(
-                    f"variance_freeze_step = {freeze} is after compression.warmup_steps = {cc.warmup_steps}: with momentum correction "
-                    f"the variance must be frozen when the top-k steps start"
-                )
+            hyperparameters.check_momentum_correction(self.kind, self._hyper_of(gi), cc, self.config.node.mode)
         except ConfigError as exc:
             raise ConfigError(f"param group {gi}: {exc}") from None
 
@@ -359,10 +358,16 @@ class RemoteOptimizer(torch.optim.Optimizer):
         optim_state.store(self.worker, flats, self._state_names())
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Copies of the current weights by parameter name (streaming mode: fetched), for models that fit."""
+        """Copies of the current weights (streaming mode: fetched), for models that fit: with the model known
+        (``params`` a module, or ``model=``) exactly ``model.state_dict()``'s keys, buffers and every name of a
+        tied parameter included, so ``model.load_state_dict(opt.model_state_dict())`` works; else by
+        parameter name."""
         self.synchronize()
         with streaming.gathered(self.streamer):
-            return {s.name: p.detach().clone() for p, s in zip(*self._flat_params())}
+            params, specs = self._flat_params()
+            if self._model is None:
+                return {s.name: p.detach().clone() for p, s in zip(params, specs)}
+            return model_io.state_dict_copy(self._model)
 
     # ----------------------------------------------------------------- step
     def recover(self) -> int:
@@ -394,7 +399,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
                 loss = closure()
         inv_scale = 1.0
         if grad_scaler is not None:
-            if not self.worker.two_phase:
+            if not self.amp:
                 raise ConfigError("a GradScaler drives this optimizer: construct RemoteOptimizer(..., amp=True) so the overflow decision is made globally")
             inv_scale = 1.0 / float(grad_scaler.get_scale())
         if self._hold_replies:  # the nodes may send this step's weights now
@@ -406,8 +411,35 @@ class RemoteOptimizer(torch.optim.Optimizer):
             state = grad_scaler._per_optimizer_states[id(self)]
             state["found_inf_per_device"] = {torch.device("cpu"): torch.full((), float(report.skipped))}
         self.last_report = report
+        self._round_policy.stepped = True
+        self.worker.two_phase = self._round_policy.wants_round(self.worker.step_num)
         self._record(report)
         return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+        """Clip the averaged gradient by its global norm on the nodes, as ``torch.nn.utils.clip_grad_norm_``
+        does locally (FSDP's ``model.clip_grad_norm_``): call it after ``backward()`` and before ``step()``.
+        Returns the total 2-norm of the averaged gradient (unscaled with ``amp=scaler``), the same on every
+        worker. ``torch.nn.utils.clip_grad_norm_`` cannot work here: the gradients left for the nodes during
+        backward, and changing them afterwards is refused at ``step()``.
+
+        Call it from the first step on (every step, or with ``max_norm=float("inf")`` on steps that should not
+        clip): the first step's gradients wait for it on the nodes, and once it is called every step does.
+        ``foreach`` is accepted for torch's signature and ignored."""
+        step = self.worker.step_num
+        inv_scale = self._round_policy.inv_scale_for_clip(step, self.worker.two_phase, max_norm, norm_type)
+        try:
+            nonfinite, norm = self.worker.clip_round(inv_scale, float(max_norm))
+        except LuwuError as exc:
+            self._last_error = exc
+            raise
+        if nonfinite and error_if_nonfinite:
+            raise RuntimeError(
+                f"The total norm of order 2.0 for gradients from `parameters` is non-finite at step {step}, so it cannot be "
+                f"clipped (the nodes skip the step). To disable this error and scale the gradients by the non-finite norm "
+                f"anyway, set `error_if_nonfinite=False`"
+            )
+        return torch.tensor(norm, dtype=torch.float32)
 
     def _delaying(self, step: int) -> bool:
         """Whether ``step``'s weights land a step late (delayed update, past its warm-up)."""
@@ -416,32 +448,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _record(self, report: StepReport) -> None:
         """Per-step metrics: counters from the I/O thread's totals, the step-time breakdown from the report."""
-        m, c = self.metrics, self.client
-        now = time.perf_counter()
-        sent, recv = c.bytes_sent, c.bytes_received
-        prev = getattr(self, "_last_totals", (0, 0, None))
-        m.bytes_pushed.inc(sent - prev[0])
-        m.bytes_pulled.inc(recv - prev[1])
-        raw = sum(b.numel for b in self.layout.buckets) * 4
-        m.raw_pushed.inc(raw)
-        m.raw_pulled.inc(raw)
-        if sent > prev[0]:
-            m.compression_ratio.set(raw / (sent - prev[0]))
-        m.steps.inc()
-        if report.skipped:
-            m.skipped.inc()
         pf = getattr(self, "_prefetcher", None)
-        data_wait = pf.last_wait_s if pf is not None else 0.0
-        if pf is not None:
-            m.data_wait.observe(data_wait)
-        m.push_wait.observe(report.push_wait_s)
-        m.update_wait.observe(report.update_wait_s)
-        m.staleness.set(1 if report.delayed else 0)
-        if prev[2] is not None:
-            step_s = now - prev[2]
-            m.step_seconds.observe(step_s)
-            m.compute.observe(max(0.0, step_s - report.push_wait_s - report.update_wait_s - data_wait))
-        self._last_totals = (sent, recv, now)
+        raw = sum(b.numel for b in self.layout.buckets) * 4
+        self.metrics.record_step(report, self.client.bytes_sent, self.client.bytes_received, raw, pf.last_wait_s if pf is not None else None)
 
     def attach_prefetcher(self, prefetcher) -> None:
         """Report the seconds each step waited for data (``luwu_worker_data_wait_seconds``) from a Prefetcher."""
@@ -460,16 +469,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.worker.synchronize()
 
     def _close_waits(self) -> None:
-        """Write the replies the last step still owes (a dead node: give up after a few seconds, named)."""
+        """Write the replies the last step still owes (a dead node: give up after a few seconds, named) and
+        remove the per-layer waits' hooks from the model."""
         waits, self._waits = getattr(self, "_waits", None), None
-        if waits is not None and waits.owed:
-            try:
-                waits.settle(timeout_s=min(5.0, self.config.transport.timeout_s))
-            except LuwuError as exc:
-                log.warning("rank %d: the weights of the last step did not all arrive before close (%s)", self.rank, exc)
-            waits.reset()
+        if waits is not None:
+            waits.close(timeout_s=min(5.0, self.config.transport.timeout_s))
 
     def close(self) -> None:
+        """Stop, and say BYE to the nodes: this rank is free there at once (a script that never closes is closed at exit)."""
         self.streamer = streaming.stop(getattr(self, "streamer", None))
         self._close_waits()
         for h in self._hooks:

@@ -83,7 +83,8 @@ class Aggregation:
             self._check_same_nograd(b, h, acc, nograd)
         else:
             check_momentum_steps(b.kind, hyper, b.steps, ahead=step - b.version)
-            acc.nograd, acc.hyper, acc.two_phase = nograd, hyper, h["two_phase"]
+            acc.nograd, acc.hyper = nograd, hyper
+        acc.two_phase = acc.two_phase or bool(h["two_phase"])  # one worker asking for the global round gets it (a worker's first step asks, in case it clips)
         members = self.node.members
         b.add_push(acc, codec, msg.tensors(), h["cmeta"], len(members), partial=bool(h.get("partial")))
         self._count_push(b, h)

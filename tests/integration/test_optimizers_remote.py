@@ -133,7 +133,7 @@ def test_optimizers_the_nodes_cannot_run_are_refused_in_the_constructor(name, wh
 @pytest.mark.timeout(60)
 def test_hyperparameters_are_the_optimizers_own():
     model, _ = model_and_data()
-    with pytest.raises(ConfigError, match=r"momentum=0.9 does not apply to optimizer 'adagrad' \(its hyperparameters: lr, lr_decay"):
+    with pytest.raises(ConfigError, match=r"momentum=0.9 is not a RemoteOptimizer keyword nor a hyperparameter of optimizer 'adagrad' \(its hyperparameters: lr, lr_decay"):
         luwu.RemoteOptimizer(model, "adagrad", nodes=["tcp://127.0.0.1:9"], momentum=0.9)
     with pytest.raises(ConfigError, match="param group 0: invalid rho value: 2.0"):
         luwu.RemoteOptimizer(model, "adadelta", nodes=["tcp://127.0.0.1:9"], rho=2.0)

@@ -39,6 +39,7 @@ DEFAULTS = {
     "inject_inf": None,
     "resilient": False,
     "step_sleep": 0.0,
+    "clip_call": None,  # call opt.clip_grad_norm_(clip_call) after backward (torch's clip_grad_norm_ in the reference)
 }
 
 
@@ -90,8 +91,9 @@ def loss_fn(model, x, y):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
-def reference(spec) -> tuple[list[torch.Tensor], list[float]]:
-    """The same training in one process with the torch optimizer on the concatenated batch."""
+def reference(spec, norms: list | None = None) -> tuple[list[torch.Tensor], list[float]]:
+    """The same training in one process with the torch optimizer on the concatenated batch (``norms``:
+    filled with what torch's clip_grad_norm_ returned at each step)."""
     spec = DEFAULTS | spec
     ws = spec["world_size"]
     model = make_model(spec)
@@ -109,6 +111,12 @@ def reference(spec) -> tuple[list[torch.Tensor], list[float]]:
             (scaler.scale(loss) if scaler is not None else loss).backward()
         if spec["inject_inf"] is not None and spec["inject_inf"][1] == step:
             next(model.parameters()).grad.view(-1)[0] = float("inf")
+        if spec["clip_call"] is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip_call"])
+            if norms is not None:
+                norms.append(float(norm))
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -146,6 +154,7 @@ def main(path: str) -> None:
         from luwu.protocol.policy import CompressionConfig
 
         compression = CompressionConfig(**spec["compression"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if spec["amp"] else None
     opt = luwu.RemoteOptimizer(
         model,
         spec["optimizer"],
@@ -158,12 +167,11 @@ def main(path: str) -> None:
         mode=spec["mode"],
         compression=compression,
         job=spec.get("job", "luwu"),
-        amp=spec["amp"],
+        amp=scaler if scaler is not None and spec["clip_call"] is not None else spec["amp"],
         **spec["hyper"],
     )
     sched = make_scheduler(spec, opt)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if spec["amp"] else None
-    losses, scales, evals = [], [], []
+    losses, scales, evals, norms = [], [], [], []
     b, k = spec["batch"], spec["accumulate"]
 
     def one_step(step: int) -> None:
@@ -180,6 +188,8 @@ def main(path: str) -> None:
                 (scaler.scale(loss) if scaler else loss).backward()
             if hook is not None:
                 hook.remove()
+        if spec["clip_call"] is not None:
+            norms.append(float(opt.clip_grad_norm_(spec["clip_call"])))
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -210,7 +220,7 @@ def main(path: str) -> None:
         if spec["step_sleep"]:
             time.sleep(spec["step_sleep"])
     opt.synchronize()
-    result = {"recoveries": recoveries, "params": [p.detach().clone() for p in model.parameters()], "losses": losses, "scales": scales, "eval_loss": statistics.median(evals) if evals else None, "evals": evals}
+    result = {"recoveries": recoveries, "params": [p.detach().clone() for p in model.parameters()], "losses": losses, "scales": scales, "norms": norms, "eval_loss": statistics.median(evals) if evals else None, "evals": evals}
     torch.save(result, f"{spec['out']}.rank{rank}")
     opt.close()
 
