@@ -3,12 +3,16 @@
 The fuzzer, the checks and the cluster set-up are those of tests/integration/test_hostile_input.py
 (:func:`fuzz_during_training`): a 2-node local cluster checkpointing every 10 steps, a legitimate
 2-worker training (tests/workers/train.py, AdamW), and once both workers are connected, mutated copies
-of valid messages of every op plus random garbage from three DEALER sockets per node. Each reply is
+of valid messages of every op plus random garbage (and headers nested up to msgpack's depth limit and
+past it) from three DEALER sockets per node. Each reply is
 checked against what a node owes a stranger (ERROR, or STATS to a STATS; a message past a stranger's
 limits, such as the 1-4 MiB ``big`` ones: every earlier message answered, then the connection
 closed, "disconnected as owed"); at the end the training is
 compared with the undisturbed single-process reference (over 400 steps: with the same job trained
-undisturbed by LuWu, bit for bit).
+undisturbed by LuWu, bit for bit). Beside the messages (``SideAttacks``), each round raw ZMTP
+connections send PINGs without reading the PONGs (each must be cut) and one client keeps 100
+connections per node holding unfinished messages, past the nodes' node.peers_total_bytes (idle
+holders are cut); the counts go into the JSON and the table.
 
 Two configurations are run, each a fresh cluster and training:
 
@@ -25,6 +29,8 @@ every ``--rss-every`` messages (the curve goes into the JSON and, every tenth po
 The long run of issue 19 (1,000,000 messages, a connection every 10):
 
     python3 benchmarks/fuzz_node.py --messages 1000000 --reconnect-every 10 --steps 30000 --only all --name fuzz_node_1m
+
+(``--no-side-attacks``: the messages alone, as before the side attacks existed.)
 
 The training outlasts the fuzzing there (a rank whose worker has been gone for ``worker_timeout_s`` may be
 claimed again, rightly, which the checks would count as a wrong reply), and with more than 400 steps it
@@ -51,7 +57,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "integration")]
 
 import torch  # noqa: E402
 from common import LoadMonitor, machine_info, md_table, write_results  # noqa: E402
-from test_hostile_input import SPEC, Fuzzer, fuzz_during_training, rss_bound  # noqa: E402
+from test_hostile_input import NODE_ARGS, SPEC, Fuzzer, fuzz_during_training, rss_bound  # noqa: E402
 
 CONFIGS = {
     "all": {"allow_rank_hello": True, "categories": dict(Fuzzer.CATEGORIES)},
@@ -59,7 +65,7 @@ CONFIGS = {
 }
 
 
-def study(name: str, num_messages: int, steps: int, seed: int, reconnect_every: int = 0, rss_every: int = 10_000) -> dict:
+def study(name: str, num_messages: int, steps: int, seed: int, reconnect_every: int = 0, rss_every: int = 10_000, side_attacks: bool = True) -> dict:
     cfg = CONFIGS[name]
     spec = dict(SPEC, steps=steps)
     t0 = time.monotonic()
@@ -77,6 +83,7 @@ def study(name: str, num_messages: int, steps: int, seed: int, reconnect_every: 
             rss_curve=curve,
             progress_every=rss_every,
             against_luwu=steps > 400,
+            side_attacks=side_attacks,
         )
     rep = res.report
     mib = lambda xs: [round(x / (1 << 20), 1) for x in xs]  # noqa: E731
@@ -114,6 +121,7 @@ def study(name: str, num_messages: int, steps: int, seed: int, reconnect_every: 
         "max_abs_diff": res.max_abs_diff,
         "training_s": round(res.training_s, 1),
         "total_s": round(time.monotonic() - t0, 1),
+        "side_attacks": res.side,
     }
 
 
@@ -131,6 +139,7 @@ def main() -> None:
     ap.add_argument("--reconnect-every", type=int, default=0, help="a fresh fuzzer connection after this many messages (0: never)")
     ap.add_argument("--rss-every", type=int, default=10_000, help="sample the nodes' RSS every this many messages")
     ap.add_argument("--name", default="fuzz_node", help="results stem (default fuzz_node)")
+    ap.add_argument("--no-side-attacks", action="store_true", help="no PING and connection floods beside the messages")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -139,8 +148,8 @@ def main() -> None:
     with LoadMonitor() as load:
         for name in [args.only] if args.only else list(CONFIGS):
             print(f"{name}: {n} messages, {args.steps} training steps", flush=True)
-            rows.append(study(name, n, args.steps, args.seed, args.reconnect_every, args.rss_every))
-    cols = ["config", "messages", "connections", "ERROR replies", "STATS replies", "disconnected as owed", "no reply", "unsolicited", "wrong replies", "internal errors", "during training", "nodes up", "RSS warm MiB", "RSS end MiB", "RSS peak MiB", "training equal", "msg/s"]
+            rows.append(study(name, n, args.steps, args.seed, args.reconnect_every, args.rss_every, not args.no_side_attacks))
+    cols = ["config", "messages", "connections", "ERROR replies", "STATS replies", "disconnected as owed", "no reply", "unsolicited", "wrong replies", "internal errors", "during training", "nodes up", "RSS warm MiB", "RSS end MiB", "RSS peak MiB", "training equal", "unread PINGs cut", "holders cut", "msg/s"]
     table = [
         {
             "config": r["config"],
@@ -159,6 +168,8 @@ def main() -> None:
             "RSS end MiB": " / ".join(map(str, r["node_rss_end_mib"])),
             "RSS peak MiB": " / ".join(map(str, r["node_rss_peak_mib"])),
             "training equal": "NO (failed)" if r["training_error"] else yes_no(r["training_equal"]),
+            "unread PINGs cut": f"{r['side_attacks'].get('ping_peers_cut', 0)} / {r['side_attacks'].get('ping_peers', 0)}" if r["side_attacks"] else "-",
+            "holders cut": f"{r['side_attacks'].get('holders_cut', 0)} / {r['side_attacks'].get('holders', 0)}" if r["side_attacks"] else "-",
             "msg/s": r["messages_per_s"],
         }
         for r in rows
@@ -179,7 +190,7 @@ def main() -> None:
                    f"({'held at every point' if r['rss_curve_bounded'] else 'EXCEEDED'}; {len(r['rss_curve'])} points in the JSON):", "",
                    md_table([{"messages": p["sent"], "seconds": p["s"], "node 0": p["node_rss_mib"][0], "node 1": p["node_rss_mib"][1]} for p in points],
                             ["messages", "seconds", "node 0", "node 1"]), ""]
-    md.append(f"Nodes: 2, checkpoint every 10 steps; training: 2 workers, {args.steps} steps of AdamW on the test MLP; fuzzer: 3 DEALER sockets per node, at most 32 unanswered each"
+    md.append(f"Nodes: 2, checkpoint every 10 steps, {' '.join(NODE_ARGS)}; training: 2 workers, {args.steps} steps of AdamW on the test MLP; fuzzer: 3 DEALER sockets per node, at most 32 unanswered each"
               + (f", each replaced by a fresh connection after {args.reconnect_every} messages." if args.reconnect_every else "."))
     md.append(f"RSS bound checked: end and peak < 2 x RSS after 500 warm-up messages + 64 MiB. {load.line()}")
     result = {"messages": n, "steps": args.steps, "seed": args.seed, "reconnect_every": args.reconnect_every, "rows": rows, "machine": machine_info(), "load": load.info()}

@@ -2,10 +2,13 @@
 
 A key set is one key pair for the nodes, one per worker rank and one for the
 operator's tools (``luwu status``/``top``); the nodes authorize the worker keys
-(in rank order) and the operator key after them. ``luwu keys``, ``luwu up`` and
-the deploy recipes write it as files that only their owner can read:
+in rank order (``node.curve_authorized_keys``: the i-th may only be rank i, on
+one connection at a time) and the operator key as a monitor's
+(``node.curve_monitor_keys``: it asks STATS, holds little, never trains).
+``luwu keys``, ``luwu up`` and the deploy recipes write it as files that only
+their owner can read:
 
-    node.toml       [node] keys: the node's pair and the authorized public keys
+    node.toml       [node] keys: the node's pair, the workers' and the monitor's public keys
     node.env        the same as LUWU_NODE__* variables (for scripts, systemd, k8s)
     worker<r>.toml  [transport] keys of rank r (plus the cluster's settings when given)
     monitor.toml    [transport] keys of the operator's tools
@@ -137,8 +140,13 @@ class KeySet:
         return cls(node=node or pair(), workers=[pair() for _ in range(num_workers)], monitor=pair())
 
     def node_settings(self) -> dict:
-        """The [node] keys: the node's pair and every authorized public key (workers, then the monitor)."""
-        return {"curve_public_key": self.node[0], "curve_secret_key": self.node[1], "curve_authorized_keys": [w[0] for w in self.workers] + [self.monitor[0]]}
+        """The [node] keys: the node's pair, the workers' public keys (in rank order) and the monitor's."""
+        return {
+            "curve_public_key": self.node[0],
+            "curve_secret_key": self.node[1],
+            "curve_authorized_keys": [w[0] for w in self.workers],
+            "curve_monitor_keys": [self.monitor[0]],
+        }
 
     def node_env(self) -> dict[str, str]:
         """The node's settings as LUWU_NODE__* variables (lists comma-separated)."""

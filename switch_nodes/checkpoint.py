@@ -5,8 +5,11 @@ File layout (``node<index>-step<step>.ckpt``)::
     b"LUWUCKP1" | u64 header length | JSON header | raw fp32 tensors | sha256 of all before it
 
 Written to a temporary file, fsynced, renamed over, and the directory fsynced,
-so a crash leaves either the old or the new file. A file whose checksum does
-not match is skipped (and reported), and the previous checkpoint is used.
+so a crash leaves either the old or the new file. A file that cannot be read
+whole (its checksum does not match, its header is not what a node writes, or
+reading it raises anything at all, such as a header nested past the
+interpreter's recursion limit) is corrupt: it is skipped (and reported), and
+the previous checkpoint is used.
 """
 
 from __future__ import annotations
@@ -94,6 +97,16 @@ class CheckpointStore:
         return final
 
     def load(self, path: Path) -> Checkpoint:
+        """The checkpoint in ``path``; raises :class:`CorruptCheckpointError` for a file that cannot be read
+        whole, whatever goes wrong while reading it (``OSError``: the file could not be opened or read)."""
+        try:
+            return self._load(path)
+        except (CorruptCheckpointError, OSError):
+            raise
+        except Exception as exc:  # a crafted or damaged header: RecursionError, MemoryError, OverflowError...
+            raise CorruptCheckpointError(f"{path}: unreadable ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+    def _load(self, path: Path) -> Checkpoint:
         size = path.stat().st_size
         with open(path, "rb") as fh:
             if fh.read(8) != MAGIC:
@@ -141,8 +154,9 @@ class CheckpointStore:
         if 4 * sum(numels) != data_bytes:
             raise CorruptCheckpointError(f"{path}: header describes {4 * sum(numels)} bytes of tensors, the file holds {data_bytes}")
 
-    def latest(self, at_step: int | None = None) -> Checkpoint | None:
-        """The newest valid checkpoint (at exactly ``at_step`` if given); corrupt ones are skipped."""
+    def candidates(self, at_step: int | None = None):
+        """The checkpoints that read whole, newest first (at exactly ``at_step`` if given); corrupt ones are
+        skipped and logged. A caller that cannot use one takes the next."""
         for step, path in reversed(self.list()):
             if at_step is not None and step != at_step:
                 continue
@@ -151,6 +165,15 @@ class CheckpointStore:
             except (CorruptCheckpointError, OSError) as exc:
                 log.error("skipping checkpoint %s: %s", path, exc)
                 continue
-            self.last_step, self.last_time = step, path.stat().st_mtime
+            yield ckpt
+
+    def used(self, ckpt: Checkpoint) -> None:
+        """``ckpt`` is the state the node holds now (the last checkpoint's step and time)."""
+        self.last_step, self.last_time = int(ckpt.path.stem.split("step")[1]), ckpt.path.stat().st_mtime
+
+    def latest(self, at_step: int | None = None) -> Checkpoint | None:
+        """The newest valid checkpoint (at exactly ``at_step`` if given); corrupt ones are skipped."""
+        for ckpt in self.candidates(at_step):
+            self.used(ckpt)
             return ckpt
         return None

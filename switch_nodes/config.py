@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from luwu.protocol.errors import ConfigError
@@ -9,6 +10,8 @@ from luwu.protocol.errors import ConfigError
 MODES = ("sync", "async")
 WORKER_POLICIES = ("strict", "elastic")
 LISTENERS = ("auto", "zmtp", "libzmq")
+MIN_JOIN_SECRET = 32
+"""Characters a join secret has at least: 128 bits written as hex (``secrets.token_hex(16)``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,7 +47,24 @@ class NodeConfig:
     being read and the complete ones waiting); past it the node reads no more from it until served.
     0: max_message_bytes + 1 MiB."""
     stranger_bytes: int = 256 * 1024
-    """zmtp: the same for a connection that has not said HELLO (at least 65 KiB: a HELLO fits)."""
+    """zmtp: the same for a connection that has not said HELLO (at least 65 KiB: a HELLO fits), and for a
+    monitor key (curve_monitor_keys) always."""
+    peers_total_bytes: int = 0
+    """zmtp: the most all connections together hold (what peer_bytes and stranger_bytes bound per
+    connection); past it a peer's read waits until messages are served, and when nothing is being served
+    a holder of an unfinished message idle for a second is disconnected, largest first (named in the log),
+    else the largest waiting message alone reads on until whole. 0: a quarter of this machine's physical memory,
+    at most 32 GiB and at least two workers' peer_bytes: the rest is the shard's and the page cache's, and
+    32 GiB is 128 messages of 256 MiB in flight, more than one node's pipeline serves at once (reads wait
+    beyond it, nothing is lost)."""
+    control_reply_bytes: int = 1024 * 1024
+    """zmtp: the most a worker may leave unread of the replies that carry no weights (PONGs to its
+    heartbeats, ERRORs, STATS, WELCOME, the handshake's); past it the node disconnects it and names it in
+    the log once. Replies with weights are bounded by rcvhwm, and a worker that leaves them unsent for
+    worker_timeout_s / 4 is lost. At least 65 KiB (a 64 KiB header fits)."""
+    stranger_reply_bytes: int = 128 * 1024
+    """zmtp: the same for a connection that has not said HELLO, and a monitor key: small, a tool reads its
+    answers."""
     max_message_frames: int = 64
     """zmtp: the most frames one message may have (a header and its payload frames)."""
     max_connections: int = 1024
@@ -77,9 +97,14 @@ class NodeConfig:
     """Z85 CURVE secret key of the node."""
     curve_authorized_keys: list[str] = field(default_factory=list)
     """Z85 public keys of the workers allowed in; any other client is refused at the handshake."""
+    curve_monitor_keys: list[str] = field(default_factory=list)
+    """Z85 public keys of tools (luwu status, luwu top) allowed in to ask STATS: they hold at most stranger_bytes
+    and never say HELLO (`luwu keys` writes the monitor's here)."""
     curve_keys_by_rank: bool = True
-    """With CURVE: the i-th of curve_authorized_keys may only say HELLO as worker rank i (keys past the workers',
-    such as luwu status's, cannot say HELLO at all); `luwu keys` and `luwu up` write the keys in this order."""
+    """With CURVE: the i-th of curve_authorized_keys may only say HELLO as worker rank i, holds one connection at
+    a time (a newer one replaces it: a worker's reconnect), and keys past the job's world size (such as a
+    luwu status key listed after the workers') are monitor keys; `luwu keys` and `luwu up` write the keys in
+    this order. Off: any listed key may be any rank, on any number of connections."""
     insecure_public_bind: bool = False
     """Allow binding a non-loopback address without CURVE keys (trusted networks only)."""
     inflight_bytes: int = 2 * 1024 * 1024 * 1024
@@ -101,6 +126,17 @@ class NodeConfig:
         """node.peer_bytes, 0 resolved."""
         return self.peer_bytes or self.max_message_bytes + (1 << 20)
 
+    @property
+    def peers_total_budget(self) -> int:
+        """node.peers_total_bytes, 0 resolved (see its docstring)."""
+        if self.peers_total_bytes:
+            return self.peers_total_bytes
+        try:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            memory = 1 << 40
+        return max(min(memory // 4, 32 << 30), 2 * self.peer_budget)
+
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"node.bind must be a ZeroMQ address like tcp://127.0.0.1:0, got {self.bind!r}")
@@ -120,8 +156,14 @@ class NodeConfig:
             raise ConfigError("node.listener = 'zmtp' binds tcp:// or ipc:// addresses, not inproc://")
         if self.join_secret and (not self.uses_zmtp or self.curve_secret_key):
             raise ConfigError("node.join_secret is checked by the zmtp listener without CURVE: with CURVE keys, the authorized keys do this (leave it empty)")
-        if self.stranger_bytes < 65 * 1024:
-            raise ConfigError(f"node.stranger_bytes must be >= 66560 (a HELLO header of 64 KiB fits), got {self.stranger_bytes}")
+        if self.join_secret and len(self.join_secret) < MIN_JOIN_SECRET:
+            raise ConfigError(f"node.join_secret has {len(self.join_secret)} characters, at least {MIN_JOIN_SECRET} are needed (128 bits as hex): "
+                              "make one with `python -c 'import secrets; print(secrets.token_hex(16))'` (`luwu up` makes one by itself)")
+        for name in ("stranger_bytes", "control_reply_bytes", "stranger_reply_bytes"):
+            if getattr(self, name) < 65 * 1024:
+                raise ConfigError(f"node.{name} must be >= 66560 (a header of 64 KiB fits), got {getattr(self, name)}")
+        if self.peers_total_bytes and self.peers_total_bytes < self.peer_budget:
+            raise ConfigError(f"node.peers_total_bytes = {self.peers_total_bytes} cannot hold one worker's message (node.peer_bytes resolves to {self.peer_budget}): raise it or set 0")
         if self.peer_bytes and self.peer_bytes < self.max_message_bytes + 65 * 1024 + 64 * self.max_message_frames:
             raise ConfigError(f"node.peer_bytes = {self.peer_bytes} cannot hold one message of node.max_message_bytes = {self.max_message_bytes}: raise it or set 0")
         if bool(self.curve_public_key) != bool(self.curve_secret_key):

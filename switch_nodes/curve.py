@@ -4,10 +4,11 @@ Workers keep their libzmq DEALER sockets with CURVE keys; the node does the hand
 encryption itself, so that its own framing (:mod:`.zmtp`) bounds what an authenticated peer may hold
 per message, as it does without CURVE. The handshake proves, in this order:
 
-- HELLO (200 bytes): the client knows the node's public key (a box to it opens);
+- HELLO (200 bytes, its 72 bytes of padding zeros): the client knows the node's public key (a box to
+  it opens);
 - WELCOME: the node's short-term key and a cookie, boxed to the client's short-term key;
 - INITIATE: the cookie comes back, and a vouch boxed by the client's long-term key binds that key to
-  this connection; the key must be one of ``node.curve_authorized_keys``;
+  this connection; the key must be one of ``node.curve_authorized_keys`` or ``node.curve_monitor_keys``;
 - READY: metadata, boxed with the connection's key.
 
 After it every ZMTP frame is a MESSAGE: ``"\\x07MESSAGE"``, an 8-octet nonce that grows by one per
@@ -48,12 +49,13 @@ class CurveError(Refused):
 
 
 class CurveKeys:
-    """The node's long-term key pair and the client keys it lets in (z85 strings, as configured)."""
+    """The node's long-term key pair and the client keys it lets in (z85 strings, as configured): the
+    workers' and the monitors' (what each may do is the node's to say, not the handshake's)."""
 
-    def __init__(self, public: str, secret: str, authorized: list[str]) -> None:
+    def __init__(self, public: str, secret: str, authorized: list[str], monitors: list[str] = ()) -> None:
         self.public = zmq.utils.z85.decode(public.encode())
         self.secret = zmq.utils.z85.decode(secret.encode())
-        self.authorized = {zmq.utils.z85.decode(k.encode()): k for k in authorized}
+        self.authorized = {zmq.utils.z85.decode(k.encode()): k for k in [*authorized, *monitors]}
 
 
 def _open(box: bytes, nonce: bytes, pk: bytes, sk: bytes, what: str) -> bytes:
@@ -89,6 +91,8 @@ class CurveSession:
             raise CurveError(f"a CURVE HELLO of {len(hello)} bytes (expected {HELLO_BYTES})")
         if hello[6:8] != b"\x01\x00":
             raise CurveError(f"CURVE version {hello[6]}.{hello[7]} (this node speaks 1.0)")
+        if hello[8:80] != bytes(72):
+            raise CurveError("a HELLO whose padding is not zeros (rfc 26: its anti-amplification padding must be)")
         self.client_short, short = hello[80:112], hello[112:120]
         if _open(hello[120:200], b"CurveZMQHELLO---" + short, self.client_short, self.keys.secret, "HELLO (wrong server key?)") != bytes(64):
             raise CurveError("a HELLO whose signature box is not zeros")

@@ -5,7 +5,9 @@ step until all have reached it, so one file holds one step), on CHECKPOINT and
 on shutdown; it restores the newest valid checkpoint when it starts. Workers
 of a restarted node are told to roll back (RollbackError with the step and the
 node's boot id); ROLLBACK then brings every other node to the same checkpoint,
-once per (step, boot). STATE gets or sets a bucket's weights and optimizer
+once per (step, boot). At start-up a checkpoint that cannot be read or
+restored, whatever the reason, is skipped and the next older one is tried: one
+file never stops a node. STATE gets or sets a bucket's weights and optimizer
 state (``state_dict`` / ``load_state_dict``). Everything touching the shard
 runs on the optimizer thread.
 """
@@ -41,13 +43,26 @@ class Durability:
 
     # ----------------------------------------------------------------- checkpoints
     def restore_latest(self) -> None:
-        """At start: restore the newest valid checkpoint, if any."""
+        """At start: restore the newest checkpoint that reads and restores whole; one that does not (any
+        exception but another job's checkpoint, which is the operator's to fix) is skipped, logged, and the
+        next older one tried."""
         node = self.node
-        ckpt = node.ckpt.latest() if node.ckpt is not None else None
-        if ckpt is not None:
-            self.restore(ckpt)
-            self.restored_step = ckpt.meta["step"]
+        if node.ckpt is None:
+            return
+        for ckpt in node.ckpt.candidates():
+            try:
+                self.restore(ckpt)
+            except ConfigError:
+                raise
+            except Exception as exc:
+                node.metrics.errors.labels("checkpoint_corrupt").inc()
+                log.error("node %s: skipping checkpoint %s: it cannot be restored (%s: %s); trying the next older one",
+                          node.index, ckpt.path, type(exc).__name__, str(exc)[:300])
+                continue
+            node.ckpt.used(ckpt)
+            self.restored_step = node.step
             log.warning("node %s restored step %d from %s", node.index, self.restored_step, ckpt.path)
+            return
 
     def write_checkpoint(self) -> None:
         """Runs on the optimizer thread (nothing else touches the shard meanwhile)."""
@@ -70,25 +85,53 @@ class Durability:
         log.info("node %s wrote checkpoint of step %d: %s", node.index, meta["step"], path)
 
     def restore(self, ckpt: Checkpoint) -> None:
-        """Replace the job's buckets by the checkpoint's (on the optimizer thread, or before serving)."""
+        """Replace the job's buckets by the checkpoint's (on the optimizer thread, or before serving). Every
+        field is checked and the buckets are built before the node changes: a checkpoint that does not
+        describe a job this node can hold raises and leaves the node as it was."""
         node, m = self.node, ckpt.meta
+        if not isinstance(m, dict):
+            raise ProtocolError(f"checkpoint {ckpt.path}: its header is a {type(m).__name__}, not a table")
         if m["job"] != node.job:
             raise ConfigError(f"checkpoint {ckpt.path} belongs to job {m['job']!r}, this node serves {node.job!r}")
-        node.kind = get_kind(m["optimizer"])
-        node.layout_hash, node.world_size = m["layout"], m["world_size"]
-        node.param_names = {int(k): v for k, v in m.get("param_names", {}).items()}
-        node.members = set(range(node.world_size))
-        node.buckets = {}
-        node.replies.reset()
+        try:
+            kind = get_kind(m["optimizer"])
+        except ConfigError as exc:  # (only another job's checkpoint is the operator's to fix)
+            raise ProtocolError(f"checkpoint {ckpt.path}: {exc}") from None
+        world, layout = m["world_size"], m["layout"]
+        if type(world) is not int or not 1 <= world <= node.cfg.max_world_size or not isinstance(layout, str):
+            raise ProtocolError(f"checkpoint {ckpt.path}: world size {str(world)[:40]} / layout {str(layout)[:40]} are not a job's")
+        names = {int(k): v for k, v in m.get("param_names", {}).items()}
+        if not all(isinstance(v, str) for v in names.values()):
+            raise ProtocolError(f"checkpoint {ckpt.path}: parameter names that are not strings")
+        buckets = {}
         for saved in m["buckets"]:
-            spec = Bucket.from_wire(saved["spec"])
-            b = BucketState(spec.id, spec.group, spec.numel, list(spec.segments), node.kind, node.accumulators)
-            b.load(ckpt.tensors[spec.id])
-            b.version, b.initialized = saved["version"], saved["initialized"]
-            node.buckets[spec.id] = b
-            node.replies.add(spec.id)
+            b = self._bucket(ckpt, saved, kind)
+            if b.id in buckets:
+                raise ProtocolError(f"checkpoint {ckpt.path}: bucket {b.id} twice")
+            buckets[b.id] = b
+        node.kind, node.layout_hash, node.world_size, node.param_names = kind, layout, world, names
+        node.members = set(range(world))
+        node.buckets = buckets
+        node.replies.reset()
+        for bid in buckets:
+            node.replies.add(bid)
         node.metrics.step.set(node.step)
-        node.metrics.checkpoint_step.set(m["step"])
+        node.metrics.checkpoint_step.set(node.step)
+
+    def _bucket(self, ckpt: Checkpoint, saved: dict, kind) -> BucketState:
+        """One saved bucket, checked against its tensors before anything of its size is allocated."""
+        spec = Bucket.from_wire(saved["spec"])
+        ts = ckpt.tensors[saved["id"]]
+        version, initialized = saved["version"], saved["initialized"]
+        sizes = [t.numel() for t in ts]
+        if saved["id"] != spec.id or sizes != [spec.numel] * (len(sizes) - 1) + [len(spec.segments)] or len(sizes) < 2:
+            raise ProtocolError(f"checkpoint {ckpt.path}: bucket {spec.id}'s tensors ({sizes[:6]}) do not match its spec")
+        if type(version) is not int or version < 0 or type(initialized) is not bool:
+            raise ProtocolError(f"checkpoint {ckpt.path}: bucket {spec.id} has version {str(version)[:40]}, initialized {str(initialized)[:40]}")
+        b = BucketState(spec.id, spec.group, spec.numel, list(spec.segments), kind, self.node.accumulators)
+        b.load(ts)
+        b.version, b.initialized = version, initialized
+        return b
 
     async def park_for_checkpoint(self, b: BucketState, step: int) -> bool:
         """A periodic checkpoint is due at ``step``: hold this bucket's step (True) until every bucket

@@ -5,6 +5,11 @@ send in turn. Here one thread owns the writes (what libzmq's I/O thread does for
 ``sendmsg`` calls release the GIL, so the loop goes on reading and dispatching meanwhile. Each peer's
 socket is a duplicate of the loop's (the loop only reads it); a message is done once its last byte is in
 the kernel, and its frames may be reused from then on.
+
+Each peer's queue keeps two accounts the event loop reads without a lock: what its unsent messages cost
+(:meth:`Sender.unsent`: a reply budget bounds it, so a peer that does not read cannot grow the queue) and
+how long its queue has made no progress (:meth:`Sender.stalled_s`: a worker whose replies stay unsent is
+not reading, whatever reads for it).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 __all__ = ["Sender", "Sent"]
@@ -43,16 +49,21 @@ class Sent:
 
 
 class _Out:
-    """One peer's socket and queue: [parts still to send, Sent or None, seal or None, priority or None, fixed],
-    or ``None`` for the end of writing. ``fixed``: its bytes (or, sealed, its nonces) are on their way: it
-    keeps its place. ``unsorted``: a message with a priority came since the queue was last ordered."""
+    """One peer's socket and queue: [parts still to send, Sent or None, seal or None, priority or None, fixed,
+    cost], or ``None`` for the end of writing. ``fixed``: its bytes (or, sealed, its nonces) are on their way:
+    it keeps its place. ``unsorted``: a message with a priority came since the queue was last ordered.
+    ``owed`` (written by the loop's thread only) and ``paid`` (by the sending thread only): the costs of the
+    messages queued and of those sent whole. ``moved_at``: when the queue last made progress, or got a
+    message while empty."""
 
-    __slots__ = ("sock", "queue", "blocked", "dead", "unsorted")
+    __slots__ = ("sock", "queue", "blocked", "dead", "unsorted", "owed", "paid", "moved_at")
 
     def __init__(self, fd: int) -> None:
         self.sock = socket.socket(fileno=os.dup(fd))
         self.queue: collections.deque = collections.deque()
         self.blocked = self.dead = self.unsorted = False
+        self.owed = self.paid = 0
+        self.moved_at = time.monotonic()
 
 
 class Sender:
@@ -77,19 +88,23 @@ class Sender:
         with self._lock:
             self._outs[key] = _Out(fd)
 
-    def put(self, key: bytes, parts: list, sent: Sent | None = None, seal: Callable[[list], list] | None = None, priority=None) -> bool:
+    def put(self, key: bytes, parts: list, sent: Sent | None = None, seal: Callable[[list], list] | None = None, priority=None, cost: int = 0) -> bool:
         """Queue ``parts`` (bytes / memoryviews, untouched until ``sent`` is done) for ``key``; False if gone.
         ``seal``: ``parts`` are a message's frames, turned into what goes out by ``seal(parts)`` on this
         thread, right before they are sent (CURVE: nonces in the order of the wire). ``priority``: among
         the messages with one queued one after another and not yet on their way, the lowest goes first
-        (a message without one keeps its place: nothing overtakes it or falls behind it)."""
+        (a message without one keeps its place: nothing overtakes it or falls behind it). ``cost``: what
+        the message counts in :meth:`unsent` until it is sent whole."""
         with self._lock:
             out = self._outs.get(key)
             if out is None or out.dead:
                 if sent is not None:
                     sent.event.set()
                 return False
-            out.queue.append([parts if seal else _views(parts), sent, seal, priority, False])
+            if not out.queue:
+                out.moved_at = time.monotonic()
+            out.queue.append([parts if seal else _views(parts), sent, seal, priority, False, cost])
+            out.owed += cost
             out.unsorted |= priority is not None
         self._wake()
         return True
@@ -105,6 +120,19 @@ class Sender:
     def queued(self, key: bytes) -> int:
         out = self._outs.get(key)
         return 0 if out is None else len(out.queue)
+
+    def unsent(self, key: bytes) -> int:
+        """The cost (``put``'s) of ``key``'s messages not yet sent whole (0 once it is gone)."""
+        out = self._outs.get(key)
+        return 0 if out is None or out.dead else out.owed - out.paid
+
+    def stalled_s(self, key: bytes) -> float:
+        """How long ``key`` has had messages queued with none of their bytes taken by the kernel (0: none
+        queued, or it is gone)."""
+        out = self._outs.get(key)
+        if out is None or out.dead or not out.queue:
+            return 0.0
+        return time.monotonic() - out.moved_at
 
     def drop(self, key: bytes) -> None:
         """The loop closed its side: close ours once the thread is not writing to it."""
@@ -195,6 +223,8 @@ class Sender:
             except OSError:
                 self._fail(out)
                 return
+            if n:
+                out.moved_at = time.monotonic()
             while q and q[0] is not None:  # what went out: whole messages are done, a part is cut
                 parts, sent = q[0][0], q[0][1]
                 while n and parts:
@@ -205,7 +235,7 @@ class Sender:
                         parts[0], n = parts[0][n:], 0
                 if parts:
                     break
-                q.popleft()
+                out.paid += q.popleft()[5]
                 if sent is not None:
                     sent.event.set()
 

@@ -41,6 +41,7 @@ from luwu.switch_nodes.lines import READY_LINE
 from luwu.switch_nodes.listener import LibzmqListener, Listener, SendQueueFull
 from luwu.switch_nodes.membership import Membership
 from luwu.switch_nodes.metrics import NodeMetrics
+from luwu.switch_nodes.peer_roles import PeerRoles
 from luwu.switch_nodes.optimizers import OptimizerKind
 from luwu.switch_nodes.replies import ReplyBuffers, Replies
 from luwu.switch_nodes.store import AccumulatorPool, BucketState
@@ -82,6 +83,7 @@ class NodeServer:
         self._jobs: asyncio.Queue | None = None
         self._stop: asyncio.Event | None = None
         self.listener: Listener | None = None
+        self.roles = PeerRoles(self)  # who a connection is: what it may hold and leave unread, who may say HELLO
         self._full_told: set[bytes] = set()  # connections told of in the log for not reading
         self.ckpt = CheckpointStore(cfg.checkpoint_dir, cfg.index) if cfg.checkpoint_dir and cfg.index >= 0 else None
         self.accumulators = AccumulatorPool(cfg.inflight_bytes)  # shared by the buckets (luwu.switch_nodes.store)
@@ -118,24 +120,23 @@ class NodeServer:
             from luwu.switch_nodes.curve import CurveKeys
             from luwu.switch_nodes.zmtp import ZmtpListener
 
-            keys = CurveKeys(cfg.curve_public_key, cfg.curve_secret_key, cfg.curve_authorized_keys) if cfg.curve_secret_key else None
+            keys = CurveKeys(cfg.curve_public_key, cfg.curve_secret_key, cfg.curve_authorized_keys, cfg.curve_monitor_keys) if cfg.curve_secret_key else None
+            roles = self.roles
             self.listener = ZmtpListener(
-                cfg.bind, max_message_bytes=cfg.max_message_bytes, max_frames=cfg.max_message_frames, budget=self._budget, who=self.who,
-                max_connections=cfg.max_connections, sndhwm=cfg.rcvhwm, join_secret=cfg.join_secret, member=self._member, curve=keys,
+                cfg.bind, max_message_bytes=cfg.max_message_bytes, max_frames=cfg.max_message_frames, budget=roles.budget, who=self.who,
+                max_connections=cfg.max_connections, sndhwm=cfg.rcvhwm, join_secret=cfg.join_secret, member=roles.member, curve=keys,
+                reply_budget=roles.reply_budget, total_bytes=cfg.peers_total_budget, exclusive=roles.exclusive, replaced=roles.replaced,
+                stuck_s=cfg.worker_timeout_s / 4, on_stuck=roles.stuck,
             )
         else:
-            curve = (cfg.curve_public_key, cfg.curve_secret_key, cfg.curve_authorized_keys) if cfg.curve_secret_key else None
+            curve = (cfg.curve_public_key, cfg.curve_secret_key, [*cfg.curve_authorized_keys, *cfg.curve_monitor_keys]) if cfg.curve_secret_key else None
             self.listener = LibzmqListener(cfg.bind, max_message_bytes=cfg.max_message_bytes, hwm=cfg.rcvhwm, curve=curve)
         self.address = self.listener.address
         return self.address
 
     def _member(self, ident: bytes) -> bool:
-        """Said HELLO, or holds an authorized CURVE key (it proved it belongs to the job)."""
-        return ident in self.peers.values() or self.listener.peer_key(ident) is not None
-
-    def _budget(self, ident: bytes) -> int:
-        """What a connection may hold in the listener: a worker's budget once it said HELLO, else a stranger's."""
-        return self.cfg.peer_budget if self._member(ident) else self.cfg.stranger_bytes
+        """Said HELLO, or holds a worker's CURVE key (:class:`PeerRoles`)."""
+        return self.roles.member(ident)
 
     def who(self, ident: bytes) -> str:
         """A connection as a log line names it."""
@@ -218,6 +219,8 @@ class NodeServer:
                 await self._dispatch(ident, msg)
             except LuwuError as exc:
                 self._refuse(ident, body, exc)
+            except RecursionError:  # a header nested deeper than Python formats or walks: refused like any bad input
+                self._refuse(ident, body, ProtocolError("a header nested too deep to read (lists or maps within each other)"))
             except Exception as exc:  # a node never dies of a message
                 log.exception("internal error handling a message")
                 self._refuse(ident, body, ProtocolError(f"internal error: {type(exc).__name__}: {exc}"))
@@ -226,6 +229,8 @@ class NodeServer:
         op = msg.header["op"]
         if op not in _OPEN and ident not in self.peers.values():
             raise self._stranger_error(op)
+        if op == Op.HELLO:
+            self.roles.check_hello(ident)
         if op in _RANKED:
             self.membership.check_worker(ident, msg.header)
         handler = self._handlers.get(op)

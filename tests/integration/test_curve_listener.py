@@ -37,9 +37,13 @@ class CurvePeer(RawPeer):
     """A TCP connection that did the CurveZMQ handshake as a DEALER with the given client keys (z85), and
     sends whatever MESSAGE frames it is told (reading, closing: as :class:`RawPeer`)."""
 
-    def __init__(self, addr: str, server_public: str, public: str, secret: str, timeout_s: float = 10.0):
+    def __init__(self, addr: str, server_public: str, public: str, secret: str, timeout_s: float = 10.0, padding: bytes = bytes(72), rcvbuf: int = 0):
         host, port = addr.split("://", 1)[1].rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        self.sock = socket.socket()
+        if rcvbuf:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.settimeout(timeout_s)
+        self.sock.connect((host, int(port)))
         S = zmq.utils.z85.decode(server_public.encode())
         C, c = zmq.utils.z85.decode(public.encode()), zmq.utils.z85.decode(secret.encode())
         self.sock.sendall(b"\xff" + b"\x00" * 7 + b"\x01\x7f\x03\x01" + b"CURVE".ljust(20, b"\x00") + b"\x00" * 32)
@@ -48,7 +52,7 @@ class CurvePeer(RawPeer):
         short_pub, short_sec = nacl.crypto_box_keypair()
         self.nonce = 1
         n = self._nonce()
-        self.sock.sendall(command(b"HELLO", b"\x01\x00" + bytes(72) + short_pub + n + nacl.crypto_box(bytes(64), b"CurveZMQHELLO---" + n, S, short_sec)))
+        self.sock.sendall(command(b"HELLO", b"\x01\x00" + padding + short_pub + n + nacl.crypto_box(bytes(64), b"CurveZMQHELLO---" + n, S, short_sec)))
         name, body = self.recv_command()
         assert name == b"WELCOME", (name, body)
         plain = nacl.crypto_box_open(body[16:], b"WELCOME-" + body[:16], S, short_sec)
@@ -79,10 +83,10 @@ class CurvePeer(RawPeer):
         assert flags & 4, flags
         return data[1 : 1 + data[0]], data[1 + data[0] :]
 
-    def message_frame(self, data: bytes, more: bool = False, nonce: bytes | None = None) -> bytes:
-        """One MESSAGE carrying ``data`` (its ZMTP frame, header included)."""
+    def message_frame(self, data: bytes, more: bool = False, nonce: bytes | None = None, is_command: bool = False) -> bytes:
+        """One MESSAGE carrying ``data`` (its ZMTP frame, header included; ``is_command``: a command such as PING)."""
         n = nonce or self._nonce()
-        body = b"\x07MESSAGE" + n + nacl.crypto_box_afternm(bytes([1 if more else 0]) + data, b"CurveZMQMESSAGEC" + n, self.key)
+        body = b"\x07MESSAGE" + n + nacl.crypto_box_afternm(bytes([(1 if more else 0) | (2 if is_command else 0)]) + data, b"CurveZMQMESSAGEC" + n, self.key)
         return frame_head(len(body), False) + body
 
     def send_message(self, frames: list[bytes]) -> None:
@@ -205,8 +209,8 @@ def test_an_authenticated_peer_past_a_limit_is_disconnected_named_once_and_answe
 @pytest.mark.timeout(60)
 def test_the_handshake_lets_only_authorized_keys_in(served, keys, caplog):
     """A key the node does not list is answered ERROR 400 after INITIATE and closed; a client that does not
-    know the node's key (its HELLO does not open), a NULL peer, and a libzmq DEALER with an unlisted key are
-    closed at the handshake. Nothing of theirs reaches the node; the authorized key still gets in."""
+    know the node's key (its HELLO does not open), a HELLO whose padding is not zeros, a NULL peer, and a
+    libzmq DEALER with an unlisted key are closed at the handshake. Nothing of theirs reaches the node; the authorized key still gets in."""
     srv = served(curve=keys["keys"])
     caplog.set_level(logging.WARNING, logger="luwu.switch_nodes.zmtp")
     with pytest.raises(PermissionError, match="400"):
@@ -227,9 +231,12 @@ def test_the_handshake_lets_only_authorized_keys_in(served, keys, caplog):
     s.close(0)
     with pytest.raises(TimeoutError):
         srv.take(timeout_s=0.5)  # nothing reached the node
+    with pytest.raises(ConnectionError):
+        CurvePeer(srv.address, keys["server"][0], *keys["client"], padding=b"\x01" + bytes(71))  # rfc 26: the padding is zeros
     lines = " ".join(r.getMessage() for r in caplog.records)
     assert f"a CURVE key that is not authorized: {keys['stranger'][0]}" in lines
     assert "a HELLO (wrong server key?) that does not open" in lines and "security mechanism 'NULL'" in lines
+    assert "a HELLO whose padding is not zeros" in lines
     ok = curve_dealer(srv.address, keys["server"][0], keys["client"])
     ok.send_multipart([b"hi"])
     assert [bytes(f) for f in srv.take()[1]] == [b"hi"]
@@ -239,10 +246,11 @@ def test_the_handshake_lets_only_authorized_keys_in(served, keys, caplog):
 @pytest.mark.timeout(180)
 def test_an_authorized_flood_against_a_curve_node_holds_nothing_and_changes_nothing(tmp_path, capfd):
     """A real node with `luwu keys` (CURVE, the node's own listener: the default) while a worker trains:
-    peers holding an authorized key (luwu status's, which may not say HELLO) send unfinished messages
-    of 2 MiB frames without end, and 3000 empty frames. Each is cut off before its message holds more
-    than node.max_message_bytes (here 8 MiB; node.peer_bytes is 9 MiB) or 64 frames, and named once; node RSS stays within 24 MiB of what it was; the
-    training equals local AdamW."""
+    peers holding an authorized key (luwu status's: a monitor key, which may not say HELLO) send
+    unfinished messages of 2 MiB frames without end, and 3000 empty frames. Each is cut off before its
+    message holds more than a monitor key may hold (node.stranger_bytes, 256 KiB; a worker's key would
+    hold node.peer_bytes, here 9 MiB) or 64 frames, and named once; node RSS stays within 24 MiB of what
+    it was; the training equals local AdamW."""
     out = subprocess.run([sys.executable, "-m", "luwu", "keys", "--out", str(tmp_path / "keys"), "--workers", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     node = tomllib.loads((tmp_path / "keys" / "node.toml").read_text())["node"]
@@ -286,4 +294,4 @@ def test_an_authorized_flood_against_a_curve_node_holds_nothing_and_changes_noth
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
     named = [line for line in capfd.readouterr().err.splitlines() if "disconnecting" in line]
     assert len(named) == 4 and all(f"(CURVE key {monitor['curve_public_key']})" in line for line in named), named
-    assert sum("(at most 8388608)" in line for line in named) == 2 and sum("more than 64 frames" in line for line in named) == 2, named
+    assert sum("more than this peer may hold (262144)" in line for line in named) == 2 and sum("more than 64 frames" in line for line in named) == 2, named

@@ -5,6 +5,8 @@ workers use, claiming the workers' ranks too) and random garbage from several DE
 own. ROUTER identities are per connection, so it cannot be the workers; it can only say it is. Every
 node must answer each message (ERROR, or STATS to a STATS), by validation rather than by an internal
 error, stay up with bounded memory, and the training must end with the weights of an undisturbed run.
+Beside the messages, raw ZMTP connections (:class:`SideAttacks`) send PINGs without reading the PONGs
+and hold unfinished messages on many connections at once, past the nodes' node.peers_total_bytes.
 
 ``LUWU_FUZZ_MESSAGES`` sets the number of messages of the main test (default 8,000);
 ``benchmarks/fuzz_node.py`` runs the 100,000-message study with the same :func:`fuzz_during_training`.
@@ -12,9 +14,11 @@ error, stay up with bounded memory, and the training must end with the weights o
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
+import select
 import threading
 import time
 from collections import Counter, deque
@@ -26,6 +30,7 @@ import torch
 import zmq
 import zmq.utils.monitor
 from harness import assert_params_close, run_training, proc_status
+from raw_zmtp import PING, MiB, RawPeer, frame
 from workers.train import DEFAULTS, make_model, reference
 
 import luwu
@@ -35,11 +40,14 @@ from luwu.protocol.errors import ProtocolError
 from luwu.protocol.layout import ParamSpec, build_layout
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.config import NodeConfig
+from luwu.switch_nodes.zmtp_frames import frame_head
 
 JOB = "luwu"
 WORLD = 2
 SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 60, "batch": 8, "bucket_bytes": 1024, "timeout_s": 60.0}
 CHECKPOINT_EVERY = 10  # nodes checkpoint as in production, so ROLLBACK and CHECKPOINT have something to act on
+NODE_ARGS = ["--node.max_message_bytes", str(4 * MiB), "--node.peers_total_bytes", str(8 * MiB)]
+"""The fuzzed nodes' limits: a node-wide total small enough that the side attacks' holders pass it."""
 
 # -- node process and socket helpers ---------------------------------------------------------------
 
@@ -111,6 +119,8 @@ def templates(layout, node: int, optimizer: str = "adamw") -> dict[Op, tuple[dic
         Op.COMMIT: ({"coef": 1.0, "skip": False, "buckets": [x.id for x in mine]}, []),
         Op.ROLLBACK: ({}, []),
         Op.EXPORT: ({"path": "fuzz-export"}, [msgpack.packb({s.param: [s.numel] for x in mine for s in x.segments})]),
+        Op.BYE: ({}, []),
+        Op.IMPORT: ({"path": "fuzz-import"}, []),
     }
     return {op: ({"op": int(op), **common, **h}, p) for op, (h, p) in t.items()}
 
@@ -134,12 +144,14 @@ class Fuzzer:
     flips, truncation, extension of a packed valid header), ``push`` (PUSH with wrong sizes, codecs,
     buckets, steps, workers, hyperparameters), ``hello`` (HELLO with bad layouts, bucket specs, world
     sizes, node indexes, optimizers, modes), ``takeover`` (a well-formed HELLO or another op claiming
-    a training worker's rank), ``rollback`` (ROLLBACK to a checkpointed step) and ``big`` (payloads of
-1-4 MiB that do not match their header). With ``allow_rank_hello=False`` no message that decodes as a HELLO for
+    a training worker's rank), ``rollback`` (ROLLBACK to a checkpointed step), ``big`` (payloads of
+    1-4 MiB that do not match their header) and ``nested`` (headers nesting lists or maps up to msgpack's
+    depth limit and past it, in a field, around the header, or as a checkpoint's table of buckets). With
+    ``allow_rank_hello=False`` no message that decodes as a HELLO for
     a rank inside the world is sent (to study everything else while such a HELLO still hijacks ranks).
     """
 
-    CATEGORIES = {"garbage": 2, "msgpack": 2, "mutate": 6, "bytes": 3, "push": 4, "hello": 2, "takeover": 1, "rollback": 0.5, "big": 0.05}
+    CATEGORIES = {"garbage": 2, "msgpack": 2, "mutate": 6, "bytes": 3, "push": 4, "hello": 2, "takeover": 1, "rollback": 0.5, "big": 0.05, "nested": 0.5}
 
     def __init__(self, layout, node: int, seed: int, *, allow_rank_hello: bool = True, categories: dict | None = None):
         self.rng = random.Random(seed)
@@ -197,7 +209,7 @@ class Fuzzer:
     def _is_rank_hello(frames) -> bool:
         try:
             h = wire.decode(frames, job=JOB).header
-        except ProtocolError:
+        except (ProtocolError, RecursionError):
             return False
         return h["op"] == Op.HELLO and h["worker"] < WORLD
 
@@ -337,6 +349,18 @@ class Fuzzer:
         nbytes = r.choice([[size - 1], [size], [size, 16], [2**63 - 1]])
         return pack(h, [bytes(size)], nbytes)
 
+    def _nested(self):
+        r = self.rng
+        h, p = self.template()
+        head = pack(h, p)[0]
+        depth = r.choice([8, 100, 900, 990, 1000, 1023, 1024, 5000, 20000])
+        kind = r.randrange(4)
+        if kind == 3:  # the header itself inside lists
+            return [b"\x91" * depth + head, *p]
+        value = (b"\x91" * depth + b"\xc0", b"\x81\xa1k" * depth + b"\xc0", b"\x91\x82\xa2id\x00\xa6numels" + b"\x91" * depth + b"\x00")[kind]
+        key = r.choice(["detail", "param_names", "buckets", "cmeta", "hyper", "step", "names", "zz"])
+        return [with_field(head, key, value), *p]
+
     def _rollback(self):
         r = self.rng
         h, p = self.template(Op.ROLLBACK)
@@ -345,6 +369,97 @@ class Fuzzer:
         if r.random() < 0.8:
             h["detail"] = {"boot": r.choice(["", r.randbytes(6).hex(), 7, None])}
         return pack(h, p)
+
+
+def with_field(head: bytes, key: str, value: bytes) -> bytes:
+    """A packed msgpack map ``head`` with one more entry: ``key`` and the already packed ``value``."""
+    if 0x80 <= head[0] < 0x8F:
+        return bytes([head[0] + 1]) + head[1:] + msgpack.packb(key) + value
+    if head[0] == 0x8F:
+        return b"\xde\x00\x10" + head[1:] + msgpack.packb(key) + value
+    n = int.from_bytes(head[1:3], "big")
+    return b"\xde" + (n + 1).to_bytes(2, "big") + head[3:] + msgpack.packb(key) + value
+
+
+# -- beside the messages ---------------------------------------------------------------------------------
+
+
+class SideAttacks:
+    """Raw ZMTP connections beside the fuzzer's messages (:mod:`raw_zmtp`), in rounds until stopped (at
+    least ``rounds``). Each round, against each node: a connection sends 4 MiB of PINGs and never reads
+    the PONGs (it must be cut within 15 s), and one client keeps ``holders`` connections open, each
+    leaving a 240 KiB message unfinished: more than node.peers_total_bytes together, so holders idle for
+    a second are cut while others need room; each round counts the cut ones and opens new ones in their
+    place. ``stats`` counts what happened."""
+
+    def __init__(self, addrs: list[str], holders: int = 100, rounds: int = 2) -> None:
+        self.addrs, self.holders, self.rounds = addrs, holders, rounds
+        self.stats: Counter = Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="side-attacks", daemon=True)
+        head = msgpack.packb({"v": wire.VERSION, "op": int(Op.STATS), "job": JOB, "step": 0, "worker": 0, "nbytes": [240 * 1024]})
+        self._unfinished = frame(head, True) + frame_head(240 * 1024, True) + bytes(240 * 1024)
+
+    def __enter__(self) -> SideAttacks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(120)
+
+    def _run(self) -> None:
+        held: dict[str, list] = {a: [] for a in self.addrs}
+        try:
+            while self.stats["rounds"] < self.rounds or not self._stop.is_set():
+                for addr in self.addrs:
+                    self._pings(addr)
+                    held[addr] = self._hold(addr, held[addr])
+                self.stats["rounds"] += 1
+                self._stop.wait(1.0)
+        finally:
+            for peers in held.values():
+                self._cut(peers)
+                for p in peers:
+                    p.close()
+
+    def _pings(self, addr: str) -> None:
+        try:
+            p = RawPeer(addr, rcvbuf=4096)
+        except OSError:
+            self.stats["connect_errors"] += 1
+            return
+        threading.Thread(target=p.try_send, args=(PING * (4 * MiB // len(PING)),), daemon=True).start()
+        self.stats["ping_peers"] += 1
+        self.stats["ping_peers_cut" if p.cut_by_node(15) else "ping_peers_kept"] += 1
+        p.close()
+
+    def _hold(self, addr: str, held: list) -> list:
+        """The holders still open, topped up to ``holders`` (the cut ones counted and closed)."""
+        cut = self._cut(held)
+        for p in cut:
+            p.close()
+        held = [p for p in held if p not in cut]
+        while len(held) < self.holders:
+            try:
+                p = RawPeer(addr)
+            except OSError:
+                self.stats["connect_errors"] += 1
+                break
+            p.try_send(self._unfinished)
+            held.append(p)
+            self.stats["holders"] += 1
+        return held
+
+    def _cut(self, peers: list) -> list:
+        """Those of ``peers`` the node disconnected (counted)."""
+        poll = select.poll()
+        by_fd = {p.sock.fileno(): p for p in peers}
+        for fd in by_fd:
+            poll.register(fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        cut = [by_fd[fd] for fd, _ in poll.poll(0)]
+        self.stats["holders_cut"] += len(cut)
+        return cut
 
 
 # -- running it ---------------------------------------------------------------------------------------
@@ -386,7 +501,7 @@ def expected_reply(frames: list[bytes]) -> Op | None:
         return None
     try:
         h = wire.decode(frames, job=JOB).header
-    except ProtocolError:
+    except (ProtocolError, RecursionError):  # (a header nested too deep for Python to format)
         return Op.ERROR
     return Op.STATS if h["op"] == Op.STATS else Op.ERROR
 
@@ -556,6 +671,8 @@ class StudyResult:
     training_equal: bool | None
     max_abs_diff: float | None
     training_s: float
+    side: dict = field(default_factory=dict)
+    """What :class:`SideAttacks` counted (empty without them)."""
 
 
 def fuzz_during_training(
@@ -572,6 +689,7 @@ def fuzz_during_training(
     rss_curve: list | None = None,
     progress_every: int = 10_000,
     against_luwu: bool = False,
+    side_attacks: bool = True,
 ) -> StudyResult:
     """Start a 2-node cluster (checkpointing every CHECKPOINT_EVERY steps) and a 2-worker training; once
     both workers are connected, fuzz both nodes with ``num_messages`` messages (node RSS is taken after
@@ -579,10 +697,12 @@ def fuzz_during_training(
     see :func:`fuzz`; ``rss_curve``: gets (messages sent, seconds, [VmRSS of each node]) every
     ``progress_every`` messages. ``against_luwu``: compare with the same job trained undisturbed on a
     fresh cluster, bit for bit, instead of with torch (over thousands of steps the rounding of the
-    nodes' fused kernel and torch's drift apart by more than any tolerance; LuWu against itself does not)."""
+    nodes' fused kernel and torch's drift apart by more than any tolerance; LuWu against itself does not).
+    ``side_attacks``: :class:`SideAttacks` run during the messages after the warm-up; the nodes run with
+    NODE_ARGS."""
     spec = dict(SPEC if spec is None else spec)
     layout = job_layout(spec, 2)
-    ckpt = ["--node.checkpoint_dir", str(tmp_path / "ckpt"), "--node.checkpoint_every", str(CHECKPOINT_EVERY)]
+    ckpt = ["--node.checkpoint_dir", str(tmp_path / "ckpt"), "--node.checkpoint_every", str(CHECKPOINT_EVERY), *NODE_ARGS]
     with luwu.local_cluster(2, node_args=ckpt) as cluster:
         pids = [p.pid for p in cluster.procs]
         out: dict = {}
@@ -609,7 +729,9 @@ def fuzz_during_training(
         kw = {"training_alive": th.is_alive, "on_progress": progress, "reconnect_every": reconnect_every, "progress_every": progress_every}
         rep = fuzz(cluster.addresses, fuzzers, min(warmup_messages, num_messages), **kw)
         rss_warm = [proc_status(pid)["VmRSS"] for pid in pids]
-        rep = fuzz(cluster.addresses, fuzzers, num_messages, rep=rep, **kw)
+        side = SideAttacks(cluster.addresses) if side_attacks else contextlib.nullcontext()
+        with side:
+            rep = fuzz(cluster.addresses, fuzzers, num_messages, rep=rep, **kw)
         th.join(600)
         alive = [p.poll() is None for p in cluster.procs]
         status = [proc_status(pid) if a else {"VmRSS": 0, "VmHWM": 0} for pid, a in zip(pids, alive)]
@@ -628,7 +750,8 @@ def fuzz_during_training(
             equal = True
         except AssertionError:
             equal = False
-    return StudyResult(spec, rep, rss_warm, [s["VmRSS"] for s in status], [s["VmHWM"] for s in status], alive, stats_after, out.get("error"), equal, diff, out.get("seconds", 0.0))
+    side_stats = dict(side.stats) if side_attacks else {}
+    return StudyResult(spec, rep, rss_warm, [s["VmRSS"] for s in status], [s["VmHWM"] for s in status], alive, stats_after, out.get("error"), equal, diff, out.get("seconds", 0.0), side_stats)
 
 
 def reference_tolerance(steps: int) -> dict:
@@ -658,9 +781,12 @@ def assert_study(res: StudyResult, num_messages: int) -> None:
     assert rep.sent_during_training > 0, "the fuzzing did not overlap the training"
     assert res.training_error is None, res.training_error
     assert res.training_equal, f"training differs from the undisturbed reference by up to {res.max_abs_diff}"
-    assert all(s["workers"] == WORLD and s["step"] == res.spec["steps"] for s in res.stats_after), res.stats_after
+    assert all(s["step"] == res.spec["steps"] for s in res.stats_after), res.stats_after  # (the workers said BYE)
     for i, (w, e, h) in enumerate(zip(res.rss_warm, res.rss_end, res.hwm_end)):
         assert e < rss_bound(w) and h < rss_bound(w), f"node {i}: RSS {w >> 20} MiB after warm-up, {e >> 20} MiB at the end, peak {h >> 20} MiB"
+    if res.side:  # every peer that PINGs without reading was cut; holders past node.peers_total_bytes were cut
+        assert res.side["ping_peers"] > 0 and res.side.get("ping_peers_kept", 0) == 0, res.side
+        assert res.side.get("holders_cut", 0) > 0 and not res.side.get("connect_errors"), res.side
 
 
 # -- tests ----------------------------------------------------------------------------------------------

@@ -61,6 +61,20 @@ def test_split_and_redact_secret_flags():
     assert redact_args(["x", "--node.curve_secret_key=S1", "--node.curve_secret_key", "S2", "--node.mode=async"]) == ["x", "--node.curve_secret_key=<hidden>", "--node.curve_secret_key", "<hidden>", "--node.mode=async"]
 
 
+def test_a_join_secret_has_at_least_128_bits():
+    """A join secret chosen by hand is at least 32 characters (128 bits as hex), from any source; `luwu up`'s
+    own (32 characters of base64: 192 bits) passes."""
+    from secrets import token_hex, token_urlsafe
+
+    from luwu.protocol.errors import ConfigError
+
+    for env in ({"LUWU_NODE__JOIN_SECRET": "s3cr3t"}, {"LUWU_NODE__JOIN_SECRET": "a" * 31}):
+        with pytest.raises(ConfigError, match="at least 32 are needed"):
+            load_config(None, env=env)
+    for secret in (token_hex(16), token_urlsafe(24)):
+        assert load_config(None, env={"LUWU_NODE__JOIN_SECRET": secret}).node.join_secret == secret
+
+
 def test_keys_files_are_private_and_merge_a_cluster_file(tmp_path):
     cluster = tmp_path / "cluster.toml"
     cluster.write_text('[cluster]\njob = "k"\nnodes = ["tcp://10.0.0.1:5555"]\n[node]\ncheckpoint_dir = "ck"\n')
@@ -76,7 +90,9 @@ def test_keys_files_are_private_and_merge_a_cluster_file(tmp_path):
     w0, w1 = (load_config(str(out / f"worker{r}.toml"), env={}) for r in range(2))
     assert w0.cluster.nodes == ["tcp://10.0.0.1:5555"] and w0.node.checkpoint_dir == "ck", "the cluster file's settings are in"
     assert w0.transport.curve_server_key == node.curve_public_key and w0.transport.curve_public_key != w1.transport.curve_public_key
-    assert node.curve_authorized_keys[:2] == [w0.transport.curve_public_key, w1.transport.curve_public_key], "rank order"
+    assert node.curve_authorized_keys == [w0.transport.curve_public_key, w1.transport.curve_public_key], "rank order"
+    monitor = load_config(str(out / "monitor.toml"), env={}).transport.curve_public_key
+    assert node.curve_monitor_keys == [monitor] and [k.strip("'") for k in from_env.curve_monitor_keys] == [monitor], "the monitor's key has a role of its own"
     assert from_env.curve_public_key.strip("'") == node.curve_public_key
 
 

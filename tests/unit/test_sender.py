@@ -36,3 +36,32 @@ def test_queued_messages_with_a_priority_go_lowest_first_and_others_keep_their_p
         s.close()
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(30)
+def test_what_a_peer_leaves_unsent_and_for_how_long_is_known_until_it_reads():
+    """A peer that does not read: its queued messages' costs count until each is sent whole, and the time
+    its queue has not moved grows; once it reads, both are back to 0."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s = Sender()
+    try:
+        s.add(b"k", a.fileno())
+        s.put(b"k", [b"H" * (1 << 20)], cost=100)  # more than the socket takes
+        s.put(b"k", [b"<pong>"], cost=7)
+        time.sleep(0.5)
+        assert s.unsent(b"k") == 107 and s.stalled_s(b"k") >= 0.3
+        b.settimeout(10)
+        got = 0
+        while got < (1 << 20) + 6:
+            got += len(b.recv(1 << 20))
+        deadline = time.monotonic() + 5
+        while s.unsent(b"k") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert s.unsent(b"k") == 0 and s.stalled_s(b"k") == 0.0
+    finally:
+        s.close()
+        a.close()
+        b.close()

@@ -1,0 +1,111 @@
+"""Who a connection is to the node, and so what it may hold in the listener (:mod:`.zmtp`).
+
+- A **worker**: said HELLO as a rank, or (with CURVE) holds a worker's key: it may hold ``node.peer_bytes``
+  and leave ``node.control_reply_bytes`` of replies unread. With ``node.curve_keys_by_rank`` a worker key
+  holds one connection at a time: a newer one replaces it (a worker that reconnects before the node saw
+  its old connection end), and the rank the old one said HELLO as goes on with the new one.
+- A **monitor**: a key of ``node.curve_monitor_keys`` (``luwu status``, ``luwu top``), or with
+  ``node.curve_keys_by_rank`` an authorized key past the job's world size (the order `luwu up` lists the
+  monitor's key in): it asks STATS, holds what a stranger does, and its HELLO is refused.
+- A **stranger**: any other connection (NULL, with or without the join secret) that has not said HELLO:
+  ``node.stranger_bytes`` and ``node.stranger_reply_bytes``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from luwu.protocol.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from luwu.switch_nodes.server import NodeServer
+
+__all__ = ["PeerRoles"]
+
+log = logging.getLogger(__name__)
+
+
+class PeerRoles:
+    """The listener's callbacks about connections, read from the node's config and its members."""
+
+    def __init__(self, node: NodeServer) -> None:
+        self.node, self.cfg = node, node.cfg
+        self._monitors = set(node.cfg.curve_monitor_keys)
+        self._rank_of_key = {k: i for i, k in enumerate(node.cfg.curve_authorized_keys)}
+        self._told: set[str] = set()  # monitor keys named in the log for saying HELLO
+
+    def key(self, ident: bytes) -> str | None:
+        listener = self.node.listener
+        return listener.peer_key(ident) if listener is not None else None
+
+    def rank(self, ident: bytes) -> int | None:
+        """The worker rank ``ident`` said HELLO as (None: it did not)."""
+        return next((r for r, i in self.node.peers.items() if i == ident), None)
+
+    def is_monitor(self, key: str | None) -> bool:
+        if key is None:
+            return False
+        if key in self._monitors:
+            return True
+        index, world = self._rank_of_key.get(key), self.node.world_size
+        return (
+            self.cfg.curve_keys_by_rank
+            and index is not None
+            and world is not None
+            and index >= world
+        )
+
+    def member(self, ident: bytes) -> bool:
+        """Said HELLO, or holds a worker's CURVE key (it proved it belongs to the job)."""
+        if ident in self.node.peers.values():
+            return True
+        key = self.key(ident)
+        return key is not None and not self.is_monitor(key)
+
+    def budget(self, ident: bytes) -> int:
+        """What a connection may hold in the listener: a worker's budget, else a stranger's."""
+        return self.cfg.peer_budget if self.member(ident) else self.cfg.stranger_bytes
+
+    def reply_budget(self, ident: bytes) -> int:
+        """What a connection may leave unread of the replies without payload."""
+        return self.cfg.control_reply_bytes if self.member(ident) else self.cfg.stranger_reply_bytes
+
+    def exclusive(self, key: str) -> bool:
+        """A worker's key with node.curve_keys_by_rank: one connection at a time."""
+        return self.cfg.curve_keys_by_rank and key in self._rank_of_key and not self.is_monitor(key)
+
+    def replaced(self, old: bytes, new: bytes) -> None:
+        """A worker key's newer connection replaced ``old``: the rank ``old`` said HELLO as goes on with it."""
+        rank = self.rank(old)
+        if rank is not None:
+            self.node.peers[rank] = new
+            log.info(
+                "node %s: worker rank %d goes on with its key's new connection",
+                self.node.index,
+                rank,
+            )
+
+    def check_hello(self, ident: bytes) -> None:
+        """A monitor key never says HELLO (refused, named in the log once per key)."""
+        key = self.key(ident)
+        if not self.is_monitor(key):
+            return
+        if key not in self._told:
+            self._told.add(key)
+            log.warning(
+                "node %s: refusing HELLO from the monitor key %s (it may ask STATS, never train); said once per key",
+                self.node.index,
+                key,
+            )
+        raise ProtocolError(
+            f"HELLO with the CURVE key {key}, a monitor key (node.curve_monitor_keys, or listed past the job's world size with "
+            "node.curve_keys_by_rank): it may ask STATS, never say HELLO; train with a worker's key (luwu keys: keys/worker<rank>.toml)"
+        )
+
+    def stuck(self, ident: bytes) -> None:
+        """``ident``'s replies stayed unsent for worker_timeout_s / 4: a worker that does not read (its
+        other ranks are told, or it is dropped: :meth:`Membership.not_reading`)."""
+        rank = self.rank(ident)
+        if rank is not None:
+            self.node.not_reading({rank})
