@@ -20,7 +20,7 @@ from luwu.protocol.errors import ConfigError
 
 PER_NODE_KEYS = ("node.bind", "node.index", "metrics.port")
 """Settings that differ per node: never copied into a shared cluster file."""
-NODE_KEYS = ("node.curve_public_key", "node.curve_secret_key", "node.curve_authorized_keys")
+NODE_KEYS = ("node.curve_public_key", "node.curve_secret_key", "node.curve_authorized_keys", "node.curve_monitor_keys")
 """The nodes' own CURVE identity: a cluster file gets the public key as transport.curve_server_key."""
 CLIENT_KEYS = ("transport.curve_public_key", "transport.curve_secret_key", "transport.curve_server_key")
 """One client's CURVE identity: each worker has its own (luwu.keyset), never the shared file."""

@@ -49,9 +49,9 @@ from luwu.supervisor import NodeSpec, Plan
 from luwu.switch_nodes.lines import READY_LINE
 
 
-ENV_SETTINGS = ("node.curve_authorized_keys",)
+ENV_SETTINGS = ("node.curve_authorized_keys", "node.curve_monitor_keys")
 """Settings that reach the nodes through node.env even when given as flags: ``up`` adds the
-monitor's key to the list, and the environment ranks below the command line."""
+monitor's key to the monitor keys, and the environment ranks below the command line."""
 
 
 def plan_nodes(options, cfg, overrides: list[str]) -> list[NodeSpec]:
@@ -99,7 +99,8 @@ def node_secrets(options, cfg, overrides: list[str], nodes: list[NodeSpec]) -> t
     public = [n.bind for n in nodes if not is_loopback(n.bind)]
     if cfg.node.curve_secret_key:
         keys = KeySet.generate(0, node=(cfg.node.curve_public_key, cfg.node.curve_secret_key))
-        env["LUWU_NODE__CURVE_AUTHORIZED_KEYS"] = ",".join([*cfg.node.curve_authorized_keys, keys.monitor[0]])
+        env["LUWU_NODE__CURVE_AUTHORIZED_KEYS"] = ",".join(cfg.node.curve_authorized_keys)
+        env["LUWU_NODE__CURVE_MONITOR_KEYS"] = ",".join([*cfg.node.curve_monitor_keys, keys.monitor[0]])
     elif public:
         if cfg.node.insecure_public_bind:
             warnings.append(f"nodes bind {', '.join(public)} WITHOUT encryption (node.insecure_public_bind): anyone who reaches these ports can read the job's traffic (and its join secret)")

@@ -22,17 +22,22 @@ JOB = "lifecycle"
 WIDTH = 8
 
 
-def stats(addr: str) -> dict:
-    """The node's STATS, asked from a connection of its own."""
+def ask(addr: str, op: Op) -> dict:
+    """One message ``op`` from a connection of its own (as worker 0, without HELLO); the answer's header."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 5000)
     s.connect(addr)
     try:
-        s.send_multipart(wire.encode({"op": Op.STATS, "job": JOB, "step": 0, "worker": 0}))
-        return wire.decode(s.recv_multipart(), job=JOB).header["detail"]
+        s.send_multipart(wire.encode({"op": op, "job": JOB, "step": 0, "worker": 0}))
+        return wire.decode(s.recv_multipart(), job=JOB).header
     finally:
         s.close(0)
+
+
+def stats(addr: str) -> dict:
+    """The node's STATS, asked from a connection of its own."""
+    return ask(addr, Op.STATS)["detail"]
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -207,15 +212,7 @@ def test_bye_is_only_a_members_own():
             assert isinstance(answer, ProtocolError) and "did not say HELLO as this rank" in str(
                 answer
             ), answer
-            s = zmq.Context.instance().socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.RCVTIMEO, 5000)
-            s.connect(addr)
-            try:
-                s.send_multipart(wire.encode({"op": Op.BYE, "job": JOB, "step": 0, "worker": 0}))
-                reply = wire.decode(s.recv_multipart(), job=JOB).header
-            finally:
-                s.close(0)
+            reply = ask(addr, Op.BYE)
             assert reply["op"] == Op.ERROR and "did not say HELLO" in reply["message"], reply
             assert stats(addr)["workers"] == 2
             with pytest.raises(ProtocolError, match="worker rank 0 is held by a live connection"):

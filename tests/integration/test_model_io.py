@@ -131,3 +131,49 @@ def test_init_weights_are_checked_before_anything_starts(tmp_path):
         luwu.RemoteOptimizer(model, nodes=["tcp://127.0.0.1:9"], lr=0.01, stream_weights=True, rank=0, world_size=1, init_weights=str(tmp_path / "bad.pt"))
     with pytest.raises(luwu.ConfigError, match="does not exist"):
         luwu.RemoteOptimizer(model, nodes=["tcp://127.0.0.1:9"], lr=0.01, stream_weights=True, rank=0, world_size=1, init_weights=str(tmp_path / "none.pt"))
+
+
+class _TiedLM(torch.nn.Module):
+    """An embedding tied to the output head, and a buffer: model.state_dict() has both names of the tied
+    weight (named_parameters() one) and the buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.head = torch.nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.norm(self.emb(tokens)))
+
+
+@pytest.mark.timeout(60)
+def test_model_state_dict_has_the_models_keys_with_tied_weights(cluster1):
+    torch.manual_seed(0)
+    model = _TiedLM()
+    opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=0.01, compression=False)
+    try:
+        for step in range(2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(torch.arange(11)), torch.arange(11).roll(step + 1)).backward()
+            opt.step()
+        sd = opt.model_state_dict()
+        want = model.state_dict()
+        assert list(sd) == list(want)  # head.weight and the BatchNorm buffers included
+        assert sd["head.weight"] is sd["emb.weight"]  # one copy, tied as in the model
+        fresh = _TiedLM()
+        fresh.load_state_dict(sd)  # strict: every key
+        for k, v in want.items():
+            assert torch.equal(fresh.state_dict()[k], v), k
+    finally:
+        opt.close()
+
+
+def test_a_misspelt_keyword_is_told_the_closest_name():
+    """Refused in the constructor, before any connection (the address is never dialled)."""
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(luwu.ConfigError, match=r"stream_weight=True is not a RemoteOptimizer keyword.*did you mean 'stream_weights' \(a RemoteOptimizer keyword\)"):
+        luwu.RemoteOptimizer(model, "adamw", nodes=["tcp://127.0.0.1:9"], stream_weight=True)
+    with pytest.raises(luwu.ConfigError, match=r"did you mean 'weight_decay' \(a hyperparameter of 'adamw'\)"):
+        luwu.RemoteOptimizer(model, "adamw", nodes=["tcp://127.0.0.1:9"], weight_decy=0.1)
