@@ -108,7 +108,7 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
             if "hybrid" in kind:
                 from luwu.protocol.policy import CompressionConfig
 
-                compression = CompressionConfig(link_gbps=cfg["link_gbps"])
+                compression = CompressionConfig(link_gbps="auto" if "_auto" in kind else cfg["link_gbps"])  # (_auto: measured)
             opt = luwu.RemoteOptimizer(
                 model, "adamw", nodes=cfg["nodes"], rank=rank, world_size=world, job=cfg["job"], lr=LR, weight_decay=WD, delayed_update=kind.endswith("delayed"), compression=compression,
                 layer_waits=not kind.endswith("_stepwait"),

@@ -120,6 +120,7 @@ class WorkerClient:
         self._welcomed: set[int] = set()  # nodes that answered HELLO: told BYE on close
         self._reached = [False] * len(nodes)  # a connection to the node was made (TCP/IPC), since the start
         self._refused_since: list[float | None] = [None] * len(nodes)  # first failed attempt while never reached
+        self.node_bytes = [[0, 0] for _ in nodes]  # per node: payload bytes sent, received (luwu.gpu_workers.links)
         self._monitors: list[zmq.Socket | None] = []  # connection events of each socket, until first reached
         self._closed = False
         self.pid = os.getpid()
@@ -399,7 +400,9 @@ class WorkerClient:
                         break
                     frames = q[at][1]
                     del q[at]
-                    self.bytes_sent += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames[1:])
+                    n = sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames[1:])
+                    self.bytes_sent += n
+                    self.node_bytes[i][0] += n
                     last_sent[i] = time.monotonic()
                 else:
                     if i in waiting_out:
@@ -450,7 +453,9 @@ class WorkerClient:
             except LuwuError as exc:
                 log.warning("undecodable message from node %s: %s", self.nodes[node], exc)
                 continue
-            self.bytes_received += sum(msg.header.get("nbytes", ()))
+            n = sum(msg.header.get("nbytes", ()))
+            self.bytes_received += n
+            self.node_bytes[node][1] += n
             h = msg.header
             op = h["op"]
             if op == Op.ERROR:

@@ -58,6 +58,10 @@ class WorkerMetrics:
         self.fetch_wait = f.histogram("fetch_wait_seconds", "Seconds per step forward and backward waited for streamed units' weights")
         self.unit_fetch_wait = f.counter("unit_fetch_wait_seconds_total", "Seconds waited for the weights of each streamed unit", ("unit",))
         self.unit_fetches = f.counter("unit_fetches_total", "Weight fetches of each streamed unit (forward and backward)", ("unit",))
+        # the link to each node as the compression policy decides at it (luwu.gpu_workers.links)
+        self.link_gbps = f.gauge("link_gbps", "Gbit/s the compression policy decides each node link's codecs at: told, or measured (compression.link_gbps = auto)", ("node",))
+        self.link_measured = f.gauge("link_measured_gbps", "Last measurement of each node link, Gbit/s: the probe, or the real traffic where faster (auto only)", ("node",))
+        self.link_buckets = f.gauge("link_buckets", "Buckets of each node link by the codec decided for them after the warm-up, pushes and replies", ("node", "direction", "codec"))
         self.names = list(f.names)
         self._last = (0, 0, None)  # the I/O thread's byte totals and the time at the last step's record
 

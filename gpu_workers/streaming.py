@@ -82,7 +82,6 @@ from luwu.gpu_workers.worker import Worker
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.memory import retain_freed_memory, trim_heap
 from luwu.protocol.layout import Bucket, Layout
-from luwu.protocol.policy import choose_fetch_codec
 
 
 #: Streaming mode maps blocks from this size up on their own, so a released unit's pages go back to the
@@ -149,20 +148,20 @@ def plan_units(model, spec, cfg, apart: bool = False) -> tuple[Units | None, dic
     return units, unit_of_params(units)
 
 
-def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, compression=None) -> dict:
+def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, fetch_codec_for=None) -> dict:
     """The :class:`Worker` keyword arguments of streaming mode (none when ``units`` is None): the streamed
-    buckets, their buffer pool, a meta-device start's initializer, and the codec units' weights are
-    fetched in (:func:`~luwu.protocol.policy.choose_fetch_codec` of ``compression``, the compression
-    section; None: compression off, fp32). ``cfg``: the optimizer section; a unit over
-    ``stream_budget_bytes`` is refused here, before any connection."""
+    buckets, their buffer pool, a meta-device start's initializer, and ``fetch_codec_for(bucket, step)``,
+    the codec units' weights are fetched in (:func:`~luwu.protocol.policy.choose_fetch_codec` per node
+    link: :meth:`luwu.gpu_workers.links.LinkSpeeds.codec_functions`; None: compression off, fp32). ``cfg``:
+    the optimizer section; a unit over ``stream_budget_bytes`` is refused here, before any connection."""
     if units is None:
         return {}
     check_budget(layout, units, cfg.stream_budget_bytes)
     out = {"streamed": layout.streamed_buckets(), "pool": BufferPool(pool_budget_bytes(layout, cfg.stream_prefetch))}
     if getattr(units, "initializer", None) is not None:  # a meta-device start: initialized at connect, once
         out["initialize"] = units.initializer.for_layout(layout)
-    if compression is not None and compression.enabled:
-        out["fetch_codec_for"] = lambda b, step: choose_fetch_codec(b, step, compression)
+    if fetch_codec_for is not None:
+        out["fetch_codec_for"] = fetch_codec_for
     return out
 
 

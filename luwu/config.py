@@ -88,7 +88,8 @@ class OptimizerConfig:
     message to each node at its start, which travels behind the pushes already handed to ZeroMQ), so the
     worker never keeps a reply it may not write yet. ``never``: replies come as soon as the nodes have them
     and wait in the worker. ``auto``: always where replies come before ``step()``, on fast links
-    (``compression.link_gbps`` >= 10, the default: loopback, datacenter NICs); never on slower ones, where
+    (the slowest node link measured at connect, or the ``compression.link_gbps`` told, >= 10 Gbit/s:
+    loopback, datacenter NICs); never on slower ones, where
     they come after it anyway and holding would only delay the first (luwu.switch_nodes.held_replies)."""
     grads_in_buckets: bool = True
     """Resident mode: a parameter's ``.grad`` is a view of its bucket's buffer once backward produced it, so the

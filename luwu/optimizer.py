@@ -34,6 +34,7 @@ from luwu.config import LuwuConfig, resolve_config
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers import grad_views, layer_waits, precision, streaming
+from luwu.gpu_workers.links import LinkSpeeds
 from luwu.gpu_workers.metrics import StepReport, WorkerMetrics
 from luwu.gpu_workers.worker import Worker
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
@@ -233,15 +234,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.layout = build_layout(specs, self.config.transport.bucket_bytes, self.capacities)
         if max((b.nbytes for b in self.layout.buckets), default=0) > self.config.transport.max_message_bytes:  # a whole parameter (Adafactor)
             raise ConfigError("a parameter kept whole is over transport.max_message_bytes: raise it (and node.max_message_bytes)")
-        codec_for = pull_for = feedback = None
-        cc = self.config.compression
+        feedback, cc = None, self.config.compression
+        self._links = LinkSpeeds(self.client, cc, self.layout, self.metrics, rank=self.rank, before=getattr(self, "_links", None))  # each node link's codecs
+        codec_for, pull_for, fetch_for = self._links.codec_functions()
         if cc.enabled:
             from luwu.protocol.feedback import ErrorFeedback
-            from luwu.protocol.policy import choose_codec, choose_pull_codec
 
-            streamed = self.layout.streamed_buckets()  # a streamed unit's push keeps no residual between steps
-            codec_for = lambda b, step: choose_codec(b, step, cc, residual=b.id not in streamed)  # noqa: E731
-            pull_for = lambda b, step: choose_pull_codec(b, step, cc)  # noqa: E731
             feedback = ErrorFeedback(getattr(torch, cc.residual_dtype))
         pull_for = precision.pull_codec_for(params, pull_for)  # a bf16 model's weights come back as bf16
         self.worker = Worker(
@@ -259,14 +257,15 @@ class RemoteOptimizer(torch.optim.Optimizer):
             hyper_of=self._hyper_of,
             momentum_correction=cc.enabled and cc.momentum_correction,
             two_phase=False,  # (decided once connected: RoundPolicy)
-            **streaming.worker_arguments(self.layout, self._units, self.config.optimizer, cc),
+            **streaming.worker_arguments(self.layout, self._units, self.config.optimizer, fetch_for),
         )
         self.worker.connect(step, resume=self.config.optimizer.resume)
+        self._links.start(self.worker.step_num)
         self.worker.two_phase = self._round_policy.wants_round(self.worker.step_num)  # (whether it starts the job with the others: known now)
         trim_heap()  # the start-up pull's replies, freed: not kept for reuse as a step's (a second model's worth)
         self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer, self.metrics)
         hold = self.config.optimizer.hold_replies
-        self._hold_replies = not self.worker.streamed and (hold == "always" or hold == "auto" and self.config.compression.link_gbps >= 10)
+        self._hold_replies = not self.worker.streamed and (hold == "always" or hold == "auto" and self._links.slowest_gbps() >= 10)
         if self._hold_replies:  # from the first step on: as if the step before it had just begun
             self.client.release(step - 1)
         self._close_waits()
@@ -405,6 +404,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if self._hold_replies:  # the nodes may send this step's weights now
             self.client.release(self.worker.step_num)
         report = self.worker.step(delay=self._delaying(self.worker.step_num), inv_scale=inv_scale, max_norm=self.max_grad_norm)
+        self._links.at_step(self.worker.step_num)  # (between this step's pushes and the next's)
         streaming.end_step(self.streamer, report)
         if grad_scaler is not None:
             # Every worker's scaler backs off alike: the decision is the nodes', not this worker's grads.

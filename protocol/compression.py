@@ -17,6 +17,9 @@ from luwu.protocol.layout import SMALL_NUMEL
 #: Storage dtypes of an error-feedback residual (torch's names).
 RESIDUAL_DTYPES = ("float32", "bfloat16")
 
+#: ``compression.link_gbps`` that asks each worker to measure its link to each node.
+AUTO = "auto"
+
 
 @dataclass(kw_only=True, slots=True)
 class CompressionConfig:
@@ -48,11 +51,18 @@ class CompressionConfig:
     rule applies to a bucket when it matches the bucket's largest parameter segment. As a string
     (env / CLI): ``"*.bias=none,embed*=int4"``. Rules skip the size checks and the cost rule,
     not the warm-up."""
-    link_gbps: float = 10.0
-    """Link bandwidth in Gbit/s used by the cost rule (compress only where it pays)."""
+    link_gbps: float | str = AUTO
+    """Link bandwidth in Gbit/s used by the cost rule (compress only where it pays). ``"auto"`` (the
+    default): each worker measures its path to each node (a timed probe of a few MiB when it connects,
+    again every few hundred steps, and the bytes its real pushes and replies move per second) and decides
+    the codecs per node link, again at step boundaries only when the measurement has left a band around the
+    speed decided for a few steps in a row (hysteresis); each decision is logged once and exposed as
+    ``luwu_worker_link_gbps{node}`` and ``luwu_worker_link_buckets{node,direction,codec}``. A number is the
+    speed told, for every node link: it wins over any measurement. Held replies (``optimizer.hold_replies``
+    ``auto``) follow the slowest node link measured at connect."""
     pull_codec: str = "auto"
     """Weights sent back to workers: ``auto`` (by the cost rule at ``link_gbps``, per bucket:
-    ``bf16_steps`` below ~5 Gbit/s, bf16 at the default 10 Gbit/s, fp32 on links faster than the
+    ``bf16_steps`` below ~5 Gbit/s, bf16 from there to ~50 Gbit/s, fp32 on links faster than the
     codecs), ``bf16_steps`` (the bf16 rounding of the
     weights as one-byte steps on the bf16 grid: what ``bf16`` gives, at about half its bytes, no state on
     the node), ``bf16``, ``fp16``, ``none``, or ``int8_delta`` (int8 deltas against a shadow of the
@@ -80,15 +90,25 @@ class CompressionConfig:
             low = 1 if name == "resync_every" else 0
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"compression.{name} must be an int >= {low}, got {v!r}")
-        if isinstance(self.link_gbps, bool) or not isinstance(self.link_gbps, (int, float)) or not (
-            math.isfinite(self.link_gbps) and self.link_gbps > 0
+        if isinstance(self.link_gbps, str) and self.link_gbps.strip().lower() != AUTO:
+            try:  # (from the environment or a command line: a number as text)
+                self.link_gbps = float(self.link_gbps)
+            except ValueError:
+                pass
+        elif isinstance(self.link_gbps, str):
+            self.link_gbps = AUTO
+        if self.link_gbps != AUTO and (
+            isinstance(self.link_gbps, bool)
+            or not isinstance(self.link_gbps, (int, float))
+            or not (math.isfinite(self.link_gbps) and self.link_gbps > 0)
         ):
-            raise ConfigError(f"compression.link_gbps must be a positive finite number, got {self.link_gbps!r}")
+            raise ConfigError(f'compression.link_gbps must be "auto" (measured) or a positive finite number of Gbit/s, got {self.link_gbps!r}')
         if isinstance(self.topk_density, bool) or not isinstance(self.topk_density, (int, float)) or not (
             0.0 < self.topk_density <= 1.0
         ):
             raise ConfigError(f"compression.topk_density must be in (0, 1], got {self.topk_density!r}")
-        self.link_gbps = float(self.link_gbps)
+        if self.link_gbps != AUTO:
+            self.link_gbps = float(self.link_gbps)
         self.topk_density = float(self.topk_density)
         check_codec_name("compression.large_codec", self.large_codec)
         if self.warmup_codec not in ROUNDING_CODECS:

@@ -13,10 +13,13 @@ bf16 at most. The layout (:mod:`luwu.protocol.layout`) keeps such parameters
 in buckets of their own at the default line (:data:`luwu.protocol.layout.SMALL_NUMEL`), so the
 large matrices are not dragged down to bf16 by a bias that shares their bucket.
 
-Every worker must pick the same codec for the same (bucket, step): the choice
-is a pure function of the bucket, the step and the config, and the cost rule
-uses the fixed throughput constants of :mod:`luwu.protocol.codec_facts`, never
-timings taken at run time.
+The choice is a pure function of the bucket, the step, the config and the link
+speed: told (``compression.link_gbps``), or measured per node link by each worker
+(``"auto"``, :mod:`luwu.gpu_workers.links`) and held by :class:`LinkRule`'s
+hysteresis. Workers measuring differently may then push the same (step, bucket)
+with different codecs: each push names its codec, a node decodes each push by its
+own, and its one reply names the codec it went out with. The codecs' costs are the
+fixed throughput constants of :mod:`luwu.protocol.codec_facts`.
 """
 
 from __future__ import annotations
@@ -26,13 +29,23 @@ import math
 
 from luwu.protocol import codec_facts
 from luwu.protocol.codec_facts import FEEDBACK_CODECS, PULL_CODECS, ROUNDING_CODECS
-from luwu.protocol.compression import CompressionConfig
+from luwu.protocol.compression import AUTO, CompressionConfig
 from luwu.protocol.layout import Bucket, Segment
 
 __all__ = [
-    "FEEDBACK_CODECS", "PULL_CODECS", "ROUNDING_CODECS", "CompressionConfig", "choose_codec",
-    "choose_fetch_codec", "choose_pull_codec", "codec_seconds", "is_small", "pays_off",
+    "FEEDBACK_CODECS", "PULL_CODECS", "ROUNDING_CODECS", "CompressionConfig", "LinkRule", "choose_codec",
+    "choose_fetch_codec", "choose_pull_codec", "codec_seconds", "is_small", "link_speed", "pays_off",
 ]
+
+#: Gbit/s the cost rule assumes for ``link_gbps = "auto"`` where no measurement is at hand (``luwu plan``,
+#: a worker's start-up pull before its probe).
+UNMEASURED_GBPS = 10.0
+
+
+def link_speed(cfg: CompressionConfig) -> float:
+    """The Gbit/s the cost rule decides at: the told ``link_gbps``, or :data:`UNMEASURED_GBPS` for ``auto``
+    (a worker resolves ``auto`` per node link to its measurement: :mod:`luwu.gpu_workers.links`)."""
+    return UNMEASURED_GBPS if cfg.link_gbps == AUTO else cfg.link_gbps
 
 
 # -- the decision --------------------------------------------------------------
@@ -75,7 +88,8 @@ def pays_off(name: str, numel: int, cfg: CompressionConfig) -> bool:
         return True
     if codec_facts.throughput(name) is None:
         return True  # a codec the model does not know: the config asked for it, trust it
-    return codec_seconds(name, numel, cfg.link_gbps) < codec_seconds("none", numel, cfg.link_gbps)
+    gbps = link_speed(cfg)
+    return codec_seconds(name, numel, gbps) < codec_seconds("none", numel, gbps)
 
 
 def _first_paying(candidates: list[str], numel: int, cfg: CompressionConfig) -> str:
@@ -144,7 +158,7 @@ def choose_pull_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str:
         return "none"
     want = cfg.pull_codec
     if want == "auto" and (step >= cfg.warmup_steps or cfg.warmup_codec == "bf16"):
-        return min(("bf16_steps", "bf16", "none"), key=lambda name: codec_seconds(name, bucket.numel, cfg.link_gbps))
+        return min(("bf16_steps", "bf16", "none"), key=lambda name: codec_seconds(name, bucket.numel, link_speed(cfg)))
     if want == "bf16_steps":
         return _first_paying([want, "bf16"], bucket.numel, cfg)
     if step < cfg.warmup_steps and want not in ROUNDING_CODECS:
@@ -153,3 +167,47 @@ def choose_pull_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str:
         want = "bf16"
     candidates = ["int8_delta", "bf16"] if want == "int8_delta" else [want]
     return _first_paying(candidates, bucket.numel, cfg)
+
+
+# -- the link speed decided at, with hysteresis ----------------------------------
+
+
+#: A measured link speed moves the decision only outside [decided / LINK_BAND, decided * LINK_BAND] ...
+LINK_BAND = 1.5
+#: ... at this many step boundaries in a row, on the same side: noise does not flap the codecs.
+LINK_PATIENCE = 3
+
+
+class LinkRule:
+    """The link speed one node link's codecs are decided at, from a series of measurements (one per step
+    boundary). The first measurement decides at once. After it, a measurement inside the band around the
+    decided speed keeps it and clears any streak; ``patience`` measurements in a row outside it, on the same
+    side, move the decision to the median of that streak. Pure: no clock, no I/O."""
+
+    __slots__ = ("band", "patience", "decided", "_streak")
+
+    def __init__(self, band: float = LINK_BAND, patience: int = LINK_PATIENCE) -> None:
+        if not band > 1.0 or patience < 1:
+            raise ValueError(f"LinkRule needs band > 1 and patience >= 1, got band={band!r}, patience={patience!r}")
+        self.band, self.patience = band, patience
+        self.decided: float | None = None
+        self._streak: list[float] = []
+
+    def observe(self, gbps: float) -> bool:
+        """Take one measurement (Gbit/s, > 0); True when it changed the decided speed."""
+        if not (gbps > 0 and math.isfinite(gbps)):
+            return False
+        if self.decided is None:
+            self.decided = gbps
+            return True
+        if self.decided / self.band <= gbps <= self.decided * self.band:
+            self._streak.clear()
+            return False
+        if self._streak and (self._streak[-1] > self.decided) != (gbps > self.decided):
+            self._streak.clear()  # the other side: a new streak
+        self._streak.append(gbps)
+        if len(self._streak) < self.patience:
+            return False
+        ranked = sorted(self._streak)
+        self.decided, self._streak = ranked[len(ranked) // 2], []
+        return True

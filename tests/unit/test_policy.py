@@ -48,7 +48,7 @@ def test_defaults_are_the_documented_ones():
     cfg = CompressionConfig()
     assert cfg.enabled and cfg.error_feedback
     assert (cfg.warmup_steps, cfg.warmup_codec, cfg.small_numel, cfg.large_codec) == (10, "bf16", 65536, "int8")
-    assert (cfg.link_gbps, cfg.pull_codec, cfg.resync_every, cfg.topk_density, cfg.stream_codec) == (10.0, "auto", 50, 0.01, "int8")
+    assert (cfg.link_gbps, cfg.pull_codec, cfg.resync_every, cfg.topk_density, cfg.stream_codec) == ("auto", "auto", 50, 0.01, "int8")
     assert cfg.rules == []
 
 
