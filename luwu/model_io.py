@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 from pathlib import Path
 
 import msgpack
 import torch
 
-from luwu.protocol.dcp_files import DcpFolder
+from luwu.protocol.dcp_files import DcpFolder, write_metadata
 from luwu.protocol.errors import ConfigError, LuwuError, ProtocolError
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.export import MODEL, OPTIM_STATE
@@ -65,7 +64,7 @@ def export_dcp(opt, path: str | os.PathLike, timeout_s: float | None = None) -> 
     opt.synchronize()  # delayed update: the weights a step still owes land first
     keys = {s.name: (s.name,) for s in opt.layout.params}
     folder, pieces = _export(opt, path, None, keys, timeout_s)
-    _write_metadata(folder, pieces, {}, None)
+    write_metadata(folder, pieces)
     return folder
 
 
@@ -100,7 +99,7 @@ def save_checkpoint(opt, path: str | os.PathLike, timeout_s: float | None = None
     for i, group in enumerate(_torch_groups(opt)):
         for k, v in group.items():
             values[f"{GROUPS}{i}.{k}"], keys[f"{GROUPS}{i}.{k}"] = v, ("optim", "param_groups", i, k)
-    _write_metadata(folder, pieces, _write_objects(folder / _GROUPS_FILE, values), keys)
+    write_metadata(folder, pieces, _write_objects(folder / _GROUPS_FILE, values), keys)
     return folder
 
 
@@ -256,33 +255,3 @@ def _write_objects(file: Path, objects: dict[str, object]) -> dict[str, tuple[st
         f.flush()
         os.fsync(f.fileno())
     return out
-
-
-def _write_metadata(folder: Path, pieces: list[tuple[str, list]], objects: dict[str, tuple[str, int, int]], paths: dict | None) -> None:
-    """The folder's ``.metadata``: every node's pieces and the objects; ``paths``: each key's place in the
-    nested state dict (DCP's ``planner_data``, which ``dcp_to_torch_save`` unflattens with)."""
-    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
-    )  # fmt: skip
-
-    entries: dict = {}
-    storage: dict = {}
-    for file, node_pieces in pieces:
-        for key, size, offsets, sizes, at, length in node_pieces:
-            md = entries.setdefault(key, TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), []))
-            if tuple(md.size) != tuple(size):
-                raise ProtocolError(f"the nodes disagree on the shape of {key}: {list(md.size)} and {size}")
-            md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-            storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(file, at, length)
-    for key, (file, at, length) in objects.items():
-        entries[key] = BytesStorageMetadata()
-        storage[MetadataIndex(key)] = _StorageInfo(file, at, length)
-    planner_data = {k: paths[k] for k in entries} if paths is not None else None
-    metadata = Metadata(state_dict_metadata=entries, planner_data=planner_data, storage_data=storage, version=CURRENT_DCP_VERSION)
-    tmp = folder / ".metadata.tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump(metadata, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / ".metadata")

@@ -13,7 +13,12 @@ protocol 2 only, and DCP writes ``.metadata`` with the default protocol (FRAME, 
 tensors (any chunking on either side; DCP's resharding computes what to read) and pickled objects
 (``optim.param_groups`` values), these with ``torch.load(weights_only=True)``. Every place LuWu opens
 a DCP folder goes through this module: a worker's ``optimizer.init_weights``, its reading of a
-checkpoint's step and param groups, a node's IMPORT.
+checkpoint's step and param groups, a node's IMPORT, a node restoring its own checkpoint.
+
+Writing: :func:`save_tensor` puts one tensor piece into a data file as DCP's ``FileSystemWriter``
+does (``torch.save`` at a recorded offset), without copying it; :func:`write_metadata` writes the
+``.metadata`` naming every piece. Exports (:mod:`luwu.switch_nodes.export`) and node checkpoints
+(:mod:`luwu.switch_nodes.checkpoint`) write their folders with these two.
 """
 
 from __future__ import annotations
@@ -24,15 +29,15 @@ import math
 import os
 import pickle
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path, PurePath
 from typing import Any
 
 import torch
 
-from luwu.protocol.errors import CorruptCheckpointError
+from luwu.protocol.errors import CorruptCheckpointError, ProtocolError
 
-__all__ = ["DcpFolder", "read_metadata"]
+__all__ = ["DcpFolder", "read_metadata", "save_tensor", "write_metadata"]
 
 _ALLOWED: dict[tuple[str, str], Any] | None = None
 _ALLOWED_LOCK = threading.Lock()
@@ -173,6 +178,69 @@ def _reader_classes():
             pass  # resolve_tensor handed out a view of the target: the data is in place
 
     return Reader, Planner
+
+
+def save_tensor(f: Any, tensor: torch.Tensor) -> tuple[int, int]:
+    """``torch.save`` a contiguous CPU tensor (a view into a larger one, e.g. a box of a bucket) at
+    ``f``'s position, as DCP stores a tensor piece; returns (offset, length) in ``f``. No copy is made:
+    ``torch.save`` writes a tensor's whole storage, so the view is saved through a tensor over just
+    its own memory (``torch.from_numpy`` of the view's array), which ``torch.save`` hands to ``f.write``
+    as memoryviews."""
+    at = f.tell()
+    torch.save(torch.from_numpy(tensor.detach().contiguous().numpy()), f)
+    return at, f.tell() - at
+
+
+def write_metadata(
+    folder: str | os.PathLike,
+    pieces: Sequence[tuple[str, Sequence]],
+    objects: dict[str, tuple[str, int, int]] | None = None,
+    paths: dict | None = None,
+) -> Path:
+    """Write the folder's ``.metadata`` (synced, by an atomic rename): ``pieces`` are (data file name,
+    entries ``[key, size, offsets, sizes, file offset, length]``) of fp32 tensor pieces written with
+    :func:`save_tensor`; ``objects`` key -> (file name, offset, length) of ``torch.save``-d objects;
+    ``paths`` each key's place in the nested state dict (DCP's ``planner_data``, which
+    ``dcp_to_torch_save`` unflattens with). Returns the file's path; a key given two sizes raises
+    ProtocolError."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+        TensorStorageMetadata,
+    )  # fmt: skip
+
+    entries: dict = {}
+    storage: dict = {}
+    for file, file_pieces in pieces:
+        for key, size, offsets, sizes, at, length in file_pieces:
+            md = entries.setdefault(
+                key,
+                TensorStorageMetadata(
+                    TensorProperties(dtype=torch.float32), torch.Size(size), []
+                ),
+            )
+            if tuple(md.size) != tuple(size):
+                raise ProtocolError(f"two shapes for {key}: {list(md.size)} and {list(size)}")
+            md.chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+            storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(file, at, length)
+    for key, (file, at, length) in (objects or {}).items():
+        entries[key] = BytesStorageMetadata()
+        storage[MetadataIndex(key)] = _StorageInfo(file, at, length)
+    planner_data = {k: paths[k] for k in entries} if paths is not None else None
+    metadata = Metadata(
+        state_dict_metadata=entries,
+        planner_data=planner_data,
+        storage_data=storage,
+        version=CURRENT_DCP_VERSION,
+    )
+    final = Path(folder) / ".metadata"
+    tmp = final.with_name(".metadata.tmp")
+    with open(tmp, "wb") as f:
+        pickle.dump(metadata, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return final
 
 
 class DcpFolder:

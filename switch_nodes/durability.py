@@ -7,7 +7,9 @@ of a restarted node are told to roll back (RollbackError with the step and the
 node's boot id); ROLLBACK then brings every other node to the same checkpoint,
 once per (step, boot). At start-up a checkpoint that cannot be read or
 restored, whatever the reason, is skipped and the next older one is tried: one
-file never stops a node. STATE gets or sets a bucket's weights and optimizer
+file never stops a node. A checkpoint of the old file format restored at
+start-up is written again as a checkpoint folder (:mod:`.checkpoint`) and the
+file removed. STATE gets or sets a bucket's weights and optimizer
 state (``state_dict`` / ``load_state_dict``). Everything touching the shard
 runs on the optimizer thread.
 """
@@ -62,27 +64,58 @@ class Durability:
             node.ckpt.used(ckpt)
             self.restored_step = node.step
             log.warning("node %s restored step %d from %s", node.index, self.restored_step, ckpt.path)
+            if ckpt.legacy:
+                self._convert(ckpt)
             return
+
+    def _convert(self, ckpt: Checkpoint) -> None:
+        """An old-format checkpoint was restored: write the node's state (just restored from it) as a
+        checkpoint folder, then remove the file, so it is read once. A write that fails leaves the file."""
+        try:
+            self.write_checkpoint()
+        except OSError as exc:
+            log.error("node %s could not convert checkpoint %s to a checkpoint folder: %s (it stays, and is read again at the next start)", self.node.index, ckpt.path, exc)
+            return
+        ckpt.path.unlink(missing_ok=True)
+        log.warning("node %s converted checkpoint %s into a checkpoint folder of step %d", self.node.index, ckpt.path, self.node.step)
 
     def write_checkpoint(self) -> None:
         """Runs on the optimizer thread (nothing else touches the shard meanwhile)."""
         node = self.node
+        kind = node.kind
         meta = {
             "job": node.job,
             "node": node.index,
             "layout": node.layout_hash,
             "world_size": node.world_size,
-            "optimizer": node.kind.name if node.kind else None,
+            "optimizer": kind.name if kind else None,
             "step": node.step,
+            "step_in_state": kind.step_in_state if kind else True,
+            "state_names": list(kind.state_names) if kind else [],
             "param_names": {str(k): v for k, v in node.param_names.items()},
-            "buckets": [
-                {"id": b.id, "spec": b.to_wire(), "version": b.version, "initialized": b.initialized, "numels": [b.numel] * (1 + len(b.state)) + [len(b.steps)]}
-                for b in node.buckets.values()
-            ],
+            "buckets": [self._saved(b) for b in node.buckets.values()],
         }
-        path = node.ckpt.save(meta, {b.id: b.tensors() for b in node.buckets.values()})
+        tensors = {b.id: {"params": b.params, **{n: b.state.read(n) for n in self._states(b)}} for b in node.buckets.values()}
+        path = node.ckpt.save(meta, tensors)
         node.metrics.checkpoint_step.set(meta["step"])
         log.info("node %s wrote checkpoint of step %d: %s", node.index, meta["step"], path)
+
+    @staticmethod
+    def _states(b: BucketState) -> list[str]:
+        """The state tensors of ``b`` in use (allocated), in the kind's order; the others are zero."""
+        used = set(b.state.allocated())
+        return [n for n in b.kind.state_names if n in used]
+
+    def _saved(self, b: BucketState) -> dict:
+        """A bucket's entry in the checkpoint manifest."""
+        return {
+            "id": b.id,
+            "spec": b.to_wire(),
+            "version": b.version,
+            "initialized": b.initialized,
+            "steps": [float(x) for x in b.steps],
+            "states": self._states(b),
+        }
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Replace the job's buckets by the checkpoint's (on the optimizer thread, or before serving). Every
@@ -124,7 +157,7 @@ class Durability:
         ts = ckpt.tensors[saved["id"]]
         version, initialized = saved["version"], saved["initialized"]
         sizes = [t.numel() for t in ts]
-        if saved["id"] != spec.id or sizes != [spec.numel] * (len(sizes) - 1) + [len(spec.segments)] or len(sizes) < 2:
+        if saved["id"] != spec.id or sizes != [spec.numel] * (len(sizes) - 1) + [len(spec.segments)] or len(sizes) != 2 + len(kind.state_names):
             raise ProtocolError(f"checkpoint {ckpt.path}: bucket {spec.id}'s tensors ({sizes[:6]}) do not match its spec")
         if type(version) is not int or version < 0 or type(initialized) is not bool:
             raise ProtocolError(f"checkpoint {ckpt.path}: bucket {spec.id} has version {str(version)[:40]}, initialized {str(initialized)[:40]}")

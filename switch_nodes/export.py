@@ -32,6 +32,7 @@ import msgpack
 import torch
 
 from luwu.protocol import messages as wire
+from luwu.protocol.dcp_files import save_tensor
 from luwu.protocol.errors import ConfigError, ProtocolError
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.torch_state import slot, torch_param_state
@@ -216,7 +217,6 @@ class Exports:
         into ``f``. Returns ``[key, size, offsets, sizes, file offset, length]`` per piece."""
         out = []
         for offsets, view in box_views(flat, shape, start):
-            at = f.tell()
-            torch.save(view.clone(), f)  # a copy: torch.save writes a view's whole storage
-            out.append([key, list(shape), list(offsets), list(view.shape), at, f.tell() - at])
+            at, length = save_tensor(f, view)
+            out.append([key, list(shape), list(offsets), list(view.shape), at, length])
         return out

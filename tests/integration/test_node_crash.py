@@ -1,61 +1,58 @@
 """Durable node state and exactly-once training under a node crash (rollback recovery)."""
 
+import json
 import os
 import random
 import time
 
 import pytest
 import torch
+from checkpoint_files import rewrite_manifest, save_small
 from harness import TRAIN, assert_params_close, kill_node_after_step, start_workers, wait_all
 from workers.train import reference
 
 import luwu
-from luwu.switch_nodes.checkpoint import CheckpointStore, CorruptCheckpointError
+from luwu.switch_nodes.checkpoint import DATA, CheckpointStore, CorruptCheckpointError
 
 
 def test_checkpoint_roundtrip_atomic_and_corruption_detected(tmp_path):
     store = CheckpointStore(str(tmp_path), node_index=0, keep=3)
-    meta = lambda step: {"job": "j", "step": step, "buckets": [{"id": 0, "numels": [10, 10, 2]}]}  # noqa: E731
     for step in (5, 10, 15, 20):
-        store.save(meta(step), {0: [torch.full((10,), float(step)), torch.arange(10.0), torch.ones(2)]})
+        save_small(store, step)
     assert [s for s, _ in store.list()] == [10, 15, 20]  # the oldest is pruned
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*"))
     ck = store.latest()
     assert ck.meta["step"] == 20 and torch.equal(ck.tensors[0][0], torch.full((10,), 20.0))
-    # flip one byte of the newest: it is detected and the previous one is used
-    path = store.list()[-1][1]
+    assert torch.equal(ck.tensors[0][1], torch.arange(10.0)) and torch.equal(ck.tensors[0][-1], torch.full((2,), 20.0))
+    # flip one byte of the newest's tensor file: it is detected and the previous one is used
+    path = store.list()[-1][1] / DATA
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match="checksum"):
-        store.load(path)
+        store.load(path.parent)
     assert store.latest().meta["step"] == 15
     # a truncated file too
-    p15 = store.list()[-2][1]
+    p15 = store.list()[-2][1] / DATA
     p15.write_bytes(p15.read_bytes()[:-7])
     assert store.latest().meta["step"] == 10
 
 
-@pytest.mark.parametrize("numels", [[-5, 10, 2], [2**62, 10, 2], [10, 10, 3], [10.0, 10, 2], [True, 10, 2]])
-def test_a_header_with_impossible_sizes_is_refused_before_allocating(tmp_path, numels):
-    """Sizes that are negative, huge, not ints or that do not add up to the file are refused as corrupt
-    before any tensor is allocated, and the valid older checkpoint is used."""
-    import json
-    import struct
-
+@pytest.mark.parametrize("numel", [-5, 2**62, 11, 10.0, True])
+def test_a_manifest_with_impossible_sizes_is_refused_before_allocating(tmp_path, numel):
+    """A bucket size that is negative, huge, not an int or that does not match its segments is refused as
+    corrupt before any tensor is allocated (its checksum valid), and the valid older checkpoint is used."""
     store = CheckpointStore(str(tmp_path), node_index=0, keep=3)
-    meta = lambda step: {"job": "j", "step": step, "buckets": [{"id": 0, "numels": [10, 10, 2]}]}  # noqa: E731
     for step in (5, 10):
-        store.save(meta(step), {0: [torch.full((10,), float(step)), torch.arange(10.0), torch.ones(2)]})
-    path = store.list()[-1][1]
-    raw = path.read_bytes()
-    (hlen,) = struct.unpack("<Q", raw[8:16])
-    header = json.loads(raw[16 : 16 + hlen])
-    header["buckets"][0]["numels"] = numels
-    new = json.dumps(header, separators=(",", ":")).encode()
-    path.write_bytes(raw[:8] + struct.pack("<Q", len(new)) + new + raw[16 + hlen :])
-    with pytest.raises(CorruptCheckpointError, match="sizes that are not non-negative integers|describes .* bytes of tensors"):
-        store.load(path)
+        save_small(store, step)
+
+    def change(m):
+        m["buckets"][0]["spec"][2] = numel
+        return json.dumps(m).encode()
+
+    rewrite_manifest(store.list()[-1][1], change)
+    with pytest.raises(CorruptCheckpointError):
+        store.load(store.list()[-1][1])
     assert store.latest().meta["step"] == 5
 
 
@@ -67,7 +64,7 @@ def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(OSError, match="No space left"):
-        store.save({"job": "j", "step": 5, "buckets": [{"id": 0, "numels": [4]}]}, {0: [torch.ones(4)]})
+        save_small(store, 5)
     assert list(tmp_path.iterdir()) == []
 
 
