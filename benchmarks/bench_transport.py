@@ -165,7 +165,7 @@ def run(args) -> dict:
     node_file.write_text(tomli_w.dumps({"node": keys.node_settings()}))
     with luwu.local_cluster(1, job=JOB, node_args=["--metrics.port", "0"]) as cluster, luwu.local_cluster(1, job=JOB + "-sgd") as sgd_cluster, \
             luwu.local_cluster(1, job=JOB + "-curve", node_args=["--config", str(node_file)]) as curve_cluster, \
-            luwu.local_cluster(1, job=JOB + "-libzmq", node_args=["--node.listener", "libzmq"]) as zmq_cluster, \
+            luwu.local_cluster(1, job=JOB + "-libzmq", node_args=["--node.listener", "libzmq", "--node.insecure_open", "true"]) as zmq_cluster, \
             luwu.local_cluster(1, job=JOB + "-libzmq-curve", node_args=["--config", str(node_file), "--node.listener", "libzmq"]) as zmq_curve_cluster:
         url = cluster.metrics_urls[0]
         opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster.addresses, rank=0, world_size=1, job=JOB, lr=1e-4, bucket_bytes=args.bucket_mib * MIB, compression=False)

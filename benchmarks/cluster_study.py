@@ -66,6 +66,7 @@ import logging
 import math
 import os
 import queue
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -220,8 +221,13 @@ def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str
     return nodes
 
 
+JOIN_SECRET = secrets.token_hex(16)
+"""The study's nodes ask for it (node.join_secret); its workers show it: through the environment."""
+
+
 def _env() -> dict:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0",
+                LUWU_NODE__JOIN_SECRET=JOIN_SECRET, LUWU_TRANSPORT__JOIN_SECRET=JOIN_SECRET)
 
 
 def _start_nodes(hosts: Hosts, rc: RunConfig, cluster_file: Path, run_dir: Path, timeout_s: float = 90.0) -> list:

@@ -48,6 +48,10 @@ PROGRESS_EVERY_S = 5.0
 #: just starting has this long to bind).
 REFUSED_WINDOW_S = 1.0
 
+#: Handshakes a node may cut, with none let through, before the worker says it lacks the node's secret or keys.
+SHUT_OUT_AFTER = 3
+HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
 #: What closing waits at most for the nodes to answer BYE (a node that is gone costs this, never more).
 BYE_LINGER_S = 1.0
 
@@ -116,12 +120,13 @@ class WorkerClient:
         self._running = True
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.node_bytes = [[0, 0] for _ in nodes]  # per node: payload bytes sent, received (luwu.gpu_workers.links)
         self._last_heard = [time.monotonic()] * len(nodes)
         self._welcomed: set[int] = set()  # nodes that answered HELLO: told BYE on close
         self._reached = [False] * len(nodes)  # a connection to the node was made (TCP/IPC), since the start
         self._refused_since: list[float | None] = [None] * len(nodes)  # first failed attempt while never reached
-        self.node_bytes = [[0, 0] for _ in nodes]  # per node: payload bytes sent, received (luwu.gpu_workers.links)
-        self._monitors: list[zmq.Socket | None] = []  # connection events of each socket, until first reached
+        self._monitors: list[zmq.Socket | None] = []  # connection events of each socket, until a handshake succeeds
+        self._shut_out = [0] * len(nodes)  # connections the node closed at the ZeroMQ handshake, none succeeding yet
         self._closed = False
         self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=f"luwu-io-r{rank}", daemon=True)
@@ -144,7 +149,7 @@ class WorkerClient:
             s.curve_serverkey = self.cfg.curve_server_key.encode()
             s.curve_publickey = self.cfg.curve_public_key.encode()
             s.curve_secretkey = self.cfg.curve_secret_key.encode()
-        mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
         mon.setsockopt(zmq.LINGER, 0)
         self._monitors.append(mon)
         s.connect(addr)
@@ -265,7 +270,19 @@ class WorkerClient:
 
     def _raise_refused(self, missing: list[tuple]) -> None:
         """Start-up: a node whose address refused every connection for REFUSED_WINDOW_S has nothing listening
-        there; named now instead of after the deadline."""
+        there, and one that cut SHUT_OUT_AFTER handshakes and let none through asks for a secret or keys this
+        worker does not show; named now instead of after the deadline."""
+        for n in sorted({m[1] for m in missing}):
+            if self._shut_out[n] >= SHUT_OUT_AFTER:
+                shown = "CURVE keys" if self.cfg.curve_server_key else "a join secret" if self.cfg.join_secret else "neither a join secret nor CURVE keys"
+                raise NodeTimeoutError(
+                    f"worker {self.rank}: node {n} at {self.nodes[n]} closed {self._shut_out[n]} connections at the ZeroMQ handshake: it asks "
+                    f"for a join secret or CURVE keys, and this worker shows {shown}{' the node does not accept' if shown[0] != 'n' else ''}. "
+                    "Give the worker the cluster's: --config <run dir>/keys/join.toml (written by luwu up and luwu node) or "
+                    "LUWU_TRANSPORT__JOIN_SECRET (local_cluster sets it for its own process), or with CURVE its keys/worker<rank>.toml "
+                    "(a node at node.max_connections cuts handshakes too: its log says so)",
+                    node=self.nodes[n], worker=self.rank,
+                )
         if all(self._reached):
             return
         now = time.monotonic()
@@ -418,8 +435,9 @@ class WorkerClient:
                     last_sent[i] = time.monotonic()
 
     def _watch(self, node: int, mon: zmq.Socket, poller: zmq.Poller) -> None:
-        """A node socket's connection events, until the node is first reached: when each attempt was refused
-        (waiters check :meth:`_raise_refused`), then that it was reached (the monitor is closed)."""
+        """A node socket's connection events, until a ZeroMQ handshake with the node first succeeds: when each
+        attempt was refused, and each handshake the node cut (waiters check :meth:`_raise_refused`), then
+        that it was reached and let in (the monitor is closed)."""
         while True:
             try:
                 event = recv_monitor_message(mon, flags=zmq.NOBLOCK)["event"]
@@ -428,10 +446,12 @@ class WorkerClient:
             with self._cv:
                 if event == zmq.EVENT_CONNECTED:
                     self._reached[node] = True
-                elif self._refused_since[node] is None:
+                elif event & HANDSHAKE_FAILED:
+                    self._shut_out[node] += 1
+                elif event == zmq.EVENT_CONNECT_RETRIED and self._refused_since[node] is None and not self._reached[node]:
                     self._refused_since[node] = time.monotonic()
                 self._cv.notify_all()
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 poller.unregister(mon)
                 self._socks[node].disable_monitor()
                 mon.close(0)

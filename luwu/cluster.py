@@ -2,7 +2,9 @@
 
 The embedded default for the demo, notebooks and tests: each node is started
 with port 0, prints the address it bound, and is stopped (SIGTERM, then
-SIGKILL) when the context exits.
+SIGKILL) when the context exits. The nodes ask every peer for a join secret
+made here (every local user can reach a loopback port); workers get it through
+the environment, never argv.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import secrets
 import subprocess
 import sys
 import threading
@@ -36,6 +39,11 @@ class LocalCluster:
     """The command-line arguments each node was started with (``restart`` reuses them)."""
     metrics_urls: list[str] = field(default_factory=list)
     """http://host:port of each node's /metrics endpoint (when started with --metrics.port)."""
+    join_secret: str = field(default="", repr=False)
+    """The join secret the nodes ask for, unless node_args give them CURVE keys, a secret of their own, or
+    node.insecure_open. While the cluster is open it is LUWU_TRANSPORT__JOIN_SECRET in this process's
+    environment, so workers started here or in child processes show it without being told; hand it to a
+    worker started elsewhere the same way, never in argv."""
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop every node: SIGTERM (a node then writes its checkpoint), SIGKILL after ``timeout_s``."""
@@ -71,8 +79,55 @@ def _start(args: list[str], timeout_s: float, metrics: list | None = None) -> tu
     return _await_ready(*_spawn(args), args, timeout_s, metrics)
 
 
+WORKER_SECRET_VAR = "LUWU_TRANSPORT__JOIN_SECRET"
+_gate_lock = threading.Lock()
+_gate_users = 0
+_gate_saved: str | None = None
+
+
+@contextlib.contextmanager
+def _job_secret():
+    """The join secret of this process's local clusters, as LUWU_TRANSPORT__JOIN_SECRET in its
+    environment while any is open: workers started in this process or its children show it without
+    being told. One the environment already holds is used (it must have 32+ characters)."""
+    global _gate_users, _gate_saved
+    with _gate_lock:
+        if _gate_users == 0:
+            _gate_saved = os.environ.get(WORKER_SECRET_VAR)
+            if not _gate_saved:
+                os.environ[WORKER_SECRET_VAR] = secrets.token_hex(16)
+        _gate_users += 1
+        secret = os.environ[WORKER_SECRET_VAR]
+    try:
+        yield secret
+    finally:
+        with _gate_lock:
+            _gate_users -= 1
+            if _gate_users == 0 and not _gate_saved:
+                os.environ.pop(WORKER_SECRET_VAR, None)
+
+
+def _gate_env(args: list[str]) -> dict[str, str]:
+    """LUWU_NODE__JOIN_SECRET for a node that ``args`` (and the environment) leave without a gate and
+    not told to be open: the process's job secret (:func:`_job_secret`); {} otherwise."""
+    from luwu.config import load_config
+
+    files, rest, i = [], [], 0
+    while i < len(args):
+        if args[i] == "--config":
+            files.append(args[i + 1])
+            i += 2
+            continue
+        rest.append(args[i])
+        i += 1
+    node = load_config(files, argv=rest).node
+    if node.gate or node.insecure_open or not node.uses_zmtp or WORKER_SECRET_VAR not in os.environ:
+        return {}
+    return {"LUWU_NODE__JOIN_SECRET": os.environ[WORKER_SECRET_VAR]}
+
+
 def _spawn(args: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **_gate_env(args))
     proc = subprocess.Popen([sys.executable, "-m", "luwu", "node", *args], stdout=subprocess.PIPE, stderr=None, env=env, text=True)
     lines: queue.Queue = queue.Queue()
 
@@ -123,20 +178,20 @@ def local_cluster(num_nodes: int = 2, *, job: str = "luwu", node_args: list[str]
             ``NodeTimeoutError`` with the node's output.
     """
     procs, addrs, all_args, murls = [], [], [], []
-    try:
-        spawned = []
-        for i in range(num_nodes):  # start them all, then wait: imports run in parallel
-            args = ["--node.bind", "tcp://127.0.0.1:0", "--node.index", str(i), "--cluster.job", job, *(node_args or [])]
-            if per_node_args is not None:
-                args += per_node_args(i)
-            proc, lines = _spawn(args)
-            procs.append(proc)
-            spawned.append((proc, lines, args))
-        for proc, lines, args in spawned:
-            _, addr = _await_ready(proc, lines, args, start_timeout_s, murls)
-            addrs.append(addr)
-            all_args.append(args)
-        cluster = LocalCluster(addrs, procs, job, all_args, murls)
-        yield cluster
-    finally:
-        LocalCluster(addrs, procs).stop()
+    with _job_secret() as secret:
+        try:
+            spawned = []
+            for i in range(num_nodes):  # start them all, then wait: imports run in parallel
+                args = ["--node.bind", "tcp://127.0.0.1:0", "--node.index", str(i), "--cluster.job", job, *(node_args or [])]
+                if per_node_args is not None:
+                    args += per_node_args(i)
+                proc, lines = _spawn(args)
+                procs.append(proc)
+                spawned.append((proc, lines, args))
+            for proc, lines, args in spawned:
+                _, addr = _await_ready(proc, lines, args, start_timeout_s, murls)
+                addrs.append(addr)
+                all_args.append(args)
+            yield LocalCluster(addrs, procs, job, all_args, murls, join_secret=secret)
+        finally:
+            LocalCluster(addrs, procs).stop()

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from luwu.cluster_file import cluster_file_text, cluster_sections, reachable
-from secrets import token_urlsafe
+from secrets import token_hex
 
 from luwu.keyset import DEFAULT_WORKER_KEYS, KeySet, env_file_text, is_loopback, split_secrets, write_join_files, write_keyset
 from luwu.protocol.errors import ConfigError, LuwuError
@@ -90,8 +90,9 @@ def node_secrets(options, cfg, overrides: list[str], nodes: list[NodeSpec]) -> t
     set is those plus a new pair for ``luwu status``, added to the authorized keys. Without, keys
     are made when a node binds an address other hosts can reach and node.insecure_public_bind is
     not set: one pair for the nodes, one per worker rank (--workers, else cluster.world_size, else
-    DEFAULT_WORKER_KEYS) and one for ``luwu status``. With node.insecure_public_bind, the nodes get a
-    join secret instead (node.join_secret, made unless given): only who holds it may talk to them.
+    DEFAULT_WORKER_KEYS) and one for ``luwu status``. Otherwise (loopback, or
+    node.insecure_public_bind) the nodes get a join secret (node.join_secret, made unless given): only
+    who holds it may talk to them; node.insecure_open alone leaves them open, with a warning.
     """
     _, env = split_secrets(overrides, to_env=ENV_SETTINGS)
     warnings: list[str] = []
@@ -101,13 +102,15 @@ def node_secrets(options, cfg, overrides: list[str], nodes: list[NodeSpec]) -> t
         keys = KeySet.generate(0, node=(cfg.node.curve_public_key, cfg.node.curve_secret_key))
         env["LUWU_NODE__CURVE_AUTHORIZED_KEYS"] = ",".join(cfg.node.curve_authorized_keys)
         env["LUWU_NODE__CURVE_MONITOR_KEYS"] = ",".join([*cfg.node.curve_monitor_keys, keys.monitor[0]])
-    elif public:
-        if cfg.node.insecure_public_bind:
+    elif public and not cfg.node.insecure_public_bind:
+        keys = KeySet.generate(getattr(options, "workers", None) or cfg.cluster.world_size or DEFAULT_WORKER_KEYS)
+        env.update(keys.node_env())
+    elif cfg.node.insecure_open:
+        warnings.append(f"nodes serve anyone who reaches {', '.join(n.bind for n in nodes)} (node.insecure_open): any local user can join the job and make the nodes allocate")
+    elif cfg.node.uses_zmtp:
+        if public:
             warnings.append(f"nodes bind {', '.join(public)} WITHOUT encryption (node.insecure_public_bind): anyone who reaches these ports can read the job's traffic (and its join secret)")
-            env["LUWU_NODE__JOIN_SECRET"] = cfg.node.join_secret or token_urlsafe(24)
-        else:
-            keys = KeySet.generate(getattr(options, "workers", None) or cfg.cluster.world_size or DEFAULT_WORKER_KEYS)
-            env.update(keys.node_env())
+        env["LUWU_NODE__JOIN_SECRET"] = cfg.node.join_secret or token_hex(16)
     if not cfg.node.checkpoint_dir:
         warnings.append("checkpoints are off (no node.checkpoint_dir): a node the supervisor restarts comes back empty and the job cannot go on; set --node.checkpoint_dir=DIR")
     return env, keys, warnings

@@ -192,6 +192,45 @@ def write_join_files(out: Path | str, secret: str, shared: dict) -> list[Path]:
     return _write_private(_private_dir(out), {"join.toml": text, "monitor.toml": text})
 
 
+JOIN_FILE = "join.toml"
+"""The file in a run dir's keys/ that holds the job's join secret for workers and tools."""
+
+
+def job_join_secret(keys_dir: Path | str, job: str) -> tuple[str, Path, bool]:
+    """The join secret of ``job`` kept in ``keys_dir``/join.toml: read when the file is there (it must be
+    this user's and mode 600), else made (128 bits) and written there, mode 600 in a 0700 folder.
+    Returns (secret, the file, whether it was made now). Nodes of one job started in the same run dir
+    share it: the file is made at most once (an atomic link), whichever node comes first."""
+    import secrets
+    import tomllib
+
+    import tomli_w
+
+    from luwu.protocol.errors import ConfigError
+
+    path = _private_dir(keys_dir) / JOIN_FILE
+    made = False
+    if not path.exists():
+        tmp = path.with_name(f".{JOIN_FILE}.{os.getpid()}.tmp")
+        write_atomic(tmp, tomli_w.dumps({"cluster": {"job": job}, "transport": {"join_secret": secrets.token_hex(16)}}), 0o600)
+        try:
+            os.link(tmp, path)
+            made = True
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink(missing_ok=True)
+    st = path.stat()
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{path} holds the job's join secret but is {'not yours' if st.st_uid != os.geteuid() else f'mode {st.st_mode & 0o777:o}'}: "
+                          "another user may have read or planted it; remove it (a new secret is made) or chmod 600 it if it is yours")
+    try:
+        secret = tomllib.loads(path.read_text())["transport"]["join_secret"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path} should hold [transport] join_secret, and cannot be read ({exc}): remove it and a new secret is made") from None
+    return secret, path, made
+
+
 def _private_dir(out: Path | str) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True, mode=0o700)

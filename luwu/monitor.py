@@ -108,9 +108,9 @@ def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOU
     return out
 
 
-def query_stats(address: str, job: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, curve: tuple[str, str, str] | None = None) -> dict:
+def query_stats(address: str, job: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, curve: tuple[str, str, str] | None = None, join_secret: str = "") -> dict:
     """The STATS ``detail`` of one node; raises NodeTimeoutError naming the address if it does not answer."""
-    (st,) = query_many([address], job, timeout_s, curve=curve)
+    (st,) = query_many([address], job, timeout_s, curve=curve, join_secret=join_secret)
     if not st.up:
         if st.error.startswith("no answer"):
             raise NodeTimeoutError(f"node {address} did not answer STATS within {timeout_s:g} s (is it up? is job {job!r} right?)")

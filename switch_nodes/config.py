@@ -71,9 +71,10 @@ class NodeConfig:
     """zmtp: the most connections open at once (workers, monitors); more are closed as they come."""
     join_secret: str = ""
     """zmtp: a connection must show this in its ZeroMQ handshake (workers and tools: transport.join_secret)
-    or it is closed before it may send a frame: no reply, no job state, no allocation. '' = anyone who
-    reaches the port may talk (loopback). A secret: never in argv (LUWU_NODE__JOIN_SECRET or a mode-600
-    --config file). With CURVE the keys do this."""
+    or it is closed before it may send a frame: no reply, no job state, no allocation. At least 128 bits;
+    a secret: never in argv (LUWU_NODE__JOIN_SECRET or a mode-600 --config file). With CURVE the keys do
+    this. '' without CURVE keys: ``luwu node`` makes one (<run dir>/keys/join.toml), ``luwu up`` and
+    ``local_cluster`` hand theirs over; only node.insecure_open serves without."""
     torch_threads: int = 1
     """Threads for the optimizer kernel; the event loop needs a core of its own for communication."""
     checkpoint_dir: str = ""
@@ -107,6 +108,10 @@ class NodeConfig:
     this order. Off: any listed key may be any rank, on any number of connections."""
     insecure_public_bind: bool = False
     """Allow binding a non-loopback address without CURVE keys (trusted networks only)."""
+    insecure_open: bool = False
+    """Serve anyone who reaches the port: no join secret, no CURVE keys (warned once at start). Off, a
+    node without either refuses to start, and ``luwu node`` / ``luwu up`` / ``local_cluster`` make a join
+    secret for it; every local user can reach a loopback port, so only a single-user machine is safe open."""
     inflight_bytes: int = 2 * 1024 * 1024 * 1024
     """Gradient accumulators (4 B per parameter of a bucket in flight, shared by the buckets) kept for
     reuse once given back, in bytes; more in flight at once is allocated and freed again."""
@@ -120,6 +125,16 @@ class NodeConfig:
         if self.listener == "auto":
             return not self.bind.startswith("inproc://")
         return self.listener == "zmtp"
+
+    @property
+    def gate(self) -> str:
+        """Who may talk to this node: 'CURVE keys', 'join secret', 'in-process' (inproc:// reaches no other
+        process), or '' (anyone who reaches the port: only with insecure_open)."""
+        if self.curve_secret_key:
+            return "CURVE keys"
+        if self.join_secret:
+            return "join secret"
+        return "in-process" if self.bind.startswith("inproc://") else ""
 
     @property
     def peer_budget(self) -> int:
@@ -173,5 +188,8 @@ class NodeConfig:
         host = self.bind.split("://", 1)[1].rsplit(":", 1)[0] if self.bind.startswith("tcp://") else "127.0.0.1"
         if host not in ("127.0.0.1", "localhost", "[::1]", "::1") and not host.startswith("127.") and not self.curve_secret_key and not self.insecure_public_bind:
             raise ConfigError(f"node.bind={self.bind!r} is not loopback: configure CURVE keys (luwu keys) or set node.insecure_public_bind = true on a trusted network")
+        if not self.gate and not self.insecure_open and not self.uses_zmtp:
+            raise ConfigError(f"node.listener = 'libzmq' cannot ask for a join secret, and no CURVE keys are set: configure CURVE keys "
+                              f"(luwu keys), use listener = 'zmtp' with a join secret, or set node.insecure_open = true to serve anyone who reaches {self.bind}")
         if not self.worker_timeout_s > 0:
             raise ConfigError(f"node.worker_timeout_s must be > 0, got {self.worker_timeout_s}")

@@ -6,17 +6,34 @@ import asyncio
 import logging
 import signal
 
+from luwu.protocol.errors import ConfigError
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.lines import METRICS_LINE
 from luwu.switch_nodes.server import NodeServer
 
-__all__ = ["METRICS_LINE", "run_node"]
+__all__ = ["METRICS_LINE", "check_gate", "run_node"]
 
 log = logging.getLogger(__name__)
 
 
+def check_gate(cfg: NodeConfig) -> str:
+    """Refuse a node that would serve anyone who reaches its port, unless told so: then the warning to
+    log once it is bound ('' for a node with a gate)."""
+    if cfg.gate:
+        return ""
+    if not cfg.insecure_open:
+        raise ConfigError(
+            f"node at {cfg.bind} has no gate: any local user could join the job and make it allocate. Give it a join secret "
+            "(LUWU_NODE__JOIN_SECRET, 32+ characters; `luwu node` and `luwu up` make one) or CURVE keys (luwu keys), "
+            "or set node.insecure_open = true to serve anyone"
+        )
+    return "is OPEN (node.insecure_open): anyone who reaches the port may join the job, claim ranks and make the node allocate; use a join secret or CURVE keys unless this machine has one user"
+
+
 def run_node(cfg: NodeConfig, *, job: str, registry=None, metrics=None, on_start=None) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit code."""
+    """Serve until SIGTERM/SIGINT; returns the process exit code. A node without a gate (join secret,
+    CURVE keys) refuses to start unless ``cfg.insecure_open``, which is warned once."""
+    open_warning = check_gate(cfg)
     try:
         import uvloop
 
@@ -40,6 +57,8 @@ def run_node(cfg: NodeConfig, *, job: str, registry=None, metrics=None, on_start
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.stop)
         server.bind()
+        if open_warning:
+            log.warning("node at %s %s", server.address, open_warning)
         if on_start is not None:
             on_start(server)
         await server.serve()

@@ -17,6 +17,23 @@ ROOT = Path(__file__).resolve().parent
 TRAIN = ROOT / "workers" / "train.py"
 
 
+def job_secret() -> str:
+    """The join secret the nodes of this process's local clusters ask for (they set it in the environment
+    while open): what the tests' own sockets show to be let in, as a worker does."""
+    return os.environ.get("LUWU_TRANSPORT__JOIN_SECRET", "")
+
+
+def member_socket(sock):
+    """``sock`` (a libzmq socket, not connected yet) showing :func:`job_secret` in its handshake."""
+    import zmq
+
+    from luwu.protocol.messages import join_metadata
+
+    if job_secret():
+        sock.setsockopt(zmq.METADATA, join_metadata(job_secret()))
+    return sock
+
+
 def start_workers(script: Path, spec: dict, world_size: int, tmp: Path, env: dict | None = None) -> list[subprocess.Popen]:
     path = tmp / f"spec-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(spec))

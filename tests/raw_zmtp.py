@@ -23,7 +23,13 @@ def frame(body: bytes, more: bool = False) -> bytes:
 class RawPeer:
     """A TCP connection that did the ZMTP 3 handshake as a DEALER and sends whatever it is told."""
 
-    def __init__(self, addr: str, timeout_s: float = 10.0, rcvbuf: int = 0, secret: str = ""):
+    def __init__(self, addr: str, timeout_s: float = 10.0, rcvbuf: int = 0, secret: str | None = None):
+        """``secret``: the join secret shown in READY; None: this process's local clusters' (a holder of the
+        job's secret who may then misbehave), '' none (a stranger)."""
+        if secret is None:
+            from harness import job_secret
+
+            secret = job_secret()
         host, port = addr.split("://", 1)[1].rsplit(":", 1)
         self.sock = socket.socket()
         if rcvbuf:

@@ -57,6 +57,29 @@ def warnings_for(cfg, node) -> list[str]:
     return [*out, argv_secret_warning(cfg)] if argv_secret_warning(cfg) else out
 
 
+def with_gate(node, job: str, run_dir: str | None) -> tuple:
+    """The node's settings with a gate, and the line that tells how workers join: unchanged when it has
+    one (join secret, CURVE keys) or is told to be open (node.insecure_open); else with the job's join
+    secret, made or read in the run dir's keys/join.toml."""
+    from pathlib import Path
+
+    from luwu.keyset import job_join_secret
+    from luwu.rundir import KEYS_DIR, default_run_dir, make_run_dir
+
+    if node.gate == "CURVE keys":
+        return node, "CURVE keys on: a worker joins with its own key file (worker<rank>.toml of luwu keys or luwu up)"
+    if node.gate == "join secret":
+        return node, "join secret on: workers and luwu status join with the same transport.join_secret (a mode-600 --config file or LUWU_TRANSPORT__JOIN_SECRET)"
+    if node.insecure_open or not node.uses_zmtp:
+        return node, ""
+    folder = Path(run_dir or default_run_dir(job))
+    make_run_dir(folder)
+    secret, path, made = job_join_secret(folder / KEYS_DIR, job)
+    line = (f"join secret on ({'made in' if made else 'read from'} {path}, mode 600): workers and luwu status join with "
+            f"--config {path} (after the cluster file) or LUWU_TRANSPORT__JOIN_SECRET set from it; node.insecure_open = true serves anyone")
+    return dataclasses.replace(node, join_secret=secret), line
+
+
 def cmd_node(args) -> int:
     from luwu.config import load_config
 
@@ -67,8 +90,14 @@ def cmd_node(args) -> int:
     node = own_node_config(cfg)
     for line in warnings_for(cfg, node):
         print(f"luwu node: warning: {line}", file=sys.stderr)
+    node, joining = with_gate(node, cfg.cluster.job, args.run_dir)
+
+    def bound(server) -> None:  # said once the port is ours: a node that cannot bind says one line only
+        if joining:
+            print(f"luwu node: {joining}", file=sys.stderr, flush=True)
+
     try:
-        return run_node(node, job=cfg.cluster.job, metrics=cfg.metrics)
+        return run_node(node, job=cfg.cluster.job, metrics=cfg.metrics, on_start=bound)
     except AddressInUse:
         return _busy("the node address", node.bind, "choose another port: --node.bind=tcp://HOST:PORT (port 0: any free port)")
     except OSError as exc:
@@ -78,11 +107,17 @@ def cmd_node(args) -> int:
 
 
 def register(subparsers) -> None:
-    add_command(
+    s = add_command(
         subparsers, "node", func=cmd_node, settings=True,
         help="run one node daemon in the foreground",
         description=(
             "Run one node daemon in the foreground. It prints 'LUWU_NODE_READY <address>' once bound. It binds node.bind if "
-            "given, else its own entry (node.index) of [cluster] nodes, else tcp://127.0.0.1:0 (any free port)."
+            "given, else its own entry (node.index) of [cluster] nodes, else tcp://127.0.0.1:0 (any free port). Without a join secret or CURVE keys "
+            "it makes the job's join secret in <run dir>/keys/join.toml (mode 600; nodes of the job started in the same run dir share it; "
+            "on several hosts give every node one secret, LUWU_NODE__JOIN_SECRET, or CURVE keys) and asks every "
+            "peer for it; node.insecure_open = true serves anyone instead."
         ),
     )
+    from luwu.rundir import RUN_ROOT
+
+    s.add_argument("--run-dir", metavar="DIR", help=f"where the join secret is made or found: DIR/keys/join.toml (default ./{RUN_ROOT}/<job>)")

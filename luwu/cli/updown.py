@@ -138,14 +138,16 @@ def register(subparsers) -> None:
             "Start N node daemons in the background, detached from the terminal, each with its own log and pid file in the "
             "run dir, plus one supervisor that restarts a daemon that dies (exponential backoff; restarts are counted in "
             "supervisor.log). Waits until every node is ready, then writes <run dir>/cluster.toml with the node addresses "
-            "(point workers and `luwu status` at it) and <run dir>/targets.json (Prometheus file_sd targets). "
+            "(`luwu status` reads it) and <run dir>/targets.json (Prometheus file_sd targets). "
             "Addresses: --nodes N gives tcp://HOST:BASE_PORT+i (port 0: any free port, the bound one is reused on restart); "
             "otherwise [cluster] nodes of --config. Extra --section.field=value flags are passed to every node "
             "(e.g. --node.checkpoint_dir=ckpt --node.checkpoint_every=100); secret ones (*secret*) reach the nodes through "
             "a mode 600 environment file, never their command line. Nodes bound to an address other hosts reach (--host "
             "0.0.0.0, a cluster file's host names) run CURVE: without keys configured, up makes them (node, one per worker "
             "rank, one for status) and writes <run dir>/keys/worker<r>.toml for rank r; node.insecure_public_bind = true "
-            "opts out, with a warning, and up makes a join secret instead (<run dir>/keys/join.toml for the workers). The run dir is mode 700, its plan, state, logs and keys mode 600."
+            "opts out, with a warning. Other nodes (loopback) ask for a join secret that up makes: workers use "
+            "<run dir>/keys/join.toml (the cluster file plus the secret); node.insecure_open = true serves anyone instead. "
+            "The run dir is mode 700, its plan, state, logs and keys mode 600."
         ),
     )
     s.add_argument("--nodes", type=int, default=None, metavar="N", help="number of nodes (default: the cluster file's node list, else 2)")

@@ -29,7 +29,7 @@ import pytest
 import torch
 import zmq
 import zmq.utils.monitor
-from harness import assert_params_close, run_training, proc_status
+from harness import assert_params_close, member_socket, run_training, proc_status
 from raw_zmtp import PING, MiB, RawPeer, frame
 from workers.train import DEFAULTS, make_model, reference
 
@@ -53,7 +53,7 @@ NODE_ARGS = ["--node.max_message_bytes", str(4 * MiB), "--node.peers_total_bytes
 
 
 def dealer(ctx: zmq.Context, addr: str, timeout_ms: int = 5000) -> zmq.Socket:
-    s = ctx.socket(zmq.DEALER)
+    s = member_socket(ctx.socket(zmq.DEALER))
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, timeout_ms)
     s.setsockopt(zmq.SNDTIMEO, timeout_ms)
@@ -390,10 +390,14 @@ class SideAttacks:
     the PONGs (it must be cut within 15 s), and one client keeps ``holders`` connections open, each
     leaving a 240 KiB message unfinished: more than node.peers_total_bytes together, so holders idle for
     a second are cut while others need room; each round counts the cut ones and opens new ones in their
-    place. ``stats`` counts what happened."""
+    place; and two strangers try to connect, one without the join secret, one with a wrong one (each must
+    be closed at the handshake). ``stats`` counts what happened."""
 
-    def __init__(self, addrs: list[str], holders: int = 100, rounds: int = 2) -> None:
-        self.addrs, self.holders, self.rounds = addrs, holders, rounds
+    HOLD_S = 3.0
+    """With a pause past 1 s: how long a round's holders stay before they are let go."""
+
+    def __init__(self, addrs: list[str], holders: int = 100, rounds: int = 2, pause_s: float = 1.0) -> None:
+        self.addrs, self.holders, self.rounds, self.pause_s = addrs, holders, rounds, pause_s
         self.stats: Counter = Counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="side-attacks", daemon=True)
@@ -413,15 +417,29 @@ class SideAttacks:
         try:
             while self.stats["rounds"] < self.rounds or not self._stop.is_set():
                 for addr in self.addrs:
+                    self._strangers(addr)
                     self._pings(addr)
                     held[addr] = self._hold(addr, held[addr])
                 self.stats["rounds"] += 1
-                self._stop.wait(1.0)
+                if self.pause_s > 1.0:  # the holders held HOLD_S (the nodes cut some), then a pause without them
+                    self._stop.wait(self.HOLD_S)
+                    held = {a: self._release(peers) for a, peers in held.items()}
+                self._stop.wait(max(0.0, self.pause_s - self.HOLD_S) if self.pause_s > 1.0 else self.pause_s)
         finally:
             for peers in held.values():
                 self._cut(peers)
                 for p in peers:
                     p.close()
+
+    def _strangers(self, addr: str) -> None:
+        """Connections without the job's join secret, and with a wrong one: each must be closed at the
+        handshake, with no READY back (counted as refused; one let in is counted as admitted)."""
+        for secret in ("", "f" * 32):
+            try:
+                RawPeer(addr, timeout_s=5, secret=secret).close()
+                self.stats["strangers_admitted"] += 1
+            except OSError:  # ConnectionError (closed) or a timeout: no READY, the handshake is where it ended
+                self.stats["strangers_refused"] += 1
 
     def _pings(self, addr: str) -> None:
         try:
@@ -450,6 +468,13 @@ class SideAttacks:
             held.append(p)
             self.stats["holders"] += 1
         return held
+
+    def _release(self, peers: list) -> list:
+        """Close ``peers`` (counting the ones the node cut); none is held any more."""
+        self._cut(peers)
+        for p in peers:
+            p.close()
+        return []
 
     def _cut(self, peers: list) -> list:
         """Those of ``peers`` the node disconnected (counted)."""
@@ -690,6 +715,7 @@ def fuzz_during_training(
     progress_every: int = 10_000,
     against_luwu: bool = False,
     side_attacks: bool = True,
+    side_pause_s: float = 1.0,
 ) -> StudyResult:
     """Start a 2-node cluster (checkpointing every CHECKPOINT_EVERY steps) and a 2-worker training; once
     both workers are connected, fuzz both nodes with ``num_messages`` messages (node RSS is taken after
@@ -729,7 +755,7 @@ def fuzz_during_training(
         kw = {"training_alive": th.is_alive, "on_progress": progress, "reconnect_every": reconnect_every, "progress_every": progress_every}
         rep = fuzz(cluster.addresses, fuzzers, min(warmup_messages, num_messages), **kw)
         rss_warm = [proc_status(pid)["VmRSS"] for pid in pids]
-        side = SideAttacks(cluster.addresses) if side_attacks else contextlib.nullcontext()
+        side = SideAttacks(cluster.addresses, pause_s=side_pause_s) if side_attacks else contextlib.nullcontext()
         with side:
             rep = fuzz(cluster.addresses, fuzzers, num_messages, rep=rep, **kw)
         th.join(600)
@@ -787,6 +813,7 @@ def assert_study(res: StudyResult, num_messages: int) -> None:
     if res.side:  # every peer that PINGs without reading was cut; holders past node.peers_total_bytes were cut
         assert res.side["ping_peers"] > 0 and res.side.get("ping_peers_kept", 0) == 0, res.side
         assert res.side.get("holders_cut", 0) > 0 and not res.side.get("connect_errors"), res.side
+        assert res.side["strangers_refused"] > 0 and not res.side.get("strangers_admitted"), res.side
 
 
 # -- tests ----------------------------------------------------------------------------------------------
@@ -998,7 +1025,7 @@ def test_a_worker_that_never_reads_its_replies_is_named_and_does_not_hold_the_no
     model = torch.nn.Linear(1024, 1024)  # 4 MB replies: the stuck peer's buffers fill in a step or two
     opt = luwu.RemoteOptimizer(model.parameters(), nodes=cluster1.addresses, job=JOB, lr=0.01, compression=False, rank=0, world_size=2, timeout_s=40)
     ctx = zmq.Context.instance()
-    stuck = ctx.socket(zmq.DEALER)
+    stuck = member_socket(ctx.socket(zmq.DEALER))
     stuck.setsockopt(zmq.LINGER, 0)
     stuck.setsockopt(zmq.RCVHWM, 1)
     stuck.setsockopt(zmq.RCVBUF, 4096)

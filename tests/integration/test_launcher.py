@@ -97,7 +97,14 @@ def test_up_status_restart_top_down(tmp_path, capsys):
         rc, rows = status_json(capsys, run_dir)
         assert rc == 0 and [row["up"] for row in rows] == [True, True], rows
         assert [row["address"] for row in rows] == cfg.cluster.nodes and [row["node"] for row in rows] == [0, 1]
-        detail = query_stats(cfg.cluster.nodes[1], job, timeout_s=5)
+        # Loopback nodes ask for the job's join secret, which up made and says how workers get.
+        join = run_dir / "keys" / "join.toml"
+        assert f"workers use {join}" in r.stdout.replace("\n", "") and f"--config {join}" in r.stdout, r.stdout
+        secret = load_config(str(join), env={}).transport.join_secret
+        assert len(secret) >= 32 and join.stat().st_mode & 0o777 == 0o600 and secret not in (run_dir / "cluster.toml").read_text()
+        with pytest.raises(NodeTimeoutError, match="did not answer STATS"):
+            query_stats(cfg.cluster.nodes[1], job, timeout_s=1)
+        detail = query_stats(cfg.cluster.nodes[1], job, timeout_s=5, join_secret=secret)
         assert detail["node"] == 1 and detail["address"] == cfg.cluster.nodes[1]
 
         # A second `up` on the same run dir is refused and names the supervisor.

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import zmq
-from harness import assert_params_close, tanh_mlp
+from harness import assert_params_close, member_socket, tanh_mlp
 
 import luwu
 from luwu.protocol import messages as wire
@@ -24,7 +24,7 @@ WIDTH = 8
 
 def ask(addr: str, op: Op) -> dict:
     """One message ``op`` from a connection of its own (as worker 0, without HELLO); the answer's header."""
-    s = zmq.Context.instance().socket(zmq.DEALER)
+    s = member_socket(zmq.Context.instance().socket(zmq.DEALER))
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 5000)
     s.connect(addr)
@@ -256,9 +256,12 @@ def test_an_address_where_nothing_listens_fails_at_once_naming_it():
 
 
 @pytest.mark.timeout(90)
-def test_a_normal_start_logs_no_waiting_warning():
+def test_a_normal_start_logs_no_waiting_warning(monkeypatch):
     """Rank 1 connecting a few seconds after rank 0 is a normal start: the node says nothing at its default
     log level (WARNING) about the ranks it waits for."""
+    secret = "0123456789abcdef" * 2
+    monkeypatch.setenv("LUWU_NODE__JOIN_SECRET", secret)
+    monkeypatch.setenv("LUWU_TRANSPORT__JOIN_SECRET", secret)
     node = subprocess.Popen(
         [
             sys.executable,

@@ -7,7 +7,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from harness import assert_params_close, run_training
+from harness import assert_params_close, member_socket, run_training
 from workers.train import reference
 
 import luwu
@@ -17,7 +17,7 @@ from luwu.protocol.messages import Op
 
 def dealer(addr):
     ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
+    s = member_socket(ctx.socket(zmq.DEALER))
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 5000)
     s.connect(addr)

@@ -19,7 +19,7 @@ import pytest
 import uvloop
 import zmq
 import zmq.utils.monitor
-from harness import assert_params_close, proc_status, run_training
+from harness import assert_params_close, member_socket, proc_status, run_training
 from integration.test_hostile_input import JOB, ask, job_layout, pack, stats, templates, wait_for_workers
 from workers.train import reference
 
@@ -106,7 +106,7 @@ def served():
 
 
 def dealer(addr: str) -> zmq.Socket:
-    s = zmq.Context.instance().socket(zmq.DEALER)
+    s = member_socket(zmq.Context.instance().socket(zmq.DEALER))
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 10_000)
     s.connect(addr)
@@ -465,7 +465,7 @@ def test_a_node_with_a_join_secret_gives_a_stranger_nothing(tmp_path, monkeypatc
         assert SECRET not in " ".join(open(f"/proc/{cluster.procs[0].pid}/cmdline").read().split("\0"))
         assert closed_at_handshake(addr, None) and closed_at_handshake(addr, "wrong")
         with pytest.raises(ConnectionError):
-            RawPeer(addr)  # no READY back: the handshake is where it ends
+            RawPeer(addr, secret="")  # no READY back: the handshake is where it ends
         (st,) = query_many([addr], JOB, 5, join_secret=SECRET)
         assert st.up and st.detail["workers"] == 0, st
         (st,) = query_many([addr], JOB, 2)

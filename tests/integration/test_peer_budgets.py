@@ -19,7 +19,8 @@ import tomllib
 import pytest
 import torch
 import zmq
-from harness import TRAIN, assert_params_close, run_training, wait_all
+from checkpoint_files import rewrite_manifest
+from harness import TRAIN, assert_params_close, job_secret, member_socket, run_training, wait_all
 from integration.test_curve_listener import CurvePeer
 from integration.test_hostile_input import JOB, job_layout, pack, templates
 from integration.test_peer_bounds import SECRET, SPEC, rss, served  # noqa: F401  (served: the fixture)
@@ -39,12 +40,14 @@ def node_log(capfd) -> list[str]:
 
 
 def ask(
-    addr: str, header: dict, secret: str = "", curve: tuple[str, str, str] | None = None
+    addr: str, header: dict, secret: str | None = None, curve: tuple[str, str, str] | None = None
 ) -> wire.Message:
-    """One request from a fresh libzmq DEALER (showing ``secret`` / CURVE keys), one reply within 10 s."""
+    """One request from a fresh libzmq DEALER (showing ``secret``, None: this process's local clusters'
+    (:func:`harness.job_secret`); or CURVE keys), one reply within 10 s."""
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
     s.setsockopt(zmq.RCVTIMEO, 10_000)
+    secret = job_secret() if secret is None else secret
     if secret:
         s.setsockopt(zmq.METADATA, wire.join_metadata(secret))
     if curve is not None:
@@ -442,7 +445,7 @@ def test_a_worker_whose_library_reads_for_it_but_that_never_takes_its_replies_is
     ctx = zmq.Context.instance()
     socks = []
     for w in range(2):
-        s = ctx.socket(zmq.DEALER)
+        s = member_socket(ctx.socket(zmq.DEALER))
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RCVHWM, 4)
         if w == 1:

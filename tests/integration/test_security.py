@@ -8,6 +8,7 @@ import tomllib
 import pytest
 import torch
 import zmq
+from harness import member_socket
 
 import luwu
 from luwu.gpu_workers.config import TransportConfig
@@ -79,7 +80,7 @@ def test_a_known_layout_hash_with_other_buckets_is_refused_before_allocation(clu
     pid = cluster1.procs[0].pid
     rss = lambda: int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:")).split()[1]) * 1024  # noqa: E731
     ctx = zmq.Context.instance()
-    socks = [ctx.socket(zmq.DEALER) for _ in range(2)]
+    socks = [member_socket(ctx.socket(zmq.DEALER)) for _ in range(2)]
     for s in socks:
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.RCVTIMEO, 5000)

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import time
+import tomllib
 
 import pytest
 import torch
@@ -10,11 +11,34 @@ import torch
 import luwu
 
 
+def _node(*args: str, env: dict | None = None) -> subprocess.Popen:
+    """``luwu node`` with ``args``, its stdout and stderr piped."""
+    return subprocess.Popen([sys.executable, "-m", "luwu", "node", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _stop(*nodes: subprocess.Popen) -> None:
+    for node in nodes:
+        node.terminate()
+    for node in nodes:
+        node.wait(20)
+
+
+def _joining_line(node: subprocess.Popen) -> str:
+    """The node's first stderr line that tells how workers join."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = node.stderr.readline()
+        if "join" in line or not line:
+            return line
+    return ""
+
+
 @pytest.mark.timeout(90)
-def test_node_says_which_ranks_it_waits_for():
-    node = subprocess.Popen([sys.executable, "-m", "luwu", "node", "--node.bind", "tcp://127.0.0.1:0", "--node.index", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def test_node_says_which_ranks_it_waits_for(tmp_path, monkeypatch):
+    node = _node("--node.bind", "tcp://127.0.0.1:0", "--node.index", "0", "--run-dir", str(tmp_path))
     try:
         addr = node.stdout.readline().split()[1]
+        monkeypatch.setenv("LUWU_TRANSPORT__JOIN_SECRET", tomllib.loads((tmp_path / "keys" / "join.toml").read_text())["transport"]["join_secret"])
         opt = luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=[addr], rank=0, world_size=3, timeout_s=10)
         try:
             deadline = time.monotonic() + 30
@@ -26,8 +50,78 @@ def test_node_says_which_ranks_it_waits_for():
         finally:
             opt.close()
     finally:
-        node.terminate()
-        node.wait(20)
+        _stop(node)
+
+
+@pytest.mark.timeout(120)
+def test_a_default_node_asks_every_peer_for_the_jobs_join_secret(tmp_path, monkeypatch):
+    """`luwu node` without a secret or keys makes the job's join secret in <run dir>/keys/join.toml (mode
+    600, folder 700), says how workers join, and a second node of the job in the same run dir asks for the
+    same one. A worker without it is told at once what it lacks and how to get it; a stranger's HELLO never
+    reaches the node (no WELCOME, nothing allocated); a worker given the file trains on both nodes."""
+    from luwu.config import load_config
+    from luwu.protocol import messages as wire
+
+    monkeypatch.delenv("LUWU_TRANSPORT__JOIN_SECRET", raising=False)
+    nodes = [_node("--node.index", str(i), "--run-dir", str(tmp_path), "--cluster.job", "gated") for i in range(2)]
+    try:
+        addrs = [n.stdout.readline().split()[1] for n in nodes]
+        lines = [_joining_line(n) for n in nodes]
+        join = tmp_path / "keys" / "join.toml"
+        assert all("join secret on" in line and str(join) in line and "--config" in line for line in lines), lines
+        assert sorted("made in" in line for line in lines) == [False, True], lines  # one made it, the other read it
+        assert join.stat().st_mode & 0o777 == 0o600 and (tmp_path / "keys").stat().st_mode & 0o777 == 0o700
+        secret = tomllib.loads(join.read_text())["transport"]["join_secret"]
+        assert len(secret) >= 32
+
+        t0 = time.monotonic()
+        with pytest.raises(luwu.NodeTimeoutError, match="closed 3 connections at the ZeroMQ handshake") as e:
+            luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=addrs, rank=0, world_size=1, job="gated")
+        assert time.monotonic() - t0 < 10 and "keys/join.toml" in str(e.value) and "neither a join secret" in str(e.value)
+
+        import zmq
+
+        ctx = zmq.Context()
+        try:  # a stranger's HELLO: the connection is cut before its first frame is read
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(addrs[0])
+            hello = {"op": wire.Op.HELLO, "job": "gated", "worker": 0, "world_size": 1, "layout": "ab" * 16, "buckets": []}
+            s.send_multipart(wire.encode(hello))
+            assert not s.poll(1500)
+            s.close(0)
+        finally:
+            ctx.term()
+
+        model = torch.nn.Linear(4, 2)
+        opt = luwu.RemoteOptimizer(model, nodes=addrs, rank=0, world_size=1, config=load_config(str(join)), lr=0.1)
+        try:
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+        finally:
+            opt.close()
+    finally:
+        _stop(*nodes)
+
+
+@pytest.mark.timeout(90)
+def test_an_open_node_is_only_one_told_so_and_it_warns(tmp_path):
+    """node.insecure_open = true: no secret is made, the node warns once that anyone may join; with the
+    libzmq listener (which cannot ask for a secret) and no keys, a node refuses to start unless told so."""
+    node = _node("--node.insecure_open", "true", "--run-dir", str(tmp_path))
+    try:
+        addr = node.stdout.readline().split()[1]
+        opt = luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=[addr], rank=0, world_size=1)
+        opt.close()
+    finally:
+        _stop(node)
+    err = node.stderr.read()
+    assert err.count("is OPEN (node.insecure_open)") == 1, err
+    assert not (tmp_path / "keys").exists()
+    r = subprocess.run([sys.executable, "-m", "luwu", "node", "--node.listener", "libzmq"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "node.insecure_open = true" in r.stderr and "CURVE keys" in r.stderr, r.stderr
 
 
 @pytest.mark.timeout(90)
@@ -68,13 +162,12 @@ def test_a_node_binds_its_entry_of_the_cluster_file(tmp_path):
     nodes = [f"tcp://127.0.0.1:{p}" for p in ports]
     cluster = tmp_path / "cluster.toml"
     cluster.write_text(f'[cluster]\nnodes = ["{nodes[0]}", "{nodes[1]}"]\n')
-    node = subprocess.Popen([sys.executable, "-m", "luwu", "node", "--config", str(cluster), "--node.index", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node = _node("--config", str(cluster), "--node.index", "1", "--run-dir", str(tmp_path))
     try:
         line = node.stdout.readline()
         assert line.split()[:2] == ["LUWU_NODE_READY", nodes[1]], line
     finally:
-        node.terminate()
-        node.wait(20)
+        _stop(node)
 
 
 @pytest.mark.timeout(90)
@@ -85,7 +178,7 @@ def test_a_busy_port_is_one_line_that_names_the_address():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         address = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
-        r = subprocess.run([sys.executable, "-m", "luwu", "node", "--node.bind", address], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-m", "luwu", "node", "--node.bind", address, "--node.insecure_open", "true"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr

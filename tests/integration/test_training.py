@@ -73,7 +73,7 @@ def test_from_config_builds_everything_from_the_cluster_file(cluster2, tmp_path)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     ref.load_state_dict(model.state_dict())
-    opt = luwu.RemoteOptimizer.from_config(model, load_config(str(f), env={}), lr=0.01, rank=0, world_size=1)
+    opt = luwu.RemoteOptimizer.from_config(model, load_config(str(f), env={"LUWU_TRANSPORT__JOIN_SECRET": cluster2.join_secret}), lr=0.01, rank=0, world_size=1)
     lopt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     try:
         assert opt.nodes == cluster2.addresses and opt.capacities == [1.0, 3.0]
