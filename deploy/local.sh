@@ -8,7 +8,9 @@
 #
 # Environment: LUWU_PYTHON (default python3), LUWU_CONFIG (a base cluster file for settings such as
 # [node] checkpoint_dir), LUWU_JOB (default luwu), LUWU_RUN_DIR (default .luwu-run/$LUWU_JOB).
-# The resolved cluster file for workers is $LUWU_RUN_DIR/cluster.toml.
+# The resolved cluster file is $LUWU_RUN_DIR/cluster.toml; it holds no secret, so workers join with
+# $LUWU_RUN_DIR/keys/join.toml (the nodes ask for the job's join secret, which up made) or, when up made
+# CURVE keys, rank r with keys/worker<r>.toml. train picks the right one.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -59,8 +61,12 @@ case "$cmd" in
       exec "$py" -m torch.distributed.run --standalone --nproc-per-node "$nproc" --no-python \
         bash -c 'exec "$0" "$1" --config "$2/keys/worker$RANK.toml" "${@:3}"' "$py" "$here/train_example.py" "$run_dir" "$@"
     fi
+    config=$run_dir/cluster.toml
+    if [ -f "$run_dir/keys/join.toml" ]; then  # the nodes ask for the job's join secret: every rank shows it
+      config=$run_dir/keys/join.toml
+    fi
     exec "$py" -m torch.distributed.run --standalone --nproc-per-node "$nproc" \
-      "$here/train_example.py" --config "$run_dir/cluster.toml" "$@"
+      "$here/train_example.py" --config "$config" "$@"
     ;;
   -h | --help | help)
     usage 0

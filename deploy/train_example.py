@@ -1,8 +1,11 @@
 """A small LuWu training job driven by a cluster file: the worker side of every deploy recipe.
 
-    luwu up --nodes 2                                   # writes .luwu-run/luwu/cluster.toml
-    torchrun --nproc-per-node 2 deploy/train_example.py --config .luwu-run/luwu/cluster.toml
+    luwu up --nodes 2                                   # writes .luwu-run/luwu/cluster.toml and keys/
+    torchrun --nproc-per-node 2 deploy/train_example.py --config .luwu-run/luwu/keys/join.toml
     luwu top                                            # in another terminal
+
+The nodes ask for the job's join secret: keys/join.toml is the cluster file plus that secret (with
+CURVE keys, rank r uses keys/worker<r>.toml instead); the bare cluster.toml is refused.
 
 Each process is one worker (rank and world size from torchrun's RANK / WORLD_SIZE
 / LOCAL_RANK). It trains an MLP on a synthetic task (labels from a fixed random
@@ -49,7 +52,8 @@ def batches(rank: int, steps: int, batch: int):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, action="append", help="cluster file ([cluster] job, nodes; what `luwu up` writes); repeat to layer a file of your own over it")
+    p.add_argument("--config", required=True, action="append", help="cluster file with what lets this worker in: keys/join.toml (or keys/worker<r>.toml with CURVE) of `luwu up` "
+                   "and the launchers; repeat to layer a file of your own over it (a later file's settings win)")
     p.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
     p.add_argument("--batch", type=int, default=64, help="samples per worker per step (default 64)")
     p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")

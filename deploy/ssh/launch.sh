@@ -11,20 +11,26 @@
 # the line's position. SSH_TARGET is [user@]address: the address (what follows @) is what the node binds
 # and what workers connect to, so it must be an address of that host that the workers can reach.
 # The cluster file (the base file's settings + [cluster] nodes from the hosts file) is written to
-# $LUWU_RUN_DIR/cluster.toml here and copied to $LUWU_REMOTE_DIR/cluster.toml on every host; give the
-# same file to the workers (RemoteOptimizer(nodes=load_config(FILE).cluster.nodes), train_example.py).
+# $LUWU_RUN_DIR/cluster.toml here and copied to $LUWU_REMOTE_DIR/cluster.toml on every host. It holds
+# no secret, so it does not let a worker in: workers get a file of keys/ (below), which holds it too.
 # Node traffic crosses the network, so the nodes run CURVE: start makes the job's keys in $LUWU_RUN_DIR/keys
 # (luwu keys, mode 600): node.env goes to every host (into a mode 700 dir) and is read by the node's
 # shell, never put on its command line; worker rank r uses keys/worker<r>.toml (the cluster file plus
 # its own key pair) as its --config; status uses keys/monitor.toml. A later start keeps the keys (and
 # the node list in the worker files): remove $LUWU_RUN_DIR/keys after changing the hosts file.
+# LUWU_INSECURE_PUBLIC_BIND=1 (a trusted private network only) runs the nodes without keys, and so
+# without encryption; they still ask for the job's join secret, made once here (python -m
+# luwu.deploy.join; LUWU_NODE__JOIN_SECRET if set, else the one of an earlier start): keys/node.env
+# (LUWU_NODE__JOIN_SECRET) goes to every host as above, every worker rank uses keys/join.toml (the
+# cluster file plus the secret) as its --config, and status uses keys/monitor.toml.
 #
 # Environment: LUWU_SSH (default "ssh -o BatchMode=yes"), LUWU_SCP (default "scp -q -o BatchMode=yes"),
 # LUWU_PYTHON (here, default python3), LUWU_REMOTE_PYTHON (on the hosts, default python3),
 # LUWU_RUN_DIR (here, default .luwu-run/ssh), LUWU_REMOTE_DIR (on the hosts, default .luwu-run/ssh,
 # relative to the remote home), LUWU_START_TIMEOUT (default 120), LUWU_STOP_TIMEOUT (default 60),
 # LUWU_WORKERS (worker key files to make, default 8), LUWU_INSECURE_PUBLIC_BIND=1 (no keys, no encryption:
-# anyone who reaches the node ports joins the job; a trusted private network only, with a warning).
+# anyone who can read the network sees the traffic and the join secret; a trusted private network
+# only, with a warning).
 set -euo pipefail
 
 read -r -a ssh_cmd <<<"${LUWU_SSH:-ssh -o BatchMode=yes}"
@@ -115,19 +121,26 @@ print(f"cluster file {out}: job {cfg.cluster.job!r}, {len(cfg.cluster.nodes)} no
 PY
 }
 
-# The job's CURVE keys (once: a restart keeps the workers' files valid), or the warned opt-out.
+# The job's CURVE keys (once: a restart keeps the workers' files valid), or the warned opt-out with
+# one join secret for every node (node.env), the workers (join.toml) and status (monitor.toml).
 make_keys() {
   if [ "$insecure" = 1 ]; then
-    echo "launch.sh: WARNING: LUWU_INSECURE_PUBLIC_BIND=1: the nodes run without encryption; anyone who reaches their ports can join the job" >&2
-    rm -f "$keys_dir/node.env"
-  elif [ ! -f "$keys_dir/node.env" ]; then
-    "$py" -m luwu keys --out "$keys_dir" --workers "$workers" --cluster "$run_dir/cluster.toml"
+    echo "launch.sh: WARNING: LUWU_INSECURE_PUBLIC_BIND=1: the nodes run without encryption; anyone who can read their traffic learns the join secret and can join the job" >&2
+    rm -f "$keys_dir/node.toml" "$keys_dir"/worker*.toml  # a CURVE start's keys: those nodes are gone
+    "$py" -m luwu.deploy.join "$keys_dir" "$run_dir/cluster.toml"
+  else
+    if [ -f "$keys_dir/join.toml" ]; then  # an insecure start's files: its node.env holds no keys
+      rm -f "$keys_dir/join.toml" "$keys_dir/monitor.toml" "$keys_dir/node.env"
+    fi
+    if [ ! -f "$keys_dir/node.env" ]; then
+      "$py" -m luwu keys --out "$keys_dir" --workers "$workers" --cluster "$run_dir/cluster.toml"
+    fi
   fi
 }
 
-# What luwu status reads: the monitor's keys when there are keys.
+# What luwu status reads: the monitor's keys (CURVE) or the join secret, once start made them.
 status_file() {
-  if [ -f "$keys_dir/monitor.toml" ] && [ "$insecure" != 1 ]; then
+  if [ -f "$keys_dir/monitor.toml" ]; then
     printf '%s' "$keys_dir/monitor.toml"
   else
     printf '%s' "$run_dir/cluster.toml"
@@ -153,7 +166,8 @@ start_node() {
     if [ -f node.env ]; then
       chmod 600 node.env
       set -a; . ./node.env; set +a
-    elif [ "$insecure" = 1 ]; then
+    fi
+    if [ "$insecure" = 1 ]; then
       export LUWU_NODE__INSECURE_PUBLIC_BIND=true
     fi
     umask 077

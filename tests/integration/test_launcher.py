@@ -300,6 +300,81 @@ def test_ssh_launcher_with_a_local_ssh(tmp_path):
                 os.kill(p, signal.SIGKILL)
 
 
+# `ssh TARGET COMMAND` / `scp SRC TARGET:DST` run here, each TARGET in a home folder of its own under
+# $HOMES: the "hosts" share no file, as real ones do not (a relative remote path is in that home).
+SSH_HOME_SHIM = '#!/bin/sh\nhome="$HOMES/$(printf %s "$1" | tr @ _)"\nshift\nmkdir -p "$home" && cd "$home" && exec sh -c "$*"\n'
+SCP_HOME_SHIM = (
+    '#!/bin/sh\nhome="$HOMES/$(printf %s "${2%%:*}" | tr @ _)"\ndst=${2#*:}\n'
+    'case "$dst" in /*) ;; *) mkdir -p "$home" && dst="$home/$dst" ;; esac\nexec cp "$1" "$dst"\n'
+)
+
+
+@pytest.mark.timeout(240)
+def test_ssh_launcher_insecure_gives_every_node_one_join_secret(tmp_path):
+    """LUWU_INSECURE_PUBLIC_BIND=1: no keys, but the launcher makes ONE join secret for the job and
+    every node reads it from its node.env (each on a "host" of its own, where a node left to itself
+    would make a secret of its own); a worker with keys/join.toml trains on both, status uses monitor.toml."""
+    homes = tmp_path / "homes"
+    for name, text in (("ssh", SSH_HOME_SHIM), ("scp", SCP_HOME_SHIM)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"me@127.0.0.1 {ports[0]}\n127.0.0.1 {ports[1]}\n")
+    (tmp_path / "base.toml").write_text('[cluster]\njob = "sshjoin"\n')
+    here, keys = tmp_path / "here", tmp_path / "here" / "keys"
+    remotes = [homes / "me_127.0.0.1" / ".luwu-run" / "ssh", homes / "127.0.0.1" / ".luwu-run" / "ssh"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LUWU_")}
+    env.update(
+        HOMES=str(homes), LUWU_SSH=str(tmp_path / "ssh"), LUWU_SCP=str(tmp_path / "scp"), LUWU_PYTHON=sys.executable, LUWU_REMOTE_PYTHON=sys.executable,
+        LUWU_RUN_DIR=str(here), LUWU_START_TIMEOUT="30", LUWU_STOP_TIMEOUT="10", LUWU_INSECURE_PUBLIC_BIND="1", COLUMNS="200",
+    )
+    script = str(ROOT / "deploy" / "ssh" / "launch.sh")
+    pids: list[int] = []
+    try:
+        r = subprocess.run([script, "start", str(hosts), str(tmp_path / "base.toml")], capture_output=True, text=True, timeout=120, env=env)
+        pids = [p for p in (read_pid(d / f"node-{i}.pid") for i, d in enumerate(remotes)) if p is not None]
+        logs = "\n".join(f"--- {f}\n{f.read_text()[-1500:]}" for f in homes.rglob("node-*.log"))
+        assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n{logs}"
+        assert "WARNING: LUWU_INSECURE_PUBLIC_BIND=1" in r.stderr and r.stdout.count(" UP ") == 2 and len(pids) == 2
+        assert sorted(f.name for f in keys.iterdir()) == ["join.toml", "monitor.toml", "node.env"]
+        assert all(f.stat().st_mode & 0o777 == 0o600 for f in keys.iterdir()) and keys.stat().st_mode & 0o777 == 0o700
+        join = load_config(str(keys / "join.toml"), env={})
+        secret, nodes = join.transport.join_secret, join.cluster.nodes
+        assert len(secret) >= 32 and nodes == [f"tcp://127.0.0.1:{p}" for p in ports] and join.cluster.job == "sshjoin"
+        assert load_config(str(keys / "monitor.toml"), env={}).transport.join_secret == secret
+        assert secret not in (here / "cluster.toml").read_text()
+        for pid, remote in zip(pids, remotes):  # one secret, on every host, never on a command line
+            assert (remote / "node.env").read_text() == f"LUWU_NODE__JOIN_SECRET='{secret}'\n" and (remote / "node.env").stat().st_mode & 0o777 == 0o600
+            assert secret not in Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+            assert not list(remote.rglob("join.toml")), "the node made a secret of its own"
+        assert not any(s.up for s in query_many(nodes, "sshjoin", 1.5)), "no secret, no answer"
+        assert all(s.up for s in query_many(nodes, "sshjoin", 10, join_secret=secret))
+
+        worker_env = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", PYTHONUNBUFFERED="1")
+        w = subprocess.run([sys.executable, str(ROOT / "deploy" / "train_example.py"), "--config", str(keys / "join.toml"), "--steps", "5", "--batch", "8",
+                            "--metrics-port", "-1", "--transport.bucket_bytes=16384"], capture_output=True, text=True, timeout=120, env=worker_env)
+        assert w.returncode == 0 and "LUWU_WORKER_DONE rank 0 steps 5" in w.stdout, w.stdout[-2000:] + w.stderr[-3000:]
+        st = subprocess.run([script, "status", str(hosts), "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert st.returncode == 0, st.stdout + st.stderr
+        assert [(row["node"], row["step"]) for row in json.loads(st.stdout)] == [(0, 5), (1, 5)], st.stdout
+
+        again = subprocess.run([script, "start", str(hosts), str(tmp_path / "base.toml")], capture_output=True, text=True, timeout=120, env=env)
+        assert again.returncode == 0 and again.stdout.count("already running") == 2, again.stdout + again.stderr
+        assert load_config(str(keys / "join.toml"), env={}).transport.join_secret == secret, "a restart keeps the workers' file valid"
+        stop = subprocess.run([script, "stop", str(hosts)], capture_output=True, text=True, timeout=60, env=env)
+        assert stop.returncode == 0, stop.stderr
+        assert not [p for p in pids if pid_alive(p)]
+    finally:
+        for p in pids:
+            if pid_alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
 def test_plan_from_a_cluster_file_and_the_file_written_back(tmp_path):
     """Without --nodes, `up` binds the cluster file's addresses; the file it writes back loads to the same settings."""
     import argparse
@@ -360,9 +435,11 @@ FAKE_SCONTROL = '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] || exit 2\ntr , "\\
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_slurm_batch_script_with_local_srun(tmp_path):
+@pytest.mark.parametrize("insecure", [False, True], ids=["curve", "join-secret"])
+def test_slurm_batch_script_with_local_srun(tmp_path, insecure):
     """deploy/slurm/luwu.sbatch end to end on a fake two-host allocation (both this machine): 2 node
-    daemons via srun, then torchrun workers of train_example.py, then the nodes stopped with SIGTERM."""
+    daemons via srun, then torchrun workers of train_example.py, then the nodes stopped with SIGTERM.
+    With CURVE keys, or (LUWU_INSECURE_PUBLIC_BIND=1) with the one join secret the script makes."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -377,8 +454,10 @@ def test_slurm_batch_script_with_local_srun(tmp_path):
     env = dict(
         os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=f"{host},{host}", SLURM_SUBMIT_DIR=str(tmp_path),
         LUWU_PYTHON=sys.executable, LUWU_NODES_PER_HOST="2", LUWU_PORT=str(ports[0]), LUWU_METRICS_PORT=str(ports[2]), LUWU_RDZV_PORT=str(ports[4]),
-        LUWU_GPUS_PER_HOST="2", LUWU_START_TIMEOUT="120", LUWU_STOP_TIMEOUT="30", COLUMNS="200",
+        LUWU_GPUS_PER_HOST="2", LUWU_START_TIMEOUT="120", LUWU_STOP_TIMEOUT="30", COLUMNS="200", LUWU_INSECURE_PUBLIC_BIND=str(int(insecure)),
     )
+    for name in ("LUWU_NODE__JOIN_SECRET", "LUWU_TRANSPORT__JOIN_SECRET"):
+        env.pop(name, None)
     r = subprocess.run(["bash", str(ROOT / "deploy" / "slurm" / "luwu.sbatch"), str(ROOT / "deploy" / "train_example.py"), "--steps", "20", "--transport.bucket_bytes=16384"],
                        capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
     run = tmp_path / ".luwu-run" / "luwu-4242"
@@ -390,6 +469,9 @@ def test_slurm_batch_script_with_local_srun(tmp_path):
     for i in range(2):  # each node served the job and was stopped by SIGTERM, cleanly
         log = (run / f"node-{i}.log").read_text()
         assert f"node {i} serving job 'luwu-4242'" in log and f"node {i} stopped" in log, log
+        assert ("join secret on: " if insecure else "CURVE keys on") in log and "made in" not in log, "the node made no secret of its own"
+    keys = sorted(f.name for f in (run / "keys").iterdir())
+    assert keys == (["join.toml", "monitor.toml", "node.env"] if insecure else ["monitor.toml", "node.env", "node.toml", "worker0.toml", "worker1.toml"])  # 1 worker host x 2
 
 
 def test_cli_registers_the_commands():

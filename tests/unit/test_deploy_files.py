@@ -376,3 +376,42 @@ def test_k8s_pods_take_their_keys_from_a_secret():
         container = spec["containers"][0]
         assert any(m["name"] == volume["name"] and m["mountPath"] == "/etc/luwu-keys" for m in container["volumeMounts"])
         assert arg in " ".join(container["args"]) and "secret_key" not in " ".join(container["args"])
+
+
+# ----------------------------------------------------------------- one join secret per job (deploy/join.py)
+
+
+def test_join_files_give_the_nodes_workers_and_status_one_secret(tmp_path, monkeypatch):
+    """`python -m luwu.deploy.join KEYS CLUSTER`: node.env for every node, join.toml for every worker,
+    monitor.toml for status, one secret, mode 600; a second start keeps it; LUWU_NODE__JOIN_SECRET wins."""
+    from luwu.deploy.join import main, write_job_join_files
+    from luwu.keyset import read_env_file
+    from luwu.protocol.errors import ConfigError
+
+    for name in ("LUWU_NODE__JOIN_SECRET", "LUWU_TRANSPORT__JOIN_SECRET"):
+        monkeypatch.delenv(name, raising=False)
+    cluster, keys = tmp_path / "cluster.toml", tmp_path / "run" / "keys"
+    cluster.write_text('[cluster]\njob = "dj"\nnodes = ["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"]\n\n[optimizer]\nname = "sgd"\n')
+    keys.mkdir(parents=True)
+    (keys / "worker0.toml").write_text("keys")  # a folder of CURVE keys is not mixed with a secret
+    with pytest.raises(ConfigError, match="holds CURVE keys"):
+        write_job_join_files(keys, cluster)
+    (keys / "worker0.toml").unlink()
+    secret, files = write_job_join_files(keys, cluster)
+    assert sorted(f.name for f in keys.iterdir()) == ["join.toml", "monitor.toml", "node.env"] == sorted(f.name for f in files)
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files) and keys.stat().st_mode & 0o777 == 0o700
+    assert len(secret) == 32 and read_env_file(keys / "node.env") == {"LUWU_NODE__JOIN_SECRET": secret}
+    for name in ("join.toml", "monitor.toml"):
+        cfg = load_config(str(keys / name), env={})
+        assert cfg.transport.join_secret == secret and cfg.cluster.job == "dj" and cfg.optimizer.name == "sgd"
+        assert cfg.cluster.nodes == ["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"]
+    assert secret not in cluster.read_text()
+    assert write_job_join_files(keys, cluster)[0] == secret, "a restart keeps the workers' files valid"
+    mine = "f" * 32
+    monkeypatch.setenv("LUWU_NODE__JOIN_SECRET", mine)
+    assert main([str(keys), str(cluster)]) == 0
+    assert load_config(str(keys / "join.toml"), env={}).transport.join_secret == mine == read_env_file(keys / "node.env")["LUWU_NODE__JOIN_SECRET"]
+    monkeypatch.delenv("LUWU_NODE__JOIN_SECRET")
+    (keys / "join.toml").chmod(0o644)  # readable by others: the secret may be known, so it is not reused
+    assert main([str(keys), str(cluster)]) == 1
+    assert main([str(keys)]) == 2
