@@ -43,7 +43,7 @@ import torch
 from common import MIB, RESULTS, LoadMonitor, machine_info, md_table, median, node_threads_delta, paired_ratio, proc_usage, threads_cpu_s, verdict, write_results
 
 from luwu.gpu_workers.config import TransportConfig
-from luwu.keyset import KeySet
+from luwu.ops.keyset import KeySet
 
 JOB = "bench-transport"
 

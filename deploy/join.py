@@ -27,8 +27,8 @@ from pathlib import Path
 from luwu.protocol.errors import ConfigError
 
 from luwu.config import load_config
-from luwu.keyset import env_file_text, job_join_secret, write_join_files
-from luwu.rundir import NODE_ENV_FILE, write_atomic
+from luwu.ops.keyset import env_file_text, job_join_secret, write_join_files
+from luwu.ops.rundir import NODE_ENV_FILE, write_atomic
 
 __all__ = ["write_job_join_files"]
 

@@ -1,7 +1,7 @@
 """``python -m luwu.launcher up|down ...``: the same as ``luwu up|down`` (kept for scripts).
 
-The work is done by :mod:`luwu.daemons` (start, wait, stop), :mod:`luwu.supervisor`
-and :mod:`luwu.rundir`; the command line is :mod:`luwu.cli.updown`.
+The work is done by :mod:`luwu.ops.daemons` (start, wait, stop), :mod:`luwu.ops.supervisor`
+and :mod:`luwu.ops.rundir`; the command line is :mod:`luwu.cli.updown`.
 """
 
 import sys

@@ -1,6 +1,6 @@
 """``python -m luwu.status status|top ...``: the same as ``luwu status|top`` (kept for scripts).
 
-The work is done by :mod:`luwu.monitor`; the command line is :mod:`luwu.cli.status`
+The work is done by :mod:`luwu.ops.monitor`; the command line is :mod:`luwu.cli.status`
 and :mod:`luwu.cli.top`.
 """
 

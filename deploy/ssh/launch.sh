@@ -110,7 +110,7 @@ write_cluster_file() {
   "$py" - "$run_dir/cluster.toml" "$(node_list)" "$base" <<'PY'
 import sys
 from luwu.config import load_config
-from luwu.cluster_file import cluster_file_text
+from luwu.ops.cluster_file import cluster_file_text
 
 out, nodes, base = sys.argv[1], sys.argv[2], sys.argv[3] or None
 cfg = load_config(base, argv=[f"--cluster.nodes={nodes}"])  # validates the base file and the addresses

@@ -6,7 +6,7 @@ from luwu.cli.common import add_command
 
 
 def cmd_config_show(args) -> int:
-    from luwu.cluster_file import config_text
+    from luwu.ops.cluster_file import config_text
     from luwu.config import load_config
 
     cfg = load_config(args.config, argv=args.overrides)

@@ -7,11 +7,11 @@ from luwu.cli.common import add_command, positive_int
 
 def cmd_keys(args) -> int:
     """One key pair for the nodes, one per worker rank, one for ``luwu status``; files 0600 in a 0700 folder."""
-    from luwu.keyset import KeySet, write_keyset
+    from luwu.ops.keyset import KeySet, write_keyset
 
     shared = None
     if args.cluster:
-        from luwu.cluster_file import cluster_sections
+        from luwu.ops.cluster_file import cluster_sections
         from luwu.config import load_config
 
         cfg = load_config(args.cluster)

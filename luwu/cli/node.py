@@ -49,7 +49,7 @@ def _busy(what: str, address: str, hint: str) -> int:
 def warnings_for(cfg, node) -> list[str]:
     """What a node started this way should be told: no encryption on a network address, a secret on
     the command line (every local user reads it in ``ps``)."""
-    from luwu.keyset import argv_secret_warning, is_loopback
+    from luwu.ops.keyset import argv_secret_warning, is_loopback
 
     out = []
     if not is_loopback(node.bind) and not node.curve_secret_key and node.insecure_public_bind:
@@ -63,8 +63,8 @@ def with_gate(node, job: str, run_dir: str | None) -> tuple:
     secret, made or read in the run dir's keys/join.toml."""
     from pathlib import Path
 
-    from luwu.keyset import job_join_secret
-    from luwu.rundir import KEYS_DIR, default_run_dir, make_run_dir
+    from luwu.ops.keyset import job_join_secret
+    from luwu.ops.rundir import KEYS_DIR, default_run_dir, make_run_dir
 
     if node.gate == "CURVE keys":
         return node, "CURVE keys on: a worker joins with its own key file (worker<rank>.toml of luwu keys or luwu up)"
@@ -118,6 +118,6 @@ def register(subparsers) -> None:
             "peer for it; node.insecure_open = true serves anyone instead."
         ),
     )
-    from luwu.rundir import RUN_ROOT
+    from luwu.ops.rundir import RUN_ROOT
 
     s.add_argument("--run-dir", metavar="DIR", help=f"where the join secret is made or found: DIR/keys/join.toml (default ./{RUN_ROOT}/<job>)")

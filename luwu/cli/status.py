@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from luwu.cli.common import add_command
-from luwu.monitor import DEFAULT_TIMEOUT_S
+from luwu.ops.monitor import DEFAULT_TIMEOUT_S
 from luwu.protocol.errors import ConfigError
 
 
@@ -32,7 +32,7 @@ class Target:
 def _run_dir_file(run_dir: str) -> str:
     """What to read in a run dir: keys/monitor.toml (the cluster file plus the keys the nodes accept
     from the operator's tools) when ``up`` made keys, else cluster.toml."""
-    from luwu.rundir import CLUSTER_FILE, KEYS_DIR
+    from luwu.ops.rundir import CLUSTER_FILE, KEYS_DIR
 
     monitor = os.path.join(run_dir, KEYS_DIR, "monitor.toml")
     return monitor if os.path.exists(monitor) else os.path.join(run_dir, CLUSTER_FILE)
@@ -45,7 +45,7 @@ def resolve_cluster(args) -> Target:
     ``luwu up --nodes 2`` followed by a bare ``luwu status`` just works.
     """
     from luwu.config import load_config
-    from luwu.rundir import CLUSTER_FILE, default_run_dir
+    from luwu.ops.rundir import CLUSTER_FILE, default_run_dir
 
     path = args.config[-1] if args.config and len(args.config) == 1 else args.config  # one file, or the layered list
     if path is None and args.run_dir:
@@ -67,7 +67,7 @@ def resolve_cluster(args) -> Target:
 
 
 def _run_dir_of(path: str | None) -> Path | None:
-    from luwu.rundir import KEYS_DIR, PLAN_FILE
+    from luwu.ops.rundir import KEYS_DIR, PLAN_FILE
 
     if not path or not path.endswith(".toml"):
         return None
@@ -79,14 +79,14 @@ def _run_dir_of(path: str | None) -> Path | None:
 
 def restarts_of(target: Target) -> dict[str, int]:
     """How often the supervisor restarted each node, when the cluster file is a run dir's."""
-    from luwu.monitor import restart_counts
+    from luwu.ops.monitor import restart_counts
 
     return restart_counts(target.run_dir) if target.run_dir is not None else {}
 
 
 def warnings_of(target: Target) -> list[str]:
     """What ``luwu up`` warned about when it started the run (checkpoints off, no encryption)."""
-    from luwu.rundir import PLAN_FILE
+    from luwu.ops.rundir import PLAN_FILE
 
     if target.run_dir is None:
         return []
@@ -105,7 +105,7 @@ def console():
 
 
 def cmd_status(args) -> int:
-    from luwu.monitor import query_many, render_table, row
+    from luwu.ops.monitor import query_many, render_table, row
 
     target = resolve_cluster(args)
     addresses, job, source = target.addresses, target.job, target.source

@@ -26,7 +26,7 @@ def reread(args, target: Target) -> tuple[Target, str]:
 def cmd_top(args) -> int:
     from rich.live import Live
 
-    from luwu.monitor import NodeStatus, query_many, render_table
+    from luwu.ops.monitor import NodeStatus, query_many, render_table
 
     target = resolve_cluster(args)
     if not args.interval > 0:

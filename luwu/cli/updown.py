@@ -9,7 +9,7 @@ from pathlib import Path
 
 from luwu.cli.common import add_command, positive_int
 from luwu.protocol.errors import ConfigError
-from luwu.rundir import CLUSTER_FILE, KEYS_DIR, RUN_ROOT, default_run_dir
+from luwu.ops.rundir import CLUSTER_FILE, KEYS_DIR, RUN_ROOT, default_run_dir
 
 
 def _positive(args, *names: str) -> None:
@@ -34,10 +34,10 @@ def cmd_up(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from luwu import daemons
+    from luwu.ops import daemons
     from luwu.config import load_config
-    from luwu.keyset import argv_secret_warning
-    from luwu.supervisor import Plan
+    from luwu.ops.keyset import argv_secret_warning
+    from luwu.ops.supervisor import Plan
 
     console, err = Console(), Console(stderr=True)
     _positive(args, "timeout", "stop_timeout")
@@ -108,7 +108,7 @@ def next_steps(run_dir: Path, curve: bool = False, *, join: bool = False) -> lis
 def cmd_down(args) -> int:
     from rich.console import Console
 
-    from luwu import daemons
+    from luwu.ops import daemons
     from luwu.config import load_config
 
     console = Console(stderr=True)
@@ -156,7 +156,7 @@ def register(subparsers) -> None:
     s.add_argument("--metrics-port", type=int, default=None, metavar="P", help="node i serves /metrics on P+i; 0 = any free port, -1 = off (default: metrics.port of the config if set there, else 0)")
     s.add_argument("--run-dir", metavar="DIR", help=f"where pid files, logs and cluster.toml go (default ./{RUN_ROOT}/<job>)")
     s.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds for every node to be ready (default 60)")
-    from luwu.keyset import DEFAULT_WORKER_KEYS
+    from luwu.ops.keyset import DEFAULT_WORKER_KEYS
 
     s.add_argument("--workers", type=positive_int, default=None, metavar="N", help=f"worker key files to make when up makes CURVE keys (default cluster.world_size, else {DEFAULT_WORKER_KEYS})")
     s.add_argument("--stop-timeout", type=float, default=30.0, metavar="S", help="SIGTERM to SIGKILL when stopping a node, leaving time for its checkpoint (default 30)")

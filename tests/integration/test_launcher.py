@@ -20,9 +20,9 @@ import pytest
 from luwu.config import load_config
 from luwu.cli import main as launcher_main
 from luwu.cli import main as status_main
-from luwu.monitor import query_many, query_stats
+from luwu.ops.monitor import query_many, query_stats
 from luwu.protocol.errors import NodeTimeoutError
-from luwu.rundir import pid_alive, read_pid
+from luwu.ops.rundir import pid_alive, read_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "cluster.example.toml"
@@ -379,8 +379,8 @@ def test_plan_from_a_cluster_file_and_the_file_written_back(tmp_path):
     """Without --nodes, `up` binds the cluster file's addresses; the file it writes back loads to the same settings."""
     import argparse
 
-    from luwu.cluster_file import cluster_file_text
-    from luwu.daemons import plan_nodes as _plan_nodes
+    from luwu.ops.cluster_file import cluster_file_text
+    from luwu.ops.daemons import plan_nodes as _plan_nodes
 
     cfg = load_config(str(EXAMPLE), env={}, argv=["--node.mode=async", "--metrics.port=9400"])
     args = argparse.Namespace(nodes=None, host="127.0.0.1", base_port=0, metrics_port=None, config=str(EXAMPLE))

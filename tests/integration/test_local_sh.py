@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from luwu.rundir import pid_alive, read_pid
+from luwu.ops.rundir import pid_alive, read_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL_SH = str(ROOT / "deploy" / "local.sh")

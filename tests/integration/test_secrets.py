@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from luwu.cluster_file import reachable
+from luwu.ops.cluster_file import reachable
 from luwu.config import load_config
-from luwu.keyset import redact_args, split_secrets
-from luwu.monitor import query_many
-from luwu.rundir import pid_alive, read_pid
+from luwu.ops.keyset import redact_args, split_secrets
+from luwu.ops.monitor import query_many
+from luwu.ops.rundir import pid_alive, read_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 

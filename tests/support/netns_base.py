@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from luwu.rundir import pid_alive  # torch-free: the CLI and the watchdog start in milliseconds
+from luwu.ops.rundir import pid_alive  # torch-free: the CLI and the watchdog start in milliseconds
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ of a normal exit, a watchdog process (reading a pipe whose write end only the
 creator holds) cleans up the moment the creator dies even by SIGKILL, and each
 new cluster first removes clusters whose owner pid is dead.
 
-Of LuWu it imports only the torch-free ``luwu.rundir`` (torch takes 1+ s to load):
+Of LuWu it imports only the torch-free ``luwu.ops.rundir`` (torch takes 1+ s to load):
 the CLI and the watchdog must start in milliseconds. Bad settings raise ValueError.
 The settings, the ``ip``/``tc`` commands and the cleanup live in ``netns_base``;
 this module re-exports what a user needs, so one import is enough.

@@ -240,7 +240,7 @@ def test_up_hints_a_training_command_that_works_with_the_shipped_example(tmp_pat
 
 
 def _statuses():
-    from luwu.monitor import NodeStatus
+    from luwu.ops.monitor import NodeStatus
 
     busy = dict(node=0, step=123456, workers=4, world_size=4, buckets=12, params=10**9, bytes_in=5e11, bytes_out=4e11,
                 pushes=1e6, updates=1e5, uptime_s=90061.0, checkpoint_step=123000, checkpoint_age_s=185.0)
@@ -255,7 +255,7 @@ def _statuses():
 def _render(width: int, **kw) -> str:
     from rich.console import Console
 
-    from luwu.monitor import render_table
+    from luwu.ops.monitor import render_table
 
     console = Console(width=width, file=io.StringIO(), record=True)
     console.print(render_table(_statuses(), title="LuWu job x (cluster.toml); rates averaged since each node started", width=width, **kw))
@@ -279,7 +279,7 @@ def test_status_table_is_readable_at_80_columns(width):
 
 
 def test_status_json_has_the_restart_count_and_idle_reason():
-    from luwu.monitor import row
+    from luwu.ops.monitor import row
 
     busy, idle, down = _statuses()
     assert row(busy, restarts=2)["restarts"] == 2 and row(busy)["idle"] is None
@@ -288,8 +288,8 @@ def test_status_json_has_the_restart_count_and_idle_reason():
 
 
 def test_restart_counts_come_from_the_supervisor_state(tmp_path):
-    from luwu.monitor import restart_counts
-    from luwu.rundir import write_state
+    from luwu.ops.monitor import restart_counts
+    from luwu.ops.rundir import write_state
 
     write_state(tmp_path, {"nodes": [{"index": 0, "address": "tcp://127.0.0.1:1", "restarts": 2}, {"index": 1, "address": "", "restarts": 0}]})
     assert restart_counts(tmp_path) == {"tcp://127.0.0.1:1": 2}

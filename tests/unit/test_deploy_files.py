@@ -385,7 +385,7 @@ def test_join_files_give_the_nodes_workers_and_status_one_secret(tmp_path, monke
     """`python -m luwu.deploy.join KEYS CLUSTER`: node.env for every node, join.toml for every worker,
     monitor.toml for status, one secret, mode 600; a second start keeps it; LUWU_NODE__JOIN_SECRET wins."""
     from luwu.deploy.join import main, write_job_join_files
-    from luwu.keyset import read_env_file
+    from luwu.ops.keyset import read_env_file
     from luwu.protocol.errors import ConfigError
 
     for name in ("LUWU_NODE__JOIN_SECRET", "LUWU_TRANSPORT__JOIN_SECRET"):

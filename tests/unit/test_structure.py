@@ -245,3 +245,37 @@ def test_no_function_over_80_lines():
     offenders = [f"{path.relative_to(ROOT)}: {name} {n} lines"
                  for path in MODULES.values() for name, n in _long_functions(path)]
     assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(offenders)
+
+
+#: the operations package (the node daemons' life on a host) and the modules that live in it
+OPS = "luwu.ops"
+OPS_MODULES = {"daemons", "supervisor", "rundir", "cluster_file", "monitor", "keyset"}
+
+
+def _is_ops(module: str) -> bool:
+    return module == OPS or module.startswith(OPS + ".")
+
+
+def test_operations_live_under_luwu_ops_and_only_the_command_line_imports_them():
+    """``luwu/`` holds what a training script imports; run dirs, supervisor, keys and status
+    queries are ``luwu.ops``, loaded by the command line (``luwu.cli``) and by themselves only."""
+    missing = sorted({f"{OPS}.{m}" for m in OPS_MODULES} - set(MODULES))
+    assert not missing, f"operations modules missing from luwu/ops/: {missing}"
+    stray = sorted(f"luwu.{m}" for m in OPS_MODULES if f"luwu.{m}" in MODULES)
+    assert not stray, f"operations modules outside luwu/ops/: {stray}"
+    cli = [imp for imp in ALL_IMPORTS if _is_ops(imp.target) and imp.source.startswith("luwu.cli")]
+    assert cli, "no import of luwu.ops by luwu.cli found: the rule below would see nothing"
+    wrong = [f"{imp.where()}: {imp.source} imports {imp.target}" for imp in ALL_IMPORTS
+             if _is_ops(imp.target) and not _is_ops(imp.source)
+             and not imp.source.startswith("luwu.cli.")]
+    assert not wrong, "luwu.ops imported outside the command line:\n" + "\n".join(wrong)
+
+
+def test_every_package_folder_is_in_pyproject_packages():
+    """setuptools ships only the listed packages: a folder left out installs without its modules."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = {m for m, path in MODULES.items() if path.name == "__init__.py"}
+    missing = sorted(packages - set(tool["packages"]))
+    assert not missing, f"package folders missing from pyproject's packages: {missing}"

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from luwu.protocol.errors import ConfigError
-from luwu.keyset import read_env_file, redact_args
-from luwu.rundir import PLAN_FILE, SUPERVISOR_PID, exit_text, node_log, node_pid_file, open_log, write_atomic, write_state
+from luwu.ops.keyset import read_env_file, redact_args
+from luwu.ops.rundir import PLAN_FILE, SUPERVISOR_PID, exit_text, node_log, node_pid_file, open_log, write_atomic, write_state
 from luwu.switch_nodes.lines import METRICS_LINE, READY_LINE
 
 log = logging.getLogger(__name__)
@@ -254,7 +254,7 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m luwu.supervisor RUN_DIR``: detach once more, then supervise RUN_DIR."""
+    """``python -m luwu.ops.supervisor RUN_DIR``: detach once more, then supervise RUN_DIR."""
     (run_dir,) = sys.argv[1:] if argv is None else argv
     if os.fork():  # the parent (started by `up`, which waits for it) leaves at once:
         os._exit(0)  # the supervisor is reparented and never becomes a zombie of `up`

@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from luwu.rundir import write_atomic
+from luwu.ops.rundir import write_atomic
 
 HIDDEN = "<hidden>"
 LOOPBACK_HOSTS = ("localhost", "::1", "[::1]")

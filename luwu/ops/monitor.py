@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from luwu.protocol.errors import NodeTimeoutError, ProtocolError, error_for_code
 from luwu.protocol.messages import join_metadata
-from luwu.rundir import read_state
+from luwu.ops.rundir import read_state
 from luwu.units import human_bytes, human_seconds
 
 log = logging.getLogger(__name__)

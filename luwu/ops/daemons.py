@@ -1,13 +1,13 @@
 """Starting and stopping the node daemons of a run directory (``luwu up`` / ``luwu down``).
 
-``up`` writes a :class:`~luwu.supervisor.Plan` and starts one supervisor,
+``up`` writes a :class:`~luwu.ops.supervisor.Plan` and starts one supervisor,
 detached from the shell, which starts the daemons; it then waits until every
 node printed its READY line and writes ``cluster.toml`` (the resolved cluster
 file that training scripts and ``luwu status`` point at) and ``targets.json``
 (Prometheus file_sd targets of the nodes' /metrics). Secrets given to ``up``
 reach the nodes through a 0600 environment file, never their argv; when a node
 binds an address other hosts can reach and no keys are configured, ``up`` makes
-the job's CURVE keys itself (:mod:`luwu.keyset`). ``down`` stops the
+the job's CURVE keys itself (:mod:`luwu.ops.keyset`). ``down`` stops the
 supervisor first (so nothing it stops is restarted), then makes sure of every
 pid file itself, in case the supervisor was killed.
 """
@@ -22,12 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-from luwu.cluster_file import cluster_file_text, cluster_sections, reachable
+from luwu.ops.cluster_file import cluster_file_text, cluster_sections, reachable
 from secrets import token_hex
 
-from luwu.keyset import DEFAULT_WORKER_KEYS, KeySet, env_file_text, is_loopback, split_secrets, write_join_files, write_keyset
+from luwu.ops.keyset import DEFAULT_WORKER_KEYS, KeySet, env_file_text, is_loopback, split_secrets, write_join_files, write_keyset
 from luwu.protocol.errors import ConfigError, LuwuError
-from luwu.rundir import (
+from luwu.ops.rundir import (
     CLUSTER_FILE,
     KEYS_DIR,
     NODE_ENV_FILE,
@@ -45,7 +45,7 @@ from luwu.rundir import (
     write_atomic,
     write_state,
 )
-from luwu.supervisor import NodeSpec, Plan
+from luwu.ops.supervisor import NodeSpec, Plan
 from luwu.switch_nodes.lines import READY_LINE
 
 
@@ -136,7 +136,7 @@ def launch(run_dir: Path, plan: Plan, secrets: dict[str, str] | None = None) -> 
             os.replace(logf, logf.with_suffix(".log.prev"))
     plan.save(run_dir / "plan.json")
     with open_log(run_dir / SUPERVISOR_LOG) as fh:
-        starter = subprocess.Popen([sys.executable, "-m", "luwu.supervisor", str(run_dir)], stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=plan.cwd, start_new_session=True)
+        starter = subprocess.Popen([sys.executable, "-m", "luwu.ops.supervisor", str(run_dir)], stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=plan.cwd, start_new_session=True)
     starter.wait(30)  # the intermediate exits at once; the supervisor lives on, detached
 
 

@@ -6,7 +6,7 @@ file ``luwu up`` and the Slurm/SSH launchers hand to workers, and
 ``--config``. Neither ever writes a secret: a cluster file handed to workers
 carries the nodes' public key (``transport.curve_server_key``) and no key of
 the nodes' own; each worker gets its own key pair in a file of its own
-(:mod:`luwu.keyset`).
+(:mod:`luwu.ops.keyset`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import socket
 
 import tomli_w
 
-from luwu.keyset import is_secret
+from luwu.ops.keyset import is_secret
 from luwu.protocol.errors import ConfigError
 
 PER_NODE_KEYS = ("node.bind", "node.index", "metrics.port")
@@ -23,7 +23,7 @@ PER_NODE_KEYS = ("node.bind", "node.index", "metrics.port")
 NODE_KEYS = ("node.curve_public_key", "node.curve_secret_key", "node.curve_authorized_keys", "node.curve_monitor_keys")
 """The nodes' own CURVE identity: a cluster file gets the public key as transport.curve_server_key."""
 CLIENT_KEYS = ("transport.curve_public_key", "transport.curve_secret_key", "transport.curve_server_key")
-"""One client's CURVE identity: each worker has its own (luwu.keyset), never the shared file."""
+"""One client's CURVE identity: each worker has its own (luwu.ops.keyset), never the shared file."""
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::", "[::]")
