@@ -48,3 +48,34 @@ def rewrite_manifest(folder: Path, change) -> None:
     sums = json.loads((folder / CHECKSUMS).read_bytes())
     sums["files"][MANIFEST] = {"bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
     (folder / CHECKSUMS).write_bytes(json.dumps(sums).encode())
+
+
+def train_steps(model, opt, batches) -> None:
+    """One step of ``opt`` per batch on the mean square of ``model``'s output."""
+    for x in batches:
+        opt.zero_grad()
+        (model(x) ** 2).mean().backward()
+        opt.step()
+
+
+def assert_resumes_like_adamw(addr: str, job: str, make_model, data: list, at: int) -> None:
+    """A worker resuming ``job`` on the node at ``addr`` (restored at step ``at``) starts from the
+    weights a local torch AdamW (lr 0.01) has after ``data[:at]``, and trains on equal to it over
+    ``data[at:]`` (compression off)."""
+    import luwu
+
+    resumed, local = make_model(), make_model()
+    ref = torch.optim.AdamW(local.parameters(), lr=0.01)
+    train_steps(local, ref, data[:at])
+    opt = luwu.RemoteOptimizer(resumed, "adamw", nodes=[addr], job=job, lr=0.01, compression=False, timeout_s=30, resume=True)
+    try:
+        opt.synchronize()
+        for a, b in zip(resumed.parameters(), local.parameters()):
+            torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
+        train_steps(resumed, opt, data[at:])
+        train_steps(local, ref, data[at:])
+        opt.synchronize()
+    finally:
+        opt.close()
+    for a, b in zip(resumed.parameters(), local.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)

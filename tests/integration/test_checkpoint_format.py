@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from checkpoint_files import rewrite_manifest, save_small
+from checkpoint_files import assert_resumes_like_adamw, rewrite_manifest, save_small, train_steps
 from luwu.switch_nodes import legacy_checkpoint
 from luwu.switch_nodes.checkpoint import CHECKSUMS, DATA, MANIFEST, CheckpointStore
 
@@ -100,13 +100,6 @@ def _model(init: dict) -> torch.nn.Module:
     return m
 
 
-def _train(m, opt, batches) -> None:
-    for x in batches:
-        opt.zero_grad()
-        (m(x) ** 2).mean().backward()
-        opt.step()
-
-
 @pytest.mark.timeout(120)
 def test_torch_dcp_loads_a_node_checkpoint_with_the_nodes_weights_and_adam_state(tmp_path):
     """A node's checkpoint folder, read by ``torch.distributed.checkpoint.load`` alone, holds the node's
@@ -138,8 +131,8 @@ def test_torch_dcp_loads_a_node_checkpoint_with_the_nodes_weights_and_adam_state
         )
         ref = torch.optim.AdamW(local.parameters(), lr=0.01)
         try:
-            _train(remote, opt, data)
-            _train(local, ref, data)
+            train_steps(remote, opt, data)
+            train_steps(local, ref, data)
             state = opt.state_dict()["state"]
         finally:
             opt.close()
@@ -212,7 +205,7 @@ def test_a_node_starts_from_an_old_format_checkpoint_converts_it_and_trains_on_e
             timeout_s=30,
         )
         try:
-            _train(first, opt, data[:5])
+            train_steps(first, opt, data[:5])
         finally:
             opt.close()
         cluster.stop()
@@ -229,27 +222,4 @@ def test_a_node_starts_from_an_old_format_checkpoint_converts_it_and_trains_on_e
             assert all(
                 torch.equal(a, b) for a, b in zip(converted.tensors[bid], ts, strict=True)
             ), bid
-        resumed, local = _model(init), _model(init)
-        ref = torch.optim.AdamW(local.parameters(), lr=0.01)
-        _train(local, ref, data[:5])
-        opt = luwu.RemoteOptimizer(
-            resumed,
-            "adamw",
-            nodes=[addr],
-            job=JOB,
-            lr=0.01,
-            compression=False,
-            timeout_s=30,
-            resume=True,
-        )
-        try:
-            opt.synchronize()
-            for a, b in zip(resumed.parameters(), local.parameters()):
-                torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
-            _train(resumed, opt, data[5:])
-            _train(local, ref, data[5:])
-            opt.synchronize()
-        finally:
-            opt.close()
-    for a, b in zip(resumed.parameters(), local.parameters()):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+        assert_resumes_like_adamw(addr, JOB, lambda: _model(init), data, 5)

@@ -19,7 +19,7 @@ import tomllib
 import pytest
 import torch
 import zmq
-from checkpoint_files import rewrite_manifest
+from checkpoint_files import assert_resumes_like_adamw, rewrite_manifest, train_steps
 from harness import TRAIN, assert_params_close, job_secret, member_socket, run_training, wait_all
 from integration.test_curve_listener import CurvePeer
 from integration.test_hostile_input import JOB, job_layout, pack, templates
@@ -536,12 +536,6 @@ def test_a_node_starts_from_the_newest_checkpoint_that_restores(tmp_path):
         m.load_state_dict(init)
         return m
 
-    def train(m, opt, batches) -> None:
-        for x in batches:
-            opt.zero_grad()
-            (m(x) ** 2).mean().backward()
-            opt.step()
-
     with luwu.local_cluster(1, job=JOB, node_args=args) as cluster:
         first = model()
         opt = luwu.RemoteOptimizer(
@@ -554,7 +548,7 @@ def test_a_node_starts_from_the_newest_checkpoint_that_restores(tmp_path):
             timeout_s=30,
         )
         try:
-            train(first, opt, data)
+            train_steps(first, opt, data)
         finally:
             opt.close()
         cluster.stop()
@@ -565,26 +559,4 @@ def test_a_node_starts_from_the_newest_checkpoint_that_restores(tmp_path):
         addr = cluster.restart(0)
         st = ask(addr, {"op": Op.STATS}).header["detail"]
         assert st["step"] == 5 and st["checkpoint_step"] == 5, st
-        resumed, local = model(), model()
-        ref = torch.optim.AdamW(local.parameters(), lr=0.01)
-        train(local, ref, data[:5])
-        opt = luwu.RemoteOptimizer(
-            resumed,
-            "adamw",
-            nodes=[addr],
-            job=JOB,
-            lr=0.01,
-            compression=False,
-            timeout_s=30,
-            resume=True,
-        )
-        try:
-            for a, b in zip(resumed.parameters(), local.parameters()):
-                torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-6, atol=1e-7)
-            for m, o in ((resumed, opt), (local, ref)):
-                train(m, o, data[5:])
-            opt.synchronize()
-        finally:
-            opt.close()
-    for a, b in zip(resumed.parameters(), local.parameters()):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+        assert_resumes_like_adamw(addr, JOB, model, data, 5)
