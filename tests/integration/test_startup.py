@@ -106,6 +106,69 @@ def test_a_default_node_asks_every_peer_for_the_jobs_join_secret(tmp_path, monke
         _stop(*nodes)
 
 
+@pytest.mark.timeout(240)
+def test_strangers_hellos_to_a_default_node_beside_a_job_allocate_nothing(tmp_path, monkeypatch):
+    """Issue 32's attack on a default `luwu node`: a HELLO with a made-up layout hash naming a 1 GiB
+    bucket, then the same hash with another bucket, used to get WELCOME and take the node from 228 to
+    3303 MiB, and the job's workers then failed ("rank held"). Now 20 such HELLOs from fresh
+    connections get no reply, the node's RSS moves by less than 16 MiB, and a real 2-worker job beside
+    them, given the node's join file, equals local AdamW."""
+    import threading
+
+    import zmq
+    from harness import assert_params_close, proc_status, run_training
+    from workers.train import reference
+
+    from luwu.protocol import messages as wire
+
+    spec = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 40, "batch": 8, "bucket_bytes": 1024, "timeout_s": 60.0}
+    node = _node("--node.index", "0", "--run-dir", str(tmp_path), "--cluster.job", "luwu")
+    try:
+        addr = node.stdout.readline().split()[1]
+        secret = tomllib.loads((tmp_path / "keys" / "join.toml").read_text())["transport"]["join_secret"]
+        monkeypatch.setenv("LUWU_TRANSPORT__JOIN_SECRET", secret)  # (the workers: from the node's join file)
+        out: dict = {}
+
+        def train() -> None:
+            try:
+                out["results"] = run_training(spec, [addr], tmp_path, world_size=2, timeout_s=180)
+            except BaseException as exc:  # reported below
+                out["error"] = f"{type(exc).__name__}: {exc}"
+
+        th = threading.Thread(target=train, daemon=True)
+        th.start()
+        from luwu.ops.monitor import query_many
+
+        deadline = time.monotonic() + 90
+        while query_many([addr], "luwu", 5, join_secret=secret)[0].detail.get("workers", 0) < 2:
+            assert th.is_alive() and time.monotonic() < deadline, out.get("error", "the job's workers did not connect")
+            time.sleep(0.05)
+        before = proc_status(node.pid)["VmRSS"]
+        ctx = zmq.Context()
+        try:
+            for i in range(20):
+                s = ctx.socket(zmq.DEALER)
+                s.setsockopt(zmq.LINGER, 0)
+                s.connect(addr)
+                bucket = [0, 0, 2**28, [[0, 0, 0, 2**28]]] if i % 2 else [1, 0, 2**28, [[1, 0, 0, 2**28]]]  # 1 GiB of fp32
+                hello = {"op": wire.Op.HELLO, "job": "luwu", "step": 0, "worker": i % 2, "world_size": 2, "layout": "ab" * 16,
+                         "node_index": 0, "buckets": [bucket], "optimizer": "adamw", "mode": "sync", "param_names": {0: "w", 1: "v"}}
+                s.send_multipart(wire.encode(hello))
+                assert not s.poll(300), "a stranger's HELLO was answered"
+                s.close(0)
+        finally:
+            ctx.term()
+        grown = proc_status(node.pid)["VmRSS"] - before
+        assert grown < 16 * 2**20, f"node RSS grew by {grown / 2**20:.1f} MiB"
+        th.join(180)
+        assert "error" not in out, out.get("error")
+        want, _ = reference(dict(spec, world_size=2))
+        for r in out["results"]:
+            assert_params_close(r["params"], want)
+    finally:
+        _stop(node)
+
+
 @pytest.mark.timeout(90)
 def test_an_open_node_is_only_one_told_so_and_it_warns(tmp_path):
     """node.insecure_open = true: no secret is made, the node warns once that anyone may join; with the
