@@ -342,7 +342,8 @@ def _setup_luwu(spec: dict, model: torch.nn.Module):
     import luwu
     from luwu.config import load_config
 
-    cfg = load_config(spec["cluster_file"], env={})
+    secret = "LUWU_TRANSPORT__JOIN_SECRET"  # the study's nodes ask for it: the one setting not in the cluster file
+    cfg = load_config(spec["cluster_file"], env={secret: os.environ[secret]} if secret in os.environ else {})
     opt = luwu.RemoteOptimizer.from_config(model, cfg, rank=spec["rank"], world_size=spec["world"], lr=spec["lr"], weight_decay=spec["weight_decay"])
     return model, opt
 
