@@ -94,6 +94,11 @@ def test_a_second_checkpoint_of_one_step_replaces_the_first_and_a_crash_between_
     assert not list(tmp_path.glob(".*"))
 
 
+def _init() -> dict:
+    """A fresh random state dict of :func:`_model`'s network (from torch's current seed)."""
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)).state_dict()
+
+
 def _model(init: dict) -> torch.nn.Module:
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
     m.load_state_dict(init)
@@ -110,11 +115,7 @@ def test_torch_dcp_loads_a_node_checkpoint_with_the_nodes_weights_and_adam_state
 
     torch.manual_seed(0)
     data = [torch.randn(8, 16) for _ in range(4)]
-    init = _model(
-        torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)
-        ).state_dict()
-    ).state_dict()
+    init = _init()
     ckpt = tmp_path / "ck"
     with luwu.local_cluster(
         1, job=JOB, node_args=["--node.checkpoint_dir", str(ckpt), "--node.index", "0"]
@@ -186,11 +187,7 @@ def test_a_node_starts_from_an_old_format_checkpoint_converts_it_and_trains_on_e
     resuming worker trains on equal to local AdamW."""
     torch.manual_seed(0)
     data = [torch.randn(8, 16) for _ in range(10)]
-    init = _model(
-        torch.nn.Sequential(
-            torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)
-        ).state_dict()
-    ).state_dict()
+    init = _init()
     ckpt = tmp_path / "ck"
     args = ["--node.checkpoint_dir", str(ckpt), "--node.index", "0", "--node.checkpoint_every", "5"]
     with luwu.local_cluster(1, job=JOB, node_args=args) as cluster:
