@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-all docs bench bench-cluster bench-cluster-quick
+.PHONY: setup demo test lint test-all docs bench bench-cluster bench-cluster-quick
 setup:
 	@bash scripts/setup.sh
 
@@ -13,6 +13,12 @@ demo: setup
 # when a test fails and with 5 when no test ran; both fail this target.
 test: setup
 	$(PY) -m pytest -q
+
+# Formatting and lint, as CI runs them (ruff, pinned in pyproject's test extra; settings in
+# pyproject's [tool.ruff]). `ruff format .` fixes the first.
+lint: setup
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 
 # The long studies too (convergence, 100k-message fuzzing, emulated cluster head-to-head).
 test-all: setup

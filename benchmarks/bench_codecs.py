@@ -96,9 +96,16 @@ def bench_delta(x: torch.Tensor, reps: int) -> dict:
     acc = torch.zeros(n)
     t_dec = median_s(lambda: apply_pull_(acc, reply.codec, True, frames, reply.encoded.meta), reps)
     codec = get_codec("int8")
-    return {"codec": "int8_delta", "bytes_per_element": codec.bytes_per_element(), "wire_bytes": codec.wire_bytes(n),
-            "ratio_vs_fp32": 4 * n / codec.wire_bytes(n), "encode_gbps": gb / t_enc, "encode_ef_gbps": gb / t_enc,
-            "decode_add_gbps": gb / t_dec, "rel_error": math.nan}
+    return {
+        "codec": "int8_delta",
+        "bytes_per_element": codec.bytes_per_element(),
+        "wire_bytes": codec.wire_bytes(n),
+        "ratio_vs_fp32": 4 * n / codec.wire_bytes(n),
+        "encode_gbps": gb / t_enc,
+        "encode_ef_gbps": gb / t_enc,
+        "decode_add_gbps": gb / t_dec,
+        "rel_error": math.nan,
+    }
 
 
 def _steps_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,12 +128,22 @@ def bench_steps(x: torch.Tensor, reps: int) -> dict:
     enc = codec.encode_steps(w, codec.snapshot(before), out)
     frames = as_received(enc.frames)
     held = before.to(torch.bfloat16).float()
-    t_dec = median_s(lambda: (held.copy_(before.to(torch.bfloat16)), codec.decode_add_(held, frames, enc.meta)), reps)
+    t_dec = median_s(
+        lambda: (held.copy_(before.to(torch.bfloat16)), codec.decode_add_(held, frames, enc.meta)),
+        reps,
+    )
     t_reset = median_s(lambda: held.copy_(before.to(torch.bfloat16)), reps)
     wire = sum(f.numel() for f in frames)
-    return {"codec": "bf16_steps", "bytes_per_element": wire / n, "wire_bytes": wire, "ratio_vs_fp32": 4 * n / wire,
-            "encode_gbps": gb / t_enc, "encode_ef_gbps": gb / t_enc, "decode_add_gbps": gb / max(1e-9, t_dec - t_reset),
-            "rel_error": float((held - w).norm() / w.norm())}
+    return {
+        "codec": "bf16_steps",
+        "bytes_per_element": wire / n,
+        "wire_bytes": wire,
+        "ratio_vs_fp32": 4 * n / wire,
+        "encode_gbps": gb / t_enc,
+        "encode_ef_gbps": gb / t_enc,
+        "decode_add_gbps": gb / max(1e-9, t_dec - t_reset),
+        "rel_error": float((held - w).norm() / w.norm()),
+    }
 
 
 def bench_blocks(x: torch.Tensor, reps: int) -> list[dict]:
@@ -150,7 +167,9 @@ def bench_small(reps: int) -> list[dict]:
             enc = c.encode(x, out)
             frames = as_received(enc.frames)
             acc = torch.zeros(n)
-            t = median_s(lambda: (c.encode(x, out), c.decode_add_(acc, frames, enc.meta)), max(reps, 20))
+            t = median_s(
+                lambda: (c.encode(x, out), c.decode_add_(acc, frames, enc.meta)), max(reps, 20)
+            )
             rows.append({"numel": n, "codec": name, "encode_decode_us": t * 1e6})
         enc = DeltaEncoder("int8", resync_every=1 << 60)
         enc.encode("b", x, 0)
@@ -158,14 +177,25 @@ def bench_small(reps: int) -> list[dict]:
         reply = enc.encode("b", x, next(step))
         frames = as_received(reply.encoded.frames)
         acc = torch.zeros(n)
-        t = median_s(lambda: (enc.encode("b", x, next(step)), apply_pull_(acc, "int8", True, frames, reply.encoded.meta)),
-                     max(reps, 20))
+        t = median_s(
+            lambda: (
+                enc.encode("b", x, next(step)),
+                apply_pull_(acc, "int8", True, frames, reply.encoded.meta),
+            ),
+            max(reps, 20),
+        )
         rows.append({"numel": n, "codec": "int8_delta", "encode_decode_us": t * 1e6})
         c, (w, before) = get_codec("bf16_steps"), _steps_pair(x)
         held = before.to(torch.bfloat16).float()
         enc = c.encode_steps(w, c.snapshot(before))
         frames = as_received(enc.frames)
-        t = median_s(lambda: (c.encode_steps(w, c.snapshot(before)), c.decode_add_(held.clone(), frames, enc.meta)), max(reps, 20))
+        t = median_s(
+            lambda: (
+                c.encode_steps(w, c.snapshot(before)),
+                c.decode_add_(held.clone(), frames, enc.meta),
+            ),
+            max(reps, 20),
+        )
         rows.append({"numel": n, "codec": "bf16_steps", "encode_decode_us": t * 1e6})
     return rows
 
@@ -197,10 +227,14 @@ def write_facts(facts: dict[str, dict[str, float]], measured_on: str) -> Path:
     path = Path(codec_facts.__file__)
     text = path.read_text()
     fmt = lambda v: "math.inf" if v == math.inf else repr(float(v))  # noqa: E731
-    rows = "\n".join(f'    "{n}": {{' + ", ".join(f'"{k}": {fmt(v)}' for k, v in row.items()) + "}," for n, row in facts.items())
-    block = (f'MEASURED_ON = "{measured_on}"\n'
-             f"MEASURED: dict[str, dict[str, float]] = {{\n{rows}\n}}\n")
-    pattern = re.compile(r'MEASURED_ON = .*?\n}\n(?=# END MEASURED)', re.S)
+    rows = "\n".join(
+        f'    "{n}": {{' + ", ".join(f'"{k}": {fmt(v)}' for k, v in row.items()) + "},"
+        for n, row in facts.items()
+    )
+    block = (
+        f'MEASURED_ON = "{measured_on}"\nMEASURED: dict[str, dict[str, float]] = {{\n{rows}\n}}\n'
+    )
+    pattern = re.compile(r"MEASURED_ON = .*?\n}\n(?=# END MEASURED)", re.S)
     if not pattern.search(text):
         raise SystemExit(f"{path}: MEASURED block not found")
     path.write_text(pattern.sub(lambda _: block, text, count=1))
@@ -211,8 +245,14 @@ def facts_table(before: dict, after: dict) -> str:
     rows = []
     for name in after:
         for key in after[name]:
-            rows.append({"codec": name, "fact": key, "before": before.get(name, {}).get(key, math.nan),
-                         "after": after[name][key]})
+            rows.append(
+                {
+                    "codec": name,
+                    "fact": key,
+                    "before": before.get(name, {}).get(key, math.nan),
+                    "after": after[name][key],
+                }
+            )
     return table(rows, ["codec", "fact", "before", "after"])
 
 
@@ -257,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--write-facts", action="store_true",
-                    help="rewrite the MEASURED table of protocol/codec_facts.py with this run's numbers")
+    ap.add_argument(
+        "--write-facts",
+        action="store_true",
+        help="rewrite the MEASURED table of protocol/codec_facts.py with this run's numbers",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.numel, args.reps = 1 << 20, 3
@@ -292,7 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     }
     facts = measured_facts(codecs, small)
     result["facts"] = facts
-    cols = ["codec", "bytes_per_element", "ratio_vs_fp32", "encode_gbps", "encode_ef_gbps", "decode_add_gbps", "rel_error"]
+    cols = [
+        "codec",
+        "bytes_per_element",
+        "ratio_vs_fp32",
+        "encode_gbps",
+        "encode_ef_gbps",
+        "decode_add_gbps",
+        "rel_error",
+    ]
     md = [
         f"# bench_codecs: {args.numel} fp32 elements, {args.threads} thread(s), median of {args.reps}",
         "",
@@ -310,7 +361,19 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "## Fast top-k vs torch.topk(x.abs(), k, sorted=False), same run",
         "",
-        table(topk, ["numel", "density", "k", "selected", "recall_vs_exact", "ours_ms", "torch_topk_ms", "speedup"]),
+        table(
+            topk,
+            [
+                "numel",
+                "density",
+                "k",
+                "selected",
+                "recall_vs_exact",
+                "ours_ms",
+                "torch_topk_ms",
+                "speedup",
+            ],
+        ),
         "",
         f"has_nonfinite (the check before encoding): {nonfinite_gbps:.3g} GB/s",
         "",
@@ -322,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(md)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "bench_codecs.quick" if args.quick else "bench_codecs"  # a smoke run keeps the real results
+    stem = (
+        "bench_codecs.quick" if args.quick else "bench_codecs"
+    )  # a smoke run keeps the real results
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(text)
     if args.write_facts:
@@ -335,7 +400,11 @@ def _loadavg() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
     except OSError:
-        return "unknown" if not hasattr(os, "getloadavg") else " ".join(f"{v:.2f}" for v in os.getloadavg())
+        return (
+            "unknown"
+            if not hasattr(os, "getloadavg")
+            else " ".join(f"{v:.2f}" for v in os.getloadavg())
+        )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,20 @@ import traceback
 from pathlib import Path
 
 import torch
-from common import RESULTS, LoadMonitor, bf16_allreduce_hook, machine_info, make_student, md_table, median, node_threads_delta, proc_usage, threads_cpu_s, verdict, write_results
+from common import (
+    RESULTS,
+    LoadMonitor,
+    bf16_allreduce_hook,
+    machine_info,
+    make_student,
+    md_table,
+    median,
+    node_threads_delta,
+    proc_usage,
+    threads_cpu_s,
+    verdict,
+    write_results,
+)
 
 BATCH = 64
 WORLD = 2
@@ -76,7 +89,9 @@ def _node_opt_seconds(url: str) -> tuple[float, float]:
         if ln.startswith("luwu_node_optimizer_step_seconds_"):
             name, _, v = ln.rpartition(" ")
             vals[name] = float(v)
-    return vals.get("luwu_node_optimizer_step_seconds_sum", 0.0), vals.get("luwu_node_optimizer_step_seconds_count", 0.0)
+    return vals.get("luwu_node_optimizer_step_seconds_sum", 0.0), vals.get(
+        "luwu_node_optimizer_step_seconds_count", 0.0
+    )
 
 
 def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
@@ -96,7 +111,9 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
             net = torch.nn.parallel.DistributedDataParallel(model)
             if kind == "ddp_bf16":
                 net.register_comm_hook(None, bf16_allreduce_hook)
-            opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=kind != "ddp_default")
+            opt = torch.optim.AdamW(
+                net.parameters(), lr=LR, weight_decay=WD, fused=kind != "ddp_default"
+            )
         elif kind == "single":
             net = model
             opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
@@ -108,9 +125,20 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
             if "hybrid" in kind:
                 from luwu.protocol.policy import CompressionConfig
 
-                compression = CompressionConfig(link_gbps="auto" if "_auto" in kind else cfg["link_gbps"])  # (_auto: measured)
+                compression = CompressionConfig(
+                    link_gbps="auto" if "_auto" in kind else cfg["link_gbps"]
+                )  # (_auto: measured)
             opt = luwu.RemoteOptimizer(
-                model, "adamw", nodes=cfg["nodes"], rank=rank, world_size=world, job=cfg["job"], lr=LR, weight_decay=WD, delayed_update=kind.endswith("delayed"), compression=compression,
+                model,
+                "adamw",
+                nodes=cfg["nodes"],
+                rank=rank,
+                world_size=world,
+                job=cfg["job"],
+                lr=LR,
+                weight_decay=WD,
+                delayed_update=kind.endswith("delayed"),
+                compression=compression,
                 layer_waits=not kind.endswith("_stepwait"),
             )
             timed = {"finish": 0.0, "wait": 0.0}
@@ -134,7 +162,10 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
         for i in range(cfg["warmup"] + cfg["steps"]):
             if i == cfg["warmup"]:
                 if rank == 0 and cfg.get("metrics_url"):
-                    node0 = _node_opt_seconds(cfg["metrics_url"]) + (proc_usage(cfg["node_pid"])[0], threads_cpu_s(cfg["node_pid"]))
+                    node0 = _node_opt_seconds(cfg["metrics_url"]) + (
+                        proc_usage(cfg["node_pid"])[0],
+                        threads_cpu_s(cfg["node_pid"]),
+                    )
                 t_start = time.perf_counter()
                 c_start = time.process_time()
                 if timed is not None:
@@ -161,12 +192,20 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
         wire = None
         if timed is not None:
             opt.synchronize()
-            wire = ((opt.client.bytes_sent - bytes0[0]) / cfg["steps"], (opt.client.bytes_received - bytes0[1]) / cfg["steps"])
+            wire = (
+                (opt.client.bytes_sent - bytes0[0]) / cfg["steps"],
+                (opt.client.bytes_received - bytes0[1]) / cfg["steps"],
+            )
         node = None
         if node0 is not None:
             cpu1, th1 = proc_usage(cfg["node_pid"])[0], threads_cpu_s(cfg["node_pid"])
             s1, c1 = _node_opt_seconds(cfg["metrics_url"])
-            node = {"opt_s": s1 - node0[0], "buckets": c1 - node0[1], "cpu_s": cpu1 - node0[2], "threads_s": node_threads_delta(cfg["node_pid"], node0[3], th1)}
+            node = {
+                "opt_s": s1 - node0[0],
+                "buckets": c1 - node0[1],
+                "cpu_s": cpu1 - node0[2],
+                "threads_s": node_threads_delta(cfg["node_pid"], node0[3], th1),
+            }
         if kind.startswith("luwu"):
             opt.synchronize()
             opt.close()
@@ -175,7 +214,20 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
 
             dist.barrier()
             dist.destroy_process_group()
-        q.put(("ok", rank, {"recs": recs, "elapsed": elapsed, "cpu_s": cpu_s, "node": node, "loss": float(loss.detach()), "wire": wire}))
+        q.put(
+            (
+                "ok",
+                rank,
+                {
+                    "recs": recs,
+                    "elapsed": elapsed,
+                    "cpu_s": cpu_s,
+                    "node": node,
+                    "loss": float(loss.detach()),
+                    "wire": wire,
+                },
+            )
+        )
     except BaseException as exc:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
@@ -193,10 +245,16 @@ def run_config(kind: str, cfg: dict, timeout_s: float = 600.0) -> dict:
         cfg["job"] = f"bench-e2e-{kind}-{os.getpid()}-{time.monotonic_ns()}"
         cluster_cm = luwu.local_cluster(1, job=cfg["job"], node_args=["--metrics.port", "0"])
         cluster = cluster_cm.__enter__()
-        cfg["nodes"], cfg["metrics_url"], cfg["node_pid"] = cluster.addresses, cluster.metrics_urls[0], cluster.procs[0].pid
+        cfg["nodes"], cfg["metrics_url"], cfg["node_pid"] = (
+            cluster.addresses,
+            cluster.metrics_urls[0],
+            cluster.procs[0].pid,
+        )
     elif kind.startswith("ddp"):
         cfg["port"] = free_port()
-    procs = [ctx.Process(target=_train, args=(kind, r, world, cfg, q), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_train, args=(kind, r, world, cfg, q), daemon=True) for r in range(world)
+    ]
     try:
         for p in procs:
             p.start()
@@ -207,7 +265,9 @@ def run_config(kind: str, cfg: dict, timeout_s: float = 600.0) -> dict:
                 status, rank, payload = q.get(timeout=1.0)
             except queue.Empty:
                 if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"{kind}: a process failed or timed out (exit codes {[p.exitcode for p in procs]})")
+                    raise RuntimeError(
+                        f"{kind}: a process failed or timed out (exit codes {[p.exitcode for p in procs]})"
+                    ) from None
                 continue
             if status == "error":
                 raise RuntimeError(f"{kind} rank {rank} failed: {payload}")
@@ -255,7 +315,11 @@ def summarize(kind: str, world: int, out: dict[int, dict]) -> dict:
         res["finish_ms"] = median([s["finish"] for s in recs]) * 1e3
         res["wait_weights_ms"] = median([s["wait"] for s in recs]) * 1e3
         # per-layer waits write the weights inside the next forward (in fb), where they are not timed apart
-        res["write_ms"] = median([s["wait_all"] - s["wait"] for s in recs]) * 1e3 if kind.endswith("_stepwait") or "delayed" in kind else float("nan")
+        res["write_ms"] = (
+            median([s["wait_all"] - s["wait"] for s in recs]) * 1e3
+            if kind.endswith("_stepwait") or "delayed" in kind
+            else float("nan")
+        )
         node = out[0]["node"]
         res["node_opt_ms_per_step"] = node["opt_s"] / steps * 1e3 if node else float("nan")
         res["node_buckets_per_step"] = node["buckets"] / steps if node else float("nan")
@@ -280,7 +344,11 @@ def why_lines(by: dict[str, dict]) -> list[str]:
             f"event loop {r.get('node_loop_cpu_ms_per_step', float('nan')):.0f}, optimizer thread {r.get('node_optimizer_thread_cpu_ms_per_step', float('nan')):.0f}). "
             f"Forward+backward {r['fb_ms']:.0f} ms (DDP {d['fb_ms']:.0f}, one process {by['single']['fb_ms'] if 'single' in by else float('nan'):.0f}), "
             f"waiting for weights {r['wait_weights_ms']:.0f} ms, writing them "
-            + (f"{r['write_ms']:.0f} ms." if r["write_ms"] == r["write_ms"] else "inside the next forward (per-layer waits).")
+            + (
+                f"{r['write_ms']:.0f} ms."
+                if r["write_ms"] == r["write_ms"]
+                else "inside the next forward (per-layer waits)."
+            )
         )
     others = max(r.get("other_cores", 0.0) for r in by.values())
     out += [
@@ -293,12 +361,41 @@ def why_lines(by: dict[str, dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 repetition of a few steps, no ddp_default: a smoke run")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 repetition of a few steps, no ddp_default: a smoke run",
+    )
     ap.add_argument("--steps", type=int, default=30, help="timed steps per run")
-    ap.add_argument("--warmup", type=int, default=12, help="untimed steps per run (> the hybrid policy's 10 warm-up steps)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions of every configuration (alternating)")
-    ap.add_argument("--configs", nargs="+", default=["single", "ddp", "ddp_default", "ddp_bf16", "luwu_sync", "luwu_delayed", "luwu_hybrid_sync", "luwu_hybrid_delayed"])
-    ap.add_argument("--link-gbps", type=float, default=40.0, help="link speed the hybrid configs tell their policy (loopback ~40)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=12,
+        help="untimed steps per run (> the hybrid policy's 10 warm-up steps)",
+    )
+    ap.add_argument(
+        "--reps", type=int, default=3, help="repetitions of every configuration (alternating)"
+    )
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        default=[
+            "single",
+            "ddp",
+            "ddp_default",
+            "ddp_bf16",
+            "luwu_sync",
+            "luwu_delayed",
+            "luwu_hybrid_sync",
+            "luwu_hybrid_delayed",
+        ],
+    )
+    ap.add_argument(
+        "--link-gbps",
+        type=float,
+        default=40.0,
+        help="link speed the hybrid configs tell their policy (loopback ~40)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = ap.parse_args(argv)
     if args.quick:
@@ -308,14 +405,22 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {k: [] for k in args.configs}
     with LoadMonitor() as load:
         for rep in range(args.reps):
-            order = args.configs[rep % len(args.configs) :] + args.configs[: rep % len(args.configs)]
+            order = (
+                args.configs[rep % len(args.configs) :] + args.configs[: rep % len(args.configs)]
+            )
             for kind in order:
                 with LoadMonitor() as run_load:
-                    r = run_config(kind, {"steps": args.steps, "warmup": args.warmup, "link_gbps": args.link_gbps})
+                    r = run_config(
+                        kind,
+                        {"steps": args.steps, "warmup": args.warmup, "link_gbps": args.link_gbps},
+                    )
                 r["rep"] = rep
                 r["other_cores"] = run_load.info()["other_cores"]
                 runs[kind].append(r)
-                print(f"rep {rep} {kind}: {r['samples_per_s']:.0f} samples/s, step {r['step_ms']:.0f} ms, other processes {r['other_cores']} cores", flush=True)
+                print(
+                    f"rep {rep} {kind}: {r['samples_per_s']:.0f} samples/s, step {r['step_ms']:.0f} ms, other processes {r['other_cores']} cores",
+                    flush=True,
+                )
 
     ref = "ddp" if "ddp" in runs else None
     rows = []
@@ -326,11 +431,17 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             row[key] = median([r[key] for r in rs])
         if ref:
-            row["vs_ddp_cpu"] = row["samples_per_cpu_s"] / median([r["samples_per_cpu_s"] for r in runs[ref]])
+            row["vs_ddp_cpu"] = row["samples_per_cpu_s"] / median(
+                [r["samples_per_cpu_s"] for r in runs[ref]]
+            )
             row["vs_ddp"] = row["samples_per_s"] / median([r["samples_per_s"] for r in runs[ref]])
-            row["vs_ddp_paired"] = median([a["samples_per_s"] / b["samples_per_s"] for a, b in zip(rs, runs[ref])])
+            row["vs_ddp_paired"] = median(
+                [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(rs, runs[ref])]
+            )
         if "single" in runs:
-            row["vs_single"] = row["samples_per_s"] / median([r["samples_per_s"] for r in runs["single"]])
+            row["vs_single"] = row["samples_per_s"] / median(
+                [r["samples_per_s"] for r in runs["single"]]
+            )
         rows.append(row)
     per_rep = []
     for rep in range(args.reps):
@@ -341,7 +452,12 @@ def main(argv: list[str] | None = None) -> int:
         per_rep.append(row)
     by = {r["config"]: r for r in rows}
     summary = []
-    for kind, target in (("luwu_sync", 1.0), ("luwu_delayed", 1.3), ("luwu_hybrid_sync", 1.0), ("luwu_hybrid_delayed", 1.3)):
+    for kind, target in (
+        ("luwu_sync", 1.0),
+        ("luwu_delayed", 1.3),
+        ("luwu_hybrid_sync", 1.0),
+        ("luwu_hybrid_delayed", 1.3),
+    ):
         if kind in by and ref:
             summary.append(
                 {
@@ -353,13 +469,39 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             if "ddp_bf16" in by:
-                v = median([a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs[kind], runs["ddp_bf16"])])
+                v = median(
+                    [
+                        a["samples_per_s"] / b["samples_per_s"]
+                        for a, b in zip(runs[kind], runs["ddp_bf16"])
+                    ]
+                )
                 vc = by[kind]["samples_per_cpu_s"] / by["ddp_bf16"]["samples_per_cpu_s"]
-                summary.append({"benchmark": f"4. e2e {kind} vs DDP (bf16 compress hook)", "ratio": v, "ratio_cpu": vc, "target": target, "verdict": verdict(v, target)})
+                summary.append(
+                    {
+                        "benchmark": f"4. e2e {kind} vs DDP (bf16 compress hook)",
+                        "ratio": v,
+                        "ratio_cpu": vc,
+                        "target": target,
+                        "verdict": verdict(v, target),
+                    }
+                )
             if "ddp_default" in by:
-                v = median([a["samples_per_s"] / b["samples_per_s"] for a, b in zip(runs[kind], runs["ddp_default"])])
+                v = median(
+                    [
+                        a["samples_per_s"] / b["samples_per_s"]
+                        for a, b in zip(runs[kind], runs["ddp_default"])
+                    ]
+                )
                 vc = by[kind]["samples_per_cpu_s"] / by["ddp_default"]["samples_per_cpu_s"]
-                summary.append({"benchmark": f"4. e2e {kind} vs DDP (default AdamW)", "ratio": v, "ratio_cpu": vc, "target": target, "verdict": verdict(v, target)})
+                summary.append(
+                    {
+                        "benchmark": f"4. e2e {kind} vs DDP (default AdamW)",
+                        "ratio": v,
+                        "ratio_cpu": vc,
+                        "target": target,
+                        "verdict": verdict(v, target),
+                    }
+                )
     result = {
         "quick": args.quick,
         "params": nparams,
@@ -376,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     md = [
         f"# bench_e2e: MLP {' -> '.join(map(str, DIMS))} ({nparams / 1e6:.1f}M params), batch {BATCH}/worker, {WORLD} workers, "
-        f"1 torch thread per process, loopback; {args.steps} steps after {args.warmup}, median of {args.reps} run(s)" + (" (quick)" if args.quick else ""),
+        f"1 torch thread per process, loopback; {args.steps} steps after {args.warmup}, median of {args.reps} run(s)"
+        + (" (quick)" if args.quick else ""),
         "",
         load.line(),
         "",
@@ -389,13 +532,37 @@ def main(argv: list[str] | None = None) -> int:
         "samples/s from the median step time (slower rank); _wall from the timed steps' total wall time. vs_ddp: against "
         "DDP with fused AdamW; _paired: median of per-repetition ratios. Times in ms per step (medians).",
         "",
-        md_table(rows, ["config", "samples_per_s", "samples_per_s_wall", "vs_ddp", "vs_ddp_paired", "vs_single", "step_ms", "fb_ms", "opt_ms", "other_cores"]),
+        md_table(
+            rows,
+            [
+                "config",
+                "samples_per_s",
+                "samples_per_s_wall",
+                "vs_ddp",
+                "vs_ddp_paired",
+                "vs_single",
+                "step_ms",
+                "fb_ms",
+                "opt_ms",
+                "other_cores",
+            ],
+        ),
         "",
         "## CPU per step (ms of CPU, all threads; medians over runs)",
         "",
         "cpu_ms_per_step: all processes of the run; worker: per training process; node: the node daemon.",
         "",
-        md_table(rows, ["config", "cpu_ms_per_step", "worker_cpu_ms_per_step", "node_cpu_ms_per_step", "samples_per_cpu_s", "vs_ddp_cpu"]),
+        md_table(
+            rows,
+            [
+                "config",
+                "cpu_ms_per_step",
+                "worker_cpu_ms_per_step",
+                "node_cpu_ms_per_step",
+                "samples_per_cpu_s",
+                "vs_ddp_cpu",
+            ],
+        ),
         "",
         "## Every run (samples/s; other_cores: CPU used by other processes during that run, of 2 cores)",
         "",
@@ -405,7 +572,18 @@ def main(argv: list[str] | None = None) -> int:
         "",
         md_table(
             [r for r in rows if r["config"].startswith("luwu")],
-            ["config", "step_ms", "fb_ms", "finish_ms", "wait_weights_ms", "write_ms", "node_opt_ms_per_step", "node_buckets_per_step", "push_MB_per_step", "pull_MB_per_step"],
+            [
+                "config",
+                "step_ms",
+                "fb_ms",
+                "finish_ms",
+                "wait_weights_ms",
+                "write_ms",
+                "node_opt_ms_per_step",
+                "node_buckets_per_step",
+                "push_MB_per_step",
+                "pull_MB_per_step",
+            ],
         ),
         "",
         "The node's CPU per step by thread (ms): loop = event loop (receiving, decoding pushes into the accumulators, "
@@ -413,7 +591,14 @@ def main(argv: list[str] | None = None) -> int:
         "",
         md_table(
             [r for r in rows if r["config"].startswith("luwu")],
-            ["config", "node_cpu_ms_per_step", "node_loop_cpu_ms_per_step", "node_optimizer_thread_cpu_ms_per_step", "node_zmq_io_cpu_ms_per_step", "node_other_cpu_ms_per_step"],
+            [
+                "config",
+                "node_cpu_ms_per_step",
+                "node_loop_cpu_ms_per_step",
+                "node_optimizer_thread_cpu_ms_per_step",
+                "node_zmq_io_cpu_ms_per_step",
+                "node_other_cpu_ms_per_step",
+            ],
         ),
         "",
         "fb: forward + backward (the gradient hooks copy and push full buckets during it); finish: Worker.finish, pushing "

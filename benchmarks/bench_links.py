@@ -33,7 +33,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # `support`: the emulated cluster
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "tests")
+)  # `support`: the emulated cluster
 from support.netns_cluster import Cluster, ClusterConfig, netns_available  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -127,8 +129,9 @@ print(statistics.median(times) * 1e6, flush=True)
 Runner = Callable[[str, Sequence[str]], subprocess.Popen]
 
 
-def _pair(start_rx: Runner, start_tx: Runner, rx_argv: list[str],
-          tx_argv: Callable[[int], list[str]]) -> tuple[str, str]:
+def _pair(
+    start_rx: Runner, start_tx: Runner, rx_argv: list[str], tx_argv: Callable[[int], list[str]]
+) -> tuple[str, str]:
     """Start a receiver, read its port, run the sender against it; return both last lines."""
     rx = start_rx(sys.executable, ["-c", *rx_argv])
     tx = None
@@ -138,8 +141,10 @@ def _pair(start_rx: Runner, start_tx: Runner, rx_argv: list[str],
         tx_out, tx_err = tx.communicate(timeout=_TIMEOUT_S)
         rx_out, rx_err = rx.communicate(timeout=_TIMEOUT_S)
         if tx.returncode or rx.returncode:
-            raise RuntimeError(f"transfer failed: sender {tx.returncode} {tx_err.strip()[-500:]!r}, "
-                               f"receiver {rx.returncode} {rx_err.strip()[-500:]!r}")
+            raise RuntimeError(
+                f"transfer failed: sender {tx.returncode} {tx_err.strip()[-500:]!r}, "
+                f"receiver {rx.returncode} {rx_err.strip()[-500:]!r}"
+            )
         return rx_out.strip().splitlines()[-1], tx_out.strip().splitlines()[-1]
     finally:
         for proc in (tx, rx):
@@ -150,15 +155,29 @@ def _pair(start_rx: Runner, start_tx: Runner, rx_argv: list[str],
 
 def _starter(cluster: Cluster | None, host: str) -> Runner:
     """Start a process in ``host``'s namespace, or in this one for loopback."""
+
     def start(exe: str, argv: Sequence[str]) -> subprocess.Popen:
         full = [exe, *argv]
         kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        return cluster.popen(host, full, **kw) if cluster is not None else subprocess.Popen(full, **kw)
+        return (
+            cluster.popen(host, full, **kw) if cluster is not None else subprocess.Popen(full, **kw)
+        )
+
     return start
 
 
-def measure_link(name: str, rate_bps: int | None, cluster: Cluster | None, src: str, dst: str, dst_addr: str,
-                 *, msg_sizes: Sequence[int], reps: int, target_s: float) -> tuple[list[dict], float]:
+def measure_link(
+    name: str,
+    rate_bps: int | None,
+    cluster: Cluster | None,
+    src: str,
+    dst: str,
+    dst_addr: str,
+    *,
+    msg_sizes: Sequence[int],
+    reps: int,
+    target_s: float,
+) -> tuple[list[dict], float]:
     """Throughput rows (one per transport and message size) and the idle RTT in µs of one link."""
     start_rx, start_tx = _starter(cluster, dst), _starter(cluster, src)
     rows = []
@@ -167,31 +186,65 @@ def measure_link(name: str, rate_bps: int | None, cluster: Cluster | None, src: 
             assumed_bps = rate_bps or 20e9  # unlimited: what veth/loopback roughly give here
             volume = max(2, round(assumed_bps / 8 * target_s / msg)) * msg
             rx_line, tx_line = _pair(
-                start_rx, start_tx, [_RX, transport, dst_addr, str(volume), str(msg), str(reps)],
-                lambda port: [_TX, transport, dst_addr, str(port), str(volume), str(msg), str(reps)])
+                start_rx,
+                start_tx,
+                [_RX, transport, dst_addr, str(volume), str(msg), str(reps)],
+                lambda port: [
+                    _TX,
+                    transport,
+                    dst_addr,
+                    str(port),
+                    str(volume),
+                    str(msg),
+                    str(reps),
+                ],
+            )
             rx, tx = json.loads(rx_line), json.loads(tx_line)
             rates = sorted(rx["bits_per_s"])
             median = statistics.median(rates)
-            rows.append({
-                "link": name, "rate_bps": rate_bps, "transport": transport, "msg_bytes": msg,
-                "volume_bytes": volume, "reps": reps, "gbit_s_median": median / 1e9,
-                "gbit_s_min": rates[0] / 1e9, "gbit_s_max": rates[-1] / 1e9,
-                "of_nominal": median / rate_bps if rate_bps else None,
-                "rx_cpu_share": rx["cpu_share"], "tx_cpu_share": tx["cpu_share"]})
-            log.info("%-9s %-3s %d MiB: %.3f Gbit/s (rx cpu %.2f, tx cpu %.2f)", name, transport, msg // MIB,
-                     median / 1e9, rx["cpu_share"], tx["cpu_share"])
-    pong, ping = _pair(start_rx, start_tx, [_PONG, dst_addr], lambda port: [_PING, dst_addr, str(port), "300"])
+            rows.append(
+                {
+                    "link": name,
+                    "rate_bps": rate_bps,
+                    "transport": transport,
+                    "msg_bytes": msg,
+                    "volume_bytes": volume,
+                    "reps": reps,
+                    "gbit_s_median": median / 1e9,
+                    "gbit_s_min": rates[0] / 1e9,
+                    "gbit_s_max": rates[-1] / 1e9,
+                    "of_nominal": median / rate_bps if rate_bps else None,
+                    "rx_cpu_share": rx["cpu_share"],
+                    "tx_cpu_share": tx["cpu_share"],
+                }
+            )
+            log.info(
+                "%-9s %-3s %d MiB: %.3f Gbit/s (rx cpu %.2f, tx cpu %.2f)",
+                name,
+                transport,
+                msg // MIB,
+                median / 1e9,
+                rx["cpu_share"],
+                tx["cpu_share"],
+            )
+    pong, ping = _pair(
+        start_rx, start_tx, [_PONG, dst_addr], lambda port: [_PING, dst_addr, str(port), "300"]
+    )
     return rows, float(ping)
 
 
 def _table(rows: list[dict], rtts: dict[str, float]) -> str:
-    lines = ["| link | transport | msg | Gbit/s median (min-max) | of nominal | rx CPU | tx CPU |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| link | transport | msg | Gbit/s median (min-max) | of nominal | rx CPU | tx CPU |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         nominal = f"{r['of_nominal']:.1%}" if r["of_nominal"] is not None else "-"
-        lines.append(f"| {r['link']} | {r['transport']} | {r['msg_bytes'] // MIB} MiB | "
-                     f"{r['gbit_s_median']:.2f} ({r['gbit_s_min']:.2f}-{r['gbit_s_max']:.2f}) | {nominal} | "
-                     f"{r['rx_cpu_share']:.2f} | {r['tx_cpu_share']:.2f} |")
+        lines.append(
+            f"| {r['link']} | {r['transport']} | {r['msg_bytes'] // MIB} MiB | "
+            f"{r['gbit_s_median']:.2f} ({r['gbit_s_min']:.2f}-{r['gbit_s_max']:.2f}) | {nominal} | "
+            f"{r['rx_cpu_share']:.2f} | {r['tx_cpu_share']:.2f} |"
+        )
     lines += ["", "| link | idle TCP round trip, 64 B (µs, median) |", "|---|---|"]
     lines += [f"| {link} | {rtt:.0f} |" for link, rtt in rtts.items()]
     return "\n".join(lines)
@@ -201,50 +254,82 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="smoke run: 1 MiB only, 2 short reps")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--target-s", type=float, default=0.4, help="seconds one rep should take at the link rate")
+    p.add_argument(
+        "--target-s", type=float, default=0.4, help="seconds one rep should take at the link rate"
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     ok, reason = netns_available()
     if not ok:
         print(f"skipped: {reason}")
         return 0
-    reps, target_s, sizes = (2, 0.1, [MIB]) if args.quick else (args.reps, args.target_s, [MIB, 4 * MIB])
+    reps, target_s, sizes = (
+        (2, 0.1, [MIB]) if args.quick else (args.reps, args.target_s, [MIB, 4 * MIB])
+    )
     if not 1 <= reps <= 100 or not 0 < target_s <= 10:
         p.error(f"--reps must be in [1, 100] and --target-s in (0, 10], got {reps}, {target_s}")
 
-    config = ClusterConfig(num_hosts=6, rate=None, host_rates={0: "1gbit", 1: "1gbit", 2: "10gbit", 3: "10gbit"})
+    config = ClusterConfig(
+        num_hosts=6, rate=None, host_rates={0: "1gbit", 1: "1gbit", 2: "10gbit", 3: "10gbit"}
+    )
     rows: list[dict] = []
     rtts: dict[str, float] = {}
     t0, load_before = time.monotonic(), os.getloadavg()[0]
     with Cluster(config) as cluster:
         tbf = {str(rate): " ".join(cluster.tbf_args(rate)) for rate in (10**9, 10**10)}
-        for name, src, dst in (("1gbit", "h0", "h1"), ("10gbit", "h2", "h3"), ("unlimited", "h4", "h5")):
-            link_rows, rtts[name] = measure_link(name, cluster.rate_bps(dst), cluster, src, dst, cluster.addr(dst),
-                                                 msg_sizes=sizes, reps=reps, target_s=target_s)
+        for name, src, dst in (
+            ("1gbit", "h0", "h1"),
+            ("10gbit", "h2", "h3"),
+            ("unlimited", "h4", "h5"),
+        ):
+            link_rows, rtts[name] = measure_link(
+                name,
+                cluster.rate_bps(dst),
+                cluster,
+                src,
+                dst,
+                cluster.addr(dst),
+                msg_sizes=sizes,
+                reps=reps,
+                target_s=target_s,
+            )
             rows += link_rows
-    link_rows, rtts["loopback"] = measure_link("loopback", None, None, "", "", "127.0.0.1",
-                                               msg_sizes=sizes, reps=reps, target_s=target_s)
+    link_rows, rtts["loopback"] = measure_link(
+        "loopback", None, None, "", "", "127.0.0.1", msg_sizes=sizes, reps=reps, target_s=target_s
+    )
     rows += link_rows
 
     cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-    env = {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-           "tcp_congestion_control": cc, "mtu": config.mtu, "tbf": tbf, "quick": args.quick,
-           "elapsed_s": round(time.monotonic() - t0, 1),
-           "loadavg_1min_before_after": [load_before, os.getloadavg()[0]]}
+    env = {
+        "cpus": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "tcp_congestion_control": cc,
+        "mtu": config.mtu,
+        "tbf": tbf,
+        "quick": args.quick,
+        "elapsed_s": round(time.monotonic() - t0, 1),
+        "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],
+    }
     table = _table(rows, rtts)
-    note = ("TCP payload can reach at most 1448/1514 = 95.6% of a tbf rate at MTU 1500 (tbf counts "
-            "Ethernet + IP + TCP headers). CPU share: process CPU time / wall time during the transfer "
-            "(1.0 = one of the {cpus} cores); kernel work of the veth/bridge path lands partly in these "
-            "processes. 1 Gbit/s links hold their rate under load; 10 Gbit/s and unlimited ones are bound by "
-            "the CPU and fall when other work shares the box (see loadavg below).").format(cpus=env["cpus"])
+    note = (
+        "TCP payload can reach at most 1448/1514 = 95.6% of a tbf rate at MTU 1500 (tbf counts "
+        "Ethernet + IP + TCP headers). CPU share: process CPU time / wall time during the transfer "
+        "(1.0 = one of the {cpus} cores); kernel work of the veth/bridge path lands partly in these "
+        "processes. 1 Gbit/s links hold their rate under load; 10 Gbit/s and unlimited ones are bound by "
+        "the CPU and fall when other work shares the box (see loadavg below)."
+    ).format(cpus=env["cpus"])
     print(table)
     print()
     print(note)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "bench_links.json").write_text(json.dumps({"env": env, "rows": rows, "rtt_us": rtts}, indent=2) + "\n")
+    (RESULTS / "bench_links.json").write_text(
+        json.dumps({"env": env, "rows": rows, "rtt_us": rtts}, indent=2) + "\n"
+    )
     (RESULTS / "bench_links.md").write_text(
         f"# bench_links: what the emulated links deliver\n\n{table}\n\n{note}\n\n"
-        f"Environment: `{json.dumps(env)}`\n")
+        f"Environment: `{json.dumps(env)}`\n"
+    )
     return 0
 
 

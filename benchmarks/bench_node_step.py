@@ -37,7 +37,19 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import RESULTS, LoadMonitor, interleaved, machine_info, md_table, median, paired_ratio, proc_usage, verdict, write_results
+from common import (
+    RESULTS,
+    LoadMonitor,
+    interleaved,
+    machine_info,
+    md_table,
+    median,
+    paired_ratio,
+    proc_usage,
+    verdict,
+    write_results,
+)
+
 from luwu.protocol.codecs import get_codec
 from luwu.switch_nodes.optimizers import ADAMW, apply_
 from luwu.switch_nodes.server import ReplyBuffers
@@ -47,7 +59,9 @@ HYPER = dict(ADAMW.defaults) | {"lr": 1e-3, "weight_decay": 0.01}
 NUM_WORKERS = 2
 
 
-def make_shard(numel: int, bucket_numel: int, segs_per_bucket: int, init: torch.Tensor) -> list[BucketState]:
+def make_shard(
+    numel: int, bucket_numel: int, segs_per_bucket: int, init: torch.Tensor
+) -> list[BucketState]:
     """The node's shard: buckets of ``bucket_numel`` fp32 parameters, each cut into equal segments."""
     buckets = []
     for bid, start in enumerate(range(0, numel, bucket_numel)):
@@ -88,7 +102,10 @@ def check_same_update(bucket_numel: int, num_buckets: int = 4, steps: int = 3) -
             b.version += 1
         p.grad = grad.clone()
         opt.step()
-    return max(float((b.params - p.detach()[s:e]).abs().max()) for b, (s, e) in zip(buckets, slices(numel, bucket_numel)))
+    return max(
+        float((b.params - p.detach()[s:e]).abs().max())
+        for b, (s, e) in zip(buckets, slices(numel, bucket_numel))
+    )
 
 
 def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> dict:
@@ -102,7 +119,9 @@ def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> d
         accs = []
         for b, (s, e) in zip(buckets, slices(numel, bucket_numel)):
             acc = b.accumulator(0, 0)
-            acc.buf.copy_(grad[s:e])  # the workers' pushes, decoded times 1/n (BucketState.add_push)
+            acc.buf.copy_(
+                grad[s:e]
+            )  # the workers' pushes, decoded times 1/n (BucketState.add_push)
             acc.prescale = float(NUM_WORKERS)
             acc.hyper = HYPER
             accs.append(acc)
@@ -139,7 +158,18 @@ def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> d
         q.grad = grad[s:e].clone()
     opt_list = torch.optim.AdamW(pl, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], fused=True)
     cpu: dict[str, list[float]] = {}
-    times = interleaved({"node": node1, "node8": node8, "torch": opt.step, "torch_buckets": opt_list.step, "node_noscale": node_noscale}, reps, warmup=2, cpu=cpu)
+    times = interleaved(
+        {
+            "node": node1,
+            "node8": node8,
+            "torch": opt.step,
+            "torch_buckets": opt_list.step,
+            "node_noscale": node_noscale,
+        },
+        reps,
+        warmup=2,
+        cpu=cpu,
+    )
     diff = check_same_update(bucket_numel)
     t_torch = median(times["torch"])
     rows = []
@@ -148,7 +178,10 @@ def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> d
         ("node", "node: BucketState.apply, 1 segment/bucket"),
         ("node8", "node: BucketState.apply, 8 segments/bucket"),
         ("torch_buckets", "control: torch AdamW(fused=True), one tensor per bucket"),
-        ("node_noscale", "diagnostic: node's apply_ per bucket with grad_scale=n (the sum in the accumulator)"),
+        (
+            "node_noscale",
+            "diagnostic: node's apply_ per bucket with grad_scale=n (the sum in the accumulator)",
+        ),
     )
     for key, label in labels:
         t = median(times[key])
@@ -159,12 +192,20 @@ def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> d
                 "ms": t * 1e3,
                 "Gparams_per_s": numel / t / 1e9,
                 "vs_torch": t_torch / t,
-                "vs_torch_paired": paired_ratio(times["torch"], times[key]) if key != "torch" else 1.0,
+                "vs_torch_paired": paired_ratio(times["torch"], times[key])
+                if key != "torch"
+                else 1.0,
                 "cpu_ms": median(cpu[key]) * 1e3,
                 "vs_torch_cpu": paired_ratio(cpu["torch"], cpu[key]),
             }
         )
-    return {"threads": threads, "rows": rows, "times_s": times, "cpu_s": cpu, "max_abs_diff_vs_torch": diff}
+    return {
+        "threads": threads,
+        "rows": rows,
+        "times_s": times,
+        "cpu_s": cpu,
+        "max_abs_diff_vs_torch": diff,
+    }
 
 
 # ---------------------------------------------------------------------------- 2. whole step
@@ -181,9 +222,13 @@ def set_malloc(regime: str) -> bool:
     except OSError:
         return False
     mmap_at, trim_at = (32 << 20, 1 << 30) if regime == "recycle" else (1 << 20, 128 << 10)
-    ok = bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_at)) and bool(libc.mallopt(M_TRIM_THRESHOLD, trim_at))
+    ok = bool(libc.mallopt(M_MMAP_THRESHOLD, mmap_at)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, trim_at)
+    )
     if regime == "fresh":
-        libc.malloc_trim(0)  # free heap memory kept from before would otherwise still serve these blocks
+        libc.malloc_trim(
+            0
+        )  # free heap memory kept from before would otherwise still serve these blocks
     return ok
 
 
@@ -206,14 +251,18 @@ def received(frames: list[torch.Tensor]) -> list[torch.Tensor]:
 def bytes_per_element(push: str, pull: str) -> tuple[float, float]:
     """(floor, as implemented) bytes of memory traffic per parameter for the 2-worker step."""
     bp, br = get_codec(push).bytes_per_element(), get_codec(pull).bytes_per_element()
-    floor = NUM_WORKERS * bp + 3 * 8 + br  # read the pushes; read+write weights, exp_avg, exp_avg_sq; write the reply
+    floor = (
+        NUM_WORKERS * bp + 3 * 8 + br
+    )  # read the pushes; read+write weights, exp_avg, exp_avg_sq; write the reply
     # the first push is held, then decode_pair_ (read both pushes, write acc once), AdamW (+ read acc),
     # encode (read weights again, write reply; fp32 replies are the weights themselves: nothing)
     implemented = (NUM_WORKERS * bp + 4) + (4 + 24) + (0 if pull == "none" else 4 + br)
     return floor, implemented
 
 
-def bench_whole_step(numel: int, bucket_numel: int, push: str, pull: str, threads: int, reps: int) -> dict:
+def bench_whole_step(
+    numel: int, bucket_numel: int, push: str, pull: str, threads: int, reps: int
+) -> dict:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(1)
     init = torch.randn(numel, generator=g) * 0.02
@@ -276,14 +325,21 @@ def bench_whole_step(numel: int, bucket_numel: int, push: str, pull: str, thread
                         total = x if total is None else total + x
                     p.grad = total / NUM_WORKERS
             opt.step()
-            return [p.detach().to(torch.bfloat16) if pull == "bf16" else p.detach().clone() for p in params]
+            return [
+                p.detach().to(torch.bfloat16) if pull == "bf16" else p.detach().clone()
+                for p in params
+            ]
 
         return run
 
     pb = [torch.nn.Parameter(init[s:e].clone()) for s, e in sl]
-    opt_fused = torch.optim.AdamW(pb, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], fused=True)
+    opt_fused = torch.optim.AdamW(
+        pb, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], fused=True
+    )
     pf = [torch.nn.Parameter(init[s:e].clone()) for s, e in sl]
-    opt_fresh = torch.optim.AdamW(pf, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], fused=True)
+    opt_fresh = torch.optim.AdamW(
+        pf, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], fused=True
+    )
     pd = [torch.nn.Parameter(init[s:e].clone()) for s, e in sl]
     opt_default = torch.optim.AdamW(pd, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"])
     # one shard-sized tensor: the pushes as whole-shard frames
@@ -292,13 +348,17 @@ def bench_whole_step(numel: int, bucket_numel: int, push: str, pull: str, thread
         enc = pc.encode(grads[w], pc.alloc(numel))
         whole.append([memoryview(enc.frames[0].contiguous().view(torch.uint8).numpy())])
     pw = [torch.nn.Parameter(init.clone())]
-    opt_whole = torch.optim.AdamW(pw, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], fused=True)
+    opt_whole = torch.optim.AdamW(
+        pw, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"], fused=True
+    )
 
     big = torch.zeros(numel)
     # Two interleaved passes, each with the node as reference: the allocator regimes must not mix (a
     # fresh-memory competitor trims the heap the recycling ones would reuse).
     recycled = {
-        "bandwidth": lambda: big.add_(1.0),  # in-place: 8 bytes per element; interleaved so it sees the same load
+        "bandwidth": lambda: big.add_(
+            1.0
+        ),  # in-place: 8 bytes per element; interleaved so it sees the same load
         "node": node_step,
         "plain_fused": plain(pb, opt_fused, mvs),
         "plain_default": plain(pd, opt_default, mvs),
@@ -350,7 +410,9 @@ def bench_whole_step(numel: int, bucket_numel: int, push: str, pull: str, thread
                 "impl": label,
                 "ms": t * 1e3,
                 "node_speedup": t / median(times[ref]),
-                "node_speedup_paired": paired_ratio(times[key], times[ref]) if key != "node" else 1.0,
+                "node_speedup_paired": paired_ratio(times[key], times[ref])
+                if key != "node"
+                else 1.0,
                 "of_bw_floor": t_floor / t,
                 "of_bw_floor_paired": paired_ratio(floor_rep, times[key]),
                 "cpu_ms": median(cpu[key]) * 1e3,
@@ -382,7 +444,12 @@ def why_lines(opt_runs: list[dict], step_runs: list[dict]) -> list[str]:
     """Where the time goes, from this run's control and diagnostic rows (not from prose that can go stale)."""
     out = ["Where the time goes (this run):", ""]
     for run in opt_runs:
-        ms = {r["impl"].split(",")[0].split(":")[0] + ("8" if "8 segments" in r["impl"] else ""): r["ms"] for r in run["rows"]}
+        ms = {
+            r["impl"].split(",")[0].split(":")[0] + ("8" if "8 segments" in r["impl"] else ""): r[
+                "ms"
+            ]
+            for r in run["rows"]
+        }
         t_torch, t_node = ms["torch.optim.AdamW(fused=True)"], ms["node"]
         t_ctrl, t_diag = ms["control"], ms["diagnostic"]
         out.append(
@@ -401,8 +468,12 @@ def why_lines(opt_runs: list[dict], step_runs: list[dict]) -> list[str]:
         ph = run["node_phases_ms"]
         out.append(
             f"- whole step, push {run['push']} / reply {run['pull']}: the node's calls make {run['implemented_bytes_per_param']:.0f} B/param "
-            f"of memory traffic against a floor of {run['floor_bytes_per_param']:.0f}; by phase " + ", ".join(f"{k} {v:.0f} ms" for k, v in ph.items()) + ". "
-            "Minor page faults per step: " + ", ".join(f"{k} {v}" for k, v in run["page_faults"].items()) + ". "
+            f"of memory traffic against a floor of {run['floor_bytes_per_param']:.0f}; by phase "
+            + ", ".join(f"{k} {v:.0f} ms" for k, v in ph.items())
+            + ". "
+            "Minor page faults per step: "
+            + ", ".join(f"{k} {v}" for k, v in run["page_faults"].items())
+            + ". "
             "Where the allocator recycles its 4 MiB blocks, plain per-bucket code makes about as many passes over memory as the "
             "node, and the node's edge is small; its edge is the fresh memory (page faults) that allocate-and-convert code "
             "otherwise pays for. glibc picks either regime by the process's history, so the benchmark pins each (mallopt)."
@@ -413,20 +484,47 @@ def why_lines(opt_runs: list[dict], step_runs: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="8M parameters, 3 repetitions: a smoke run")
-    ap.add_argument("--numel", type=int, default=64 << 20, help="parameters in the shard (default 64M)")
-    ap.add_argument("--bucket-numel", type=int, default=1 << 20, help="parameters per bucket (default 1M = 4 MiB)")
+    ap.add_argument(
+        "--quick", action="store_true", help="8M parameters, 3 repetitions: a smoke run"
+    )
+    ap.add_argument(
+        "--numel", type=int, default=64 << 20, help="parameters in the shard (default 64M)"
+    )
+    ap.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=1 << 20,
+        help="parameters per bucket (default 1M = 4 MiB)",
+    )
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch threads for the optimizer benchmark")
-    ap.add_argument("--step-threads", type=int, default=1, help="torch threads for the whole-step benchmark (node default 1)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="torch threads for the optimizer benchmark",
+    )
+    ap.add_argument(
+        "--step-threads",
+        type=int,
+        default=1,
+        help="torch threads for the whole-step benchmark (node default 1)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = ap.parse_args(argv)
     if args.quick:
         args.numel, args.reps = 8 << 20, 3
 
     with LoadMonitor() as load:
-        opt_runs = [bench_optimizer(args.numel, args.bucket_numel, t, args.reps) for t in args.threads]
-        step_runs = [bench_whole_step(args.numel, args.bucket_numel, push, pull, args.step_threads, args.reps) for push, pull in (("none", "none"), ("bf16", "bf16"))]
+        opt_runs = [
+            bench_optimizer(args.numel, args.bucket_numel, t, args.reps) for t in args.threads
+        ]
+        step_runs = [
+            bench_whole_step(
+                args.numel, args.bucket_numel, push, pull, args.step_threads, args.reps
+            )
+            for push, pull in (("none", "none"), ("bf16", "bf16"))
+        ]
 
     opt_rows = [r for run in opt_runs for r in run["rows"]]
     step_rows = [r for run in step_runs for r in run["rows"]]
@@ -443,8 +541,15 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     for run in step_runs:
-        for suffix, what in (("memory recycled", "plain with memory recycled"), ("fresh memory", "plain with fresh memory")):
-            prim = next(r for r in run["rows"] if r["impl"] == f"plain per bucket, AdamW(fused=True), {suffix}")
+        for suffix, what in (
+            ("memory recycled", "plain with memory recycled"),
+            ("fresh memory", "plain with fresh memory"),
+        ):
+            prim = next(
+                r
+                for r in run["rows"]
+                if r["impl"] == f"plain per bucket, AdamW(fused=True), {suffix}"
+            )
             summary.append(
                 {
                     "benchmark": f"2. whole step, push {run['push']} / reply {run['pull']}, vs {what}",
@@ -467,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     n_m = args.numel / (1 << 20)
     md = [
-        f"# bench_node_step: {n_m:.0f}M-parameter shard, buckets of {args.bucket_numel / (1 << 20):.0f}M, median of {args.reps}" + (" (quick)" if args.quick else ""),
+        f"# bench_node_step: {n_m:.0f}M-parameter shard, buckets of {args.bucket_numel / (1 << 20):.0f}M, median of {args.reps}"
+        + (" (quick)" if args.quick else ""),
         "",
         load.line(),
         "",
@@ -484,7 +590,19 @@ def main(argv: list[str] | None = None) -> int:
         "vs_torch = torch ms / ours (> 1: the node is faster); _paired = median over repetitions of the per-repetition ratio. "
         f"Shard and torch parameter agree to {max(r['max_abs_diff_vs_torch'] for r in opt_runs):.2g} after the same steps.",
         "",
-        md_table(opt_rows, ["threads", "impl", "ms", "Gparams_per_s", "vs_torch", "vs_torch_paired", "cpu_ms", "vs_torch_cpu"]),
+        md_table(
+            opt_rows,
+            [
+                "threads",
+                "impl",
+                "ms",
+                "Gparams_per_s",
+                "vs_torch",
+                "vs_torch_paired",
+                "cpu_ms",
+                "vs_torch_cpu",
+            ],
+        ),
         "",
         f"## 2. Whole node step for {NUM_WORKERS} workers ({args.step_threads} thread), vs plain torch calls",
         "",
@@ -492,7 +610,20 @@ def main(argv: list[str] | None = None) -> int:
         "timed again beside them). of_bw_floor = (bytes the step must touch / in-place bandwidth) / ms, "
         "the bandwidth being x.add_(1) on a shard-sized tensor timed interleaved with the steps; _paired: per repetition.",
         "",
-        md_table(step_rows, ["wire", "impl", "ms", "node_speedup", "node_speedup_paired", "cpu_ms", "node_speedup_cpu", "of_bw_floor", "of_bw_floor_paired"]),
+        md_table(
+            step_rows,
+            [
+                "wire",
+                "impl",
+                "ms",
+                "node_speedup",
+                "node_speedup_paired",
+                "cpu_ms",
+                "node_speedup_cpu",
+                "of_bw_floor",
+                "of_bw_floor_paired",
+            ],
+        ),
         "",
     ]
     for run in step_runs:
@@ -500,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
             f"- push {run['push']} / reply {run['pull']}: in-place bandwidth {run['inplace_bandwidth_gbps']:.1f} GB/s; "
             f"floor {run['floor_bytes_per_param']:.0f} B/param ({run['floor_ms']:.0f} ms), "
             f"the node's calls move {run['implemented_bytes_per_param']:.0f} B/param ({run['node_implemented_gbps']:.1f} GB/s); "
-            f"node vs plain fused max |diff| {run['max_abs_diff_node_vs_plain']:.2g}; the node's step by phase (ms, medians): " + ", ".join(f"{k} {v:.1f}" for k, v in run["node_phases_ms"].items())
+            f"node vs plain fused max |diff| {run['max_abs_diff_node_vs_plain']:.2g}; the node's step by phase (ms, medians): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in run["node_phases_ms"].items())
         )
     md.append("")
     write_results("bench_node_step", result, "\n".join(md), quick=args.quick, out=args.out)

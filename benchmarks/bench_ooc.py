@@ -57,6 +57,7 @@ from common import (
     verdict,
     write_results,
 )
+
 from luwu.switch_nodes.ooc import IOEngine, StateFile, StateLayout, StateWindow
 from luwu.switch_nodes.ooc.io import DEFAULT_NUM_THREADS, DEFAULT_REQUEST_BYTES
 from luwu.switch_nodes.optimizers import ADAMW, apply_

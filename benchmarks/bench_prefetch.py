@@ -77,13 +77,19 @@ class AugmentedDigits(Dataset):
         g = torch.Generator().manual_seed(index)
         i = index % len(self.images)
         res = self.decode_res
-        x = F.interpolate(self.images[i : i + 1], size=(res, res), mode="bicubic", align_corners=False)
+        x = F.interpolate(
+            self.images[i : i + 1], size=(res, res), mode="bicubic", align_corners=False
+        )
         angle = (torch.rand(1, generator=g) - 0.5) * (math.pi / 6)
         scale = 0.9 + 0.2 * torch.rand(1, generator=g)
         shift = (torch.rand(2, generator=g) - 0.5) * 0.2
         cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
-        theta = torch.stack([torch.cat([cos, -sin, shift[:1]]), torch.cat([sin, cos, shift[1:]])])[None]
-        x = F.grid_sample(x, F.affine_grid(theta, list(x.shape), align_corners=False), align_corners=False)
+        theta = torch.stack([torch.cat([cos, -sin, shift[:1]]), torch.cat([sin, cos, shift[1:]])])[
+            None
+        ]
+        x = F.grid_sample(
+            x, F.affine_grid(theta, list(x.shape), align_corners=False), align_corners=False
+        )
         x = x + 0.05 * torch.randn(x.shape, generator=g)
         x = F.conv2d(x, BLUR, padding=2)
         x = F.interpolate(x, size=(IMAGE, IMAGE), mode="area")
@@ -146,7 +152,12 @@ def closest(candidates, measure, target_ms: float) -> tuple[int, float]:
 
 
 def calibrate(
-    batch_size: int, loader_ms: float, step_ms: float, reps: int, decode_res: int | None, width: int | None
+    batch_size: int,
+    loader_ms: float,
+    step_ms: float,
+    reps: int,
+    decode_res: int | None,
+    width: int | None,
 ) -> dict:
     """Decode resolution and CNN width closest to the target times (or the fixed ones), with their times."""
 
@@ -160,11 +171,18 @@ def calibrate(
         batch = next(iter(DataLoader(ds, batch_size=batch_size)))
         return best_ms(lambda: trainer.step(batch), reps)
 
-    resolutions = [decode_res] if decode_res else [16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192]
+    resolutions = (
+        [decode_res] if decode_res else [16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192]
+    )
     widths = [width] if width else [4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64]
     res, measured_loader = closest(resolutions, decode_ms, loader_ms)
     width, measured_step = closest(widths, train_ms, step_ms)
-    return {"decode_res": res, "loader_ms": measured_loader, "width": width, "step_ms": measured_step}
+    return {
+        "decode_res": res,
+        "loader_ms": measured_loader,
+        "width": width,
+        "step_ms": measured_step,
+    }
 
 
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -240,19 +258,37 @@ def timed_run(source, trainer: Trainer, warmup: int, steps: int, batch_size: int
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="few steps, 1 repetition: a smoke run")
-    ap.add_argument("--reps", type=int, default=7, help="repetitions of every configuration (interleaved)")
+    ap.add_argument(
+        "--reps", type=int, default=7, help="repetitions of every configuration (interleaved)"
+    )
     ap.add_argument("--steps", type=int, default=60, help="timed steps per run")
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps per run (pipelines fill)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--depth", type=int, default=2, help="Prefetcher depth")
-    ap.add_argument("--loader-ms", type=float, default=20.0, help="target loader CPU time per batch")
+    ap.add_argument(
+        "--loader-ms", type=float, default=20.0, help="target loader CPU time per batch"
+    )
     ap.add_argument("--step-ms", type=float, default=30.0, help="target training step time")
-    ap.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader num_workers to try")
-    ap.add_argument("--decode-res", type=int, help="fix the loader's decode resolution instead of calibrating")
+    ap.add_argument(
+        "--workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader num_workers to try"
+    )
+    ap.add_argument(
+        "--decode-res", type=int, help="fix the loader's decode resolution instead of calibrating"
+    )
     ap.add_argument("--width", type=int, help="fix the CNN width instead of calibrating")
-    ap.add_argument("--quiet-cores", type=float, default=0.25, help="other jobs' CPU below which a run counts as quiet")
+    ap.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.25,
+        help="other jobs' CPU below which a run counts as quiet",
+    )
     ap.add_argument("--quiet-min", type=int, default=3, help="quiet runs wanted per configuration")
-    ap.add_argument("--max-minutes", type=float, default=8.0, help="cap on extra repetitions (which wait for quiet)")
+    ap.add_argument(
+        "--max-minutes",
+        type=float,
+        default=8.0,
+        help="cap on extra repetitions (which wait for quiet)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     if args.quick:
@@ -262,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick:  # calibrating on a busy machine would pick too little work
         wait_for_quiet(args.quiet_cores, time.monotonic() + 60 * args.max_minutes)
     reps = 3 if args.quick else 7
-    cal = calibrate(args.batch_size, args.loader_ms, args.step_ms, reps, args.decode_res, args.width)
+    cal = calibrate(
+        args.batch_size, args.loader_ms, args.step_ms, reps, args.decode_res, args.width
+    )
     print(
         f"calibrated: decode at {cal['decode_res']}px -> {cal['loader_ms']:.1f} ms/batch of {args.batch_size}; "
         f"CNN width {cal['width']} -> {cal['step_ms']:.1f} ms/step",
@@ -272,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     # Longer than a run reads: a DataLoader that reaches its end stops its workers,
     # and their CPU would go missing from pipeline_cores (prefetch rows read ahead).
     dataset = AugmentedDigits((n_batches + 2 * args.depth + 4) * args.batch_size, cal["decode_res"])
-    preloaded = [batch for _, batch in zip(range(n_batches), DataLoader(dataset, batch_size=args.batch_size))]
+    preloaded = [
+        batch for _, batch in zip(range(n_batches), DataLoader(dataset, batch_size=args.batch_size))
+    ]
     trainer = Trainer(cal["width"])
 
     def loader(nw: int) -> DataLoader:
@@ -283,8 +323,12 @@ def main(argv: list[str] | None = None) -> int:
         configs[f"plain nw={nw}"] = ("plain", nw)
         configs[f"prefetch nw={nw}"] = ("prefetch", nw)
     runs: dict[str, list[dict]] = {name: [] for name in configs}
+
     def quiet_short() -> bool:
-        return any(sum(r["other_cores"] < args.quiet_cores for r in rs) < args.quiet_min for rs in runs.values())
+        return any(
+            sum(r["other_cores"] < args.quiet_cores for r in rs) < args.quiet_min
+            for rs in runs.values()
+        )
 
     order = list(configs)
     deadline = time.monotonic() + 60 * args.max_minutes
@@ -320,7 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "bench_prefetch",
         "quick": args.quick,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
         "settings": {
             "batch_size": args.batch_size,
             "steps": args.steps,
@@ -341,7 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     md = render(result)
     print(md)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "bench_prefetch.quick" if args.quick else "bench_prefetch"  # a smoke run keeps the real results
+    stem = (
+        "bench_prefetch.quick" if args.quick else "bench_prefetch"
+    )  # a smoke run keeps the real results
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / f"{stem}.md").write_text(md + "\n")
     return 0
@@ -356,7 +406,10 @@ def summarize(runs: dict[str, list[dict]], quiet_cores: float) -> list[dict]:
     def quiet(rs: list[dict]) -> list[dict]:
         return [r for r in rs if r["other_cores"] < quiet_cores]
 
-    bound, bound_quiet = med(runs["preloaded"], "samples_per_s"), med(quiet(runs["preloaded"]), "samples_per_s")
+    bound, bound_quiet = (
+        med(runs["preloaded"], "samples_per_s"),
+        med(quiet(runs["preloaded"]), "samples_per_s"),
+    )
     rows = []
     for name, rs in runs.items():
         sps, sps_quiet = med(rs, "samples_per_s"), med(quiet(rs), "samples_per_s")
@@ -365,7 +418,10 @@ def summarize(runs: dict[str, list[dict]], quiet_cores: float) -> list[dict]:
             "samples_per_s": round(sps, 1),
             "vs_preloaded": round(sps / bound, 3),
             "vs_preloaded_paired": round(
-                statistics.median(r["samples_per_s"] / p["samples_per_s"] for r, p in zip(rs, runs["preloaded"])), 3
+                statistics.median(
+                    r["samples_per_s"] / p["samples_per_s"] for r, p in zip(rs, runs["preloaded"])
+                ),
+                3,
             ),
             "stall_fraction": round(med(rs, "stall_fraction"), 3),
             "wait_ms_per_step": round(med(rs, "wait_ms_per_step"), 2),
@@ -374,13 +430,19 @@ def summarize(runs: dict[str, list[dict]], quiet_cores: float) -> list[dict]:
             "other_cores": round(med(rs, "other_cores"), 2),
             "quiet_runs": len(quiet(rs)),
             "quiet_samples_per_s": None if sps_quiet is None else round(sps_quiet, 1),
-            "quiet_vs_preloaded": None if None in (sps_quiet, bound_quiet) else round(sps_quiet / bound_quiet, 3),
-            "quiet_stall_fraction": None if not quiet(rs) else round(med(quiet(rs), "stall_fraction"), 3),
+            "quiet_vs_preloaded": None
+            if None in (sps_quiet, bound_quiet)
+            else round(sps_quiet / bound_quiet, 3),
+            "quiet_stall_fraction": None
+            if not quiet(rs)
+            else round(med(quiet(rs), "stall_fraction"), 3),
         }
         if "gauge_stall_fraction" in rs[0]:
             row["gauge_stall_fraction"] = round(med(rs, "gauge_stall_fraction"), 3)
         if name.startswith("prefetch"):
-            row["vs_plain"] = round(sps / med(runs[name.replace("prefetch", "plain")], "samples_per_s"), 3)
+            row["vs_plain"] = round(
+                sps / med(runs[name.replace("prefetch", "plain")], "samples_per_s"), 3
+            )
         rows.append(row)
     return rows
 
@@ -425,7 +487,9 @@ def render(result: dict) -> str:
         "|" + "---|" * len(cols),
     ]
     for row in result["rows"]:
-        lines.append("| " + " | ".join("" if row.get(c) is None else str(row[c]) for c in cols) + " |")
+        lines.append(
+            "| " + " | ".join("" if row.get(c) is None else str(row[c]) for c in cols) + " |"
+        )
     return "\n".join(lines)
 
 

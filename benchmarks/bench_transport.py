@@ -40,7 +40,20 @@ from pathlib import Path
 
 import tomli_w
 import torch
-from common import MIB, RESULTS, LoadMonitor, machine_info, md_table, median, node_threads_delta, paired_ratio, proc_usage, threads_cpu_s, verdict, write_results
+from common import (
+    MIB,
+    RESULTS,
+    LoadMonitor,
+    machine_info,
+    md_table,
+    median,
+    node_threads_delta,
+    paired_ratio,
+    proc_usage,
+    threads_cpu_s,
+    verdict,
+    write_results,
+)
 
 from luwu.gpu_workers.config import TransportConfig
 from luwu.ops.keyset import KeySet
@@ -121,7 +134,9 @@ class Model(torch.nn.Module):
     def __init__(self, numel: int, cols: int = 4096, count: int = 4):
         super().__init__()
         rows = numel // (count * cols)
-        self.weights = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(rows, cols) * 0.02) for _ in range(count)])
+        self.weights = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(rows, cols) * 0.02) for _ in range(count)]
+        )
 
 
 class TimedFinish:
@@ -160,21 +175,88 @@ def run(args) -> dict:
     node_threads: dict[str, list[float]] = {}
     sgd_s, curve_s, zmq_s, zmq_curve_s = [], [], [], []
     keys, tmp = KeySet.generate(1), tempfile.TemporaryDirectory(prefix="luwu-bench-keys-")
-    node_file = Path(tmp.name) / "node.toml"  # the node's keys in a 0600 file, as luwu keys writes them
+    node_file = (
+        Path(tmp.name) / "node.toml"
+    )  # the node's keys in a 0600 file, as luwu keys writes them
     node_file.touch(0o600)
     node_file.write_text(tomli_w.dumps({"node": keys.node_settings()}))
-    with luwu.local_cluster(1, job=JOB, node_args=["--metrics.port", "0"]) as cluster, luwu.local_cluster(1, job=JOB + "-sgd") as sgd_cluster, \
-            luwu.local_cluster(1, job=JOB + "-curve", node_args=["--config", str(node_file)]) as curve_cluster, \
-            luwu.local_cluster(1, job=JOB + "-libzmq", node_args=["--node.listener", "libzmq", "--node.insecure_open", "true"]) as zmq_cluster, \
-            luwu.local_cluster(1, job=JOB + "-libzmq-curve", node_args=["--config", str(node_file), "--node.listener", "libzmq"]) as zmq_curve_cluster:
+    with (
+        luwu.local_cluster(1, job=JOB, node_args=["--metrics.port", "0"]) as cluster,
+        luwu.local_cluster(1, job=JOB + "-sgd") as sgd_cluster,
+        luwu.local_cluster(
+            1, job=JOB + "-curve", node_args=["--config", str(node_file)]
+        ) as curve_cluster,
+        luwu.local_cluster(
+            1,
+            job=JOB + "-libzmq",
+            node_args=["--node.listener", "libzmq", "--node.insecure_open", "true"],
+        ) as zmq_cluster,
+        luwu.local_cluster(
+            1,
+            job=JOB + "-libzmq-curve",
+            node_args=["--config", str(node_file), "--node.listener", "libzmq"],
+        ) as zmq_curve_cluster,
+    ):
         url = cluster.metrics_urls[0]
-        opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster.addresses, rank=0, world_size=1, job=JOB, lr=1e-4, bucket_bytes=args.bucket_mib * MIB, compression=False)
-        sgd = luwu.RemoteOptimizer(model, "sgd", nodes=sgd_cluster.addresses, rank=0, world_size=1, job=JOB + "-sgd", lr=1e-6, bucket_bytes=args.bucket_mib * MIB, compression=False)
-        curve = luwu.RemoteOptimizer(model, "adamw", nodes=curve_cluster.addresses, rank=0, world_size=1, job=JOB + "-curve", lr=1e-4, compression=False,
-                                     transport=TransportConfig(bucket_bytes=args.bucket_mib * MIB, **keys.client_settings(keys.workers[0])))
-        via_zmq = luwu.RemoteOptimizer(model, "adamw", nodes=zmq_cluster.addresses, rank=0, world_size=1, job=JOB + "-libzmq", lr=1e-4, bucket_bytes=args.bucket_mib * MIB, compression=False)
-        via_zmq_curve = luwu.RemoteOptimizer(model, "adamw", nodes=zmq_curve_cluster.addresses, rank=0, world_size=1, job=JOB + "-libzmq-curve", lr=1e-4, compression=False,
-                                             transport=TransportConfig(bucket_bytes=args.bucket_mib * MIB, **keys.client_settings(keys.workers[0])))
+        opt = luwu.RemoteOptimizer(
+            model,
+            "adamw",
+            nodes=cluster.addresses,
+            rank=0,
+            world_size=1,
+            job=JOB,
+            lr=1e-4,
+            bucket_bytes=args.bucket_mib * MIB,
+            compression=False,
+        )
+        sgd = luwu.RemoteOptimizer(
+            model,
+            "sgd",
+            nodes=sgd_cluster.addresses,
+            rank=0,
+            world_size=1,
+            job=JOB + "-sgd",
+            lr=1e-6,
+            bucket_bytes=args.bucket_mib * MIB,
+            compression=False,
+        )
+        curve = luwu.RemoteOptimizer(
+            model,
+            "adamw",
+            nodes=curve_cluster.addresses,
+            rank=0,
+            world_size=1,
+            job=JOB + "-curve",
+            lr=1e-4,
+            compression=False,
+            transport=TransportConfig(
+                bucket_bytes=args.bucket_mib * MIB, **keys.client_settings(keys.workers[0])
+            ),
+        )
+        via_zmq = luwu.RemoteOptimizer(
+            model,
+            "adamw",
+            nodes=zmq_cluster.addresses,
+            rank=0,
+            world_size=1,
+            job=JOB + "-libzmq",
+            lr=1e-4,
+            bucket_bytes=args.bucket_mib * MIB,
+            compression=False,
+        )
+        via_zmq_curve = luwu.RemoteOptimizer(
+            model,
+            "adamw",
+            nodes=zmq_curve_cluster.addresses,
+            rank=0,
+            world_size=1,
+            job=JOB + "-libzmq-curve",
+            lr=1e-4,
+            compression=False,
+            transport=TransportConfig(
+                bucket_bytes=args.bucket_mib * MIB, **keys.client_settings(keys.workers[0])
+            ),
+        )
         timed = TimedFinish(opt.worker)
         try:
             node_pid, server_pid = cluster.procs[0].pid, tcp.proc.pid
@@ -189,11 +271,18 @@ def run(args) -> dict:
                 t_luwu = round_trip(opt)
                 n1, w1, th1 = proc_usage(node_pid), proc_usage(), threads_cpu_s(node_pid)
                 m1 = scrape(url)
-                t_sgd, t_curve, t_zmq, t_zmq_curve = (round_trip(o) for o in (sgd, curve, via_zmq, via_zmq_curve))
+                t_sgd, t_curve, t_zmq, t_zmq_curve = (
+                    round_trip(o) for o in (sgd, curve, via_zmq, via_zmq_curve)
+                )
                 if i >= args.warmup:
                     for k, v in node_threads_delta(node_pid, th0, th1).items():
                         node_threads.setdefault(k, []).append(v)
-                    for k, (a, b) in (("tcp_client", (c0, c1)), ("tcp_server", (s0, s1)), ("luwu_worker", (w0, w1)), ("luwu_node", (n0, n1))):
+                    for k, (a, b) in (
+                        ("tcp_client", (c0, c1)),
+                        ("tcp_server", (s0, s1)),
+                        ("luwu_worker", (w0, w1)),
+                        ("luwu_node", (n0, n1)),
+                    ):
                         cpu[k].append(b[0] - a[0])
                         faults[k].append(b[1] - a[1])
                     tcp_s.append(t_tcp)
@@ -202,8 +291,14 @@ def run(args) -> dict:
                     curve_s.append(t_curve)
                     zmq_s.append(t_zmq)
                     zmq_curve_s.append(t_zmq_curve)
-                    opt_s.append(m1["luwu_node_optimizer_step_seconds_sum"] - m0["luwu_node_optimizer_step_seconds_sum"])
-                    opt_count.append(m1["luwu_node_optimizer_step_seconds_count"] - m0["luwu_node_optimizer_step_seconds_count"])
+                    opt_s.append(
+                        m1["luwu_node_optimizer_step_seconds_sum"]
+                        - m0["luwu_node_optimizer_step_seconds_sum"]
+                    )
+                    opt_count.append(
+                        m1["luwu_node_optimizer_step_seconds_count"]
+                        - m0["luwu_node_optimizer_step_seconds_count"]
+                    )
                     finish_s.append(timed.seconds)
                     wait_s.append(opt.last_report.update_wait_s)
             buckets = len(opt.layout.buckets)
@@ -219,7 +314,13 @@ def run(args) -> dict:
     t_l, t_t = median(luwu_s), median(tcp_s)
     t_s, t_c, t_z, t_zc = median(sgd_s), median(curve_s), median(zmq_s), median(zmq_curve_s)
     rows = [
-        {"impl": "raw TCP echo (sendall / recv_into, reused buffers)", "ms": t_t * 1e3, "GB_per_s": gb / t_t, "ratio_vs_tcp": 1.0, "ratio_paired": 1.0},
+        {
+            "impl": "raw TCP echo (sendall / recv_into, reused buffers)",
+            "ms": t_t * 1e3,
+            "GB_per_s": gb / t_t,
+            "ratio_vs_tcp": 1.0,
+            "ratio_paired": 1.0,
+        },
         {
             "impl": f"LuWu step(): push + AdamW on node + weights back ({buckets} buckets)",
             "ms": t_l * 1e3,
@@ -266,15 +367,27 @@ def run(args) -> dict:
         "node_optimizer_buckets_per_step": median(opt_count),
         "worker_finish_ms": median(finish_s) * 1e3,
         "worker_wait_weights_ms": median(wait_s) * 1e3,
-        "worker_write_weights_ms": median([a - b - c for a, b, c in zip(luwu_s, finish_s, wait_s)]) * 1e3,
+        "worker_write_weights_ms": median([a - b - c for a, b, c in zip(luwu_s, finish_s, wait_s)])
+        * 1e3,
     }
     cpu_rows = [
-        {"impl": impl, "client_cpu_s": median(cpu[c]), "server_cpu_s": median(cpu[sv]), "client_page_faults": median(faults[c]), "server_page_faults": median(faults[sv])}
-        for impl, c, sv in (("raw TCP", "tcp_client", "tcp_server"), ("LuWu", "luwu_worker", "luwu_node"))
+        {
+            "impl": impl,
+            "client_cpu_s": median(cpu[c]),
+            "server_cpu_s": median(cpu[sv]),
+            "client_page_faults": median(faults[c]),
+            "server_page_faults": median(faults[sv]),
+        }
+        for impl, c, sv in (
+            ("raw TCP", "tcp_client", "tcp_server"),
+            ("LuWu", "luwu_worker", "luwu_node"),
+        )
     ]
     for r in cpu_rows:
         r["total_cpu_s"] = r["client_cpu_s"] + r["server_cpu_s"]
-    breakdown["node_optimizer_thread_cpu_ms"] = median(node_threads.get("optimizer_thread", [])) * 1e3
+    breakdown["node_optimizer_thread_cpu_ms"] = (
+        median(node_threads.get("optimizer_thread", [])) * 1e3
+    )
     node_cpu = {k: median(v) * 1e3 for k, v in node_threads.items()}
     return {
         "rows": rows,
@@ -322,8 +435,12 @@ def why_lines(res: dict, mib: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="32 MiB, 3 repetitions: a smoke run")
-    ap.add_argument("--mib", type=int, default=256, help="MiB of gradients (and of weights back) per step")
-    ap.add_argument("--bucket-mib", type=int, default=4, help="bucket size (the frame size of a push)")
+    ap.add_argument(
+        "--mib", type=int, default=256, help="MiB of gradients (and of weights back) per step"
+    )
+    ap.add_argument(
+        "--bucket-mib", type=int, default=4, help="bucket size (the frame size of a push)"
+    )
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
@@ -334,13 +451,33 @@ def main(argv: list[str] | None = None) -> int:
         res = run(args)
     ratio, ratio_sgd = res["rows"][1]["ratio_paired"], res["rows"][2]["ratio_paired"]
     summary = [
-        {"benchmark": f"3. push + weights back, {args.mib} MiB (AdamW on the node)", "ratio": ratio, "target": 0.8, "verdict": verdict(ratio, 0.8)},
-        {"benchmark": f"3. push + weights back, {args.mib} MiB (SGD on the node: the transport)", "ratio": ratio_sgd, "target": 0.8, "verdict": verdict(ratio_sgd, 0.8)},
+        {
+            "benchmark": f"3. push + weights back, {args.mib} MiB (AdamW on the node)",
+            "ratio": ratio,
+            "target": 0.8,
+            "verdict": verdict(ratio, 0.8),
+        },
+        {
+            "benchmark": f"3. push + weights back, {args.mib} MiB (SGD on the node: the transport)",
+            "ratio": ratio_sgd,
+            "target": 0.8,
+            "verdict": verdict(ratio_sgd, 0.8),
+        },
     ]
-    result = {"quick": args.quick, "mib": args.mib, "bucket_mib": args.bucket_mib, "reps": args.reps, "machine": machine_info(), "load": load.info(), **res, "summary": summary}
+    result = {
+        "quick": args.quick,
+        "mib": args.mib,
+        "bucket_mib": args.bucket_mib,
+        "reps": args.reps,
+        "machine": machine_info(),
+        "load": load.info(),
+        **res,
+        "summary": summary,
+    }
     b = res["breakdown"]
     md = [
-        f"# bench_transport: {args.mib} MiB of gradients out, {args.mib} MiB of weights back, loopback, median of {args.reps}" + (" (quick)" if args.quick else ""),
+        f"# bench_transport: {args.mib} MiB of gradients out, {args.mib} MiB of weights back, loopback, median of {args.reps}"
+        + (" (quick)" if args.quick else ""),
         "",
         load.line(),
         "",
@@ -350,7 +487,18 @@ def main(argv: list[str] | None = None) -> int:
         f"GB/s counts both directions ({2 * args.mib} MiB per round); ratio_vs_tcp = TCP ms / that row's ms; _paired: per repetition. "
         f"LuWu: codec none both ways, buckets of {args.bucket_mib} MiB, world size 1, node with 1 torch thread.",
         "",
-        md_table(res["rows"], ["impl", "ms", "GB_per_s", "ratio_vs_tcp", "ratio_paired", "ratio_vs_plain_luwu", "ratio_vs_luwu_curve"]),
+        md_table(
+            res["rows"],
+            [
+                "impl",
+                "ms",
+                "GB_per_s",
+                "ratio_vs_tcp",
+                "ratio_paired",
+                "ratio_vs_plain_luwu",
+                "ratio_vs_luwu_curve",
+            ],
+        ),
         "",
         f"Encryption (CURVE) costs the round trip {1 / res['rows'][3]['ratio_vs_plain_luwu']:.2f}x the time of the plain one "
         "(ratio_vs_plain_luwu, per repetition). Insecure mode (node.insecure_public_bind) still makes sense where the "
@@ -371,7 +519,17 @@ def main(argv: list[str] | None = None) -> int:
         f"On a 2-core box shared with other jobs the rounds are CPU-bound: this is the work each side does for the same bytes. "
         f"A page fault is a first touch of fresh memory (4 KiB; {args.mib} MiB = {args.mib * 256} pages).",
         "",
-        md_table(res["cpu_per_round"], ["impl", "client_cpu_s", "server_cpu_s", "total_cpu_s", "client_page_faults", "server_page_faults"]),
+        md_table(
+            res["cpu_per_round"],
+            [
+                "impl",
+                "client_cpu_s",
+                "server_cpu_s",
+                "total_cpu_s",
+                "client_page_faults",
+                "server_page_faults",
+            ],
+        ),
         "",
         "The node's CPU per step by thread (ms; loop = event loop / main thread, optimizer_thread = the busiest other Python thread, zmq_io = ZeroMQ's I/O threads (none: the node reads ZMTP itself), other = the rest (the node's sending thread); clock ticks of 10 ms, medians):",
         "",

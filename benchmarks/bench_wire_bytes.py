@@ -40,13 +40,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` as a package, also when run as a script
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the repo root: `benchmarks` as a package, also when run as a script
 from benchmarks.common import LoadMonitor, machine_info, md_table, verdict, write_results  # noqa: E402
 
 TARGET = 3.0
 WORLD_SIZE = 2
 NUM_NODES = 2
-from luwu.protocol.codec_facts import FEEDBACK_CODECS as AGGRESSIVE  # the compressing codecs (int8, int4, topk)
+from luwu.protocol.codec_facts import (
+    FEEDBACK_CODECS as AGGRESSIVE,
+)  # the compressing codecs (int8, int4, topk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +113,16 @@ def build(setting: Setting):
     return model, params, names, batch, loss
 
 
-def _worker(rank: int, setting: Setting, compression: dict, job: str, nodes: list[str], warmup: int, measure: int, q) -> None:
+def _worker(
+    rank: int,
+    setting: Setting,
+    compression: dict,
+    job: str,
+    nodes: list[str],
+    warmup: int,
+    measure: int,
+    q,
+) -> None:
     import luwu
     from benchmarks.convergence import CodecRecorder
     from luwu.protocol.policy import CompressionConfig
@@ -118,13 +131,23 @@ def _worker(rank: int, setting: Setting, compression: dict, job: str, nodes: lis
     try:
         model, params, names, batch, loss_fn = build(setting)
         opt = luwu.RemoteOptimizer(
-            params, "adamw", nodes=nodes, rank=rank, world_size=WORLD_SIZE, job=job, lr=1e-4, compression=CompressionConfig(**compression), bucket_bytes=setting.bucket_bytes
+            params,
+            "adamw",
+            nodes=nodes,
+            rank=rank,
+            world_size=WORLD_SIZE,
+            job=job,
+            lr=1e-4,
+            compression=CompressionConfig(**compression),
+            bucket_bytes=setting.bucket_bytes,
         )
         try:
             rec = CodecRecorder(opt.worker, names, warmup)
             mark = (0, 0)
             for step in range(warmup + measure):
-                if step == warmup:  # every reply of the steps before has arrived: the counters are exact
+                if (
+                    step == warmup
+                ):  # every reply of the steps before has arrived: the counters are exact
                     opt.synchronize()
                     mark = (opt.client.bytes_sent, opt.client.bytes_received)
                 opt.zero_grad(set_to_none=True)
@@ -132,13 +155,19 @@ def _worker(rank: int, setting: Setting, compression: dict, job: str, nodes: lis
                 opt.step()
             opt.synchronize()  # (per-layer waits: the last step's replies are read at the next forward)
             numel = sum(b.numel for b in opt.layout.buckets)
-            q.put(("done", rank, {
-                "numel": numel,
-                "buckets": len(opt.layout.buckets),
-                "push_bytes_per_step": (opt.client.bytes_sent - mark[0]) / measure,
-                "pull_bytes_per_step": (opt.client.bytes_received - mark[1]) / measure,
-                "codec_raw_bytes": rec.raw_bytes,
-            }))
+            q.put(
+                (
+                    "done",
+                    rank,
+                    {
+                        "numel": numel,
+                        "buckets": len(opt.layout.buckets),
+                        "push_bytes_per_step": (opt.client.bytes_sent - mark[0]) / measure,
+                        "pull_bytes_per_step": (opt.client.bytes_received - mark[1]) / measure,
+                        "codec_raw_bytes": rec.raw_bytes,
+                    },
+                )
+            )
         finally:
             opt.close()
     except BaseException as exc:  # report, then re-raise so the exit code says it too
@@ -146,16 +175,27 @@ def _worker(rank: int, setting: Setting, compression: dict, job: str, nodes: lis
         raise
 
 
-def measure(setting: Setting, variant: str, warmup: int, steps: int, timeout_s: float = 600.0) -> dict:
+def measure(
+    setting: Setting, variant: str, warmup: int, steps: int, timeout_s: float = 600.0
+) -> dict:
     """Run ``warmup + steps`` steps of one setting and variant; per-worker bytes per measured step."""
     import luwu
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    job = "wire-" + "".join(c if c.isalnum() else "-" for c in f"{setting.model}-{setting.bucket_bytes}-{variant}")
+    job = "wire-" + "".join(
+        c if c.isalnum() else "-" for c in f"{setting.model}-{setting.bucket_bytes}-{variant}"
+    )
     results: dict[int, dict] = {}
     with luwu.local_cluster(NUM_NODES, job=job) as cluster:
-        procs = [ctx.Process(target=_worker, args=(r, setting, VARIANTS[variant], job, cluster.addresses, warmup, steps, q), daemon=True) for r in range(WORLD_SIZE)]
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, setting, VARIANTS[variant], job, cluster.addresses, warmup, steps, q),
+                daemon=True,
+            )
+            for r in range(WORLD_SIZE)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -165,9 +205,13 @@ def measure(setting: Setting, variant: str, warmup: int, steps: int, timeout_s: 
                     kind, rank, payload = q.get(timeout=1.0)
                 except queue.Empty:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"{setting.name} / {variant}: workers did not finish within {timeout_s:.0f} s") from None
+                        raise TimeoutError(
+                            f"{setting.name} / {variant}: workers did not finish within {timeout_s:.0f} s"
+                        ) from None
                     if any(p.exitcode not in (None, 0) for p in procs):
-                        raise RuntimeError(f"{setting.name} / {variant}: a worker died (exit codes {[p.exitcode for p in procs]})")
+                        raise RuntimeError(
+                            f"{setting.name} / {variant}: a worker died (exit codes {[p.exitcode for p in procs]})"
+                        ) from None
                     continue
                 if kind == "error":
                     raise RuntimeError(f"{setting.name} / {variant}: worker {rank}: {payload}")
@@ -191,7 +235,10 @@ def measure(setting: Setting, variant: str, warmup: int, steps: int, timeout_s: 
         "push_bytes_per_step": push,
         "pull_bytes_per_step": pull,
         "codec_share": {k: v / total for k, v in sorted(raw.items())} if total else {},
-        "compressed_share": sum(v for k, v in raw.items() if k.partition(":")[0] in AGGRESSIVE) / total if total else 0.0,
+        "compressed_share": sum(v for k, v in raw.items() if k.partition(":")[0] in AGGRESSIVE)
+        / total
+        if total
+        else 0.0,
     }
 
 
@@ -202,7 +249,9 @@ def table(rows: list[dict]) -> str:
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['setting']} | {r['variant']} | - | - | - | - | - | - | failed: {r['error'][:120]} |")
+            lines.append(
+                f"| {r['setting']} | {r['variant']} | - | - | - | - | - | - | failed: {r['error'][:120]} |"
+            )
             continue
         lines.append(
             f"| {r['setting']} | {r['variant']} | {r['buckets']} | {r['push_bytes_per_step'] / 1e6:.2f} | {r['pull_bytes_per_step'] / 1e6:.2f} "
@@ -215,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     from luwu.protocol.policy import CompressionConfig
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 measured step per run (writes bench_wire_bytes.quick.*)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 measured step per run (writes bench_wire_bytes.quick.*)",
+    )
     ap.add_argument("--measure-steps", type=int, default=5, help="steps measured after the warm-up")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -239,9 +292,14 @@ def main(argv: list[str] | None = None) -> int:
                 ref = base or row
                 row["push_x"] = ref["push_bytes_per_step"] / row["push_bytes_per_step"]
                 row["pull_x"] = ref["pull_bytes_per_step"] / row["pull_bytes_per_step"]
-                row["total_x"] = (ref["push_bytes_per_step"] + ref["pull_bytes_per_step"]) / (row["push_bytes_per_step"] + row["pull_bytes_per_step"])
+                row["total_x"] = (ref["push_bytes_per_step"] + ref["pull_bytes_per_step"]) / (
+                    row["push_bytes_per_step"] + row["pull_bytes_per_step"]
+                )
                 rows.append(row)
-                print(f"{setting.name} / {variant}: push {row['push_x']:.2f}x, pull {row['pull_x']:.2f}x fewer bytes ({time.perf_counter() - t0:.0f} s)", flush=True)
+                print(
+                    f"{setting.name} / {variant}: push {row['push_x']:.2f}x, pull {row['pull_x']:.2f}x fewer bytes ({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
     summary = []
     for r in rows:
         if r["variant"] == "fp32" or "error" in r:
@@ -249,28 +307,44 @@ def main(argv: list[str] | None = None) -> int:
         for what, key in (("push", "push_x"), ("both directions", "total_x")):
             # the default pull is bf16 (2x): both directions of the plain hybrid are reported, not targeted
             target = None if (r["variant"], what) == ("hybrid", "both directions") else TARGET
-            summary.append({
-                "benchmark": f"wire bytes fp32 / {r['variant']}, {what}: {r['setting']}",
-                "ratio": round(r[key], 3),
-                "target": target,
-                "verdict": verdict(r[key], target) if target else "- (bf16 pull by default)",
-            })
-    md = "\n".join([
-        f"# bench_wire_bytes: {WORLD_SIZE} workers x {NUM_NODES} nodes, bytes per worker per step, steps {warmup}..{warmup + steps - 1}{' (quick)' if args.quick else ''}",
-        "",
-        f"Payload bytes on the worker's sockets (push = gradients sent, pull = weights received); x fewer = fp32 / variant. "
-        f"Measured after the policy's {warmup - 1} bf16 warm-up steps and the first compressed step (which carries "
-        "int8_delta's initial full resync; its periodic resync, every `resync_every` = 50 steps, is not in the window). "
-        "int8 share = fraction of the gradient's fp32 bytes that went int8 (the rest bf16, or fp32 where the cost rule said so). "
-        "Byte counts do not depend on the machine's load.",
-        "",
-        table(rows),
-        "",
-        "## Targets",
-        "",
-        md_table(summary, ["benchmark", "ratio", "target", "verdict"]),
-    ]) + "\n"
-    result = {"quick": args.quick, "warmup_steps": warmup, "measured_steps": steps, "machine": machine_info(), "load": load.info(), "settings": [asdict(s) for s in SETTINGS], "rows": rows, "summary": summary}
+            summary.append(
+                {
+                    "benchmark": f"wire bytes fp32 / {r['variant']}, {what}: {r['setting']}",
+                    "ratio": round(r[key], 3),
+                    "target": target,
+                    "verdict": verdict(r[key], target) if target else "- (bf16 pull by default)",
+                }
+            )
+    md = (
+        "\n".join(
+            [
+                f"# bench_wire_bytes: {WORLD_SIZE} workers x {NUM_NODES} nodes, bytes per worker per step, steps {warmup}..{warmup + steps - 1}{' (quick)' if args.quick else ''}",
+                "",
+                f"Payload bytes on the worker's sockets (push = gradients sent, pull = weights received); x fewer = fp32 / variant. "
+                f"Measured after the policy's {warmup - 1} bf16 warm-up steps and the first compressed step (which carries "
+                "int8_delta's initial full resync; its periodic resync, every `resync_every` = 50 steps, is not in the window). "
+                "int8 share = fraction of the gradient's fp32 bytes that went int8 (the rest bf16, or fp32 where the cost rule said so). "
+                "Byte counts do not depend on the machine's load.",
+                "",
+                table(rows),
+                "",
+                "## Targets",
+                "",
+                md_table(summary, ["benchmark", "ratio", "target", "verdict"]),
+            ]
+        )
+        + "\n"
+    )
+    result = {
+        "quick": args.quick,
+        "warmup_steps": warmup,
+        "measured_steps": steps,
+        "machine": machine_info(),
+        "load": load.info(),
+        "settings": [asdict(s) for s in SETTINGS],
+        "rows": rows,
+        "summary": summary,
+    }
     write_results("bench_wire_bytes", result, md, quick=args.quick)
     return 0
 

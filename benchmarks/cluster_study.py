@@ -78,9 +78,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # `support`: the emulated cluster is test infrastructure
-from support.netns_cluster import Cluster, ClusterConfig, netns_available, parse_rate  # noqa: E402
-from support.netns_cluster import list_namespaces  # noqa: E402,F401  (for the system test: what teardown left)
+sys.path.insert(
+    0, str(HERE.parent / "tests")
+)  # `support`: the emulated cluster is test infrastructure
+from support.netns_cluster import (  # noqa: E402
+    Cluster,
+    ClusterConfig,
+    list_namespaces,  # noqa: E402,F401  (for the system test: what teardown left)
+    netns_available,
+    parse_rate,
+)
+
 from luwu.switch_nodes.lines import READY_LINE  # noqa: E402  (torch-free)
 
 log = logging.getLogger(__name__)
@@ -146,7 +154,9 @@ class Settings:
         if len(self.dims) < 2 or any(d < 1 for d in self.dims):
             raise ValueError(f"dims must be >= 2 positive widths, got {self.dims!r}")
         if not 0 <= self.warmup < self.steps:
-            raise ValueError(f"warmup must be in [0, steps), got warmup={self.warmup}, steps={self.steps}")
+            raise ValueError(
+                f"warmup must be in [0, steps), got warmup={self.warmup}, steps={self.steps}"
+            )
         if not 1 <= self.eval_every <= self.steps:
             raise ValueError(f"eval_every must be in [1, steps], got {self.eval_every}")
         if not 0 < self.target_frac <= 1:
@@ -200,19 +210,39 @@ class Hosts:
 def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str) -> list[str]:
     nodes = [f"tcp://{hosts.cluster.addr(hosts.node(j))}:{NODE_PORT}" for j in range(rc.nodes)]
     rate_gbps = (parse_rate(rc.rate) or 10**11) / 1e9
-    lines = ["[cluster]", f'job = "{job}"', "nodes = [" + ", ".join(f'"{n}"' for n in nodes) + "]",
-             f"world_size = {rc.workers}"]
+    lines = [
+        "[cluster]",
+        f'job = "{job}"',
+        "nodes = [" + ", ".join(f'"{n}"' for n in nodes) + "]",
+        f"world_size = {rc.workers}",
+    ]
     if rc.capacities:
         lines.append("capacities = [" + ", ".join(f"{c:g}" for c in rc.capacities) + "]")
-    lines += ["", "[optimizer]", 'name = "adamw"', f"delayed_update = {str(rc.variant in ('delayed', 'partial')).lower()}",
-              f"stream_weights = {str(rc.variant.startswith('stream')).lower()}",
-              f"stream_keep_for_backward = {str(rc.variant == 'streamkeep').lower()}",
-              f"delayed_update_warmup = {s.dpu_warmup}",
-              "delayed_params = [" + (", ".join(f'"{p}"' for p in s.partial_params) if rc.variant == "partial" else "") + "]",
-              "", "[compression]", f"enabled = {str(rc.compression).lower()}",
-              f"warmup_steps = {s.compression_warmup}", f"link_gbps = {rate_gbps:g}",
-              "", "[transport]", f"timeout_s = {s.timeout_s:g}", f"bucket_bytes = {s.bucket_bytes}",
-              "", "[node]", "insecure_public_bind = true  # the bridge of the emulated cluster", ""]
+    lines += [
+        "",
+        "[optimizer]",
+        'name = "adamw"',
+        f"delayed_update = {str(rc.variant in ('delayed', 'partial')).lower()}",
+        f"stream_weights = {str(rc.variant.startswith('stream')).lower()}",
+        f"stream_keep_for_backward = {str(rc.variant == 'streamkeep').lower()}",
+        f"delayed_update_warmup = {s.dpu_warmup}",
+        "delayed_params = ["
+        + (", ".join(f'"{p}"' for p in s.partial_params) if rc.variant == "partial" else "")
+        + "]",
+        "",
+        "[compression]",
+        f"enabled = {str(rc.compression).lower()}",
+        f"warmup_steps = {s.compression_warmup}",
+        f"link_gbps = {rate_gbps:g}",
+        "",
+        "[transport]",
+        f"timeout_s = {s.timeout_s:g}",
+        f"bucket_bytes = {s.bucket_bytes}",
+        "",
+        "[node]",
+        "insecure_public_bind = true  # the bridge of the emulated cluster",
+        "",
+    ]
     for key, value in s.settings.items():  # --set section.field=value: after its section's header
         section, _, name = key.partition(".")
         at = lines.index(f"[{section}]") + 1 if f"[{section}]" in lines else len(lines)
@@ -226,19 +256,38 @@ JOIN_SECRET = secrets.token_hex(16)
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0",
-                LUWU_NODE__JOIN_SECRET=JOIN_SECRET, LUWU_TRANSPORT__JOIN_SECRET=JOIN_SECRET)
+    return dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        GLOO_SOCKET_IFNAME="eth0",
+        LUWU_NODE__JOIN_SECRET=JOIN_SECRET,
+        LUWU_TRANSPORT__JOIN_SECRET=JOIN_SECRET,
+    )
 
 
-def _start_nodes(hosts: Hosts, rc: RunConfig, cluster_file: Path, run_dir: Path, timeout_s: float = 90.0) -> list:
+def _start_nodes(
+    hosts: Hosts, rc: RunConfig, cluster_file: Path, run_dir: Path, timeout_s: float = 90.0
+) -> list:
     """Start the node daemons on their hosts; return their Popen objects once every one printed READY."""
     procs, lines = [], queue.Queue()
     for j in range(rc.nodes):
         addr = hosts.cluster.addr(hosts.node(j))
-        argv = [sys.executable, "-m", "luwu", "node", "--config", str(cluster_file),
-                f"--node.bind=tcp://{addr}:{NODE_PORT}", f"--node.index={j}"]
+        argv = [
+            sys.executable,
+            "-m",
+            "luwu",
+            "node",
+            "--config",
+            str(cluster_file),
+            f"--node.bind=tcp://{addr}:{NODE_PORT}",
+            f"--node.index={j}",
+        ]
         err = open(run_dir / f"node{j}.err", "w")
-        p = hosts.cluster.popen(hosts.node(j), argv, stdout=subprocess.PIPE, stderr=err, text=True, env=_env())
+        p = hosts.cluster.popen(
+            hosts.node(j), argv, stdout=subprocess.PIPE, stderr=err, text=True, env=_env()
+        )
         err.close()
         procs.append(p)
 
@@ -254,7 +303,9 @@ def _start_nodes(hosts: Hosts, rc: RunConfig, cluster_file: Path, run_dir: Path,
         try:
             j, line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
         except queue.Empty:
-            raise RuntimeError(f"nodes {sorted(set(range(rc.nodes)) - ready)} not ready in {timeout_s:.0f} s") from None
+            raise RuntimeError(
+                f"nodes {sorted(set(range(rc.nodes)) - ready)} not ready in {timeout_s:.0f} s"
+            ) from None
         if line is None:
             tail = (run_dir / f"node{j}.err").read_text()[-2000:]
             raise RuntimeError(f"node {j} exited before it was ready: {tail}")
@@ -279,18 +330,35 @@ def run_config(hosts: Hosts, rc: RunConfig, s: Settings, tmp: Path) -> dict:
     """Run one configuration to the end; return the summary row (raises with the processes' errors)."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"{rc.name}-", dir=tmp))
     job = f"study-{rc.name}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-    nodes, node_procs, workers = [], [], []
-    base = {"kind": rc.kind, "variant": rc.variant, "world": rc.workers, "steps": s.steps, "warmup": s.warmup,
-            "batch": s.batch, "dims": list(s.dims), "subspace": s.subspace, "task_seed": s.task_seed,
-            "eval_every": s.eval_every, "eval_samples": s.eval_samples, "lr": s.lr, "weight_decay": s.weight_decay,
-            "powersgd_rank": s.powersgd_rank, "powersgd_start": s.powersgd_start, "timeout_s": s.timeout_s,
-            "run_dir": str(run_dir), "study_pid": os.getpid(), "master_addr": hosts.cluster.addr(hosts.worker(0)), "master_port": DDP_PORT}
+    node_procs, workers = [], []
+    base = {
+        "kind": rc.kind,
+        "variant": rc.variant,
+        "world": rc.workers,
+        "steps": s.steps,
+        "warmup": s.warmup,
+        "batch": s.batch,
+        "dims": list(s.dims),
+        "subspace": s.subspace,
+        "task_seed": s.task_seed,
+        "eval_every": s.eval_every,
+        "eval_samples": s.eval_samples,
+        "lr": s.lr,
+        "weight_decay": s.weight_decay,
+        "powersgd_rank": s.powersgd_rank,
+        "powersgd_start": s.powersgd_start,
+        "timeout_s": s.timeout_s,
+        "run_dir": str(run_dir),
+        "study_pid": os.getpid(),
+        "master_addr": hosts.cluster.addr(hosts.worker(0)),
+        "master_port": DDP_PORT,
+    }
     deadline_s = 90 + s.steps * 8.0
     t0 = time.monotonic()
     try:
         if rc.kind == "luwu":
             cluster_file = run_dir / "cluster.toml"
-            nodes = _cluster_file(cluster_file, rc, hosts, s, job)
+            _cluster_file(cluster_file, rc, hosts, s, job)
             node_procs = _start_nodes(hosts, rc, cluster_file, run_dir)
             base["cluster_file"] = str(cluster_file)
             base["node_pids"] = [p.pid for p in node_procs]
@@ -299,8 +367,15 @@ def run_config(hosts: Hosts, rc: RunConfig, s: Settings, tmp: Path) -> dict:
             path = run_dir / f"spec{r}.json"
             path.write_text(json.dumps(spec))
             with open(run_dir / f"worker{r}.log", "w") as logf:
-                workers.append(hosts.cluster.popen(hosts.worker(r), [sys.executable, str(TASK), str(path)],
-                                                   stdout=logf, stderr=subprocess.STDOUT, env=_env()))
+                workers.append(
+                    hosts.cluster.popen(
+                        hosts.worker(r),
+                        [sys.executable, str(TASK), str(path)],
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        env=_env(),
+                    )
+                )
         while any(p.poll() is None for p in workers):
             if time.monotonic() - t0 > deadline_s:
                 raise RuntimeError(f"{rc.name}: workers still running after {deadline_s:.0f} s")
@@ -312,8 +387,11 @@ def run_config(hosts: Hosts, rc: RunConfig, s: Settings, tmp: Path) -> dict:
             path = run_dir / f"result{r}.json"
             res = json.loads(path.read_text()) if path.exists() else None
             if p.poll() != 0 or res is None or "error" in res:
-                logs = "\n".join(f"--- worker {k} (exit {q.poll()}):\n" + (run_dir / f"worker{k}.log").read_text()[-2000:]
-                                  for k, q in enumerate(workers))
+                logs = "\n".join(
+                    f"--- worker {k} (exit {q.poll()}):\n"
+                    + (run_dir / f"worker{k}.log").read_text()[-2000:]
+                    for k, q in enumerate(workers)
+                )
                 raise RuntimeError(f"{rc.name}: worker {r} failed (exit {p.poll()})\n{logs}")
             results.append(res)
     finally:
@@ -356,16 +434,23 @@ def loss_at(curve: list[dict], step: float) -> float:
 
 
 def summarize(rc: RunConfig, s: Settings, results: list[dict], hosts: Hosts) -> dict:
-    timed = [r["recs"][s.warmup:] for r in results]
+    timed = [r["recs"][s.warmup :] for r in results]
     meds = [median([x["step_s"] for x in recs]) for recs in timed]
     slow = max(range(len(meds)), key=meds.__getitem__)
     step_s = meds[slow]
     rate_bps = hosts.cluster.rate_bps(hosts.worker(0))
     win = [r["window"] for r in results]
     row: dict = {
-        "config": rc.name, "kind": rc.kind, "variant": rc.variant, "workers": rc.workers, "nodes": rc.nodes,
-        "rate": rc.rate, "compression": rc.compression, "capacities": list(rc.capacities) if rc.capacities else None,
-        "step_ms": step_s * 1e3, "samples_per_s": rc.workers * s.batch / step_s,
+        "config": rc.name,
+        "kind": rc.kind,
+        "variant": rc.variant,
+        "workers": rc.workers,
+        "nodes": rc.nodes,
+        "rate": rc.rate,
+        "compression": rc.compression,
+        "capacities": list(rc.capacities) if rc.capacities else None,
+        "step_ms": step_s * 1e3,
+        "samples_per_s": rc.workers * s.batch / step_s,
         "fb_ms": median([x["fb_s"] for x in timed[slow]]) * 1e3,
         "opt_ms": median([x["opt_s"] for x in timed[slow]]) * 1e3,
         # training thread CPU per step, mean over ranks and timed steps: forward+backward with the gradient
@@ -378,21 +463,27 @@ def summarize(rc: RunConfig, s: Settings, results: list[dict], hosts: Hosts) -> 
         "worker_peak_mb": max(r.get("peak_mb", float("nan")) for r in (results[1:] or results)),
         # streaming: the share of the step forward and backward waited for weights (slowest rank, median)
         "fetch_share": median([x.get("fetch_s", 0.0) / x["step_s"] for x in timed[slow]]),
-        "curve": results[0]["curve"], "eval_loss": results[0]["curve"][-1]["eval_loss"],
+        "curve": results[0]["curve"],
+        "eval_loss": results[0]["curve"][-1]["eval_loss"],
         "train_clock_s": results[0]["train_clock_s"],
-        "worker_tx_bytes": [w["tx_bytes_per_step"] for w in win], "worker_rx_bytes": [w["rx_bytes_per_step"] for w in win],
+        "worker_tx_bytes": [w["tx_bytes_per_step"] for w in win],
+        "worker_rx_bytes": [w["rx_bytes_per_step"] for w in win],
         "worker_cpu_share": [w["cpu_share"] for w in win],
         "node_rx_bytes": [n["rx_bytes_per_step"] for n in win[0]["nodes"]],
         "node_tx_bytes": [n["tx_bytes_per_step"] for n in win[0]["nodes"]],
         "node_cpu_share": [n["cpu_share"] for n in win[0]["nodes"]],
-        "node_cpu_ms_by_role": [{k: v * 1e3 for k, v in n["cpu_s_per_step_by_role"].items()} for n in win[0]["nodes"]],
-        "busy_cores": win[0]["machine_busy_cores"], "cores": os.cpu_count(),
+        "node_cpu_ms_by_role": [
+            {k: v * 1e3 for k, v in n["cpu_s_per_step_by_role"].items()} for n in win[0]["nodes"]
+        ],
+        "busy_cores": win[0]["machine_busy_cores"],
+        "cores": os.cpu_count(),
         # TCP retransmitted segments and retransmission timeouts per step, all hosts of the run
         "tcp_retrans_per_step": sum(w["tcp_retrans_per_step"] for w in win)
-                                + sum(n["tcp_retrans_per_step"] for n in win[0]["nodes"]),
+        + sum(n["tcp_retrans_per_step"] for n in win[0]["nodes"]),
         "tcp_timeouts_per_step": sum(w["tcp_timeouts_per_step"] for w in win)
-                                 + sum(n["tcp_timeouts_per_step"] for n in win[0]["nodes"]),
-        "worker_rate_bps": rate_bps, "node_rate_bps": [hosts.cluster.rate_bps(hosts.node(j)) for j in range(rc.nodes)],
+        + sum(n["tcp_timeouts_per_step"] for n in win[0]["nodes"]),
+        "worker_rate_bps": rate_bps,
+        "node_rate_bps": [hosts.cluster.rate_bps(hosts.node(j)) for j in range(rc.nodes)],
     }
     for key in ("worker_tx", "worker_rx", "node_rx", "node_tx"):
         vals = row[f"{key}_bytes"]
@@ -400,14 +491,22 @@ def summarize(rc: RunConfig, s: Settings, results: list[dict], hosts: Hosts) -> 
     if rc.kind == "luwu":
         row["layout"] = results[0]["layout"]
         row["timeline"] = results[0].get("timeline")
-        row["payload_push_bytes"] = statistics.fmean(r["window"]["payload_tx_per_step"] for r in results)
-        row["payload_pull_bytes"] = statistics.fmean(r["window"]["payload_rx_per_step"] for r in results)
+        row["payload_push_bytes"] = statistics.fmean(
+            r["window"]["payload_tx_per_step"] for r in results
+        )
+        row["payload_pull_bytes"] = statistics.fmean(
+            r["window"]["payload_rx_per_step"] for r in results
+        )
     # which resource was busy: the busiest link direction of any host, and the machine's cores
     util = {}
     if rate_bps:
         for r, w in enumerate(win):
-            util[f"worker {r} up"] = w["tx_bytes_per_step"] * 8 / hosts.cluster.rate_bps(hosts.worker(r)) / step_s
-            util[f"worker {r} down"] = w["rx_bytes_per_step"] * 8 / hosts.cluster.rate_bps(hosts.worker(r)) / step_s
+            util[f"worker {r} up"] = (
+                w["tx_bytes_per_step"] * 8 / hosts.cluster.rate_bps(hosts.worker(r)) / step_s
+            )
+            util[f"worker {r} down"] = (
+                w["rx_bytes_per_step"] * 8 / hosts.cluster.rate_bps(hosts.worker(r)) / step_s
+            )
         for j, n in enumerate(win[0]["nodes"]):
             bps = hosts.cluster.rate_bps(hosts.node(j))
             util[f"node {j} down"] = n["rx_bytes_per_step"] * 8 / bps / step_s
@@ -419,7 +518,9 @@ def summarize(rc: RunConfig, s: Settings, results: list[dict], hosts: Hosts) -> 
     row["other_cores"] = win[0]["other_user_cores"]
     row["kernel_thread_cores"] = win[0]["kernel_thread_cores"]
     row["worker_cpu_ms"] = statistics.fmean(row["worker_cpu_share"]) * step_s * 1e3
-    row["node_cpu_ms"] = statistics.fmean(row["node_cpu_share"]) * step_s * 1e3 if rc.nodes else float("nan")
+    row["node_cpu_ms"] = (
+        statistics.fmean(row["node_cpu_share"]) * step_s * 1e3 if rc.nodes else float("nan")
+    )
     row["cpu_util"] = row["busy_cores"] / row["cores"]
     row["bound"] = bound_of(row["link_util"], row["cpu_util"], busiest)
     return row
@@ -441,7 +542,9 @@ def bound_of(link_util: float, cpu_util: float, busiest: str | None) -> str:
 # ----------------------------------------------------------------------------- the head-to-head
 
 
-def h2h_configs(rates: list[str], workers: list[int], nodes: list[int], only: list[str] | None) -> list[RunConfig]:
+def h2h_configs(
+    rates: list[str], workers: list[int], nodes: list[int], only: list[str] | None
+) -> list[RunConfig]:
     out = []
     for rate in rates:
         for w in workers:
@@ -461,8 +564,14 @@ def _remove_stale_run_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def run_many(configs: list[RunConfig], s: Settings, *, reps: int = 1, host_rates: dict | None = None,
-             before: list[RunConfig] = ()) -> list[dict]:
+def run_many(
+    configs: list[RunConfig],
+    s: Settings,
+    *,
+    reps: int = 1,
+    host_rates: dict | None = None,
+    before: list[RunConfig] = (),
+) -> list[dict]:
     """Run ``configs`` (``reps`` times each, order rotated per repetition), one cluster per link rate;
     ``before``: configurations run once, first, on the cluster of their rate (calibration)."""
     rows = []
@@ -477,21 +586,32 @@ def run_many(configs: list[RunConfig], s: Settings, *, reps: int = 1, host_rates
             first = [rc for rc in before if rc.rate == rate]
             max_w = max(rc.workers for rc in rcs + first)
             max_n = max(rc.nodes for rc in rcs + first)
-            cfg = ClusterConfig(num_hosts=max_w + max(max_n, 0), rate=rate,
-                                host_rates={max_w + j: r for j, r in (host_rates or {}).items()},
-                                congestion_control=s.congestion_control)
+            cfg = ClusterConfig(
+                num_hosts=max_w + max(max_n, 0),
+                rate=rate,
+                host_rates={max_w + j: r for j, r in (host_rates or {}).items()},
+                congestion_control=s.congestion_control,
+            )
             with Cluster(cfg) as cluster:
                 hosts = Hosts(cluster, max_w)
                 for rep in range(reps):
-                    order = rcs[rep % len(rcs):] + rcs[: rep % len(rcs)] if rcs else []
+                    order = rcs[rep % len(rcs) :] + rcs[: rep % len(rcs)] if rcs else []
                     for rc in (first if rep == 0 else []) + order:
                         t0 = time.monotonic()
                         row = run_config(hosts, rc, s, Path(tmp))
                         row["rep"] = rep
                         rows.append(row)
-                        log.info("%-8s W=%d %-22s %6.0f samples/s  step %5.0f ms  eval %.3f  bound: %s  (%.0f s)",
-                                 rate, rc.workers, rc.name, row["samples_per_s"], row["step_ms"], row["eval_loss"],
-                                 row["bound"], time.monotonic() - t0)
+                        log.info(
+                            "%-8s W=%d %-22s %6.0f samples/s  step %5.0f ms  eval %.3f  bound: %s  (%.0f s)",
+                            rate,
+                            rc.workers,
+                            rc.name,
+                            row["samples_per_s"],
+                            row["step_ms"],
+                            row["eval_loss"],
+                            row["bound"],
+                            time.monotonic() - t0,
+                        )
     return rows
 
 
@@ -504,7 +624,11 @@ def merge_reps(rows: list[dict]) -> list[dict]:
     for rs in groups.values():
         row = dict(rs[0])
         for k, v in rs[0].items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("workers", "nodes", "rep", "cores"):
+            if (
+                isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and k not in ("workers", "nodes", "rep", "cores")
+            ):
                 row[k] = median([r[k] for r in rs])
         row["reps"] = len(rs)
         row["samples_per_s_each"] = [r["samples_per_s"] for r in rs]
@@ -514,11 +638,15 @@ def merge_reps(rows: list[dict]) -> list[dict]:
 
 def add_comparisons(rows: list[dict], s: Settings) -> None:
     """Ratios vs DDP fp32 / bf16 of the same rate and worker count, the time-to-loss target and times."""
-    for (rate, w) in sorted({(r["rate"], r["workers"]) for r in rows}):
+    for rate, w in sorted({(r["rate"], r["workers"]) for r in rows}):
         group = [r for r in rows if r["rate"] == rate and r["workers"] == w]
         ref = {r["config"]: r for r in group}
         fp32, bf16 = ref.get("ddp_fp32"), ref.get("ddp_bf16")
-        target = loss_at(fp32["curve"], s.target_frac * s.steps) if fp32 else min(r["eval_loss"] for r in group)
+        target = (
+            loss_at(fp32["curve"], s.target_frac * s.steps)
+            if fp32
+            else min(r["eval_loss"] for r in group)
+        )
         for r in group:
             r["target_loss"] = target
             r["time_to_loss_s"] = time_to_loss(r["curve"], target)
@@ -526,13 +654,23 @@ def add_comparisons(rows: list[dict], s: Settings) -> None:
             r["vs_ddp_bf16"] = r["samples_per_s"] / bf16["samples_per_s"] if bf16 else float("nan")
             r["loss_vs_fp32"] = r["eval_loss"] / fp32["eval_loss"] - 1 if fp32 else float("nan")
             fsdp = ref.get("fsdp_fp32")
-            resident = ref.get(f"luwu_sync_n{r['nodes']}" + ("" if r["compression"] else "_fp32")) if r["variant"].startswith("stream") else None
+            resident = (
+                ref.get(f"luwu_sync_n{r['nodes']}" + ("" if r["compression"] else "_fp32"))
+                if r["variant"].startswith("stream")
+                else None
+            )
             r["vs_fsdp"] = r["samples_per_s"] / fsdp["samples_per_s"] if fsdp else float("nan")
-            r["memory_vs_fsdp"] = r["worker_peak_mb"] / fsdp["worker_peak_mb"] if fsdp else float("nan")
-            r["vs_resident"] = r["samples_per_s"] / resident["samples_per_s"] if resident else float("nan")
+            r["memory_vs_fsdp"] = (
+                r["worker_peak_mb"] / fsdp["worker_peak_mb"] if fsdp else float("nan")
+            )
+            r["vs_resident"] = (
+                r["samples_per_s"] / resident["samples_per_s"] if resident else float("nan")
+            )
 
 
-def verdicts(rows: list[dict], *, rate: str = "1gbit", workers: int = 4, nodes: int = 2) -> list[dict]:
+def verdicts(
+    rows: list[dict], *, rate: str = "1gbit", workers: int = 4, nodes: int = 2
+) -> list[dict]:
     """The targets of issue 9 for each LuWu variant at (rate, workers, nodes)."""
     group = {r["config"]: r for r in rows if r["rate"] == rate and r["workers"] == workers}
     ddp = {k: v for k, v in group.items() if k.startswith("ddp_")}
@@ -541,32 +679,98 @@ def verdicts(rows: list[dict], *, rate: str = "1gbit", workers: int = 4, nodes: 
         r = group.get(f"luwu_{v}_n{nodes}")
         if r is None:
             continue
-        if v.startswith("stream"):  # the model in the network: against FSDP2 and LuWu's own resident mode
-            out += _stream_verdicts(r, f"luwu_{v}, {nodes} nodes, {workers} workers, {rate}", "fsdp_fp32" in group)
+        if v.startswith(
+            "stream"
+        ):  # the model in the network: against FSDP2 and LuWu's own resident mode
+            out += _stream_verdicts(
+                r, f"luwu_{v}, {nodes} nodes, {workers} workers, {rate}", "fsdp_fp32" in group
+            )
             continue
         where = f"luwu_{v}, {nodes} nodes, {workers} workers, {rate}"
         if "ddp_fp32" in ddp:
-            out.append(_verdict(f"{where}: samples/s vs DDP fp32", r["vs_ddp_fp32"], ">= 2.0x", r["vs_ddp_fp32"] >= 2.0))
-            out.append(_verdict(f"{where}: eval loss vs DDP fp32", r["loss_vs_fp32"], "<= +2%", r["loss_vs_fp32"] <= 0.02, pct=True))
+            out.append(
+                _verdict(
+                    f"{where}: samples/s vs DDP fp32",
+                    r["vs_ddp_fp32"],
+                    ">= 2.0x",
+                    r["vs_ddp_fp32"] >= 2.0,
+                )
+            )
+            out.append(
+                _verdict(
+                    f"{where}: eval loss vs DDP fp32",
+                    r["loss_vs_fp32"],
+                    "<= +2%",
+                    r["loss_vs_fp32"] <= 0.02,
+                    pct=True,
+                )
+            )
         if "ddp_bf16" in ddp:
-            out.append(_verdict(f"{where}: samples/s vs DDP bf16", r["vs_ddp_bf16"], ">= 1.2x", r["vs_ddp_bf16"] >= 1.2))
+            out.append(
+                _verdict(
+                    f"{where}: samples/s vs DDP bf16",
+                    r["vs_ddp_bf16"],
+                    ">= 1.2x",
+                    r["vs_ddp_bf16"] >= 1.2,
+                )
+            )
         if ddp:
             best = min(ddp.values(), key=lambda d: d["time_to_loss_s"])
             ok = all(r["time_to_loss_s"] < d["time_to_loss_s"] for d in ddp.values())
-            out.append(_verdict(f"{where}: time to eval loss {r['target_loss']:.3f} vs the fastest DDP ({best['config']}, "
-                                f"{_secs(best['time_to_loss_s'])})", r["time_to_loss_s"], "less than every DDP", ok, secs=True))
+            out.append(
+                _verdict(
+                    f"{where}: time to eval loss {r['target_loss']:.3f} vs the fastest DDP ({best['config']}, "
+                    f"{_secs(best['time_to_loss_s'])})",
+                    r["time_to_loss_s"],
+                    "less than every DDP",
+                    ok,
+                    secs=True,
+                )
+            )
     return out
 
 
 def _stream_verdicts(r: dict, where: str, fsdp: bool) -> list[dict]:
     out = []
     if fsdp:
-        out.append(_verdict(f"{where}: samples/s vs FSDP2", r["vs_fsdp"], ">= 3x", r["vs_fsdp"] >= 3))
-        out.append(_verdict(f"{where}: worker peak memory vs FSDP2", r["memory_vs_fsdp"], "<= 0.5x", r["memory_vs_fsdp"] <= 0.5))
+        out.append(
+            _verdict(f"{where}: samples/s vs FSDP2", r["vs_fsdp"], ">= 3x", r["vs_fsdp"] >= 3)
+        )
+        out.append(
+            _verdict(
+                f"{where}: worker peak memory vs FSDP2",
+                r["memory_vs_fsdp"],
+                "<= 0.5x",
+                r["memory_vs_fsdp"] <= 0.5,
+            )
+        )
     if r["vs_resident"] == r["vs_resident"]:
-        out.append(_verdict(f"{where}: samples/s vs resident mode (luwu_sync)", r["vs_resident"], ">= 0.8x", r["vs_resident"] >= 0.8))
-    out.append(_verdict(f"{where}: weight-fetch wait share of the step", r["fetch_share"], "<= 10%", r["fetch_share"] <= 0.10, pct=True))
-    out.append(_verdict(f"{where}: eval loss vs DDP fp32", r["loss_vs_fp32"], "<= +2%", r["loss_vs_fp32"] <= 0.02, pct=True))
+        out.append(
+            _verdict(
+                f"{where}: samples/s vs resident mode (luwu_sync)",
+                r["vs_resident"],
+                ">= 0.8x",
+                r["vs_resident"] >= 0.8,
+            )
+        )
+    out.append(
+        _verdict(
+            f"{where}: weight-fetch wait share of the step",
+            r["fetch_share"],
+            "<= 10%",
+            r["fetch_share"] <= 0.10,
+            pct=True,
+        )
+    )
+    out.append(
+        _verdict(
+            f"{where}: eval loss vs DDP fp32",
+            r["loss_vs_fp32"],
+            "<= +2%",
+            r["loss_vs_fp32"] <= 0.02,
+            pct=True,
+        )
+    )
     return out
 
 
@@ -574,7 +778,9 @@ def _secs(x: float) -> str:
     return "never" if math.isinf(x) else f"{x:.1f} s"
 
 
-def _verdict(what: str, value: float, target: str, ok: bool, *, pct: bool = False, secs: bool = False) -> dict:
+def _verdict(
+    what: str, value: float, target: str, ok: bool, *, pct: bool = False, secs: bool = False
+) -> dict:
     shown = f"{value:+.2%}" if pct else _secs(value) if secs else f"{value:.2f}x"
     return {"target": what, "value": shown, "wanted": target, "verdict": "met" if ok else "MISSED"}
 
@@ -602,12 +808,56 @@ def md_table(rows: list[dict], cols: list[str], headers: list[str] | None = None
     return "\n".join(out)
 
 
-H2H_COLS = ["config", "samples_per_s", "vs_ddp_fp32", "vs_ddp_bf16", "vs_fsdp", "worker_peak_mb", "fetch_share", "step_ms", "fb_ms", "eval_loss", "loss_vs_fp32",
-            "time_to_loss_s", "worker_tx_mb", "worker_rx_mb", "node_rx_mb", "node_tx_mb", "link_util",
-            "tcp_retrans_per_step", "worker_cpu_ms", "node_cpu_ms", "busy_cores", "other_cores", "bound"]
-H2H_HEADERS = ["config", "samples/s", "x DDP fp32", "x DDP bf16", "x FSDP2", "worker peak MB", "fetch wait share", "step ms", "fwd+bwd ms", "eval loss", "loss vs fp32",
-               "time to loss (s)", "worker tx MB", "worker rx MB", "node rx MB", "node tx MB", "busiest link",
-               "TCP retransmits/step", "CPU ms/step per worker", "CPU ms/step per node", "busy cores", "of them others'", "bound by"]
+H2H_COLS = [
+    "config",
+    "samples_per_s",
+    "vs_ddp_fp32",
+    "vs_ddp_bf16",
+    "vs_fsdp",
+    "worker_peak_mb",
+    "fetch_share",
+    "step_ms",
+    "fb_ms",
+    "eval_loss",
+    "loss_vs_fp32",
+    "time_to_loss_s",
+    "worker_tx_mb",
+    "worker_rx_mb",
+    "node_rx_mb",
+    "node_tx_mb",
+    "link_util",
+    "tcp_retrans_per_step",
+    "worker_cpu_ms",
+    "node_cpu_ms",
+    "busy_cores",
+    "other_cores",
+    "bound",
+]
+H2H_HEADERS = [
+    "config",
+    "samples/s",
+    "x DDP fp32",
+    "x DDP bf16",
+    "x FSDP2",
+    "worker peak MB",
+    "fetch wait share",
+    "step ms",
+    "fwd+bwd ms",
+    "eval loss",
+    "loss vs fp32",
+    "time to loss (s)",
+    "worker tx MB",
+    "worker rx MB",
+    "node rx MB",
+    "node tx MB",
+    "busiest link",
+    "TCP retransmits/step",
+    "CPU ms/step per worker",
+    "CPU ms/step per node",
+    "busy cores",
+    "of them others'",
+    "bound by",
+]
 
 
 def timeline_markdown(rows: list[dict]) -> list[str]:
@@ -619,12 +869,27 @@ def timeline_markdown(rows: list[dict]) -> list[str]:
             continue
         m = tl["marks"]
         marks = ", ".join(f"{k} {v:.0f}" for k, v in sorted(m.items(), key=lambda kv: kv[1]))
-        out += [f"## Step timeline: {r['config']} ({r['rate']}, {r['workers']} workers), rank 0, step {tl['step']}", "",
-                f"ms from the step's start (`zero_grad`); marks: {marks}. pushed: handed to the I/O thread; "
-                "answered: the reply filed by the I/O thread; written: the new weights in the parameters (the wait "
-                "for them over: in `step()`, or in the next forward with per-layer waits). Buckets in forward order.", "",
-                md_table([{"bucket": b["bucket"], "node": b["node"], "numel": b["numel"], **{k: round(b[k]) for k in ("pushed", "answered", "written") if k in b}}
-                          for b in tl["buckets"]], ["bucket", "node", "numel", "pushed", "answered", "written"]), ""]
+        out += [
+            f"## Step timeline: {r['config']} ({r['rate']}, {r['workers']} workers), rank 0, step {tl['step']}",
+            "",
+            f"ms from the step's start (`zero_grad`); marks: {marks}. pushed: handed to the I/O thread; "
+            "answered: the reply filed by the I/O thread; written: the new weights in the parameters (the wait "
+            "for them over: in `step()`, or in the next forward with per-layer waits). Buckets in forward order.",
+            "",
+            md_table(
+                [
+                    {
+                        "bucket": b["bucket"],
+                        "node": b["node"],
+                        "numel": b["numel"],
+                        **{k: round(b[k]) for k in ("pushed", "answered", "written") if k in b},
+                    }
+                    for b in tl["buckets"]
+                ],
+                ["bucket", "node", "numel", "pushed", "answered", "written"],
+            ),
+            "",
+        ]
     return out
 
 
@@ -641,16 +906,31 @@ def h2h_markdown(result: dict) -> str:
         f"and how many of them others took). "
         f"{result['elapsed_s'] / 60:.0f} min.",
         "",
-        *([f"LuWu settings over the defaults (`--set`): {', '.join(f'`{k} = {v}`' for k, v in s['settings'].items())}.", ""] if s.get("settings") else []),
+        *(
+            [
+                f"LuWu settings over the defaults (`--set`): {', '.join(f'`{k} = {v}`' for k, v in s['settings'].items())}.",
+                "",
+            ]
+            if s.get("settings")
+            else []
+        ),
         "## Targets (1 Gbit/s, 4 workers, 2 nodes)",
         "",
-        md_table(result["verdicts"], ["target", "value", "wanted", "verdict"]) if result["verdicts"] else "(not in this run)",
+        md_table(result["verdicts"], ["target", "value", "wanted", "verdict"])
+        if result["verdicts"]
+        else "(not in this run)",
         "",
     ]
-    for (rate, w) in sorted({(r["rate"], r["workers"]) for r in rows}, key=lambda k: (parse_rate(k[0]) or 0, -k[1])):
+    for rate, w in sorted(
+        {(r["rate"], r["workers"]) for r in rows}, key=lambda k: (parse_rate(k[0]) or 0, -k[1])
+    ):
         group = [r for r in rows if r["rate"] == rate and r["workers"] == w]
-        lines += [f"## {rate}, {w} workers (time-to-loss target: eval loss {group[0]['target_loss']:.3f})", "",
-                  md_table(group, H2H_COLS, H2H_HEADERS), ""]
+        lines += [
+            f"## {rate}, {w} workers (time-to-loss target: eval loss {group[0]['target_loss']:.3f})",
+            "",
+            md_table(group, H2H_COLS, H2H_HEADERS),
+            "",
+        ]
     lines += timeline_markdown(rows)
     by_bound: dict[str, list[str]] = {}
     for r in rows:
@@ -698,7 +978,6 @@ def calibrate(s: Settings, reps: int = 10) -> dict:
     """What ``luwu plan`` takes as measured inputs: compute per step and the optimizer rate (1 thread, CPU
     time, with every other core running a worker-like process), link efficiency and network CPU per byte (results/bench_links.json)."""
     import torch
-
     from common import make_student
 
     torch.set_num_threads(1)
@@ -725,8 +1004,15 @@ def calibrate(s: Settings, reps: int = 10) -> dict:
     load = os.getloadavg()[0]
     alone = cpu_time(fwd_bwd)
     # as the study runs it: every core busy with a worker-like process (caches and memory shared)
-    burners = [subprocess.Popen([sys.executable, str(TASK), "--burn", ",".join(map(str, s.dims)), str(s.batch)],
-                                stdout=subprocess.PIPE, text=True, env=_env()) for _ in range((os.cpu_count() or 1) - 1)]
+    burners = [
+        subprocess.Popen(
+            [sys.executable, str(TASK), "--burn", ",".join(map(str, s.dims)), str(s.batch)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        for _ in range((os.cpu_count() or 1) - 1)
+    ]
     try:
         for b in burners:
             b.stdout.readline()
@@ -734,18 +1020,32 @@ def calibrate(s: Settings, reps: int = 10) -> dict:
         opt_rate = s.num_params / cpu_time(opt.step)
     finally:
         _stop(burners)
-    out = {"compute_s": busy, "compute_alone_s": alone, "opt_params_per_s": opt_rate, "cores": os.cpu_count(),
-           "loadavg_1min": round(load, 2), "links": link_calibration()}
-    log.info("calibration: fwd+bwd %.1f ms alone, %.1f ms with every core busy; AdamW %.2g params/s (CPU time; "
-             "loadavg %.2f)", alone * 1e3, busy * 1e3, opt_rate, load)
+    out = {
+        "compute_s": busy,
+        "compute_alone_s": alone,
+        "opt_params_per_s": opt_rate,
+        "cores": os.cpu_count(),
+        "loadavg_1min": round(load, 2),
+        "links": link_calibration(),
+    }
+    log.info(
+        "calibration: fwd+bwd %.1f ms alone, %.1f ms with every core busy; AdamW %.2g params/s (CPU time; "
+        "loadavg %.2f)",
+        alone * 1e3,
+        busy * 1e3,
+        opt_rate,
+        load,
+    )
     return out
 
 
 def link_calibration(path: Path = RESULTS / "bench_links.json") -> dict:
     """Per link rate: payload fraction of the line rate and CPU seconds per byte moved (sender + receiver),
     from the ZeroMQ rows of bench_links (4 MiB messages, like LuWu's buckets); defaults if absent."""
-    out = {"1gbit": {"efficiency": 0.956, "cpu_s_per_byte": 0.8e-9, "source": "default"},
-           "10gbit": {"efficiency": 0.93, "cpu_s_per_byte": 0.8e-9, "source": "default"}}
+    out = {
+        "1gbit": {"efficiency": 0.956, "cpu_s_per_byte": 0.8e-9, "source": "default"},
+        "10gbit": {"efficiency": 0.93, "cpu_s_per_byte": 0.8e-9, "source": "default"},
+    }
     try:
         rows = json.loads(path.read_text())["rows"]
     except (OSError, ValueError, KeyError):
@@ -753,8 +1053,11 @@ def link_calibration(path: Path = RESULTS / "bench_links.json") -> dict:
     for r in rows:
         if r.get("transport") == "zmq" and r.get("rate_bps") and r.get("msg_bytes") == 4 << 20:
             bps = r["gbit_s_median"] * 1e9 / 8
-            out[r["link"]] = {"efficiency": r["of_nominal"],
-                              "cpu_s_per_byte": (r["rx_cpu_share"] + r["tx_cpu_share"]) / bps, "source": path.name}
+            out[r["link"]] = {
+                "efficiency": r["of_nominal"],
+                "cpu_s_per_byte": (r["rx_cpu_share"] + r["tx_cpu_share"]) / bps,
+                "source": path.name,
+            }
     return out
 
 
@@ -763,7 +1066,9 @@ CALIBRATION_RUN = "calib"
 
 def calibration_config(rate: str, compression: bool = True) -> RunConfig:
     """A LuWu run of 1 worker and 1 node (sync): what LuWu's own data path costs in CPU, by role."""
-    return RunConfig("luwu", "sync", 1, 1, rate=rate, compression=compression, label=CALIBRATION_RUN)
+    return RunConfig(
+        "luwu", "sync", 1, 1, rate=rate, compression=compression, label=CALIBRATION_RUN
+    )
 
 
 def datapath_calibration(row: dict, calib: dict) -> dict:
@@ -780,9 +1085,15 @@ def datapath_calibration(row: dict, calib: dict) -> dict:
     moved = row["payload_push_bytes"] + row["payload_pull_bytes"]
     worker_io_ms = max(0.0, row["worker_cpu_ms"] - row["fb_cpu_ms"] - row["opt_cpu_ms"])
     out = {
-        "worker_cpu_ms": row["worker_cpu_ms"], "fb_cpu_ms": row["fb_cpu_ms"], "opt_cpu_ms": row["opt_cpu_ms"],
-        "worker_io_cpu_ms": worker_io_ms, "node_cpu_ms": row["node_cpu_ms"], "node_cpu_ms_by_role": roles,
-        "step_ms": row["step_ms"], "payload_bytes_per_step": moved, "other_cores": row["other_cores"],
+        "worker_cpu_ms": row["worker_cpu_ms"],
+        "fb_cpu_ms": row["fb_cpu_ms"],
+        "opt_cpu_ms": row["opt_cpu_ms"],
+        "worker_io_cpu_ms": worker_io_ms,
+        "node_cpu_ms": row["node_cpu_ms"],
+        "node_cpu_ms_by_role": roles,
+        "step_ms": row["step_ms"],
+        "payload_bytes_per_step": moved,
+        "other_cores": row["other_cores"],
         "kernel_thread_cores": row["kernel_thread_cores"],
         "push_encode_s_per_elem": max(0.0, row["fb_cpu_ms"] / 1e3 - calib["compute_s"]) / P,
         "pull_decode_s_per_elem": row["opt_cpu_ms"] / 1e3 / P,
@@ -790,11 +1101,16 @@ def datapath_calibration(row: dict, calib: dict) -> dict:
         "node_per_worker_s_per_elem": (roles["loop"] + roles["zmq_io"] + roles["other"]) / 1e3 / P,
         "net_cpu_s_per_byte": (worker_io_ms / 1e3 + row["kernel_thread_cores"] * step_s) / moved,
     }
-    log.info("calibration run (1 worker, 1 node, %s): worker hooks %.2f ns/param, writing weights %.2f ns/param, "
-             "node optimizer thread %.0f ms, loop + ZeroMQ %.0f ms, transport %.2f ns/B",
-             "hybrid" if row["compression"] else "fp32", out["push_encode_s_per_elem"] * 1e9,
-             out["pull_decode_s_per_elem"] * 1e9, roles["optimizer_thread"],
-             roles["loop"] + roles["zmq_io"] + roles["other"], out["net_cpu_s_per_byte"] * 1e9)
+    log.info(
+        "calibration run (1 worker, 1 node, %s): worker hooks %.2f ns/param, writing weights %.2f ns/param, "
+        "node optimizer thread %.0f ms, loop + ZeroMQ %.0f ms, transport %.2f ns/B",
+        "hybrid" if row["compression"] else "fp32",
+        out["push_encode_s_per_elem"] * 1e9,
+        out["pull_decode_s_per_elem"] * 1e9,
+        roles["optimizer_thread"],
+        roles["loop"] + roles["zmq_io"] + roles["other"],
+        out["net_cpu_s_per_byte"] * 1e9,
+    )
     return out
 
 
@@ -820,23 +1136,40 @@ def plan_spec(row: dict, settings: dict, calib: dict):
     cores = max(0.5, row["cores"] - row.get("other_cores", 0.0))
     dp = calib["datapath"]["hybrid" if row["compression"] else "fp32"]
     refetch = 1.0  # (resident: one pull a step)
-    if row["variant"] == "stream":  # the share fetched again for backward, by the nominal size of the fetch codec
-        refetch = stream_refetch_share(len(settings["dims"]) - 1, 2, bytes_per_element("int8") if row["compression"] else 4.0)
+    if (
+        row["variant"] == "stream"
+    ):  # the share fetched again for backward, by the nominal size of the fetch codec
+        refetch = stream_refetch_share(
+            len(settings["dims"]) - 1, 2, bytes_per_element("int8") if row["compression"] else 4.0
+        )
     return PlanSpec(
-        num_params=P, workers=row["workers"], nodes=row["nodes"],
+        num_params=P,
+        workers=row["workers"],
+        nodes=row["nodes"],
         capacities=tuple(row["capacities"]) if row.get("capacities") else None,
-        worker_gbps=row["worker_rate_bps"] / 1e9, node_gbps=tuple(b / 1e9 for b in row["node_rate_bps"]),
-        compute_s=calib["compute_s"], delayed_update=row["variant"] == "delayed", stream_weights=row["variant"] == "stream",
+        worker_gbps=row["worker_rate_bps"] / 1e9,
+        node_gbps=tuple(b / 1e9 for b in row["node_rate_bps"]),
+        compute_s=calib["compute_s"],
+        delayed_update=row["variant"] == "delayed",
+        stream_weights=row["variant"] == "stream",
         stream_units=len(settings["dims"]) - 1,  # the student's Linear layers: the default units
-        protocol_efficiency=link["efficiency"], bucket_bytes=settings["bucket_bytes"],
-        batch_per_worker=settings["batch"], shared_cores=cores,
+        protocol_efficiency=link["efficiency"],
+        bucket_bytes=settings["bucket_bytes"],
+        batch_per_worker=settings["batch"],
+        shared_cores=cores,
         # the bytes per element the codecs really put on the wire in this run (payload, per worker and step)
         # (streaming: the measured weight bytes are a fetch and the refetched share a step, the plan counts the share itself)
-        push_bytes_per_elem=row["payload_push_bytes"] / P, pull_bytes_per_elem=row["payload_pull_bytes"] / P / (1 + refetch), stream_refetch=refetch,
+        push_bytes_per_elem=row["payload_push_bytes"] / P,
+        pull_bytes_per_elem=row["payload_pull_bytes"] / P / (1 + refetch),
+        stream_refetch=refetch,
         # the data path's CPU from the calibration run (1 worker, 1 node), in the plan's per-element terms
-        push_encode_s_per_elem=dp["push_encode_s_per_elem"], pull_decode_s_per_elem=dp["pull_decode_s_per_elem"],
-        opt_params_per_s=1.0 / max(dp["node_fixed_s_per_elem"], 1e-15), pull_encode_s_per_elem=0.0,
-        push_decode_s_per_elem=dp["node_per_worker_s_per_elem"], net_cpu_s_per_byte=dp["net_cpu_s_per_byte"])
+        push_encode_s_per_elem=dp["push_encode_s_per_elem"],
+        pull_decode_s_per_elem=dp["pull_decode_s_per_elem"],
+        opt_params_per_s=1.0 / max(dp["node_fixed_s_per_elem"], 1e-15),
+        pull_encode_s_per_elem=0.0,
+        push_decode_s_per_elem=dp["node_per_worker_s_per_elem"],
+        net_cpu_s_per_byte=dp["net_cpu_s_per_byte"],
+    )
 
 
 def plan_validation(result: dict, tolerance: float = 0.25) -> dict:
@@ -845,57 +1178,125 @@ def plan_validation(result: dict, tolerance: float = 0.25) -> dict:
 
     rows = []
     for r in result["rows"]:
-        if r["kind"] != "luwu" or r["variant"] in ("partial", "streamkeep"):  # the plan models sync, full delay and streaming
+        if r["kind"] != "luwu" or r["variant"] in (
+            "partial",
+            "streamkeep",
+        ):  # the plan models sync, full delay and streaming
             continue
         spec = plan_spec(r, result["settings"], result["calibration"])
         p = plan(spec)
         err = p.step_s * 1e3 / r["step_ms"] - 1
-        rows.append({"config": r["config"], "rate": r["rate"], "workers": r["workers"], "nodes": r["nodes"],
-                     "measured_ms": r["step_ms"], "predicted_ms": p.step_s * 1e3, "error": err,
-                     "within": abs(err) <= tolerance, "bottleneck": p.bottleneck, "measured_bound": r["bound"],
-                     "push_bytes_per_elem": spec.push_bytes_per_elem, "pull_bytes_per_elem": spec.pull_bytes_per_elem,
-                     "plan": p.to_dict()})
+        rows.append(
+            {
+                "config": r["config"],
+                "rate": r["rate"],
+                "workers": r["workers"],
+                "nodes": r["nodes"],
+                "measured_ms": r["step_ms"],
+                "predicted_ms": p.step_s * 1e3,
+                "error": err,
+                "within": abs(err) <= tolerance,
+                "bottleneck": p.bottleneck,
+                "measured_bound": r["bound"],
+                "push_bytes_per_elem": spec.push_bytes_per_elem,
+                "pull_bytes_per_elem": spec.pull_bytes_per_elem,
+                "plan": p.to_dict(),
+            }
+        )
     n_ok = sum(r["within"] for r in rows)
-    return {"quick": result["quick"], "tolerance": tolerance, "calibration": result["calibration"], "rows": rows,
-            "within": n_ok, "configs": len(rows),
-            "verdict": ("met" if n_ok >= 4 else "MISSED") + f": {n_ok} of {len(rows)} configurations within "
-                       f"{tolerance:.0%} (target: at least 4)"}
+    return {
+        "quick": result["quick"],
+        "tolerance": tolerance,
+        "calibration": result["calibration"],
+        "rows": rows,
+        "within": n_ok,
+        "configs": len(rows),
+        "verdict": ("met" if n_ok >= 4 else "MISSED")
+        + f": {n_ok} of {len(rows)} configurations within "
+        f"{tolerance:.0%} (target: at least 4)",
+    }
 
 
 def plan_markdown(v: dict) -> str:
     c = v["calibration"]
     table = [dict(r, error_pct=f"{r['error']:+.0%}") for r in v["rows"]]
-    return "\n".join([
-        f"# luwu plan against the emulated cluster{' (quick)' if v['quick'] else ''}",
-        "",
-        f"**{v['verdict']}**",
-        "",
-        "Inputs, all measured in the same study before or apart from the configurations below: compute "
-        f"(forward + backward, batch 64, 1 thread, CPU time with the other cores busy) {c['compute_s'] * 1e3:.1f} ms; "
-        "link rates as configured, with the payload fraction of the line rate from bench_links ("
-        + ", ".join(f"{k}: {x['efficiency']:.1%}" for k, x in c["links"].items()) + "); codec bytes per element: "
-        "the payload each worker pushed and received per step in that run; the data path's CPU from a calibration "
-        "run of 1 worker and 1 node, by role, in the plan's per-element terms:",
-        "",
-        md_table([dict(mode=k, **v) for k, v in c.get("datapath", {}).items()],
-                 ["mode", "push_encode_s_per_elem", "pull_decode_s_per_elem", "node_fixed_s_per_elem",
-                  "node_per_worker_s_per_elem", "net_cpu_s_per_byte", "worker_cpu_ms", "node_cpu_ms", "step_ms"],
-                 ["calibration run", "worker hooks beyond compute, s/param (plan: push encode)",
-                  "worker writing weights, s/param (plan: pull decode)",
-                  "node optimizer thread, s/param (plan: 1 / optimizer rate)",
-                  "node loop + ZeroMQ, s/param per worker (plan: push decode)",
-                  "worker I/O threads + kernel threads, s/payload byte (plan: network CPU)",
-                  "worker CPU ms/step", "node CPU ms/step", "step ms"]),
-        "",
-        "Shared cores: the machine's cores less what other users' processes took during each run. "
-        f"For reference, torch's fused AdamW alone runs at {c['opt_params_per_s']:.3g} params/s on one core here.",
-        "",
-        md_table(table, ["config", "rate", "workers", "nodes", "measured_ms", "predicted_ms", "error_pct", "within",
-                         "bottleneck", "measured_bound", "push_bytes_per_elem", "pull_bytes_per_elem"],
-                 ["config", "rate", "workers", "nodes", "measured step ms", "predicted step ms", "error", "within",
-                  "plan's bottleneck", "measured bound", "push B/elem", "pull B/elem"]),
-        "",
-    ])
+    return "\n".join(
+        [
+            f"# luwu plan against the emulated cluster{' (quick)' if v['quick'] else ''}",
+            "",
+            f"**{v['verdict']}**",
+            "",
+            "Inputs, all measured in the same study before or apart from the configurations below: compute "
+            f"(forward + backward, batch 64, 1 thread, CPU time with the other cores busy) {c['compute_s'] * 1e3:.1f} ms; "
+            "link rates as configured, with the payload fraction of the line rate from bench_links ("
+            + ", ".join(f"{k}: {x['efficiency']:.1%}" for k, x in c["links"].items())
+            + "); codec bytes per element: "
+            "the payload each worker pushed and received per step in that run; the data path's CPU from a calibration "
+            "run of 1 worker and 1 node, by role, in the plan's per-element terms:",
+            "",
+            md_table(
+                [dict(mode=k, **v) for k, v in c.get("datapath", {}).items()],
+                [
+                    "mode",
+                    "push_encode_s_per_elem",
+                    "pull_decode_s_per_elem",
+                    "node_fixed_s_per_elem",
+                    "node_per_worker_s_per_elem",
+                    "net_cpu_s_per_byte",
+                    "worker_cpu_ms",
+                    "node_cpu_ms",
+                    "step_ms",
+                ],
+                [
+                    "calibration run",
+                    "worker hooks beyond compute, s/param (plan: push encode)",
+                    "worker writing weights, s/param (plan: pull decode)",
+                    "node optimizer thread, s/param (plan: 1 / optimizer rate)",
+                    "node loop + ZeroMQ, s/param per worker (plan: push decode)",
+                    "worker I/O threads + kernel threads, s/payload byte (plan: network CPU)",
+                    "worker CPU ms/step",
+                    "node CPU ms/step",
+                    "step ms",
+                ],
+            ),
+            "",
+            "Shared cores: the machine's cores less what other users' processes took during each run. "
+            f"For reference, torch's fused AdamW alone runs at {c['opt_params_per_s']:.3g} params/s on one core here.",
+            "",
+            md_table(
+                table,
+                [
+                    "config",
+                    "rate",
+                    "workers",
+                    "nodes",
+                    "measured_ms",
+                    "predicted_ms",
+                    "error_pct",
+                    "within",
+                    "bottleneck",
+                    "measured_bound",
+                    "push_bytes_per_elem",
+                    "pull_bytes_per_elem",
+                ],
+                [
+                    "config",
+                    "rate",
+                    "workers",
+                    "nodes",
+                    "measured step ms",
+                    "predicted step ms",
+                    "error",
+                    "within",
+                    "plan's bottleneck",
+                    "measured bound",
+                    "push B/elem",
+                    "pull B/elem",
+                ],
+            ),
+            "",
+        ]
+    )
 
 
 def replot(args: argparse.Namespace) -> int:
@@ -903,12 +1304,23 @@ def replot(args: argparse.Namespace) -> int:
     stem = "cluster.quick" if args.quick else "cluster"
     path = args.out / f"{stem}.json"
     result = json.loads(path.read_text())
-    s = Settings(**{k: tuple(v) if k in ("dims", "partial_params") else v for k, v in result["settings"].items()})
+    s = Settings(
+        **{
+            k: tuple(v) if k in ("dims", "partial_params") else v
+            for k, v in result["settings"].items()
+        }
+    )
     add_comparisons(result["rows"], s)
     result["verdicts"] = verdicts(result["rows"])
     write("cluster", result, h2h_markdown(result), quick=result["quick"], out=args.out)
     validation = plan_validation(result)
-    write("plan_validation", validation, plan_markdown(validation), quick=result["quick"], out=args.out)
+    write(
+        "plan_validation",
+        validation,
+        plan_markdown(validation),
+        quick=result["quick"],
+        out=args.out,
+    )
     return 0
 
 
@@ -922,7 +1334,11 @@ def hetero_configs(modes: list[tuple[str, bool]], rate: str, slow_rate: str) -> 
     out = []
     for v, comp in modes:
         out.append(RunConfig("luwu", v, 4, 2, rate=rate, compression=comp, label="uniform"))
-        out.append(RunConfig("luwu", v, 4, 2, rate=rate, compression=comp, capacities=weights, label="weighted"))
+        out.append(
+            RunConfig(
+                "luwu", v, 4, 2, rate=rate, compression=comp, capacities=weights, label="weighted"
+            )
+        )
     return out
 
 
@@ -937,8 +1353,13 @@ def hetero(args: argparse.Namespace, s: Settings) -> int:
     t0 = time.monotonic()
     info = machine()
     calib = calibrate(s)
-    runs = run_many(hetero_configs(modes, rate, slow), s, reps=reps, host_rates={1: slow},
-                    before=[calibration_config(rate, comp) for comp in sorted({c for _, c in modes})])
+    runs = run_many(
+        hetero_configs(modes, rate, slow),
+        s,
+        reps=reps,
+        host_rates={1: slow},
+        before=[calibration_config(rate, comp) for comp in sorted({c for _, c in modes})],
+    )
     runs = split_calibration(runs, calib)
     rows = merge_reps(runs)
     settings = dataclasses.asdict(s)
@@ -948,46 +1369,129 @@ def hetero(args: argparse.Namespace, s: Settings) -> int:
         r["planned_ms"] = plan(plan_spec(r, settings, calib)).step_s * 1e3
     summary = []
     for v, comp in modes:
-        uni = next(r for r in rows if (r["variant"], r["compression"], r["layout_name"]) == (v, comp, "uniform"))
-        wei = next(r for r in rows if (r["variant"], r["compression"], r["layout_name"]) == (v, comp, "weighted"))
-        per_rep = [b["samples_per_s"] / a["samples_per_s"] for a, b in zip(
-            [x for x in runs if x["config"] == uni["config"]], [x for x in runs if x["config"] == wei["config"]])]
+        uni = next(
+            r
+            for r in rows
+            if (r["variant"], r["compression"], r["layout_name"]) == (v, comp, "uniform")
+        )
+        wei = next(
+            r
+            for r in rows
+            if (r["variant"], r["compression"], r["layout_name"]) == (v, comp, "weighted")
+        )
+        per_rep = [
+            b["samples_per_s"] / a["samples_per_s"]
+            for a, b in zip(
+                [x for x in runs if x["config"] == uni["config"]],
+                [x for x in runs if x["config"] == wei["config"]],
+            )
+        ]
         ratio = median(per_rep)
-        summary.append({"variant": f"{v}, {'hybrid + int8_delta' if comp else 'fp32'}", "uniform_samples_per_s": uni["samples_per_s"],
-                        "weighted_samples_per_s": wei["samples_per_s"], "ratio": ratio, "ratio_per_rep": per_rep,
-                        "planned_ratio": uni["planned_ms"] / wei["planned_ms"],
-                        "verdict": "weighted wins" if ratio > 1.0 else "weighted does NOT win"})
-    result = {"quick": args.quick, "settings": settings, "num_params": s.num_params, "machine": info,
-              "calibration": calib, "link_rate": rate, "slow_node_rate": slow, "rows": rows, "runs": runs,
-              "summary": summary, "elapsed_s": time.monotonic() - t0}
-    table = [dict(r, share=" / ".join(f"{x:.0%}" for x in r["node_bytes_share"]),
-                  node_mb=" / ".join(f"{b / 1e6:.1f}" for b in r["node_rx_bytes"]),
-                  caps=" / ".join(f"{c:g}" for c in r["capacities"]) if r["capacities"] else "1 / 1") for r in rows]
-    md = "\n".join([
-        f"# Heterogeneous nodes: capacity-weighted layout against the uniform one{' (quick)' if args.quick else ''}",
-        "",
-        f"4 workers and 2 nodes, every host its own network namespace; links {rate} except node 1's, {slow}. "
-        "LuWu in sync mode, fp32 both ways (the node links bind) and with the hybrid compression policy and "
-        "int8-delta weights (the default job); `capacities` in the cluster file weight "
-        f"the layout by link rate (weighted) or are left equal (uniform). Same task and settings as cluster.md; "
-        f"{reps} repetition(s), alternating; {(time.monotonic() - t0) / 60:.0f} min.",
-        "",
-        md_table(summary, ["variant", "uniform_samples_per_s", "weighted_samples_per_s", "ratio", "planned_ratio",
-                           "verdict"],
-                 ["mode", "uniform samples/s", "weighted samples/s", "weighted / uniform (median of paired reps)",
-                  "luwu plan's ratio", "verdict"]),
-        "",
-        md_table(table, ["config", "caps", "samples_per_s", "step_ms", "planned_ms", "node_mb", "share", "link_util",
-                         "busiest_link", "worker_cpu_ms", "node_cpu_ms", "busy_cores", "other_cores", "bound"],
-                 ["config", "capacities", "samples/s", "step ms", "plan's step ms", "node rx MB/step (0 / 1)",
-                  "byte share", "busiest link", "which", "CPU ms/step per worker", "CPU ms/step per node",
-                  "busy cores", "of them others'", "bound by"]),
-        "",
-        "node rx MB/step: kernel counters of each node host's link (the gradients of every worker for its shard). "
-        "With equal capacities the slow node gets half the bytes and its link sets the pace; weighted by link rate "
-        "it gets a third, and both node links finish together.",
-        "",
-    ])
+        summary.append(
+            {
+                "variant": f"{v}, {'hybrid + int8_delta' if comp else 'fp32'}",
+                "uniform_samples_per_s": uni["samples_per_s"],
+                "weighted_samples_per_s": wei["samples_per_s"],
+                "ratio": ratio,
+                "ratio_per_rep": per_rep,
+                "planned_ratio": uni["planned_ms"] / wei["planned_ms"],
+                "verdict": "weighted wins" if ratio > 1.0 else "weighted does NOT win",
+            }
+        )
+    result = {
+        "quick": args.quick,
+        "settings": settings,
+        "num_params": s.num_params,
+        "machine": info,
+        "calibration": calib,
+        "link_rate": rate,
+        "slow_node_rate": slow,
+        "rows": rows,
+        "runs": runs,
+        "summary": summary,
+        "elapsed_s": time.monotonic() - t0,
+    }
+    table = [
+        dict(
+            r,
+            share=" / ".join(f"{x:.0%}" for x in r["node_bytes_share"]),
+            node_mb=" / ".join(f"{b / 1e6:.1f}" for b in r["node_rx_bytes"]),
+            caps=" / ".join(f"{c:g}" for c in r["capacities"]) if r["capacities"] else "1 / 1",
+        )
+        for r in rows
+    ]
+    md = "\n".join(
+        [
+            f"# Heterogeneous nodes: capacity-weighted layout against the uniform one{' (quick)' if args.quick else ''}",
+            "",
+            f"4 workers and 2 nodes, every host its own network namespace; links {rate} except node 1's, {slow}. "
+            "LuWu in sync mode, fp32 both ways (the node links bind) and with the hybrid compression policy and "
+            "int8-delta weights (the default job); `capacities` in the cluster file weight "
+            f"the layout by link rate (weighted) or are left equal (uniform). Same task and settings as cluster.md; "
+            f"{reps} repetition(s), alternating; {(time.monotonic() - t0) / 60:.0f} min.",
+            "",
+            md_table(
+                summary,
+                [
+                    "variant",
+                    "uniform_samples_per_s",
+                    "weighted_samples_per_s",
+                    "ratio",
+                    "planned_ratio",
+                    "verdict",
+                ],
+                [
+                    "mode",
+                    "uniform samples/s",
+                    "weighted samples/s",
+                    "weighted / uniform (median of paired reps)",
+                    "luwu plan's ratio",
+                    "verdict",
+                ],
+            ),
+            "",
+            md_table(
+                table,
+                [
+                    "config",
+                    "caps",
+                    "samples_per_s",
+                    "step_ms",
+                    "planned_ms",
+                    "node_mb",
+                    "share",
+                    "link_util",
+                    "busiest_link",
+                    "worker_cpu_ms",
+                    "node_cpu_ms",
+                    "busy_cores",
+                    "other_cores",
+                    "bound",
+                ],
+                [
+                    "config",
+                    "capacities",
+                    "samples/s",
+                    "step ms",
+                    "plan's step ms",
+                    "node rx MB/step (0 / 1)",
+                    "byte share",
+                    "busiest link",
+                    "which",
+                    "CPU ms/step per worker",
+                    "CPU ms/step per node",
+                    "busy cores",
+                    "of them others'",
+                    "bound by",
+                ],
+            ),
+            "",
+            "node rx MB/step: kernel counters of each node host's link (the gradients of every worker for its shard). "
+            "With equal capacities the slow node gets half the bytes and its link sets the pace; weighted by link rate "
+            "it gets a third, and both node links finish together.",
+            "",
+        ]
+    )
     write("hetero", result, md, quick=args.quick, out=args.out)
     return 0
 
@@ -998,8 +1502,12 @@ def hetero(args: argparse.Namespace, s: Settings) -> int:
 def machine() -> dict:
     import platform
 
-    return {"cpus": os.cpu_count(), "python": platform.python_version(), "kernel": platform.release(),
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def write(name: str, result: dict, md: str, *, quick: bool, out: Path) -> None:
@@ -1016,21 +1524,56 @@ def _csv(kind):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1gbit, 4 workers, 2 nodes, 16 steps")
-    ap.add_argument("--hetero", action="store_true", help="the heterogeneous-node study instead of the head-to-head")
-    ap.add_argument("--replot", action="store_true", help="tables and plan validation again from the saved JSON")
-    ap.add_argument("--rates", type=_csv(str), default=None, help="link rates (default 1gbit,10gbit)")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 1gbit, 4 workers, 2 nodes, 16 steps"
+    )
+    ap.add_argument(
+        "--hetero",
+        action="store_true",
+        help="the heterogeneous-node study instead of the head-to-head",
+    )
+    ap.add_argument(
+        "--replot", action="store_true", help="tables and plan validation again from the saved JSON"
+    )
+    ap.add_argument(
+        "--rates", type=_csv(str), default=None, help="link rates (default 1gbit,10gbit)"
+    )
     ap.add_argument("--workers", type=_csv(int), default=None, help="worker counts (default 4,2)")
-    ap.add_argument("--nodes", type=_csv(int), default=None, help="LuWu node counts (default 1,2,4)")
-    ap.add_argument("--only", type=_csv(str), default=None, help="configs whose name contains one of these")
+    ap.add_argument(
+        "--nodes", type=_csv(int), default=None, help="LuWu node counts (default 1,2,4)"
+    )
+    ap.add_argument(
+        "--only", type=_csv(str), default=None, help="configs whose name contains one of these"
+    )
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=1, help="repetitions of every configuration (order rotated)")
-    ap.add_argument("--dims", type=_csv(int), default=None, help="student widths (default 1024,2048,2048,2048,2048,1000)")
-    ap.add_argument("--bucket-mib", type=float, default=None, help="LuWu bucket size in MiB of fp32 gradient (default 4)")
-    ap.add_argument("--cc", default=None, help="TCP congestion control in the hosts (default reno; 'default': the kernel's)")
-    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                    help="a LuWu setting over the defaults, as in a cluster file (TOML value), e.g. optimizer.layer_waits=false")
+    ap.add_argument(
+        "--reps", type=int, default=1, help="repetitions of every configuration (order rotated)"
+    )
+    ap.add_argument(
+        "--dims",
+        type=_csv(int),
+        default=None,
+        help="student widths (default 1024,2048,2048,2048,2048,1000)",
+    )
+    ap.add_argument(
+        "--bucket-mib",
+        type=float,
+        default=None,
+        help="LuWu bucket size in MiB of fp32 gradient (default 4)",
+    )
+    ap.add_argument(
+        "--cc",
+        default=None,
+        help="TCP congestion control in the hosts (default reno; 'default': the kernel's)",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.FIELD=VALUE",
+        help="a LuWu setting over the defaults, as in a cluster file (TOML value), e.g. optimizer.layer_waits=false",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -1043,9 +1586,19 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings()
     if args.quick:
         s = dataclasses.replace(s, steps=16, warmup=12)
-    s = dataclasses.replace(s, **{k: v for k, v in (("steps", args.steps), ("warmup", args.warmup),
-                                                     ("dims", tuple(args.dims) if args.dims else None),
-                                                     ("bucket_bytes", int(args.bucket_mib * 2**20) if args.bucket_mib else None)) if v is not None})
+    s = dataclasses.replace(
+        s,
+        **{
+            k: v
+            for k, v in (
+                ("steps", args.steps),
+                ("warmup", args.warmup),
+                ("dims", tuple(args.dims) if args.dims else None),
+                ("bucket_bytes", int(args.bucket_mib * 2**20) if args.bucket_mib else None),
+            )
+            if v is not None
+        },
+    )
     if args.set:
         s = dataclasses.replace(s, settings=dict(kv.split("=", 1) for kv in args.set))
     if args.cc is not None:
@@ -1066,9 +1619,17 @@ def main(argv: list[str] | None = None) -> int:
     runs = split_calibration(run_many(configs, s, reps=args.reps, before=before), calib)
     rows = merge_reps(runs)
     add_comparisons(rows, s)
-    result = {"quick": quick, "settings": dataclasses.asdict(s), "num_params": s.num_params, "machine": info,
-              "calibration": calib, "rows": rows, "runs": runs, "verdicts": verdicts(rows),
-              "elapsed_s": time.monotonic() - t0}
+    result = {
+        "quick": quick,
+        "settings": dataclasses.asdict(s),
+        "num_params": s.num_params,
+        "machine": info,
+        "calibration": calib,
+        "rows": rows,
+        "runs": runs,
+        "verdicts": verdicts(rows),
+        "elapsed_s": time.monotonic() - t0,
+    }
     result["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     write("cluster", result, h2h_markdown(result), quick=quick, out=args.out)
     if "datapath" in calib:

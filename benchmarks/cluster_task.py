@@ -40,7 +40,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` as a package, also when run by path inside a host
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the repo root: `benchmarks` as a package, also when run by path inside a host
 from benchmarks.common import bf16_allreduce_hook, make_student, node_threads_delta, threads_cpu_s  # noqa: E402
 
 IFACE = "eth0"
@@ -52,7 +54,15 @@ IFACE = "eth0"
 class TeacherTask:
     """Teacher-student classification on a low-dimensional input subspace (all tensors from fixed seeds)."""
 
-    def __init__(self, *, d_in: int, classes: int, subspace: int = 16, teacher_hidden: int = 256, seed: int = 1234):
+    def __init__(
+        self,
+        *,
+        d_in: int,
+        classes: int,
+        subspace: int = 16,
+        teacher_hidden: int = 256,
+        seed: int = 1234,
+    ):
         self.d_in, self.classes, self.subspace, self.seed = d_in, classes, subspace, seed
         g = torch.Generator().manual_seed(seed)
         self.basis = torch.randn(subspace, d_in, generator=g) / math.sqrt(subspace)
@@ -76,7 +86,11 @@ class TeacherTask:
 def eval_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, chunk: int = 256) -> float:
     total = 0.0
     for i in range(0, len(x), chunk):
-        total += float(torch.nn.functional.cross_entropy(model(x[i : i + chunk]), y[i : i + chunk], reduction="sum"))
+        total += float(
+            torch.nn.functional.cross_entropy(
+                model(x[i : i + chunk]), y[i : i + chunk], reduction="sum"
+            )
+        )
     return total / len(x)
 
 
@@ -101,8 +115,10 @@ def tcp_counters(pid: int | str = "self") -> tuple[int, int]:
     """(segments retransmitted, retransmission timeouts) of the network namespace of process ``pid``."""
     retrans = timeouts = -1
     try:
-        for path, table, key in ((f"/proc/{pid}/net/snmp", "Tcp:", "RetransSegs"),
-                                 (f"/proc/{pid}/net/netstat", "TcpExt:", "TCPTimeouts")):
+        for path, table, key in (
+            (f"/proc/{pid}/net/snmp", "Tcp:", "RetransSegs"),
+            (f"/proc/{pid}/net/netstat", "TcpExt:", "TCPTimeouts"),
+        ):
             with open(path) as f:
                 rows = [line.split() for line in f if line.startswith(table)]
             value = int(dict(zip(rows[0][1:], rows[1][1:]))[key])
@@ -138,7 +154,10 @@ def all_processes_cpu() -> dict[int, tuple[float, bool]]:
         try:
             with open(f"/proc/{name}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            out[int(name)] = ((int(fields[11]) + int(fields[12])) / tck, bool(int(fields[6]) & _PF_KTHREAD))
+            out[int(name)] = (
+                (int(fields[11]) + int(fields[12])) / tck,
+                bool(int(fields[6]) & _PF_KTHREAD),
+            )
         except (OSError, ValueError, IndexError):
             continue
     return out
@@ -161,7 +180,9 @@ def _snapshot(node_pids: list[int], client=None, *, machine: bool = False) -> di
         "cpu": time.process_time(),
         "net": net_bytes(),
         "tcp": tcp_counters(),
-        "nodes": [(cpu_seconds(p), net_bytes(p), threads_cpu_s(p), tcp_counters(p)) for p in node_pids],
+        "nodes": [
+            (cpu_seconds(p), net_bytes(p), threads_cpu_s(p), tcp_counters(p)) for p in node_pids
+        ],
         "machine": busy_jiffies(),
     }
 
@@ -183,9 +204,17 @@ def _window(a: dict, b: dict, steps: int, ours: set[int]) -> dict:
     nodes = []
     for pid, (c0, n0, t0, r0), (c1, n1, t1, r1) in zip(a["node_pids"], a["nodes"], b["nodes"]):
         roles = {k: v / steps for k, v in node_threads_delta(pid, t0, t1).items()}
-        nodes.append({"cpu_s": c1 - c0, "cpu_share": (c1 - c0) / wall, "cpu_s_per_step_by_role": roles,
-                      "tcp_retrans_per_step": (r1[0] - r0[0]) / steps, "tcp_timeouts_per_step": (r1[1] - r0[1]) / steps,
-                      "rx_bytes_per_step": (n1[0] - n0[0]) / steps, "tx_bytes_per_step": (n1[1] - n0[1]) / steps})
+        nodes.append(
+            {
+                "cpu_s": c1 - c0,
+                "cpu_share": (c1 - c0) / wall,
+                "cpu_s_per_step_by_role": roles,
+                "tcp_retrans_per_step": (r1[0] - r0[0]) / steps,
+                "tcp_timeouts_per_step": (r1[1] - r0[1]) / steps,
+                "rx_bytes_per_step": (n1[0] - n0[0]) / steps,
+                "tx_bytes_per_step": (n1[1] - n0[1]) / steps,
+            }
+        )
     out["nodes"] = nodes
     (busy0, tot0), (busy1, tot1) = a["machine"], b["machine"]
     out["machine_busy_cores"] = (busy1 - busy0) / max(1, tot1 - tot0) * (os.cpu_count() or 1)
@@ -215,17 +244,26 @@ def _barrier(run_dir: Path, name: str, rank: int, world: int, timeout_s: float =
     while not all((run_dir / f"{name}.{r}").exists() for r in range(world)):
         if time.monotonic() > deadline:
             missing = [r for r in range(world) if not (run_dir / f"{name}.{r}").exists()]
-            raise TimeoutError(f"rank {rank}: ranks {missing} did not reach barrier {name!r} in {timeout_s:.0f} s")
+            raise TimeoutError(
+                f"rank {rank}: ranks {missing} did not reach barrier {name!r} in {timeout_s:.0f} s"
+            )
         time.sleep(0.005)
 
 
 def _init_gloo(spec: dict) -> None:
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = spec["master_addr"], str(spec["master_port"])
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = (
+        spec["master_addr"],
+        str(spec["master_port"]),
+    )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", IFACE)
-    dist.init_process_group("gloo", rank=spec["rank"], world_size=spec["world"],
-                            timeout=__import__("datetime").timedelta(seconds=spec["timeout_s"]))
+    dist.init_process_group(
+        "gloo",
+        rank=spec["rank"],
+        world_size=spec["world"],
+        timeout=__import__("datetime").timedelta(seconds=spec["timeout_s"]),
+    )
 
 
 def _setup_fsdp(spec: dict, model: torch.nn.Module):
@@ -239,9 +277,16 @@ def _setup_fsdp(spec: dict, model: torch.nn.Module):
             fully_shard(layer)
     fully_shard(model)
     try:
-        opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"], fused=True)
-    except (RuntimeError, TypeError):  # a torch without fused AdamW for sharded (DTensor) CPU parameters
-        opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"])
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"], fused=True
+        )
+    except (
+        RuntimeError,
+        TypeError,
+    ):  # a torch without fused AdamW for sharded (DTensor) CPU parameters
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"]
+        )
     return model, opt
 
 
@@ -307,7 +352,10 @@ class Timeline:
 
     def result(self, layout) -> dict:
         """Buckets in forward order (the first layer's first) with their sizes and times."""
-        rows = [{"bucket": b.id, "numel": b.numel, "node": b.node, **self.buckets.get(b.id, {})} for b in reversed(layout.buckets)]
+        rows = [
+            {"bucket": b.id, "numel": b.numel, "node": b.node, **self.buckets.get(b.id, {})}
+            for b in reversed(layout.buckets)
+        ]
         return {"step": self.step, "marks": self.marks, "buckets": rows}
 
 
@@ -323,18 +371,29 @@ def _setup_ddp(spec: dict, model: torch.nn.Module):
     variant = spec["variant"]
     # PowerSGD chains collectives in future callbacks; over gloo, those of several buckets reach the wire in
     # different orders on different ranks (a collective mismatch that aborts gloo), so it gets one bucket
-    bucket_mb = {"bucket_cap_mb": 4 * sum(p.numel() for p in model.parameters()) / 2**20 + 1} if variant == "powersgd" else {}
+    bucket_mb = (
+        {"bucket_cap_mb": 4 * sum(p.numel() for p in model.parameters()) / 2**20 + 1}
+        if variant == "powersgd"
+        else {}
+    )
     net = torch.nn.parallel.DistributedDataParallel(model, **bucket_mb)
     if variant == "bf16":
         net.register_comm_hook(None, bf16_allreduce_hook)
     elif variant == "powersgd":
         state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=spec["powersgd_rank"],
-            start_powerSGD_iter=spec["powersgd_start"], use_error_feedback=True, warm_start=True, random_seed=0)
+            process_group=None,
+            matrix_approximation_rank=spec["powersgd_rank"],
+            start_powerSGD_iter=spec["powersgd_start"],
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=0,
+        )
         net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     elif variant != "fp32":
         raise ValueError(f"unknown DDP variant {variant!r}")
-    opt = torch.optim.AdamW(net.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"], fused=True)
+    opt = torch.optim.AdamW(
+        net.parameters(), lr=spec["lr"], weight_decay=spec["weight_decay"], fused=True
+    )
     return net, opt
 
 
@@ -343,8 +402,17 @@ def _setup_luwu(spec: dict, model: torch.nn.Module):
     from luwu.config import load_config
 
     secret = "LUWU_TRANSPORT__JOIN_SECRET"  # the study's nodes ask for it: the one setting not in the cluster file
-    cfg = load_config(spec["cluster_file"], env={secret: os.environ[secret]} if secret in os.environ else {})
-    opt = luwu.RemoteOptimizer.from_config(model, cfg, rank=spec["rank"], world_size=spec["world"], lr=spec["lr"], weight_decay=spec["weight_decay"])
+    cfg = load_config(
+        spec["cluster_file"], env={secret: os.environ[secret]} if secret in os.environ else {}
+    )
+    opt = luwu.RemoteOptimizer.from_config(
+        model,
+        cfg,
+        rank=spec["rank"],
+        world_size=spec["world"],
+        lr=spec["lr"],
+        weight_decay=spec["weight_decay"],
+    )
     return model, opt
 
 
@@ -355,14 +423,25 @@ def train(spec: dict) -> dict:
     floor = _vm_hwm()  # the peak of a process that imported torch and luwu and built nothing
     rank, world, steps, warmup = spec["rank"], spec["world"], spec["steps"], spec["warmup"]
     run_dir = Path(spec["run_dir"])
-    task = TeacherTask(d_in=spec["dims"][0], classes=spec["dims"][-1], subspace=spec["subspace"], seed=spec["task_seed"])
+    task = TeacherTask(
+        d_in=spec["dims"][0],
+        classes=spec["dims"][-1],
+        subspace=spec["subspace"],
+        seed=spec["task_seed"],
+    )
     data = task.batches(rank, steps, spec["batch"])
     eval_xy = task.eval_set(spec["eval_samples"]) if rank == 0 else None
     model = make_student(spec["dims"])
-    net, opt = {"ddp": _setup_ddp, "fsdp": _setup_fsdp, "luwu": _setup_luwu}[spec["kind"]](spec, model)
+    net, opt = {"ddp": _setup_ddp, "fsdp": _setup_fsdp, "luwu": _setup_luwu}[spec["kind"]](
+        spec, model
+    )
     # rank 0's timeline of one timed step (and the next forward, where per-layer waits write its weights)
     # (a step after which no eval snapshot reads the weights: it would wait for all of them at once)
-    at = next(k for k in range(warmup + 1, warmup + 1 + spec["eval_every"]) if (k + 1) % spec["eval_every"])
+    at = next(
+        k
+        for k in range(warmup + 1, warmup + 1 + spec["eval_every"])
+        if (k + 1) % spec["eval_every"]
+    )
     tl = Timeline(opt, at) if spec["kind"] == "luwu" and rank == 0 and steps > at + 1 else None
     node_pids = spec.get("node_pids", []) if rank == 0 else []
     client = opt.client if spec["kind"] == "luwu" else None
@@ -379,7 +458,9 @@ def train(spec: dict) -> dict:
             # every rank between the same two steps: the byte counters of all hosts cover the same steps
             _barrier(run_dir, "window", rank, world)
             start = _snapshot(node_pids, client, machine=rank == 0)
-            _barrier(run_dir, "window_go", rank, world)  # nobody sends step `warmup` before every snapshot
+            _barrier(
+                run_dir, "window_go", rank, world
+            )  # nobody sends step `warmup` before every snapshot
         t0, c0 = time.perf_counter(), time.thread_time()
         tl and tl.mark(i, "start")
         opt.zero_grad()
@@ -393,9 +474,22 @@ def train(spec: dict) -> dict:
         tl and tl.mark(i, "step")
         clock += t2 - t0
         # wall and training-thread CPU seconds of forward+backward (gradient hooks included) and of step()
-        recs.append({"step_s": t2 - t0, "fb_s": t1 - t0, "opt_s": t2 - t1, "fb_cpu_s": c1 - c0, "opt_cpu_s": c2 - c1,
-                     "loss": float(loss.detach()), "fetch_s": getattr(getattr(opt, "last_report", None), "fetch_wait_s", 0.0)})
-        if (i + 1) % spec["eval_every"] == 0 and i + 1 < steps and (w := _weights(spec, model, opt)) is not None:
+        recs.append(
+            {
+                "step_s": t2 - t0,
+                "fb_s": t1 - t0,
+                "opt_s": t2 - t1,
+                "fb_cpu_s": c1 - c0,
+                "opt_cpu_s": c2 - c1,
+                "loss": float(loss.detach()),
+                "fetch_s": getattr(getattr(opt, "last_report", None), "fetch_wait_s", 0.0),
+            }
+        )
+        if (
+            (i + 1) % spec["eval_every"] == 0
+            and i + 1 < steps
+            and (w := _weights(spec, model, opt)) is not None
+        ):
             snaps.append((i + 1, clock, w))
     t0 = time.perf_counter()
     if spec["kind"] == "luwu":
@@ -403,17 +497,36 @@ def train(spec: dict) -> dict:
     clock += time.perf_counter() - t0
     _barrier(run_dir, "window_end", rank, world)
     end = _snapshot(node_pids, client, machine=rank == 0)
-    ours = {int((run_dir / f"start.{r}").read_text()) for r in range(world)} | set(node_pids) | {spec["study_pid"]}
+    ours = (
+        {int((run_dir / f"start.{r}").read_text()) for r in range(world)}
+        | set(node_pids)
+        | {spec["study_pid"]}
+    )
     if (w := _weights(spec, model, opt)) is not None:
         snaps.append((steps, clock, w))
-    result = {"rank": rank, "recs": recs, "window": _window(start, end, steps - warmup, ours) if start else None,
-              "train_clock_s": clock, "peak_mb": (_vm_hwm() - floor) / 2**20, "floor_mb": floor / 2**20}
+    result = {
+        "rank": rank,
+        "recs": recs,
+        "window": _window(start, end, steps - warmup, ours) if start else None,
+        "train_clock_s": clock,
+        "peak_mb": (_vm_hwm() - floor) / 2**20,
+        "floor_mb": floor / 2**20,
+    }
     if spec["kind"] == "luwu":
-        result["payload_sent"], result["payload_received"] = opt.client.bytes_sent, opt.client.bytes_received
-        result["layout"] = {"buckets": [[b.numel, b.node] for b in opt.layout.buckets], "hash": opt.layout.hash}
+        result["payload_sent"], result["payload_received"] = (
+            opt.client.bytes_sent,
+            opt.client.bytes_received,
+        )
+        result["layout"] = {
+            "buckets": [[b.numel, b.node] for b in opt.layout.buckets],
+            "hash": opt.layout.hash,
+        }
         result["timeline"] = tl.result(opt.layout) if tl is not None else None
     if rank == 0:
-        curve, plain = [], make_student(spec["dims"])  # a plain copy to evaluate (sharded or streamed weights are not)
+        curve, plain = (
+            [],
+            make_student(spec["dims"]),
+        )  # a plain copy to evaluate (sharded or streamed weights are not)
         for step, at, weights in snaps:
             with torch.no_grad():
                 for p, w in zip(plain.parameters(), weights):
@@ -450,8 +563,15 @@ def main(argv: list[str]) -> int:
     try:
         result = train(spec)
     except BaseException as exc:
-        out.write_text(json.dumps({"rank": spec.get("rank"), "error": f"{type(exc).__name__}: {exc}",
-                                   "traceback": traceback.format_exc()}))
+        out.write_text(
+            json.dumps(
+                {
+                    "rank": spec.get("rank"),
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "traceback": traceback.format_exc(),
+                }
+            )
+        )
         raise
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))

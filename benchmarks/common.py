@@ -27,7 +27,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 1 << 20
 
 
-def median_time(fn: Callable[[], object], reps: int, *, warmup: int = 1, setup: Callable[[], object] | None = None) -> list[float]:
+def median_time(
+    fn: Callable[[], object],
+    reps: int,
+    *,
+    warmup: int = 1,
+    setup: Callable[[], object] | None = None,
+) -> list[float]:
     """Seconds of each of ``reps`` calls of ``fn`` after ``warmup`` untimed ones (page faults, scratch
     buffers); ``setup`` runs untimed before every call. Returns the sorted times: [len // 2] is the median."""
     for _ in range(warmup):
@@ -44,7 +50,13 @@ def median_time(fn: Callable[[], object], reps: int, *, warmup: int = 1, setup: 
     return sorted(times)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], reps: int, *, warmup: int = 1, cpu: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+def interleaved(
+    fns: dict[str, Callable[[], object]],
+    reps: int,
+    *,
+    warmup: int = 1,
+    cpu: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
     """Time several competitors round-robin (A B C A B C ...), so a burst of load from elsewhere hits
     all of them alike. Returns each one's list of wall seconds in repetition order; ``cpu``, when given,
     receives the process CPU seconds of each call (all threads), which other processes' load inflates

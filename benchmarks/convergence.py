@@ -72,15 +72,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `benchmarks` as a package, also when run as a script
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the repo root: `benchmarks` as a package, also when run as a script
 from benchmarks.common import RESULTS, machine_info, write_results  # noqa: E402
 
 WORLD_SIZE = 2
 NUM_NODES = 2
 #: Bytes are compared from this step on (the default policy's warm-up, sent uncompressed).
 MEASURE_FROM = 10
-from luwu.protocol.codec_facts import FEEDBACK_CODECS as AGGRESSIVE  # the compressing codecs (int8, int4, topk)
-
+from luwu.protocol.codec_facts import (
+    FEEDBACK_CODECS as AGGRESSIVE,
+)  # the compressing codecs (int8, int4, topk)
 
 # ----------------------------------------------------------------------------- tasks
 
@@ -108,13 +111,21 @@ class DigitsTask:
     def model(self) -> torch.nn.Module:
         torch.manual_seed(0)
         h = self.hidden
-        return torch.nn.Sequential(torch.nn.Linear(64, h), torch.nn.ReLU(), torch.nn.Linear(h, h), torch.nn.ReLU(), torch.nn.Linear(h, 10))
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, h),
+            torch.nn.ReLU(),
+            torch.nn.Linear(h, h),
+            torch.nn.ReLU(),
+            torch.nn.Linear(h, 10),
+        )
 
     def batch(self, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [rank*b, (rank+1)*b) of the step's global batch (rank 0 of world 1 = all of it)."""
         xtr, ytr = self.data[0], self.data[1]
         b = self.batch_per_worker
-        idx = torch.randint(0, len(xtr), (b * WORLD_SIZE,), generator=torch.Generator().manual_seed(step))
+        idx = torch.randint(
+            0, len(xtr), (b * WORLD_SIZE,), generator=torch.Generator().manual_seed(step)
+        )
         idx = idx[rank * b * WORLD_SIZE // world : (rank + 1) * b * WORLD_SIZE // world]
         return xtr[idx], ytr[idx]
 
@@ -130,16 +141,30 @@ class DigitsTask:
 class CharTransformer(torch.nn.Module):
     """A small pre-norm causal transformer over characters."""
 
-    def __init__(self, vocab: int, *, d_model: int = 256, layers: int = 2, heads: int = 4, ff: int = 512, context: int = 64):
+    def __init__(
+        self,
+        vocab: int,
+        *,
+        d_model: int = 256,
+        layers: int = 2,
+        heads: int = 4,
+        ff: int = 512,
+        context: int = 64,
+    ):
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, d_model)
         self.pos = torch.nn.Embedding(context, d_model)
         self.blocks = torch.nn.ModuleList(
-            torch.nn.TransformerEncoderLayer(d_model, heads, ff, dropout=0.0, batch_first=True, norm_first=True) for _ in range(layers)
+            torch.nn.TransformerEncoderLayer(
+                d_model, heads, ff, dropout=0.0, batch_first=True, norm_first=True
+            )
+            for _ in range(layers)
         )
         self.norm = torch.nn.LayerNorm(d_model)
         self.head = torch.nn.Linear(d_model, vocab)
-        self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+        self.register_buffer(
+            "mask", torch.nn.Transformer.generate_square_subsequent_mask(context), persistent=False
+        )
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
@@ -173,7 +198,12 @@ class CharLMTask:
     @functools.cached_property
     def eval_batch(self) -> torch.Tensor:
         ev = self.data[1]
-        starts = torch.randint(0, len(ev) - self.context - 1, (self.eval_windows,), generator=torch.Generator().manual_seed(123))
+        starts = torch.randint(
+            0,
+            len(ev) - self.context - 1,
+            (self.eval_windows,),
+            generator=torch.Generator().manual_seed(123),
+        )
         return torch.stack([ev[s : s + self.context + 1] for s in starts.tolist()])
 
     def model(self) -> torch.nn.Module:
@@ -183,13 +213,20 @@ class CharLMTask:
     def batch(self, step: int, rank: int, world: int) -> torch.Tensor:
         tr = self.data[0]
         b = self.batch_per_worker
-        starts = torch.randint(0, len(tr) - self.context - 1, (b * WORLD_SIZE,), generator=torch.Generator().manual_seed(step))
+        starts = torch.randint(
+            0,
+            len(tr) - self.context - 1,
+            (b * WORLD_SIZE,),
+            generator=torch.Generator().manual_seed(step),
+        )
         starts = starts[rank * b * WORLD_SIZE // world : (rank + 1) * b * WORLD_SIZE // world]
         return torch.stack([tr[s : s + self.context + 1] for s in starts.tolist()])
 
     def loss(self, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         logits = model(batch[:, :-1])
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        return torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)
+        )
 
     @torch.no_grad()
     def eval_loss(self, model: torch.nn.Module) -> float:
@@ -262,11 +299,18 @@ class Variant:
     parameter has the task's weight decay (one group); compared with a streaming baseline."""
 
 
-FORCED = {"link_gbps": 1.0, "pull_codec": "bf16"}  # the cost rule must not veto the codec under test; bf16 pulls
+FORCED = {
+    "link_gbps": 1.0,
+    "pull_codec": "bf16",
+}  # the cost rule must not veto the codec under test; bf16 pulls
 #: SGD with momentum on the nodes (digits only): top-k + error feedback is built for it (DGC), and the
 #: pair shows whether a top-k gap under AdamW comes from the codec or from Adam's reaction to sparse,
 #: bursty gradients.
-SGD = {"optimizer": "sgd", "hyper": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}, "tasks": ("digits",)}
+SGD = {
+    "optimizer": "sgd",
+    "hyper": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
+    "tasks": ("digits",),
+}
 #: The nodes' AdamW freezes its variance when the compressed steps start (1-bit Adam's recipe for compressed gradients).
 FREEZE = {"variance_freeze_step": MEASURE_FROM}
 #: Momentum correction (DGC) under AdamW: the variance frozen after 5 dense steps (of the 10 fp32 ones).
@@ -284,18 +328,27 @@ VARIANTS = [
     Variant("int4+EF", {"large_codec": "int4", **FORCED}, 0.03),
     # the error-feedback residual as fp32 (compression.residual_dtype; the default keeps it bf16, half the memory)
     Variant("hybrid 1gbit fp32res", {"link_gbps": 1.0, "residual_dtype": "float32"}, 0.02),
-    Variant("int4+EF fp32res", {"large_codec": "int4", "residual_dtype": "float32", **FORCED}, 0.03),
+    Variant(
+        "int4+EF fp32res", {"large_codec": "int4", "residual_dtype": "float32", **FORCED}, 0.03
+    ),
     Variant("topk1%+EF+MC", MC, 0.05, **FREEZE5),
     Variant("uncompressed freeze5", {"enabled": False}, **FREEZE5),
     Variant("topk1%+EF", TOPK1),
     Variant("topk1%+EF freeze", TOPK1, baseline="uncompressed freeze", **FREEZE),
     Variant("uncompressed freeze", {"enabled": False}, **FREEZE),
     # ablations: 1-bit Adam's longer warm-up (~17% of the run), and a 10x denser top-k
-    Variant("topk1%+EF freeze w50", {"large_codec": "topk", "topk_density": 0.01, "warmup_steps": 50, **FORCED}, variance_freeze_step=50),
+    Variant(
+        "topk1%+EF freeze w50",
+        {"large_codec": "topk", "topk_density": 0.01, "warmup_steps": 50, **FORCED},
+        variance_freeze_step=50,
+    ),
     Variant("topk10%+EF", {"large_codec": "topk", "topk_density": 0.1, **FORCED}),
     Variant("int8 noEF", {"large_codec": "int8", "error_feedback": False, **FORCED}),
     Variant("int4 noEF", {"large_codec": "int4", "error_feedback": False, **FORCED}),
-    Variant("topk1% noEF", {"large_codec": "topk", "topk_density": 0.01, "error_feedback": False, **FORCED}),
+    Variant(
+        "topk1% noEF",
+        {"large_codec": "topk", "topk_density": 0.01, "error_feedback": False, **FORCED},
+    ),
     # streaming mode: fp32 both ways (exact), and the defaults at 1 Gbit/s: int8 weights and gradients, no EF
     Variant("uncompressed stream", {"enabled": False}, baseline="uncompressed stream", stream=True),
     Variant("stream 1gbit", {"link_gbps": 1.0}, 0.02, baseline="uncompressed stream", stream=True),
@@ -316,13 +369,20 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> tuple[list[dict
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [(n, p) for n, p in named if p.ndim >= 2]
     other = [(n, p) for n, p in named if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": other, "weight_decay": 0.0},
+    ]
     return groups, [n for n, _ in decay + other]
 
 
 def lr_factor(run: TaskRun):
     def f(step: int) -> float:
-        return min(1.0, (step + 1) / run.lr_warmup) * 0.5 * (1.0 + math.cos(math.pi * step / run.steps))
+        return (
+            min(1.0, (step + 1) / run.lr_warmup)
+            * 0.5
+            * (1.0 + math.cos(math.pi * step / run.steps))
+        )
 
     return f
 
@@ -349,7 +409,16 @@ class CodecRecorder:
         out = []
         for b in layout.buckets:
             name, ef = self.last.get(b.id, ("?", False))
-            out.append({"bucket": b.id, "node": b.node, "numel": b.numel, "codec": name, "feedback": ef, "params": [self._names[s.param] for s in b.segments]})
+            out.append(
+                {
+                    "bucket": b.id,
+                    "node": b.node,
+                    "numel": b.numel,
+                    "codec": name,
+                    "feedback": ef,
+                    "params": [self._names[s.param] for s in b.segments],
+                }
+            )
         return out
 
 
@@ -368,10 +437,21 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
     if variant.get("variance_freeze_step") is not None:
         for g in groups:  # (not with stream)
             g["variance_freeze_step"] = variant["variance_freeze_step"]
-    cc = CompressionConfig(**variant["compression"]) if variant["compression"] is not None else False  # None: fp32
+    cc = (
+        CompressionConfig(**variant["compression"]) if variant["compression"] is not None else False
+    )  # None: fp32
     opt = luwu.RemoteOptimizer(
-        groups, variant["optimizer"], nodes=nodes, rank=rank, world_size=world, job=variant["job"], compression=cc, bucket_bytes=run.bucket_bytes, timeout_s=120.0,
-        stream_weights=bool(variant.get("stream")), **hyper
+        groups,
+        variant["optimizer"],
+        nodes=nodes,
+        rank=rank,
+        world_size=world,
+        job=variant["job"],
+        compression=cc,
+        bucket_bytes=run.bucket_bytes,
+        timeout_s=120.0,
+        stream_weights=bool(variant.get("stream")),
+        **hyper,
     )
     try:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(run))
@@ -382,7 +462,9 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
         mark = (0, 0)
         t0 = time.perf_counter()
         for step in range(run.steps):
-            if step == MEASURE_FROM:  # every reply of the steps before has arrived: the counters are exact
+            if (
+                step == MEASURE_FROM
+            ):  # every reply of the steps before has arrived: the counters are exact
                 opt.synchronize()
                 mark = (opt.client.bytes_sent, opt.client.bytes_received)
             batch = task.batch(step, rank, world)
@@ -404,8 +486,12 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
             "train": train,
             "wall_s": wall,
             "numel": sum(b.numel for b in opt.layout.buckets),
-            "push_bytes_per_step": (opt.client.bytes_sent - mark[0]) / measured if measured else None,
-            "pull_bytes_per_step": (opt.client.bytes_received - mark[1]) / measured if measured else None,
+            "push_bytes_per_step": (opt.client.bytes_sent - mark[0]) / measured
+            if measured
+            else None,
+            "pull_bytes_per_step": (opt.client.bytes_received - mark[1]) / measured
+            if measured
+            else None,
             "codec_raw_bytes": rec.raw_bytes,
             "buckets": rec.buckets(opt.layout),
         }
@@ -450,14 +536,25 @@ def worker_main(spec_path: str) -> int:
         nodes_file = folder / f"nodes{i}.json"
         while not nodes_file.exists():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"worker {rank}: no cluster announced for variant {variant['name']!r} in {nodes_file}")
+                raise TimeoutError(
+                    f"worker {rank}: no cluster announced for variant {variant['name']!r} in {nodes_file}"
+                )
             time.sleep(0.05)
         result = train_variant(run, variant, json.loads(nodes_file.read_text()), rank, world)
         _write_atomic(folder / f"result{i}.rank{rank}.json", json.dumps(result))
     return 0
 
 
-def _serve_variant(run: TaskRun, i: int, variant: Variant, job: str, folder: Path, procs: list, deadline: float, stop) -> dict:
+def _serve_variant(
+    run: TaskRun,
+    i: int,
+    variant: Variant,
+    job: str,
+    folder: Path,
+    procs: list,
+    deadline: float,
+    stop,
+) -> dict:
     """Start variant ``i``'s cluster, announce it to the workers, wait for their results, stop it."""
     import luwu
 
@@ -470,9 +567,13 @@ def _serve_variant(run: TaskRun, i: int, variant: Variant, job: str, folder: Pat
             for r, p in enumerate(procs):
                 if p.poll() is not None and not paths[r].exists():
                     log = (folder / f"worker{r}.log").read_text()[-4000:]
-                    raise RuntimeError(f"{run.task} / {variant.name}: worker {r} exited with {p.returncode}:\n{log}")
+                    raise RuntimeError(
+                        f"{run.task} / {variant.name}: worker {r} exited with {p.returncode}:\n{log}"
+                    )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{run.task} / {variant.name}: no result within the deadline (ranks missing: {[r for r, p in enumerate(paths) if not p.exists()]})")
+                raise TimeoutError(
+                    f"{run.task} / {variant.name}: no result within the deadline (ranks missing: {[r for r, p in enumerate(paths) if not p.exists()]})"
+                )
             time.sleep(0.1)
         ranks = [json.loads(p.read_text()) for p in paths]
     return summarize(run, variant, ranks)
@@ -481,7 +582,9 @@ def _serve_variant(run: TaskRun, i: int, variant: Variant, job: str, folder: Pat
 SECRET_VAR = "LUWU_TRANSPORT__JOIN_SECRET"
 
 
-def run_variants(run: TaskRun, variants: list[Variant], *, parallel: int = 1, timeout_s: float = 3600.0) -> list[dict]:
+def run_variants(
+    run: TaskRun, variants: list[Variant], *, parallel: int = 1, timeout_s: float = 3600.0
+) -> list[dict]:
     """Train ``run`` once per variant: 2 worker processes (started once, variants in order), a fresh 2-node
     local cluster per variant, up to ``parallel`` clusters up at a time (the next one starts while the
     workers train). Returns one summary row per variant, compared with the ``uncompressed`` one."""
@@ -489,10 +592,29 @@ def run_variants(run: TaskRun, variants: list[Variant], *, parallel: int = 1, ti
     from concurrent.futures import ThreadPoolExecutor
 
     deadline = time.monotonic() + timeout_s
-    jobs = [f"conv-{run.task}-{i}-{''.join(c if c.isalnum() else '-' for c in v.name)}" for i, v in enumerate(variants)]
+    jobs = [
+        f"conv-{run.task}-{i}-{''.join(c if c.isalnum() else '-' for c in v.name)}"
+        for i, v in enumerate(variants)
+    ]
     with tempfile.TemporaryDirectory(prefix="luwu-convergence-") as tmp:
         folder = Path(tmp)
-        spec = {"run": asdict(run), "dir": tmp, "timeout_s": timeout_s, "variants": [{"name": v.name, "compression": v.compression, "optimizer": v.optimizer, "hyper": v.hyper, "variance_freeze_step": v.variance_freeze_step, "stream": v.stream, "job": j} for v, j in zip(variants, jobs)]}
+        spec = {
+            "run": asdict(run),
+            "dir": tmp,
+            "timeout_s": timeout_s,
+            "variants": [
+                {
+                    "name": v.name,
+                    "compression": v.compression,
+                    "optimizer": v.optimizer,
+                    "hyper": v.hyper,
+                    "variance_freeze_step": v.variance_freeze_step,
+                    "stream": v.stream,
+                    "job": j,
+                }
+                for v, j in zip(variants, jobs)
+            ],
+        }
         spec_path = folder / "spec.json"
         spec_path.write_text(json.dumps(spec))
         procs = []
@@ -503,11 +625,27 @@ def run_variants(run: TaskRun, variants: list[Variant], *, parallel: int = 1, ti
         os.environ[SECRET_VAR] = saved or secrets.token_hex(16)
         try:
             for r in range(WORLD_SIZE):
-                env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(r), PYTHONUNBUFFERED="1")
+                env = dict(
+                    os.environ,
+                    RANK=str(r),
+                    WORLD_SIZE=str(WORLD_SIZE),
+                    LOCAL_RANK=str(r),
+                    PYTHONUNBUFFERED="1",
+                )
                 with open(folder / f"worker{r}.log", "w") as out:
-                    procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path)], env=env, stdout=out, stderr=subprocess.STDOUT))
+                    procs.append(
+                        subprocess.Popen(
+                            [sys.executable, __file__, "--worker", str(spec_path)],
+                            env=env,
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                        )
+                    )
             with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-                futures = [pool.submit(_serve_variant, run, i, v, jobs[i], folder, procs, deadline, stop) for i, v in enumerate(variants)]
+                futures = [
+                    pool.submit(_serve_variant, run, i, v, jobs[i], folder, procs, deadline, stop)
+                    for i, v in enumerate(variants)
+                ]
                 try:
                     rows = [f.result() for f in futures]
                 except BaseException:
@@ -515,7 +653,9 @@ def run_variants(run: TaskRun, variants: list[Variant], *, parallel: int = 1, ti
                     raise
             for r, p in enumerate(procs):
                 if p.wait(max(1.0, deadline - time.monotonic())) != 0:
-                    raise RuntimeError(f"worker {r} exited with {p.returncode}:\n{(folder / f'worker{r}.log').read_text()[-4000:]}")
+                    raise RuntimeError(
+                        f"worker {r} exited with {p.returncode}:\n{(folder / f'worker{r}.log').read_text()[-4000:]}"
+                    )
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -532,8 +672,16 @@ def summarize(run: TaskRun, variant: Variant, ranks: list[dict]) -> dict:
     raw = r0["codec_raw_bytes"]
     total_raw = sum(raw.values())
     raw_step = 4 * r0["numel"]
-    push = sum(r["push_bytes_per_step"] for r in ranks) / len(ranks) if r0["push_bytes_per_step"] is not None else None
-    pull = sum(r["pull_bytes_per_step"] for r in ranks) / len(ranks) if r0["pull_bytes_per_step"] is not None else None
+    push = (
+        sum(r["push_bytes_per_step"] for r in ranks) / len(ranks)
+        if r0["push_bytes_per_step"] is not None
+        else None
+    )
+    pull = (
+        sum(r["pull_bytes_per_step"] for r in ranks) / len(ranks)
+        if r0["pull_bytes_per_step"] is not None
+        else None
+    )
     return {
         "task": run.task,
         "variant": variant.name,
@@ -549,7 +697,10 @@ def summarize(run: TaskRun, variant: Variant, ranks: list[dict]) -> dict:
         "train_loss": [sum(v) / len(v) for v in zip(*(r["train"] for r in ranks))],
         "wall_s": max(r["wall_s"] for r in ranks),
         "codec_share": {k: v / total_raw for k, v in sorted(raw.items())} if total_raw else {},
-        "compressed_share": sum(v for k, v in raw.items() if k.partition(":")[0] in AGGRESSIVE) / total_raw if total_raw else 0.0,
+        "compressed_share": sum(v for k, v in raw.items() if k.partition(":")[0] in AGGRESSIVE)
+        / total_raw
+        if total_raw
+        else 0.0,
         "push_bytes_per_step": push,
         "pull_bytes_per_step": pull,
         "push_ratio": raw_step / push if push else None,
@@ -573,7 +724,9 @@ def compare(rows: list[dict]) -> None:
         b = base.get((r["task"], r.get("baseline", "uncompressed")))
         r["rel_diff"] = r["final_eval_loss"] / b - 1.0 if b else None
         # a lower loss passes: the target bounds what compression may cost, not what it may gain
-        r["ok"] = None if r["target"] is None or r["rel_diff"] is None else r["rel_diff"] <= r["target"]
+        r["ok"] = (
+            None if r["target"] is None or r["rel_diff"] is None else r["rel_diff"] <= r["target"]
+        )
 
 
 # ----------------------------------------------------------------------------- report
@@ -610,7 +763,14 @@ def plot(rows: list[dict], path: Path) -> None:
 
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     fig, axes = plt.subplots(2, len(tasks), figsize=(6.5 * len(tasks), 8), squeeze=False)
-    colors = {"uncompressed": "black", "hybrid": "tab:blue", "int8": "tab:green", "int4": "tab:orange", "topk1%": "tab:red", "topk10%": "tab:brown"}
+    colors = {
+        "uncompressed": "black",
+        "hybrid": "tab:blue",
+        "int8": "tab:green",
+        "int4": "tab:orange",
+        "topk1%": "tab:red",
+        "topk10%": "tab:brown",
+    }
     for col, task in enumerate(tasks):
         mine = [r for r in rows if r["task"] == task]
         evals = {r["variant"]: dict(r["evals"]) for r in mine}
@@ -618,10 +778,30 @@ def plot(rows: list[dict], path: Path) -> None:
         for r in mine:
             sgd = r.get("optimizer", "adamw") == "sgd"
             key = r["variant"].split()[0].replace("+EF", "")
-            color = ("dimgray" if key == "uncompressed" else "tab:purple") if sgd else "darkred" if " w50" in r["variant"] else colors.get(key, "gray")
+            color = (
+                ("dimgray" if key == "uncompressed" else "tab:purple")
+                if sgd
+                else "darkred"
+                if " w50" in r["variant"]
+                else colors.get(key, "gray")
+            )
             frozen = r.get("variance_freeze_step") is not None
-            dash = "--" if "noEF" in r["variant"] else ":" if sgd else (0, (5, 1, 1, 1, 1, 1)) if " w50" in r["variant"] else "-." if frozen else "-"
-            style = dict(color=color, linestyle=dash, linewidth=1.8 if key == "uncompressed" and not frozen else 1.2)
+            dash = (
+                "--"
+                if "noEF" in r["variant"]
+                else ":"
+                if sgd
+                else (0, (5, 1, 1, 1, 1, 1))
+                if " w50" in r["variant"]
+                else "-."
+                if frozen
+                else "-"
+            )
+            style = dict(
+                color=color,
+                linestyle=dash,
+                linewidth=1.8 if key == "uncompressed" and not frozen else 1.2,
+            )
             steps, losses = zip(*r["evals"])
             top.plot(steps, losses, label=r["variant"], **style)
             base = evals.get(r.get("baseline", "uncompressed"), {})
@@ -656,14 +836,17 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def report(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) -> str:
     """The markdown report of a study (``runs``: the TaskRun of each task, as dicts)."""
-    plan_txt = "; ".join(f"{t}: {r['steps']} steps, peak lr {r['lr']}, buckets {r['bucket_bytes'] // 1024} KiB" for t, r in runs.items())
+    plan_txt = "; ".join(
+        f"{t}: {r['steps']} steps, peak lr {r['lr']}, buckets {r['bucket_bytes'] // 1024} KiB"
+        for t, r in runs.items()
+    )
     md = [
         f"# convergence: {WORLD_SIZE} workers x {NUM_NODES} nodes, AdamW on the nodes, real data{' (quick)' if quick else ''}",
         "",
         f"{plan_txt}. Final eval loss against the uncompressed run (same seeds, same global batches). "
         "Forced variants: the codec on matrices of >= 64K elements, bf16 on the rest, the cost rule told 1 Gbit/s "
         "so it does not veto; hybrid = `CompressionConfig()` defaults told a 10 Gbit/s link. The first 10 steps go bf16 both ways, without "
-        "error feedback (the default warm-up). Pull direction bf16 in every forced variant; `hybrid 1gbit` = the defaults told the link is 1 Gbit/s (int8 + EF pushes, bf16-steps pulls by the cost rule of `pull_codec = \"auto\"`: the bf16 pull's very bits); `hybrid 1gbit int8delta`: the same with int8-delta pulls (the default before bf16 steps); `stream 1gbit`: streaming mode on the same defaults (int8 weights and gradients, no error feedback) against `uncompressed stream` (one param group: weight decay on every parameter). The workers keep their error-feedback residuals as bf16 (`compression.residual_dtype`, the default); the `fp32res` rows keep them fp32. compressed share = "
+        'error feedback (the default warm-up). Pull direction bf16 in every forced variant; `hybrid 1gbit` = the defaults told the link is 1 Gbit/s (int8 + EF pushes, bf16-steps pulls by the cost rule of `pull_codec = "auto"`: the bf16 pull\'s very bits); `hybrid 1gbit int8delta`: the same with int8-delta pulls (the default before bf16 steps); `stream 1gbit`: streaming mode on the same defaults (int8 weights and gradients, no error feedback) against `uncompressed stream` (one param group: weight decay on every parameter). The workers keep their error-feedback residuals as bf16 (`compression.residual_dtype`, the default); the `fp32res` rows keep them fp32. compressed share = '
         "fraction of the gradient bytes after warm-up sent with int8 / int4 / top-k; push x / pull x = fp32 bytes / "
         "wire bytes per worker per step after warm-up. The `SGD` rows run SGD + momentum (lr 0.05, 0.9, no weight decay) on the nodes "
         "and compare with their own uncompressed SGD run. The `freeze` rows run the nodes' AdamW with `variance_freeze_step` = 10 "
@@ -679,9 +862,15 @@ def report(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) 
         *topk_findings(rows),
     ]
     if refs:
-        md += ["", "Single-process `torch.optim.AdamW` on the same global batches (the uncompressed run should equal it):", ""]
+        md += [
+            "",
+            "Single-process `torch.optim.AdamW` on the same global batches (the uncompressed run should equal it):",
+            "",
+        ]
         for task, ref in refs.items():
-            mine = next((r for r in rows if r["task"] == task and r["variant"] == "uncompressed"), None)
+            mine = next(
+                (r for r in rows if r["task"] == task and r["variant"] == "uncompressed"), None
+            )
             diff = abs(ref["final_eval_loss"] - mine["final_eval_loss"]) if mine else float("nan")
             md.append(f"- {task}: {ref['final_eval_loss']:.6f} (|difference| {diff:.1e})")
     return "\n".join(md) + "\n"
@@ -692,11 +881,21 @@ def topk_findings(rows: list[dict]) -> list[str]:
     out = []
     for task in dict.fromkeys(r["task"] for r in rows):
         by = {r["variant"]: r for r in rows if r["task"] == task}
-        live, frozen, base_frozen = by.get("topk1%+EF"), by.get("topk1%+EF freeze"), by.get("uncompressed freeze")
-        if not (live and frozen and base_frozen) or None in (live.get("rel_diff"), frozen.get("rel_diff"), base_frozen.get("rel_diff")):
+        live, frozen, base_frozen = (
+            by.get("topk1%+EF"),
+            by.get("topk1%+EF freeze"),
+            by.get("uncompressed freeze"),
+        )
+        if not (live and frozen and base_frozen) or None in (
+            live.get("rel_diff"),
+            frozen.get("rel_diff"),
+            base_frozen.get("rel_diff"),
+        ):
             continue
         plain = by.get("uncompressed")
-        vs_plain = frozen["final_eval_loss"] / plain["final_eval_loss"] - 1.0 if plain else float("nan")
+        vs_plain = (
+            frozen["final_eval_loss"] / plain["final_eval_loss"] - 1.0 if plain else float("nan")
+        )
         line = (
             f"- {task}: top-k 1% + EF ends {live['rel_diff']:+.1%} from uncompressed AdamW with torch's AdamW on the nodes, "
             f"{vs_plain:+.1%} with the variance frozen after the warm-up; the frozen mode without compression ends "
@@ -747,11 +946,23 @@ def topk_findings(rows: list[dict]) -> list[str]:
 def save(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) -> None:
     """Write convergence(.quick).json, .md and .png."""
     summary = [
-        {"benchmark": f"{r['task']} {r['variant']}", "rel_diff": r["rel_diff"], "target": r["target"], "verdict": "met" if r["ok"] else f"MISSED ({r['rel_diff']:+.1%} vs {r['target']:.0%})"}
+        {
+            "benchmark": f"{r['task']} {r['variant']}",
+            "rel_diff": r["rel_diff"],
+            "target": r["target"],
+            "verdict": "met" if r["ok"] else f"MISSED ({r['rel_diff']:+.1%} vs {r['target']:.0%})",
+        }
         for r in rows
         if r["target"] is not None
     ]
-    result = {"quick": quick, "machine": machine_info(), "plans": runs, "summary": summary, "rows": rows, "reference": refs}
+    result = {
+        "quick": quick,
+        "machine": machine_info(),
+        "plans": runs,
+        "summary": summary,
+        "rows": rows,
+        "reference": refs,
+    }
     path = write_results("convergence", result, report(rows, refs, runs, quick=quick), quick=quick)
     try:
         plot(rows, path.with_suffix(".png"))
@@ -761,20 +972,38 @@ def save(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) ->
 
 def variants_for(task: str, names: list[str]) -> list[Variant]:
     """The named variants that apply to ``task``, with the baselines they are compared with, in study order."""
-    want = {n for n in names if VARIANT_BY_NAME[n].tasks is None or task in VARIANT_BY_NAME[n].tasks}
+    want = {
+        n for n in names if VARIANT_BY_NAME[n].tasks is None or task in VARIANT_BY_NAME[n].tasks
+    }
     want |= {VARIANT_BY_NAME[n].baseline for n in want}
     return [v for v in VARIANTS if v.name in want]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a few steps per task: smoke run (writes convergence.quick.*)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few steps per task: smoke run (writes convergence.quick.*)",
+    )
     ap.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {sorted(TASKS)}")
-    ap.add_argument("--variants", default=",".join(v.name for v in VARIANTS), help="comma-separated variant names (their baselines run too)")
+    ap.add_argument(
+        "--variants",
+        default=",".join(v.name for v in VARIANTS),
+        help="comma-separated variant names (their baselines run too)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="override the steps of every task")
-    ap.add_argument("--no-reference", action="store_true", help="skip the torch.optim.AdamW single-process reference")
-    ap.add_argument("--merge", action="store_true", help="keep the saved rows of variants and tasks not run now")
-    ap.add_argument("--replot", action="store_true", help="only rewrite the table and plot from the saved JSON")
+    ap.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the torch.optim.AdamW single-process reference",
+    )
+    ap.add_argument(
+        "--merge", action="store_true", help="keep the saved rows of variants and tasks not run now"
+    )
+    ap.add_argument(
+        "--replot", action="store_true", help="only rewrite the table and plot from the saved JSON"
+    )
     ap.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -805,7 +1034,10 @@ def main(argv: list[str] | None = None) -> int:
         mine = run_variants(run, variants_for(task, names), parallel=2)
         for row in mine:
             row["title"] = title
-            print(f"{task:7s} {row['variant']:18s} final eval loss {row['final_eval_loss']:.4f} ({fmt(row['rel_diff'], '+.2%')})  compressed {row['compressed_share']:.0%}  train {row['wall_s']:.0f} s", flush=True)
+            print(
+                f"{task:7s} {row['variant']:18s} final eval loss {row['final_eval_loss']:.4f} ({fmt(row['rel_diff'], '+.2%')})  compressed {row['compressed_share']:.0%}  train {row['wall_s']:.0f} s",
+                flush=True,
+            )
         print(f"{task}: {len(mine)} variants in {time.perf_counter() - t0:.0f} s", flush=True)
         rows += mine
         if not args.no_reference:

@@ -68,11 +68,25 @@ from test_hostile_input import NODE_ARGS, SPEC, Fuzzer, fuzz_during_training, rs
 
 CONFIGS = {
     "all": {"allow_rank_hello": True, "categories": dict(Fuzzer.CATEGORIES)},
-    "no-rank-claims": {"allow_rank_hello": False, "categories": {k: v for k, v in Fuzzer.CATEGORIES.items() if k not in ("takeover", "rollback")}},
+    "no-rank-claims": {
+        "allow_rank_hello": False,
+        "categories": {
+            k: v for k, v in Fuzzer.CATEGORIES.items() if k not in ("takeover", "rollback")
+        },
+    },
 }
 
 
-def study(name: str, num_messages: int, steps: int, seed: int, reconnect_every: int = 0, rss_every: int = 10_000, side_attacks: bool = True, side_pause_s: float = 1.0) -> dict:
+def study(
+    name: str,
+    num_messages: int,
+    steps: int,
+    seed: int,
+    reconnect_every: int = 0,
+    rss_every: int = 10_000,
+    side_attacks: bool = True,
+    side_pause_s: float = 1.0,
+) -> dict:
     cfg = CONFIGS[name]
     spec = dict(SPEC, steps=steps)
     t0 = time.monotonic()
@@ -85,7 +99,10 @@ def study(name: str, num_messages: int, steps: int, seed: int, reconnect_every: 
             seed=seed,
             allow_rank_hello=cfg["allow_rank_hello"],
             categories=cfg["categories"],
-            on_progress=lambda r: print(f"  [{name}] {r.sent} sent, {r.replies} replies, {r.connections} connections, {r.seconds:.0f} s", flush=True),
+            on_progress=lambda r: print(
+                f"  [{name}] {r.sent} sent, {r.replies} replies, {r.connections} connections, {r.seconds:.0f} s",
+                flush=True,
+            ),
             reconnect_every=reconnect_every,
             rss_curve=curve,
             progress_every=rss_every,
@@ -100,7 +117,9 @@ def study(name: str, num_messages: int, steps: int, seed: int, reconnect_every: 
         "messages_sent": rep.sent,
         "connections": rep.connections,
         "rss_curve": [{"sent": n, "s": t, "node_rss_mib": mib(rss)} for n, t, rss in curve],
-        "rss_curve_bounded": all(r < rss_bound(w) for _, _, rss in curve for r, w in zip(rss, res.rss_warm)),
+        "rss_curve_bounded": all(
+            r < rss_bound(w) for _, _, rss in curve for r, w in zip(rss, res.rss_warm)
+        ),
         "replies": rep.replies,
         "no_reply": rep.missing,
         "disconnects_owed": rep.disconnects,
@@ -121,7 +140,10 @@ def study(name: str, num_messages: int, steps: int, seed: int, reconnect_every: 
         "node_rss_warm_mib": mib(res.rss_warm),
         "node_rss_end_mib": mib(res.rss_end),
         "node_rss_peak_mib": mib(res.hwm_end),
-        "rss_bounded": all(e < rss_bound(w) and h < rss_bound(w) for w, e, h in zip(res.rss_warm, res.rss_end, res.hwm_end)),
+        "rss_bounded": all(
+            e < rss_bound(w) and h < rss_bound(w)
+            for w, e, h in zip(res.rss_warm, res.rss_end, res.hwm_end)
+        ),
         "node_steps_after": [s.get("step") for s in res.stats_after],
         "training_steps": steps,
         "training_error": res.training_error[-2000:] if res.training_error else None,
@@ -139,16 +161,42 @@ def yes_no(v) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="10,000 messages per configuration: a smoke run")
-    ap.add_argument("--messages", type=int, default=None, help="messages per configuration (default 100,000)")
-    ap.add_argument("--steps", type=int, default=400, help="training steps (long enough to overlap the fuzzing)")
+    ap.add_argument(
+        "--quick", action="store_true", help="10,000 messages per configuration: a smoke run"
+    )
+    ap.add_argument(
+        "--messages", type=int, default=None, help="messages per configuration (default 100,000)"
+    )
+    ap.add_argument(
+        "--steps", type=int, default=400, help="training steps (long enough to overlap the fuzzing)"
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--only", choices=sorted(CONFIGS), help="run one configuration")
-    ap.add_argument("--reconnect-every", type=int, default=0, help="a fresh fuzzer connection after this many messages (0: never)")
-    ap.add_argument("--rss-every", type=int, default=10_000, help="sample the nodes' RSS every this many messages")
+    ap.add_argument(
+        "--reconnect-every",
+        type=int,
+        default=0,
+        help="a fresh fuzzer connection after this many messages (0: never)",
+    )
+    ap.add_argument(
+        "--rss-every",
+        type=int,
+        default=10_000,
+        help="sample the nodes' RSS every this many messages",
+    )
     ap.add_argument("--name", default="fuzz_node", help="results stem (default fuzz_node)")
-    ap.add_argument("--no-side-attacks", action="store_true", help="no PING and connection floods beside the messages")
-    ap.add_argument("--side-pause", type=float, default=1.0, metavar="S", help="seconds between two rounds of side attacks; past 1 s the holders are let go between rounds (default 1.0: always held)")
+    ap.add_argument(
+        "--no-side-attacks",
+        action="store_true",
+        help="no PING and connection floods beside the messages",
+    )
+    ap.add_argument(
+        "--side-pause",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds between two rounds of side attacks; past 1 s the holders are let go between rounds (default 1.0: always held)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
@@ -157,8 +205,40 @@ def main() -> None:
     with LoadMonitor() as load:
         for name in [args.only] if args.only else list(CONFIGS):
             print(f"{name}: {n} messages, {args.steps} training steps", flush=True)
-            rows.append(study(name, n, args.steps, args.seed, args.reconnect_every, args.rss_every, not args.no_side_attacks, args.side_pause))
-    cols = ["config", "messages", "connections", "ERROR replies", "STATS replies", "disconnected as owed", "no reply", "unsolicited", "wrong replies", "internal errors", "during training", "nodes up", "RSS warm MiB", "RSS end MiB", "RSS peak MiB", "training equal", "unread PINGs cut", "holders cut", "strangers refused", "msg/s"]
+            rows.append(
+                study(
+                    name,
+                    n,
+                    args.steps,
+                    args.seed,
+                    args.reconnect_every,
+                    args.rss_every,
+                    not args.no_side_attacks,
+                    args.side_pause,
+                )
+            )
+    cols = [
+        "config",
+        "messages",
+        "connections",
+        "ERROR replies",
+        "STATS replies",
+        "disconnected as owed",
+        "no reply",
+        "unsolicited",
+        "wrong replies",
+        "internal errors",
+        "during training",
+        "nodes up",
+        "RSS warm MiB",
+        "RSS end MiB",
+        "RSS peak MiB",
+        "training equal",
+        "unread PINGs cut",
+        "holders cut",
+        "strangers refused",
+        "msg/s",
+    ]
     table = [
         {
             "config": r["config"],
@@ -177,33 +257,76 @@ def main() -> None:
             "RSS end MiB": " / ".join(map(str, r["node_rss_end_mib"])),
             "RSS peak MiB": " / ".join(map(str, r["node_rss_peak_mib"])),
             "training equal": "NO (failed)" if r["training_error"] else yes_no(r["training_equal"]),
-            "unread PINGs cut": f"{r['side_attacks'].get('ping_peers_cut', 0)} / {r['side_attacks'].get('ping_peers', 0)}" if r["side_attacks"] else "-",
-            "holders cut": f"{r['side_attacks'].get('holders_cut', 0)} / {r['side_attacks'].get('holders', 0)}" if r["side_attacks"] else "-",
-            "strangers refused": f"{r['side_attacks'].get('strangers_refused', 0)} / {r['side_attacks'].get('strangers_refused', 0) + r['side_attacks'].get('strangers_admitted', 0)}" if r["side_attacks"] else "-",
+            "unread PINGs cut": f"{r['side_attacks'].get('ping_peers_cut', 0)} / {r['side_attacks'].get('ping_peers', 0)}"
+            if r["side_attacks"]
+            else "-",
+            "holders cut": f"{r['side_attacks'].get('holders_cut', 0)} / {r['side_attacks'].get('holders', 0)}"
+            if r["side_attacks"]
+            else "-",
+            "strangers refused": f"{r['side_attacks'].get('strangers_refused', 0)} / {r['side_attacks'].get('strangers_refused', 0) + r['side_attacks'].get('strangers_admitted', 0)}"
+            if r["side_attacks"]
+            else "-",
             "msg/s": r["messages_per_s"],
         }
         for r in rows
     ]
-    md = [f"# Fuzzing live nodes during training ({n:,} messages per configuration)", "", md_table(table, cols), ""]
+    md = [
+        f"# Fuzzing live nodes during training ({n:,} messages per configuration)",
+        "",
+        md_table(table, cols),
+        "",
+    ]
     for r in rows:
-        md.append(f"**{r['config']}**: ERROR codes {r['errors_by_code']}; sent by category {r['sent_by_category']}.")
+        md.append(
+            f"**{r['config']}**: ERROR codes {r['errors_by_code']}; sent by category {r['sent_by_category']}."
+        )
         if r["training_error"]:
             md.append(f"Training failed: `{r['training_error'].strip().splitlines()[-1][:300]}`.")
-        for cat, sent, got, text in r["wrong_reply_examples"][:3]:
+        for cat, sent, got, _text in r["wrong_reply_examples"][:3]:
             md.append(f"- wrong reply {got} to `{cat}` message `{sent[:240]}`")
         for cat, sent, text in r["internal_error_examples"][:3]:
             md.append(f"- internal error `{text[:160]}` for `{cat}` message `{sent[:200]}`")
         md.append("")
         points = r["rss_curve"][:: max(1, len(r["rss_curve"]) // 10)]
         if points:
-            md += [f"Node RSS (MiB) during **{r['config']}**, against the bound of 2 x warm + 64 MiB "
-                   f"({'held at every point' if r['rss_curve_bounded'] else 'EXCEEDED'}; {len(r['rss_curve'])} points in the JSON):", "",
-                   md_table([{"messages": p["sent"], "seconds": p["s"], "node 0": p["node_rss_mib"][0], "node 1": p["node_rss_mib"][1]} for p in points],
-                            ["messages", "seconds", "node 0", "node 1"]), ""]
-    md.append(f"Nodes: 2, checkpoint every 10 steps, {' '.join(NODE_ARGS)}; training: 2 workers, {args.steps} steps of AdamW on the test MLP; fuzzer: 3 DEALER sockets per node, at most 32 unanswered each"
-              + (f", each replaced by a fresh connection after {args.reconnect_every} messages." if args.reconnect_every else "."))
-    md.append(f"RSS bound checked: end and peak < 2 x RSS after 500 warm-up messages + 64 MiB. {load.line()}")
-    result = {"messages": n, "steps": args.steps, "seed": args.seed, "reconnect_every": args.reconnect_every, "rows": rows, "machine": machine_info(), "load": load.info()}
+            md += [
+                f"Node RSS (MiB) during **{r['config']}**, against the bound of 2 x warm + 64 MiB "
+                f"({'held at every point' if r['rss_curve_bounded'] else 'EXCEEDED'}; {len(r['rss_curve'])} points in the JSON):",
+                "",
+                md_table(
+                    [
+                        {
+                            "messages": p["sent"],
+                            "seconds": p["s"],
+                            "node 0": p["node_rss_mib"][0],
+                            "node 1": p["node_rss_mib"][1],
+                        }
+                        for p in points
+                    ],
+                    ["messages", "seconds", "node 0", "node 1"],
+                ),
+                "",
+            ]
+    md.append(
+        f"Nodes: 2, checkpoint every 10 steps, {' '.join(NODE_ARGS)}; training: 2 workers, {args.steps} steps of AdamW on the test MLP; fuzzer: 3 DEALER sockets per node, at most 32 unanswered each"
+        + (
+            f", each replaced by a fresh connection after {args.reconnect_every} messages."
+            if args.reconnect_every
+            else "."
+        )
+    )
+    md.append(
+        f"RSS bound checked: end and peak < 2 x RSS after 500 warm-up messages + 64 MiB. {load.line()}"
+    )
+    result = {
+        "messages": n,
+        "steps": args.steps,
+        "seed": args.seed,
+        "reconnect_every": args.reconnect_every,
+        "rows": rows,
+        "machine": machine_info(),
+        "load": load.info(),
+    }
     write_results(args.name, result, "\n".join(md), quick=args.quick)
 
 

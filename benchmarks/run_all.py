@@ -49,14 +49,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n=== {path.name} {'--quick' if args.quick else ''}", flush=True)
             t0 = time.monotonic()
             try:
-                rc = subprocess.run(cmd, check=False, cwd=HERE.parent, timeout=args.timeout_min * 60).returncode
+                rc = subprocess.run(
+                    cmd, check=False, cwd=HERE.parent, timeout=args.timeout_min * 60
+                ).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
             wall = time.monotonic() - t0
             stem = f"{path.stem}.quick" if args.quick else path.stem
             res_json = RESULTS / f"{stem}.json"
             fresh = res_json.exists() and res_json.stat().st_mtime >= time.time() - wall - 1
-            rows.append({"script": path.name, "exit": rc, "wall_s": round(wall, 1), "results": f"results/{stem}.md" if fresh else "(none written)"})
+            rows.append(
+                {
+                    "script": path.name,
+                    "exit": rc,
+                    "wall_s": round(wall, 1),
+                    "results": f"results/{stem}.md" if fresh else "(none written)",
+                }
+            )
             if fresh:
                 try:
                     for s in json.loads(res_json.read_text()).get("summary", []):
@@ -72,8 +81,24 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     if targets:
-        md += ["## Targets", "", md_table(targets, ["script", "benchmark", "ratio", "ratio_cpu", "target", "verdict"]), ""]
-    write_results("run_all", {"quick": args.quick, "machine": machine_info(), "load": load.info(), "scripts": rows, "targets": targets}, "\n".join(md), quick=args.quick)
+        md += [
+            "## Targets",
+            "",
+            md_table(targets, ["script", "benchmark", "ratio", "ratio_cpu", "target", "verdict"]),
+            "",
+        ]
+    write_results(
+        "run_all",
+        {
+            "quick": args.quick,
+            "machine": machine_info(),
+            "load": load.info(),
+            "scripts": rows,
+            "targets": targets,
+        },
+        "\n".join(md),
+        quick=args.quick,
+    )
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 
 

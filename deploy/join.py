@@ -24,11 +24,10 @@ import sys
 import tomllib
 from pathlib import Path
 
-from luwu.protocol.errors import ConfigError
-
 from luwu.config import load_config
 from luwu.ops.keyset import env_file_text, job_join_secret, write_join_files
 from luwu.ops.rundir import NODE_ENV_FILE, write_atomic
+from luwu.protocol.errors import ConfigError
 
 __all__ = ["write_job_join_files"]
 

@@ -28,11 +28,11 @@ from typing import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from luwu.protocol import messages as wire
-from luwu.protocol.memory import retain_freed_memory
-from luwu.protocol.errors import LuwuError, NodeTimeoutError, ProtocolError, error_for_code
-from luwu.protocol.messages import Op
 from luwu.gpu_workers.config import TransportConfig
+from luwu.protocol import messages as wire
+from luwu.protocol.errors import LuwuError, NodeTimeoutError, ProtocolError, error_for_code
+from luwu.protocol.memory import retain_freed_memory
+from luwu.protocol.messages import Op
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,11 @@ REFUSED_WINDOW_S = 1.0
 
 #: Handshakes a node may cut, with none let through, before the worker says it lacks the node's secret or keys.
 SHUT_OUT_AFTER = 3
-HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 #: What closing waits at most for the nodes to answer BYE (a node that is gone costs this, never more).
 BYE_LINGER_S = 1.0
@@ -62,7 +66,9 @@ _OPEN_CLIENTS: weakref.WeakSet = weakref.WeakSet()
 def _close_open_clients() -> None:
     """At interpreter exit (Ctrl-C, a script that never closed its optimizer): every client still open says
     BYE, while its I/O thread still runs (atexit comes before daemon threads stop)."""
-    for client in [c for c in list(_OPEN_CLIENTS) if c.pid == os.getpid()]:  # (not a forked copy: its sockets are the parent's)
+    for client in [
+        c for c in list(_OPEN_CLIENTS) if c.pid == os.getpid()
+    ]:  # (not a forked copy: its sockets are the parent's)
         try:
             client.close()
         except Exception:  # exiting anyway: a failed goodbye leaves the rank to the node's timeout
@@ -116,17 +122,29 @@ class WorkerClient:
         self._handlers: dict[Op, Callable[[int, wire.Message], None]] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
-        self._woken = False  # a wake-up is on its way: later sends until the I/O thread takes it need none
+        self._woken = (
+            False  # a wake-up is on its way: later sends until the I/O thread takes it need none
+        )
         self._running = True
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.node_bytes = [[0, 0] for _ in nodes]  # per node: payload bytes sent, received (luwu.gpu_workers.links)
+        self.node_bytes = [
+            [0, 0] for _ in nodes
+        ]  # per node: payload bytes sent, received (luwu.gpu_workers.links)
         self._last_heard = [time.monotonic()] * len(nodes)
         self._welcomed: set[int] = set()  # nodes that answered HELLO: told BYE on close
-        self._reached = [False] * len(nodes)  # a connection to the node was made (TCP/IPC), since the start
-        self._refused_since: list[float | None] = [None] * len(nodes)  # first failed attempt while never reached
-        self._monitors: list[zmq.Socket | None] = []  # connection events of each socket, until a handshake succeeds
-        self._shut_out = [0] * len(nodes)  # connections the node closed at the ZeroMQ handshake, none succeeding yet
+        self._reached = [False] * len(
+            nodes
+        )  # a connection to the node was made (TCP/IPC), since the start
+        self._refused_since: list[float | None] = [None] * len(
+            nodes
+        )  # first failed attempt while never reached
+        self._monitors: list[
+            zmq.Socket | None
+        ] = []  # connection events of each socket, until a handshake succeeds
+        self._shut_out = [0] * len(
+            nodes
+        )  # connections the node closed at the ZeroMQ handshake, none succeeding yet
         self._closed = False
         self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=f"luwu-io-r{rank}", daemon=True)
@@ -149,7 +167,12 @@ class WorkerClient:
             s.curve_serverkey = self.cfg.curve_server_key.encode()
             s.curve_publickey = self.cfg.curve_public_key.encode()
             s.curve_secretkey = self.cfg.curve_secret_key.encode()
-        mon = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED)
+        mon = s.get_monitor_socket(
+            zmq.EVENT_CONNECTED
+            | zmq.EVENT_CONNECT_RETRIED
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | HANDSHAKE_FAILED
+        )
         mon.setsockopt(zmq.LINGER, 0)
         self._monitors.append(mon)
         s.connect(addr)
@@ -185,13 +208,25 @@ class WorkerClient:
         for n in range(len(self._out)):
             self.send(n, {"op": Op.HEARTBEAT, "step": max(step, 0), "seq": step}, priority=-1)
 
-    def wait(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply", errors_of: tuple | None = None) -> list[wire.Message]:
+    def wait(
+        self,
+        keys: list[tuple],
+        timeout_s: float | None = None,
+        what: str = "reply",
+        errors_of: tuple | None = None,
+    ) -> list[wire.Message]:
         """Wait for messages filed under ``keys`` = (op, node, step, bucket); pops and returns them.
         ``errors_of``: raise only ERRORs answering these ops (the others stay for later or are fenced off)."""
         got = dict(self.arrivals(keys, timeout_s, what, errors_of))
         return [got[k] for k in keys]
 
-    def arrivals(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply", errors_of: tuple | None = None):
+    def arrivals(
+        self,
+        keys: list[tuple],
+        timeout_s: float | None = None,
+        what: str = "reply",
+        errors_of: tuple | None = None,
+    ):
         """Yield ``(key, message)`` for every key as soon as it is filed, in arrival order, so the caller
         consumes each reply (and frees its buffer) while the others are still coming. One deadline for
         all; the error names the node, step and bucket still missing."""
@@ -206,7 +241,9 @@ class WorkerClient:
             pending = [k for k in pending if k not in done]
             yield from got
 
-    def answers(self, keys: list[tuple], ref_op: Op, timeout_s: float | None = None, what: str = "reply") -> list:
+    def answers(
+        self, keys: list[tuple], ref_op: Op, timeout_s: float | None = None, what: str = "reply"
+    ) -> list:
         """Wait until every key has its answer, the message or an ERROR of its node answering ``ref_op``;
         pops and returns them in key order, raising nothing: a request sent to several nodes at once
         leaves no answer behind for a later call, whichever of them refused it."""
@@ -219,7 +256,14 @@ class WorkerClient:
                     if k in self._inbox:
                         out[k] = self._inbox.pop(k)
                         continue
-                    i = next((i for i, (n, e) in enumerate(self._errors) if n == k[1] and getattr(e, "ref_op", None) == ref_op), None)
+                    i = next(
+                        (
+                            i
+                            for i, (n, e) in enumerate(self._errors)
+                            if n == k[1] and getattr(e, "ref_op", None) == ref_op
+                        ),
+                        None,
+                    )
                     if i is not None:
                         out[k] = self._errors.pop(i)[1]
                 missing = [k for k in keys if k not in out]
@@ -235,14 +279,26 @@ class WorkerClient:
         with self._cv:
             return [k for k in keys if k in self._inbox]
 
-    def filed(self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply") -> list[tuple]:
+    def filed(
+        self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply"
+    ) -> list[tuple]:
         """Wait until some of ``keys`` are filed and return those keys, leaving the messages filed for
         a later :meth:`wait` (a streaming worker learns that a push arrived without taking its reply)."""
         timeout_s = timeout_s or self.cfg.timeout_s
         with self._cv:
-            return self._await_any(list(keys), time.monotonic() + timeout_s, timeout_s, what, None, len(keys))
+            return self._await_any(
+                list(keys), time.monotonic() + timeout_s, timeout_s, what, None, len(keys)
+            )
 
-    def _await_any(self, missing: list[tuple], deadline: float, timeout_s: float, what: str, errors_of, total: int) -> list[tuple]:
+    def _await_any(
+        self,
+        missing: list[tuple],
+        deadline: float,
+        timeout_s: float,
+        what: str,
+        errors_of,
+        total: int,
+    ) -> list[tuple]:
         """With the lock held: wait until some of ``missing`` is filed and return those keys."""
         probed = told = time.monotonic()
         while True:
@@ -259,7 +315,11 @@ class WorkerClient:
                 told = now
                 log.info(
                     "worker %d: still waiting for %s from %s (%.0f of %.0f s)",
-                    self.rank, what, ", ".join(self.nodes[n] for n in sorted({m[1] for m in missing})), timeout_s - left, timeout_s,
+                    self.rank,
+                    what,
+                    ", ".join(self.nodes[n] for n in sorted({m[1] for m in missing})),
+                    timeout_s - left,
+                    timeout_s,
                 )
             self._cv.wait(min(left, 0.5))
             if time.monotonic() - probed >= 1.0:
@@ -274,14 +334,21 @@ class WorkerClient:
         worker does not show; named now instead of after the deadline."""
         for n in sorted({m[1] for m in missing}):
             if self._shut_out[n] >= SHUT_OUT_AFTER:
-                shown = "CURVE keys" if self.cfg.curve_server_key else "a join secret" if self.cfg.join_secret else "neither a join secret nor CURVE keys"
+                shown = (
+                    "CURVE keys"
+                    if self.cfg.curve_server_key
+                    else "a join secret"
+                    if self.cfg.join_secret
+                    else "neither a join secret nor CURVE keys"
+                )
                 raise NodeTimeoutError(
                     f"worker {self.rank}: node {n} at {self.nodes[n]} closed {self._shut_out[n]} connections at the ZeroMQ handshake: it asks "
                     f"for a join secret or CURVE keys, and this worker shows {shown}{' the node does not accept' if shown[0] != 'n' else ''}. "
                     "Give the worker the cluster's: --config <run dir>/keys/join.toml (written by luwu up and luwu node) or "
                     "LUWU_TRANSPORT__JOIN_SECRET (local_cluster sets it for its own process), or with CURVE its keys/worker<rank>.toml "
                     "(a node at node.max_connections cuts handshakes too: its log says so)",
-                    node=self.nodes[n], worker=self.rank,
+                    node=self.nodes[n],
+                    worker=self.rank,
                 )
         if all(self._reached):
             return
@@ -292,10 +359,13 @@ class WorkerClient:
                 raise NodeTimeoutError(
                     f"worker {self.rank}: node {n} at {self.nodes[n]} refused every connection for {now - since:.1f} s: no node "
                     "listens there. Start it (luwu up, luwu node) or fix cluster.nodes (or LUWU_NODES)",
-                    node=self.nodes[n], worker=self.rank,
+                    node=self.nodes[n],
+                    worker=self.rank,
                 )
 
-    def _timeout(self, missing: list[tuple], what: str, timeout_s: float, total: int) -> NodeTimeoutError:
+    def _timeout(
+        self, missing: list[tuple], what: str, timeout_s: float, total: int
+    ) -> NodeTimeoutError:
         """The error for a wait past its deadline: which node, and (past start-up) which step and bucket."""
         op, node, step, bucket = missing[0]
         nodes = [self.nodes[n] for n in sorted({m[1] for m in missing})]
@@ -306,7 +376,10 @@ class WorkerClient:
         return NodeTimeoutError(
             f"worker {self.rank}: no {what} from node {node} at {self.nodes[node]}{where} within {timeout_s:.1f} s "
             f"({len(missing)} of {total} replies missing, from nodes {nodes}){hint}",
-            node=self.nodes[node], worker=self.rank, step=step, bucket=bucket,
+            node=self.nodes[node],
+            worker=self.rank,
+            step=step,
+            bucket=bucket,
         )
 
     def reset(self) -> None:
@@ -316,7 +389,7 @@ class WorkerClient:
             self._errors.clear()
 
     def _raise_errors(self, errors_of) -> None:
-        for i, (node, err) in enumerate(self._errors):
+        for i, (_node, err) in enumerate(self._errors):
             if errors_of is None or getattr(err, "ref_op", None) in errors_of:
                 del self._errors[i]
                 raise err
@@ -377,9 +450,16 @@ class WorkerClient:
         for n in nodes:
             self.send(n, {"op": Op.BYE})
         try:
-            self.answers([(Op.BYE, n, None, -1) for n in nodes], Op.BYE, timeout_s=BYE_LINGER_S, what="answer to BYE")
+            self.answers(
+                [(Op.BYE, n, None, -1) for n in nodes],
+                Op.BYE,
+                timeout_s=BYE_LINGER_S,
+                what="answer to BYE",
+            )
         except LuwuError as exc:
-            log.info("worker %d: %s; its rank frees there after node.worker_timeout_s", self.rank, exc)
+            log.info(
+                "worker %d: %s; its rank frees there after node.worker_timeout_s", self.rank, exc
+            )
 
     # ----------------------------------------------------------------- the I/O thread
     def _run(self) -> None:
@@ -448,7 +528,11 @@ class WorkerClient:
                     self._reached[node] = True
                 elif event & HANDSHAKE_FAILED:
                     self._shut_out[node] += 1
-                elif event == zmq.EVENT_CONNECT_RETRIED and self._refused_since[node] is None and not self._reached[node]:
+                elif (
+                    event == zmq.EVENT_CONNECT_RETRIED
+                    and self._refused_since[node] is None
+                    and not self._reached[node]
+                ):
                     self._refused_since[node] = time.monotonic()
                 self._cv.notify_all()
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -469,7 +553,9 @@ class WorkerClient:
                 # job checked below: an ERROR saying "wrong job" must reach the training loop
                 msg = wire.decode(frames, max_message_bytes=self.cfg.max_message_bytes)
                 if msg.header["job"] != self.job and msg.header["op"] != Op.ERROR:
-                    raise ProtocolError(f"reply of job {msg.header['job']!r}, this worker runs job {self.job!r}")
+                    raise ProtocolError(
+                        f"reply of job {msg.header['job']!r}, this worker runs job {self.job!r}"
+                    )
             except LuwuError as exc:
                 log.warning("undecodable message from node %s: %s", self.nodes[node], exc)
                 continue
@@ -479,7 +565,15 @@ class WorkerClient:
             h = msg.header
             op = h["op"]
             if op == Op.ERROR:
-                err = error_for_code(h["code"], h["message"], node=self.nodes[node], step=h["step"], bucket=h["bucket"], detail=h.get("detail") or {}, ref_op=h["ref_op"])
+                err = error_for_code(
+                    h["code"],
+                    h["message"],
+                    node=self.nodes[node],
+                    step=h["step"],
+                    bucket=h["bucket"],
+                    detail=h.get("detail") or {},
+                    ref_op=h["ref_op"],
+                )
                 with self._cv:
                     self._errors.append((node, err))
                     self._cv.notify_all()
@@ -492,5 +586,12 @@ class WorkerClient:
                     self.file(self.key_of(node, h), msg)
             except Exception as exc:  # a bad reply must not kill the I/O thread
                 with self._cv:
-                    self._errors.append((node, exc if isinstance(exc, LuwuError) else ProtocolError(f"node {self.nodes[node]}: {exc}")))
+                    self._errors.append(
+                        (
+                            node,
+                            exc
+                            if isinstance(exc, LuwuError)
+                            else ProtocolError(f"node {self.nodes[node]}: {exc}"),
+                        )
+                    )
                     self._cv.notify_all()

@@ -53,14 +53,20 @@ class TransportConfig:
         if self.bucket_bytes < 16:
             raise ConfigError(f"transport.bucket_bytes must be >= 16, got {self.bucket_bytes}")
         if self.sndhwm < 1 or self.max_message_bytes < self.bucket_bytes:
-            raise ConfigError(f"transport.sndhwm must be >= 1 and max_message_bytes >= bucket_bytes, got {self.sndhwm}, {self.max_message_bytes}")
+            raise ConfigError(
+                f"transport.sndhwm must be >= 1 and max_message_bytes >= bucket_bytes, got {self.sndhwm}, {self.max_message_bytes}"
+            )
         if self.sndbuf_bytes < 0:
-            raise ConfigError(f"transport.sndbuf_bytes must be >= 0 (0 = the kernel's), got {self.sndbuf_bytes}")
+            raise ConfigError(
+                f"transport.sndbuf_bytes must be >= 0 (0 = the kernel's), got {self.sndbuf_bytes}"
+            )
         if self.heartbeat_s < 0:
             raise ConfigError(f"transport.heartbeat_s must be >= 0, got {self.heartbeat_s}")
         keys = (self.curve_server_key, self.curve_public_key, self.curve_secret_key)
         if any(keys) and not all(keys):
-            raise ConfigError("transport.curve_server_key, curve_public_key and curve_secret_key must be given together")
+            raise ConfigError(
+                "transport.curve_server_key, curve_public_key and curve_secret_key must be given together"
+            )
 
 
 DEFAULT_MAX_BYTES = 1 << 30
@@ -113,13 +119,19 @@ class PrefetchConfig:
                 "a thread beyond depth never gets a slot"
             )
         if self.pin_memory is not None and not isinstance(self.pin_memory, bool):
-            raise ConfigError(f"prefetch.pin_memory must be true, false or unset, got {self.pin_memory!r}")
+            raise ConfigError(
+                f"prefetch.pin_memory must be true, false or unset, got {self.pin_memory!r}"
+            )
         if self.device is not None and not is_device_name(self.device):
             raise ConfigError(f"prefetch.device must name a torch device, got {self.device!r}")
         if self.timeout_s is not None and not _positive_finite(self.timeout_s):
-            raise ConfigError(f"prefetch.timeout_s must be > 0 and finite, or unset, got {self.timeout_s!r}")
+            raise ConfigError(
+                f"prefetch.timeout_s must be > 0 and finite, or unset, got {self.timeout_s!r}"
+            )
         if not (_positive_finite(self.shutdown_timeout_s) or self.shutdown_timeout_s == 0):
-            raise ConfigError(f"prefetch.shutdown_timeout_s must be >= 0 and finite, got {self.shutdown_timeout_s!r}")
+            raise ConfigError(
+                f"prefetch.shutdown_timeout_s must be >= 0 and finite, got {self.shutdown_timeout_s!r}"
+            )
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"prefetch.name must be a non-empty string, got {self.name!r}")
 
@@ -145,4 +157,9 @@ def is_device_name(name) -> bool:
 
 
 def _positive_finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )

@@ -18,7 +18,14 @@ from luwu.protocol.layout import Layout
 from luwu.protocol.messages import Op
 
 
-def run(client, layout: Layout, node_buckets: list[list[int]], step: int, inv_scale: float, max_norm: float | None) -> tuple[bool, float, float]:
+def run(
+    client,
+    layout: Layout,
+    node_buckets: list[list[int]],
+    step: int,
+    inv_scale: float,
+    max_norm: float | None,
+) -> tuple[bool, float, float]:
     """Gather the partial norms of ``step``, decide skip / coefficient and COMMIT. Returns (skipped, grad
     norm of the unscaled averaged gradient, seconds waited for the norms)."""
     keys = [(Op.NORM, b.node, step, b.id) for b in layout.buckets]
@@ -31,9 +38,20 @@ def run(client, layout: Layout, node_buckets: list[list[int]], step: int, inv_sc
     coef = inv_scale
     if max_norm is not None and not nonfinite:
         # torch.nn.utils.clip_grad_norm_: clip_coef = max_norm / (norm + 1e-6), clamped to 1
-        t = torch.tensor(max_norm, dtype=torch.float32) / (torch.tensor(norm, dtype=torch.float32) + 1e-6)
+        t = torch.tensor(max_norm, dtype=torch.float32) / (
+            torch.tensor(norm, dtype=torch.float32) + 1e-6
+        )
         coef = inv_scale * float(torch.clamp(t, max=1.0))
     for n, bids in enumerate(node_buckets):
         if bids:
-            client.send(n, {"op": Op.COMMIT, "step": step, "coef": float(coef), "skip": nonfinite, "buckets": bids})
+            client.send(
+                n,
+                {
+                    "op": Op.COMMIT,
+                    "step": step,
+                    "coef": float(coef),
+                    "skip": nonfinite,
+                    "buckets": bids,
+                },
+            )
     return nonfinite, norm, waited

@@ -39,20 +39,33 @@ def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def bucket_buffers(buckets: list[Bucket], params: list[torch.Tensor]) -> tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]:
+def bucket_buffers(
+    buckets: list[Bucket], params: list[torch.Tensor]
+) -> tuple[dict[torch.dtype, torch.Tensor], dict[int, torch.Tensor]]:
     """The gradient buffers of ``buckets``: slices of one flat buffer per dtype (returned with them), bf16 for a
     bucket of bf16 parameters alone (a bf16 model's gradient as backward made it), else fp32. Each bucket is
     placed right after the bucket its first parameter continues from: the layout splits a parameter larger
     than a bucket into the end of one bucket, whole buckets, and the start of another, so in this order such
     a parameter's gradient is one contiguous slice, and a view can be its ``.grad``."""
     by_id = {b.id: b for b in buckets}
-    dtype = {b.id: torch.bfloat16 if all(params[s.param].dtype == torch.bfloat16 for s in b.segments) else torch.float32 for b in buckets}
-    starts = {(b.segments[0].param, b.segments[0].param_offset): b.id for b in buckets if b.segments}
+    dtype = {
+        b.id: torch.bfloat16
+        if all(params[s.param].dtype == torch.bfloat16 for s in b.segments)
+        else torch.float32
+        for b in buckets
+    }
+    starts = {
+        (b.segments[0].param, b.segments[0].param_offset): b.id for b in buckets if b.segments
+    }
     after: dict[int, int] = {}  # bucket -> the bucket its last parameter continues into
     for b in buckets:
         last = b.segments[-1] if b.segments else None
         j = starts.get((last.param, last.param_offset + last.numel)) if last else None
-        if j is not None and last.offset + last.numel == b.numel and by_id[j].segments[0].offset == 0:
+        if (
+            j is not None
+            and last.offset + last.numel == b.numel
+            and by_id[j].segments[0].offset == 0
+        ):
             after[b.id] = j
     order, placed = [], set()
     for b in buckets:  # each chain from its head, heads in bucket order
@@ -61,7 +74,9 @@ def bucket_buffers(buckets: list[Bucket], params: list[torch.Tensor]) -> tuple[d
             order.append(k)
             placed.add(k)
             k = after.get(k)
-    order += [b.id for b in buckets if b.id not in placed]  # (a chain without a head would be a cycle: none, but every bucket is placed)
+    order += [
+        b.id for b in buckets if b.id not in placed
+    ]  # (a chain without a head would be a cycle: none, but every bucket is placed)
     flats, out = {}, {}
     for dt in sorted(set(dtype.values()), key=str):
         mine = [k for k in order if dtype[k] == dt]
@@ -78,19 +93,41 @@ class GradViews:
 
     def __init__(self, worker):
         self.worker = worker
-        self.views: dict[int, torch.Tensor] = {}  # param index -> its slice of the bucket buffer, shaped as the parameter
-        self.pushed: dict[int, tuple[int, dict[int, int]]] = {}  # bucket -> (step, its gradients' versions) at its zero-copy push, until the reply
+        self.views: dict[
+            int, torch.Tensor
+        ] = {}  # param index -> its slice of the bucket buffer, shaped as the parameter
+        self.pushed: dict[
+            int, tuple[int, dict[int, int]]
+        ] = {}  # bucket -> (step, its gradients' versions) at its zero-copy push, until the reply
         for i, where in worker.where.items():
             p, flat = worker.params[i], worker.flat_grads.get(worker.params[i].dtype)
-            segs = sorted(((worker.bufs[bid], worker.bufs[bid].bucket.segments[si]) for bid, si in where), key=lambda bs: bs[1].param_offset)
-            if flat is None or p.device.type != "cpu" or not p.is_contiguous() or any(len(buf.grads) != 1 or buf.grads[0].dtype != p.dtype for buf, _ in segs):
+            segs = sorted(
+                ((worker.bufs[bid], worker.bufs[bid].bucket.segments[si]) for bid, si in where),
+                key=lambda bs: bs[1].param_offset,
+            )
+            if (
+                flat is None
+                or p.device.type != "cpu"
+                or not p.is_contiguous()
+                or any(len(buf.grads) != 1 or buf.grads[0].dtype != p.dtype for buf, _ in segs)
+            ):
                 continue
-            at = [buf.grads[0].narrow(0, s.offset, s.numel) for buf, s in segs]  # (single buffers: all in ``flat``) one slice, in order?
-            if all(b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() for a, b in zip(at, at[1:])) and sum(map(torch.numel, at)) == p.numel():
+            at = [
+                buf.grads[0].narrow(0, s.offset, s.numel) for buf, s in segs
+            ]  # (single buffers: all in ``flat``) one slice, in order?
+            if (
+                all(
+                    b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+                    for a, b in zip(at, at[1:])
+                )
+                and sum(map(torch.numel, at)) == p.numel()
+            ):
                 start = (at[0].data_ptr() - flat.data_ptr()) // flat.element_size()
                 # not flat.narrow(): a view shares flat's version counter, and this one must count only
                 # changes made through this gradient (note_push / check)
-                self.views[i] = torch.empty(0, dtype=flat.dtype).set_(flat.untyped_storage(), start, p.shape)
+                self.views[i] = torch.empty(0, dtype=flat.dtype).set_(
+                    flat.untyped_storage(), start, p.shape
+                )
 
     def adopt(self, param: int) -> None:
         """After the gradient of ``param`` was copied into its bucket: make the bucket's slice its ``.grad``."""
@@ -124,7 +161,11 @@ class GradViews:
     def _check(self, bid: int, step: int, versions: dict[int, int]) -> None:
         changed = sorted(self._name(i) for i, v in versions.items() if self.views[i]._version != v)
         if changed:
-            raise ConfigError(f"step {step}, bucket {bid}: the gradient of {changed} changed in place while its push was on its way (the push sends that memory): {FIX}", step=step, bucket=bid)
+            raise ConfigError(
+                f"step {step}, bucket {bid}: the gradient of {changed} changed in place while its push was on its way (the push sends that memory): {FIX}",
+                step=step,
+                bucket=bid,
+            )
 
     def _name(self, param: int) -> str:
         bid, si = self.worker.where[param][0]

@@ -74,15 +74,33 @@ _GRAPH_BREAK = (
 _METADATA = {
     d
     for n in (
-        "grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "ndim", "layout", "grad_fn", "is_cuda",
-        "is_sparse", "_version", "_post_accumulate_grad_hooks", "_backward_hooks",
+        "grad",
+        "shape",
+        "dtype",
+        "device",
+        "requires_grad",
+        "is_leaf",
+        "ndim",
+        "layout",
+        "grad_fn",
+        "is_cuda",
+        "is_sparse",
+        "_version",
+        "_post_accumulate_grad_hooks",
+        "_backward_hooks",
     )
     if (d := torch._C.TensorBase.__dict__.get(n)) is not None
 }
 _METADATA_METHODS = {
-    torch._C.TensorBase.size, torch._C.TensorBase.dim, torch._C.TensorBase.numel, torch._C.TensorBase.data_ptr,
-    torch._C.TensorBase.element_size, torch._C.TensorBase.stride, torch._C.TensorBase.is_contiguous,
-    torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.register_hook,
+    torch._C.TensorBase.size,
+    torch._C.TensorBase.dim,
+    torch._C.TensorBase.numel,
+    torch._C.TensorBase.data_ptr,
+    torch._C.TensorBase.element_size,
+    torch._C.TensorBase.stride,
+    torch._C.TensorBase.is_contiguous,
+    torch.Tensor.register_post_accumulate_grad_hook,
+    torch.Tensor.register_hook,
 }
 
 #: id(parameter) -> the LayerWaits that owes it its weights (while its class is OwedParameter)
@@ -313,7 +331,9 @@ class LayerWaits:
         w = self.worker
         for key in keys if read else ():
             self.order.setdefault(key[3], len(self.order))
-        for key in keys:  # plain parameters again before writing (one in a bucket still owed stays owed)
+        for (
+            key
+        ) in keys:  # plain parameters again before writing (one in a bucket still owed stays owed)
             for i in self._bucket_params[key[3]]:
                 if not any(bid in self.owed for bid, _ in w.where[i]):
                     _plain(w.params[i])
@@ -349,7 +369,11 @@ class LayerWaits:
             try:
                 self.settle(timeout_s=timeout_s)
             except LuwuError as exc:
-                log.warning("rank %d: the weights of the last step did not all arrive before close (%s)", self.worker.rank, exc)
+                log.warning(
+                    "rank %d: the weights of the last step did not all arrive before close (%s)",
+                    self.worker.rank,
+                    exc,
+                )
         self.reset()
         for h in self._hooks:
             h.remove()

@@ -32,7 +32,13 @@ import torch
 from luwu.protocol.compression import AUTO, CompressionConfig
 from luwu.protocol.layout import Layout
 from luwu.protocol.messages import Op
-from luwu.protocol.policy import UNMEASURED_GBPS, LinkRule, choose_codec, choose_fetch_codec, choose_pull_codec
+from luwu.protocol.policy import (
+    UNMEASURED_GBPS,
+    LinkRule,
+    choose_codec,
+    choose_fetch_codec,
+    choose_pull_codec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +214,9 @@ class LinkSpeeds:
             # Below PROBE_MIN_BYTES the timing is the messages' overhead, not the link: such a link's
             # buckets are too small for the speed to change a codec, so it is decided at the unmeasured
             # default (real traffic may still raise it).
-            link.probe = probe_gbps(self.client, n, nbytes) if nbytes >= PROBE_MIN_BYTES else UNMEASURED_GBPS
+            link.probe = (
+                probe_gbps(self.client, n, nbytes) if nbytes >= PROBE_MIN_BYTES else UNMEASURED_GBPS
+            )
             sent, recv = self.client.node_bytes[n]  # (the probe's own bytes are no traffic)
             link.window = (step, sent, recv, time.perf_counter())
             if self.metrics is not None:

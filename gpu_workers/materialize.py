@@ -55,7 +55,9 @@ def _unit_of_modules(model: torch.nn.Module, units: list[Unit]) -> dict[int, Uni
 
 
 def _holds_tensors(m: torch.nn.Module) -> bool:
-    return any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False))
+    return any(True for _ in m.parameters(recurse=False)) or any(
+        True for _ in m.buffers(recurse=False)
+    )
 
 
 def check_initializable(model: torch.nn.Module) -> None:
@@ -90,7 +92,9 @@ class StateDictFile:
         self.path = path
         self.tensors = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         if not isinstance(self.tensors, dict):
-            raise ConfigError(f"optimizer.init_weights {path!r} holds a {type(self.tensors).__name__}, not a state dict")
+            raise ConfigError(
+                f"optimizer.init_weights {path!r} holds a {type(self.tensors).__name__}, not a state dict"
+            )
 
     def names(self) -> set[str]:
         return set(self.tensors)
@@ -99,7 +103,9 @@ class StateDictFile:
         for name, t in into.items():
             src = self.tensors[name]
             if src.shape != t.shape:
-                raise ConfigError(f"optimizer.init_weights {self.path!r}: {name} has shape {tuple(src.shape)}, the model's is {tuple(t.shape)}")
+                raise ConfigError(
+                    f"optimizer.init_weights {self.path!r}: {name} has shape {tuple(src.shape)}, the model's is {tuple(t.shape)}"
+                )
             t.copy_(src)
 
 
@@ -115,7 +121,9 @@ class DcpFolder:
         self.path = path
         self.folder = Folder(path, f"optimizer.init_weights {path!r}")
         keys = self.folder.entries
-        self.keys = {k[len("model.") :]: k for k in keys if k.startswith("model.")} | {k: k for k in keys}  # name -> key
+        self.keys = {k[len("model.") :]: k for k in keys if k.startswith("model.")} | {
+            k: k for k in keys
+        }  # name -> key
 
     def names(self) -> set[str]:
         return set(self.keys)
@@ -124,8 +132,12 @@ class DcpFolder:
         for name, t in into.items():
             size = self.folder.size(self.keys[name])
             if size != tuple(t.shape):
-                raise ConfigError(f"optimizer.init_weights {self.path!r}: {name} has shape {size}, the model's is {tuple(t.shape)}")
-        self.folder.read({self.keys[name]: [((0,) * t.dim(), t)] for name, t in into.items()})  # in place, only these keys
+                raise ConfigError(
+                    f"optimizer.init_weights {self.path!r}: {name} has shape {size}, the model's is {tuple(t.shape)}"
+                )
+        self.folder.read(
+            {self.keys[name]: [((0,) * t.dim(), t)] for name, t in into.items()}
+        )  # in place, only these keys
 
 
 def open_weights(path: str) -> StateDictFile | DcpFolder | None:
@@ -134,7 +146,9 @@ def open_weights(path: str) -> StateDictFile | DcpFolder | None:
         return None
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, ".metadata")):
-            raise ConfigError(f"optimizer.init_weights {path!r} is a folder without a .metadata: not a torch.distributed.checkpoint")
+            raise ConfigError(
+                f"optimizer.init_weights {path!r} is a folder without a .metadata: not a torch.distributed.checkpoint"
+            )
         return DcpFolder(path)
     if not os.path.exists(path):
         raise ConfigError(f"optimizer.init_weights {path!r} does not exist")
@@ -145,12 +159,19 @@ class Initializer:
     """The worker's ``initialize`` for a model that started on the meta device (see the module docstring).
     Runs once; a later connect (a grown layout) seeds from the parameters as they are."""
 
-    def __init__(self, model: torch.nn.Module, units: list[Unit], source: StateDictFile | DcpFolder | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        units: list[Unit],
+        source: StateDictFile | DcpFolder | None = None,
+    ):
         self.model, self.units, self.done, self.source = model, units, False, source
         if source is not None:
             missing = [n for n, _ in model.named_parameters() if n not in source.names()]
             if missing:
-                raise ConfigError(f"optimizer.init_weights {source.path!r} lacks {len(missing)} of the model's parameters: {', '.join(missing[:5])}")
+                raise ConfigError(
+                    f"optimizer.init_weights {source.path!r} lacks {len(missing)} of the model's parameters: {', '.join(missing[:5])}"
+                )
         self.in_unit = _unit_of_modules(model, units)
         self.unit_buckets: dict[int, list[int]] = {}
 
@@ -204,7 +225,10 @@ class Initializer:
         if self.source is None:
             return
         have = self.source.names()
-        named = [*module.named_parameters(prefix=prefix, recurse=recurse), *module.named_buffers(prefix=prefix, recurse=recurse)]
+        named = [
+            *module.named_parameters(prefix=prefix, recurse=recurse),
+            *module.named_buffers(prefix=prefix, recurse=recurse),
+        ]
         into = {n: t.data for n, t in named if n in have}
         if into:
             self.source.read(into)

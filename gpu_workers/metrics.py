@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 import types
-from dataclasses import dataclass
 import weakref
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
@@ -36,36 +36,93 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, rank: int = 0):
         f = MetricsFactory("worker", registry)
         self.registry = f.registry
-        self.bytes_pushed = f.counter("bytes_pushed_total", "Gradient payload bytes pushed (on the wire)")
-        self.raw_pushed = f.counter("raw_bytes_pushed_total", "fp32 bytes the pushed gradients stand for")
-        self.bytes_pulled = f.counter("bytes_pulled_total", "Weight payload bytes received (on the wire)")
-        self.raw_pulled = f.counter("raw_bytes_pulled_total", "fp32 bytes the received weights stand for")
+        self.bytes_pushed = f.counter(
+            "bytes_pushed_total", "Gradient payload bytes pushed (on the wire)"
+        )
+        self.raw_pushed = f.counter(
+            "raw_bytes_pushed_total", "fp32 bytes the pushed gradients stand for"
+        )
+        self.bytes_pulled = f.counter(
+            "bytes_pulled_total", "Weight payload bytes received (on the wire)"
+        )
+        self.raw_pulled = f.counter(
+            "raw_bytes_pulled_total", "fp32 bytes the received weights stand for"
+        )
         self.pushes = f.counter("pushes_total", "Bucket pushes sent")
         self.steps = f.counter("steps_total", "Optimizer steps completed")
-        self.skipped = f.counter("steps_skipped_total", "Steps the nodes skipped (non-finite gradient somewhere)")
-        self.encode_seconds = f.counter("encode_seconds_total", "Seconds spent compressing gradients")
+        self.skipped = f.counter(
+            "steps_skipped_total", "Steps the nodes skipped (non-finite gradient somewhere)"
+        )
+        self.encode_seconds = f.counter(
+            "encode_seconds_total", "Seconds spent compressing gradients"
+        )
         self.decode_seconds = f.counter("decode_seconds_total", "Seconds spent decoding weights")
-        self.compression_ratio = f.gauge("compression_ratio", "raw / wire bytes of the pushes of the last step")
+        self.compression_ratio = f.gauge(
+            "compression_ratio", "raw / wire bytes of the pushes of the last step"
+        )
         # per-step breakdown (seconds of the last step and histograms)
-        self.compute = f.histogram("compute_seconds", "Seconds of forward+backward per step (between step() calls, minus waits)")
-        self.push_wait = f.histogram("push_wait_seconds", "Seconds step() waited for pushes / global norms")
-        self.update_wait = f.histogram("update_wait_seconds", "Seconds step() waited for the new weights")
-        self.data_wait = f.histogram("data_wait_seconds", "Seconds the training loop waited for data (from the Prefetcher)")
+        self.compute = f.histogram(
+            "compute_seconds",
+            "Seconds of forward+backward per step (between step() calls, minus waits)",
+        )
+        self.push_wait = f.histogram(
+            "push_wait_seconds", "Seconds step() waited for pushes / global norms"
+        )
+        self.update_wait = f.histogram(
+            "update_wait_seconds", "Seconds step() waited for the new weights"
+        )
+        self.data_wait = f.histogram(
+            "data_wait_seconds", "Seconds the training loop waited for data (from the Prefetcher)"
+        )
         self.step_seconds = f.histogram("step_seconds", "Wall seconds per training step")
-        self.staleness = f.gauge("staleness_steps", "Steps between the weights used and the newest (delayed update / async)")
-        self.errors = f.counter("errors_total", "Errors raised to the training loop, by code", ("code",))
+        self.staleness = f.gauge(
+            "staleness_steps",
+            "Steps between the weights used and the newest (delayed update / async)",
+        )
+        self.errors = f.counter(
+            "errors_total", "Errors raised to the training loop, by code", ("code",)
+        )
         # streaming mode: how long forward and backward waited for the weights of streamed units
-        self.fetch_wait = f.histogram("fetch_wait_seconds", "Seconds per step forward and backward waited for streamed units' weights")
-        self.unit_fetch_wait = f.counter("unit_fetch_wait_seconds_total", "Seconds waited for the weights of each streamed unit", ("unit",))
-        self.unit_fetches = f.counter("unit_fetches_total", "Weight fetches of each streamed unit (forward and backward)", ("unit",))
+        self.fetch_wait = f.histogram(
+            "fetch_wait_seconds",
+            "Seconds per step forward and backward waited for streamed units' weights",
+        )
+        self.unit_fetch_wait = f.counter(
+            "unit_fetch_wait_seconds_total",
+            "Seconds waited for the weights of each streamed unit",
+            ("unit",),
+        )
+        self.unit_fetches = f.counter(
+            "unit_fetches_total",
+            "Weight fetches of each streamed unit (forward and backward)",
+            ("unit",),
+        )
         # the link to each node as the compression policy decides at it (luwu.gpu_workers.links)
-        self.link_gbps = f.gauge("link_gbps", "Gbit/s the compression policy decides each node link's codecs at: told, or measured (compression.link_gbps = auto)", ("node",))
-        self.link_measured = f.gauge("link_measured_gbps", "Last measurement of each node link, Gbit/s: the probe, or the real traffic where faster (auto only)", ("node",))
-        self.link_buckets = f.gauge("link_buckets", "Buckets of each node link by the codec decided for them after the warm-up, pushes and replies", ("node", "direction", "codec"))
+        self.link_gbps = f.gauge(
+            "link_gbps",
+            "Gbit/s the compression policy decides each node link's codecs at: told, or measured (compression.link_gbps = auto)",
+            ("node",),
+        )
+        self.link_measured = f.gauge(
+            "link_measured_gbps",
+            "Last measurement of each node link, Gbit/s: the probe, or the real traffic where faster (auto only)",
+            ("node",),
+        )
+        self.link_buckets = f.gauge(
+            "link_buckets",
+            "Buckets of each node link by the codec decided for them after the warm-up, pushes and replies",
+            ("node", "direction", "codec"),
+        )
         self.names = list(f.names)
-        self._last = (0, 0, None)  # the I/O thread's byte totals and the time at the last step's record
+        self._last = (
+            0,
+            0,
+            None,
+        )  # the I/O thread's byte totals and the time at the last step's record
 
-    def record_step(self, report, sent: int, received: int, raw: int, data_wait_s: float | None) -> None:
+    def record_step(
+        self, report, sent: int, received: int, raw: int, data_wait_s: float | None
+    ) -> None:
         """One step's metrics: the byte counters from the I/O thread's totals (``sent``, ``received``), ``raw``
         fp32 bytes each way, and the step-time breakdown from its ``StepReport`` (``data_wait_s``: from a
         Prefetcher, None without one)."""
@@ -88,7 +145,9 @@ class WorkerMetrics:
         if prev_t is not None:
             step_s = now - prev_t
             self.step_seconds.observe(step_s)
-            self.compute.observe(max(0.0, step_s - report.push_wait_s - report.update_wait_s - (data_wait_s or 0.0)))
+            self.compute.observe(
+                max(0.0, step_s - report.push_wait_s - report.update_wait_s - (data_wait_s or 0.0))
+            )
         self._last = (sent, received, now)
 
 
@@ -98,20 +157,32 @@ class PrefetchMetrics:
     def __init__(self, registry: CollectorRegistry):
         f = MetricsFactory("prefetch", registry)
         label = ("loader",)
-        self.wait = f.histogram("data_wait_seconds", "Seconds the training loop waited in next() for a batch.", label)
+        self.wait = f.histogram(
+            "data_wait_seconds", "Seconds the training loop waited in next() for a batch.", label
+        )
         self.stall = f.gauge(
-            "stall_fraction", "Share of the step time spent waiting for data, over the current epoch.", label
+            "stall_fraction",
+            "Share of the step time spent waiting for data, over the current epoch.",
+            label,
         )
         self.depth = f.gauge("queue_depth_batches", "Batches fetched ahead and ready.", label)
         self.bytes = f.gauge("queue_bytes", "Bytes of the batches fetched ahead and ready.", label)
-        self.produced = f.counter("batches_produced_total", "Batches fetched from the source.", label)
-        self.consumed = f.counter("batches_consumed_total", "Batches handed to the training loop.", label)
+        self.produced = f.counter(
+            "batches_produced_total", "Batches fetched from the source.", label
+        )
+        self.consumed = f.counter(
+            "batches_consumed_total", "Batches handed to the training loop.", label
+        )
 
     def child(self, name: str) -> types.SimpleNamespace:
-        return types.SimpleNamespace(**{k: getattr(self, k).labels(loader=name) for k in vars(self)})
+        return types.SimpleNamespace(
+            **{k: getattr(self, k).labels(loader=name) for k in vars(self)}
+        )
 
 
-_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, PrefetchMetrics] = weakref.WeakKeyDictionary()
+_METRICS: weakref.WeakKeyDictionary[CollectorRegistry, PrefetchMetrics] = (
+    weakref.WeakKeyDictionary()
+)
 _METRICS_LOCK = threading.Lock()
 
 

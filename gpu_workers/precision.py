@@ -32,13 +32,21 @@ TRAINABLE = (torch.float32, torch.bfloat16)
 BF16_PULL, STEPS_PULL = "bf16", "bf16_steps"
 
 
-def check_dtypes(params: list[torch.Tensor], name_of: Callable[[torch.Tensor], str], streaming: bool) -> None:
+def check_dtypes(
+    params: list[torch.Tensor], name_of: Callable[[torch.Tensor], str], streaming: bool
+) -> None:
     """Raise ConfigError for a parameter this worker cannot train (see the module docstring)."""
     allowed = TRAINABLE[:1] if streaming else TRAINABLE
     for p in params:
         if p.dtype not in allowed:
-            why = "streaming mode keeps fp32 parameters" if streaming else "LuWu trains fp32 or bf16 parameters"
-            raise ConfigError(f"parameter {name_of(p)} has dtype {p.dtype}: {why} (use autocast for bf16 compute)")
+            why = (
+                "streaming mode keeps fp32 parameters"
+                if streaming
+                else "LuWu trains fp32 or bf16 parameters"
+            )
+            raise ConfigError(
+                f"parameter {name_of(p)} has dtype {p.dtype}: {why} (use autocast for bf16 compute)"
+            )
 
 
 def pull_codec_for(params: list[torch.Tensor], pull_for: Callable | None) -> Callable | None:

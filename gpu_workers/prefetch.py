@@ -26,7 +26,6 @@ after the last *consumed* batch, and loading restores the source from it
 instead of skipping.
 """
 
-
 from __future__ import annotations
 
 import time
@@ -101,7 +100,9 @@ class Prefetcher:
         self._setup(iterable, cfg, registry)
         return self
 
-    def _setup(self, iterable: Iterable, cfg: PrefetchConfig, registry: CollectorRegistry | None) -> None:
+    def _setup(
+        self, iterable: Iterable, cfg: PrefetchConfig, registry: CollectorRegistry | None
+    ) -> None:
         if not isinstance(iterable, Iterable):
             raise TypeError(f"Prefetcher needs an iterable, got {type(iterable).__name__}")
         self.config = cfg
@@ -132,7 +133,9 @@ class Prefetcher:
     def __iter__(self) -> _PrefetchIterator:
         self.close()
         it = iter(self._source)
-        if not self._resume:  # the last pass was left early: like a DataLoader, start the next epoch
+        if (
+            not self._resume
+        ):  # the last pass was left early: like a DataLoader, start the next epoch
             self._epoch += 1
             self._consumed = self._skip = 0
         self._resume = False
@@ -158,7 +161,9 @@ class Prefetcher:
         start = time.perf_counter()
         item = run.take() if run is self._pass else None
         if item is None:
-            if run is self._pass and run.finished:  # the source ran out: the next pass is a new epoch
+            if (
+                run is self._pass and run.finished
+            ):  # the source ran out: the next pass is a new epoch
                 self._source_state = run.end_state
                 self._epoch += 1
                 self._consumed = self._skip = 0

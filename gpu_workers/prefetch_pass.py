@@ -32,7 +32,13 @@ class Item:
     __slots__ = ("batch", "error", "nbytes", "event", "source_state")
 
     def __init__(self, batch=None, error=None, nbytes=0, event=None, source_state=None):
-        self.batch, self.error, self.nbytes, self.event, self.source_state = batch, error, nbytes, event, source_state
+        self.batch, self.error, self.nbytes, self.event, self.source_state = (
+            batch,
+            error,
+            nbytes,
+            event,
+            source_state,
+        )
 
 
 _LIVE: weakref.WeakSet[PrefetchPass] = weakref.WeakSet()
@@ -62,7 +68,9 @@ class PrefetchPass:
     ):
         self._it: Iterator | None = it
         self._owned = owned  # we called iter() and got a new object: ours to close
-        self._stop_workers = stop_workers  # a DataLoader iterator whose worker processes die with the pass
+        self._stop_workers = (
+            stop_workers  # a DataLoader iterator whose worker processes die with the pass
+        )
         self._to_skip = skip
         self._cfg = cfg
         self._transfer = transfer
@@ -103,7 +111,9 @@ class PrefetchPass:
         try:
             while self._fetch_one():
                 pass
-        except BaseException as exc:  # a bug here, not in the source: surface it, never hang the consumer
+        except (
+            BaseException
+        ) as exc:  # a bug here, not in the source: surface it, never hang the consumer
             log.exception("prefetch %s: producer thread failed", self._cfg.name)
             with self._cond:
                 self._fatal = exc
@@ -124,7 +134,9 @@ class PrefetchPass:
                 self._give_back_slot()
                 return False
             try:
-                while self._to_skip > 0 and not self.closed:  # resuming: drop what was consumed before
+                while (
+                    self._to_skip > 0 and not self.closed
+                ):  # resuming: drop what was consumed before
                     next(self._it)
                     self._to_skip -= 1
                 index = self._next_fetch
@@ -226,7 +238,9 @@ class PrefetchPass:
         self._m.bytes.set(0)
         _LIVE.discard(self)
         me = threading.current_thread()
-        deadline = time.monotonic() + (self._cfg.shutdown_timeout_s if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + (
+            self._cfg.shutdown_timeout_s if timeout_s is None else timeout_s
+        )
         for t in self._threads:
             if t is not me and t.ident is not None:
                 t.join(max(0.0, deadline - time.monotonic()))
@@ -237,7 +251,9 @@ class PrefetchPass:
             # from gc): it holds its own reference and exits once next() returns.
             if me not in self._threads:
                 log.warning(
-                    "prefetch %s: threads %s still inside the source's next(); left to finish", self._cfg.name, busy
+                    "prefetch %s: threads %s still inside the source's next(); left to finish",
+                    self._cfg.name,
+                    busy,
                 )
         elif self._owned and isinstance(it, types.GeneratorType):
             it.close()  # run the generator's finally blocks now, not at some later gc

@@ -12,7 +12,9 @@ from luwu.protocol.layout import Bucket
 def gather(bucket: Bucket, params: list[torch.Tensor], flat: torch.Tensor) -> None:
     """``flat[segment] = param[its elements]`` for every segment of ``bucket``."""
     for s in bucket.segments:
-        flat.narrow(0, s.offset, s.numel).copy_(params[s.param].detach().reshape(-1).narrow(0, s.param_offset, s.numel))
+        flat.narrow(0, s.offset, s.numel).copy_(
+            params[s.param].detach().reshape(-1).narrow(0, s.param_offset, s.numel)
+        )
 
 
 def scatter(bucket: Bucket, params: list[torch.Tensor], flat: torch.Tensor) -> None:

@@ -73,16 +73,21 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_flatten
 
-from luwu.gpu_workers.metrics import WorkerMetrics
-from luwu.gpu_workers.pool import FP32_BYTES, BufferPool
 from luwu.gpu_workers import materialize
-from luwu.gpu_workers.units import Unit, Units, alloc_storage, free_storage, select_units, unit_of_params
-from luwu.gpu_workers.metrics import StepReport
+from luwu.gpu_workers.metrics import StepReport, WorkerMetrics
+from luwu.gpu_workers.pool import FP32_BYTES, BufferPool
+from luwu.gpu_workers.units import (
+    Unit,
+    Units,
+    alloc_storage,
+    free_storage,
+    select_units,
+    unit_of_params,
+)
 from luwu.gpu_workers.worker import Worker
 from luwu.protocol.errors import ConfigError
-from luwu.protocol.memory import retain_freed_memory, trim_heap
 from luwu.protocol.layout import Bucket, Layout
-
+from luwu.protocol.memory import retain_freed_memory, trim_heap
 
 #: Streaming mode maps blocks from this size up on their own, so a released unit's pages go back to the
 #: system at once instead of fragmenting the heap between the activations that outlive them.
@@ -93,7 +98,9 @@ class _State(enum.Enum):
     RELEASED = 0
     REQUESTED = 1  # the PULLs are out, the weights not yet written
     RESIDENT = 2
-    HELD = 3  # released after its forward, the fetched weights kept as they travelled for its backward
+    HELD = (
+        3  # released after its forward, the fetched weights kept as they travelled for its backward
+    )
 
 
 @dataclass(slots=True, eq=False)
@@ -135,16 +142,28 @@ def plan_units(model, spec, cfg, apart: bool = False) -> tuple[Units | None, dic
     ``apart``: the optimizer's parameters were given apart from the model (param groups)."""
     if not cfg.stream_weights:
         if apart:
-            raise ConfigError("RemoteOptimizer(model=...) names the module whose units stream: it needs stream_weights")
+            raise ConfigError(
+                "RemoteOptimizer(model=...) names the module whose units stream: it needs stream_weights"
+            )
         return None, {}
-    units = Units(select_units(model, spec if spec is not None else (cfg.stream_units or None)), model)
+    units = Units(
+        select_units(model, spec if spec is not None else (cfg.stream_units or None)), model
+    )
     if apart and materialize.on_meta(model):
-        raise ConfigError("a model built on the meta device gets new parameters unit by unit: pass the model itself as params, not param groups")
-    if materialize.on_meta(model):  # new parameter objects, released unit by unit: before anyone holds them
-        units.initializer = materialize.Initializer(model, units, materialize.open_weights(cfg.init_weights))  # (checked first)
+        raise ConfigError(
+            "a model built on the meta device gets new parameters unit by unit: pass the model itself as params, not param groups"
+        )
+    if materialize.on_meta(
+        model
+    ):  # new parameter objects, released unit by unit: before anyone holds them
+        units.initializer = materialize.Initializer(
+            model, units, materialize.open_weights(cfg.init_weights)
+        )  # (checked first)
         materialize.empty_model(model, units)
     elif cfg.init_weights:
-        raise ConfigError("optimizer.init_weights seeds a model built on the meta device; a model built whole: load_state_dict() it before")
+        raise ConfigError(
+            "optimizer.init_weights seeds a model built on the meta device; a model built whole: load_state_dict() it before"
+        )
     return units, unit_of_params(units)
 
 
@@ -157,20 +176,43 @@ def worker_arguments(layout: Layout, units: list[Unit] | None, cfg, fetch_codec_
     if units is None:
         return {}
     check_budget(layout, units, cfg.stream_budget_bytes)
-    out = {"streamed": layout.streamed_buckets(), "pool": BufferPool(pool_budget_bytes(layout, cfg.stream_prefetch))}
-    if getattr(units, "initializer", None) is not None:  # a meta-device start: initialized at connect, once
+    out = {
+        "streamed": layout.streamed_buckets(),
+        "pool": BufferPool(pool_budget_bytes(layout, cfg.stream_prefetch)),
+    }
+    if (
+        getattr(units, "initializer", None) is not None
+    ):  # a meta-device start: initialized at connect, once
         out["initialize"] = units.initializer.for_layout(layout)
     if fetch_codec_for is not None:
         out["fetch_codec_for"] = fetch_codec_for
     return out
 
 
-def restart(old: Streamer | None, worker: Worker, params: list[torch.Tensor], units: list[Unit] | None, cfg, metrics: WorkerMetrics | None = None) -> Streamer | None:
+def restart(
+    old: Streamer | None,
+    worker: Worker,
+    params: list[torch.Tensor],
+    units: list[Unit] | None,
+    cfg,
+    metrics: WorkerMetrics | None = None,
+) -> Streamer | None:
     """The streamer of a (re)built worker, the old one's hooks removed (None when not streaming); ``cfg``:
     the optimizer section; ``metrics``: where the fetch waits are recorded."""
     stop(old)
-    return None if units is None else Streamer(worker, params, units, cfg.stream_prefetch, metrics, keep=cfg.stream_keep_for_backward,
-                                                 hold_bytes=cfg.stream_hold_bytes)
+    return (
+        None
+        if units is None
+        else Streamer(
+            worker,
+            params,
+            units,
+            cfg.stream_prefetch,
+            metrics,
+            keep=cfg.stream_keep_for_backward,
+            hold_bytes=cfg.stream_hold_bytes,
+        )
+    )
 
 
 def stop(streamer: Streamer | None) -> None:
@@ -193,6 +235,7 @@ def check_budget(layout: Layout, units: list[Unit], budget_bytes: int) -> None:
     """Refuse a unit whose fp32 weights and gradient (8 B per parameter) exceed ``budget_bytes`` (0: none)."""
     if not budget_bytes:
         return
+
     def size(n: int) -> str:
         return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n:,} bytes"
 
@@ -210,29 +253,64 @@ def check_budget(layout: Layout, units: list[Unit], budget_bytes: int) -> None:
 class Streamer:
     """Fetches, releases and pushes the streamed units of one worker (see the module docstring)."""
 
-    def __init__(self, worker: Worker, params: list[torch.Tensor], units: list[Unit], prefetch: int, metrics: WorkerMetrics | None = None, *,
-                 keep: bool = False, hold_bytes: int = -1):
+    def __init__(
+        self,
+        worker: Worker,
+        params: list[torch.Tensor],
+        units: list[Unit],
+        prefetch: int,
+        metrics: WorkerMetrics | None = None,
+        *,
+        keep: bool = False,
+        hold_bytes: int = -1,
+    ):
         if prefetch < 0:
             raise ConfigError(f"prefetch must be >= 0, got {prefetch}")
         self.worker, self.prefetch, self.metrics = worker, prefetch, metrics
         self.keep = keep  # a unit's weights stay from its forward to its backward (one fetch a step, not two)
         # the fetched weights kept, as they travelled, from a unit's forward to its backward: up to this many bytes
-        self.hold_bytes = hold_bytes if hold_bytes >= 0 else max(1, prefetch) * FP32_BYTES * max(
-            (sum(worker.layout.buckets[b].numel for b in bids) for bids in worker.layout.unit_buckets().values()), default=0)
+        self.hold_bytes = (
+            hold_bytes
+            if hold_bytes >= 0
+            else max(1, prefetch)
+            * FP32_BYTES
+            * max(
+                (
+                    sum(worker.layout.buckets[b].numel for b in bids)
+                    for bids in worker.layout.unit_buckets().values()
+                ),
+                default=0,
+            )
+        )
         self._got: dict[int, object] = {}  # bucket -> the reply last written into its resident unit
-        self._held: dict[int, object] = {}  # bucket -> that reply, kept since its unit's forward (HELD)
+        self._held: dict[
+            int, object
+        ] = {}  # bucket -> that reply, kept since its unit's forward (HELD)
         by_unit = worker.layout.unit_buckets()
         self.units: list[_Unit] = []
         for u in units:
-            mine = sorted({s.param for bid in by_unit.get(u.index, ()) for s in worker.layout.buckets[bid].segments})
+            mine = sorted(
+                {
+                    s.param
+                    for bid in by_unit.get(u.index, ())
+                    for s in worker.layout.buckets[bid].segments
+                }
+            )
             for i in mine:
                 p = params[i]
-                if p.storage_offset() != 0 or p.untyped_storage().size() not in (0, p.numel() * p.itemsize):
+                if p.storage_offset() != 0 or p.untyped_storage().size() not in (
+                    0,
+                    p.numel() * p.itemsize,
+                ):
                     name = worker.layout.params[i].name
-                    raise ConfigError(f"parameter {name} of unit {u.name!r} shares its storage with other tensors: it cannot be released")
+                    raise ConfigError(
+                        f"parameter {name} of unit {u.name!r} shares its storage with other tensors: it cannot be released"
+                    )
             self.units.append(_Unit(u, [params[i] for i in mine], by_unit.get(u.index, [])))
         self._of_bucket = {bid: u for u in self.units for bid in u.buckets}
-        self.order = [u.unit.index for u in self.units if u.buckets]  # forward order, learned from each step
+        self.order = [
+            u.unit.index for u in self.units if u.buckets
+        ]  # forward order, learned from each step
         self._turn = self._last_units()
         self._seen: dict[int, None] = {}  # this step's forward order (first use of each unit)
         self.fetch_wait_s = 0.0
@@ -240,8 +318,14 @@ class Streamer:
         self._hooks = []
         for u in self.units:
             if u.buckets:
-                self._hooks.append(u.unit.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u)))
-                self._hooks.append(u.unit.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out)))
+                self._hooks.append(
+                    u.unit.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
+                )
+                self._hooks.append(
+                    u.unit.module.register_forward_hook(
+                        lambda m, a, out, u=u: self._post_forward(u, out)
+                    )
+                )
         worker.on_pushed, worker.on_reset = self._on_pushed, self._forget
         worker.fetch_with_reply = self._reply_buckets()
         for u in self.units:
@@ -292,7 +376,12 @@ class Streamer:
         for b in u.buckets:
             self._held.pop(b, None)
         u.held = 0
-        if hold and u.state is _State.RESIDENT and len(got) == len(u.buckets) and self.held_bytes() + u.reply_bytes <= self.hold_bytes:
+        if (
+            hold
+            and u.state is _State.RESIDENT
+            and len(got) == len(u.buckets)
+            and self.held_bytes() + u.reply_bytes <= self.hold_bytes
+        ):
             self._held.update(got)
             u.held = u.reply_bytes
         with torch.no_grad():
@@ -320,7 +409,9 @@ class Streamer:
 
     # ----------------------------------------------------------------- hooks
     def _pre_forward(self, u: _Unit) -> None:
-        if torch._C._current_graph_task_id() == -1:  # (a forward recomputed in backward: backward's order prefetches)
+        if (
+            torch._C._current_graph_task_id() == -1
+        ):  # (a forward recomputed in backward: backward's order prefetches)
             self._seen.setdefault(u.unit.index)
             self._prefetch(self.order, u.unit.index)
         self._ensure(u)
@@ -333,7 +424,9 @@ class Streamer:
             return
         if not self.keep and u.unit.index not in self._turn:
             self._release(u, hold=True)
-        tensors = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [
+            t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         fired = []
 
         def pre_backward(grad):
@@ -381,7 +474,7 @@ class Streamer:
     def _last_units(self) -> frozenset[int]:
         """The last ``max(1, prefetch)`` units of the forward order: kept from their forward to their
         backward, which comes right after."""
-        return frozenset(self.order[-max(1, self.prefetch):])
+        return frozenset(self.order[-max(1, self.prefetch) :])
 
     def _reply_buckets(self) -> frozenset[int]:
         """The buckets whose pushes ask the nodes to send the new weights with the answer: those of the first

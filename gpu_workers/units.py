@@ -56,7 +56,11 @@ def _default_units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     best, best_numel = None, 0
     for name, m in model.named_modules():
         if isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
-            kids = [(f"{name}.{k}" if name else k, c) for k, c in m.named_children() if any(True for _ in c.parameters())]
+            kids = [
+                (f"{name}.{k}" if name else k, c)
+                for k, c in m.named_children()
+                if any(True for _ in c.parameters())
+            ]
             numel = sum(p.numel() for _, c in kids for p in c.parameters())
             if len(kids) >= 2 and numel > best_numel:
                 best, best_numel = kids, numel
@@ -72,13 +76,17 @@ def select_units(model: torch.nn.Module, spec=None) -> list[Unit]:
     """The streaming units of ``model``, in registration order. ``spec``: None (the repeated blocks), or
     a list of module classes and fnmatch patterns on qualified module names or class names."""
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"stream_weights needs the model (an nn.Module) as the optimizer's params, got {type(model).__name__}")
+        raise ConfigError(
+            f"stream_weights needs the model (an nn.Module) as the optimizer's params, got {type(model).__name__}"
+        )
     if spec is None:
         found = _default_units(model)
     else:
         spec = [spec] if isinstance(spec, (str, type)) else list(spec)
         if not spec or any(not isinstance(s, (str, type)) for s in spec):
-            raise ConfigError(f"stream_units must be module classes or fnmatch patterns, got {spec!r}")
+            raise ConfigError(
+                f"stream_units must be module classes or fnmatch patterns, got {spec!r}"
+            )
         found, inside = [], []
         for name, m in model.named_modules():
             if not name or any(name.startswith(p + ".") for p in inside):
@@ -88,7 +96,9 @@ def select_units(model: torch.nn.Module, spec=None) -> list[Unit]:
                 if any(True for _ in m.parameters()):
                     found.append((name, m))
         if not found:
-            raise ConfigError(f"stream_units {spec!r} match no submodule with parameters of {type(model).__name__}")
+            raise ConfigError(
+                f"stream_units {spec!r} match no submodule with parameters of {type(model).__name__}"
+            )
     return [Unit(i, name, m) for i, (name, m) in enumerate(found)]
 
 
@@ -110,7 +120,9 @@ def alloc_storage(p: torch.Tensor) -> None:
     size = p.numel() * p.itemsize
     if (storage := p.untyped_storage()).size() != size:
         storage.resize_(size)
-        advise_huge_pages(storage)  # fresh pages, about to be written whole: fault them in 2 MiB at a time
+        advise_huge_pages(
+            storage
+        )  # fresh pages, about to be written whole: fault them in 2 MiB at a time
 
 
 def free_storage(p: torch.Tensor) -> None:

@@ -31,11 +31,15 @@ class RoundPolicy:
         first = not self.stepped and self.mode == "sync" and (step == 0 or self.resume)
         return self.max_grad_norm is not None or bool(self.amp) or self.clips or first
 
-    def inv_scale_for_clip(self, step: int, asked: bool, max_norm: float, norm_type: float) -> float:
+    def inv_scale_for_clip(
+        self, step: int, asked: bool, max_norm: float, norm_type: float
+    ) -> float:
         """Check a ``clip_grad_norm_`` call at ``step`` whose pushes ``asked`` for the round; the inverse
         scale its norm is unscaled by (the GradScaler's when ``amp`` is one)."""
         if float(norm_type) != 2.0:
-            raise ConfigError(f"clip_grad_norm_(norm_type={norm_type}): the nodes compute the 2-norm of the averaged gradient only")
+            raise ConfigError(
+                f"clip_grad_norm_(norm_type={norm_type}): the nodes compute the 2-norm of the averaged gradient only"
+            )
         if not asked:
             raise ConfigError(
                 f"clip_grad_norm_ at step {step}: this step's gradients were applied on the nodes as they arrived (clipping "

@@ -75,7 +75,9 @@ class LocalCluster:
         return addr
 
 
-def _start(args: list[str], timeout_s: float, metrics: list | None = None) -> tuple[subprocess.Popen, str]:
+def _start(
+    args: list[str], timeout_s: float, metrics: list | None = None
+) -> tuple[subprocess.Popen, str]:
     return _await_ready(*_spawn(args), args, timeout_s, metrics)
 
 
@@ -128,10 +130,18 @@ def _gate_env(args: list[str]) -> dict[str, str]:
 
 def _spawn(args: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", **_gate_env(args))
-    proc = subprocess.Popen([sys.executable, "-m", "luwu", "node", *args], stdout=subprocess.PIPE, stderr=None, env=env, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "luwu", "node", *args],
+        stdout=subprocess.PIPE,
+        stderr=None,
+        env=env,
+        text=True,
+    )
     lines: queue.Queue = queue.Queue()
 
-    def pump() -> None:  # reads the node's stdout for its whole life, so the node never blocks on a full pipe
+    def pump() -> (
+        None
+    ):  # reads the node's stdout for its whole life, so the node never blocks on a full pipe
         for line in proc.stdout:
             lines.put(line)
         lines.put(None)
@@ -140,7 +150,13 @@ def _spawn(args: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
     return proc, lines
 
 
-def _await_ready(proc: subprocess.Popen, lines: queue.Queue, args: list[str], timeout_s: float, metrics: list | None) -> tuple[subprocess.Popen, str]:
+def _await_ready(
+    proc: subprocess.Popen,
+    lines: queue.Queue,
+    args: list[str],
+    timeout_s: float,
+    metrics: list | None,
+) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + timeout_s
     seen = []
     while True:
@@ -157,11 +173,20 @@ def _await_ready(proc: subprocess.Popen, lines: queue.Queue, args: list[str], ti
             return proc, line.split()[1]
     proc.kill()
     proc.wait(5)
-    raise NodeTimeoutError(f"node did not report its address within {timeout_s:.0f} s (args {args}); output: {''.join(seen)[-2000:]}")
+    raise NodeTimeoutError(
+        f"node did not report its address within {timeout_s:.0f} s (args {args}); output: {''.join(seen)[-2000:]}"
+    )
 
 
 @contextlib.contextmanager
-def local_cluster(num_nodes: int = 2, *, job: str = "luwu", node_args: list[str] | None = None, per_node_args: Callable[[int], list[str]] | None = None, start_timeout_s: float = 60.0):
+def local_cluster(
+    num_nodes: int = 2,
+    *,
+    job: str = "luwu",
+    node_args: list[str] | None = None,
+    per_node_args: Callable[[int], list[str]] | None = None,
+    start_timeout_s: float = 60.0,
+):
     """Start ``num_nodes`` real node daemons on 127.0.0.1 and yield a :class:`LocalCluster`.
 
     Each node runs ``luwu node`` in a subprocess of its own, binds a free port and prints the address it
@@ -182,7 +207,15 @@ def local_cluster(num_nodes: int = 2, *, job: str = "luwu", node_args: list[str]
         try:
             spawned = []
             for i in range(num_nodes):  # start them all, then wait: imports run in parallel
-                args = ["--node.bind", "tcp://127.0.0.1:0", "--node.index", str(i), "--cluster.job", job, *(node_args or [])]
+                args = [
+                    "--node.bind",
+                    "tcp://127.0.0.1:0",
+                    "--node.index",
+                    str(i),
+                    "--cluster.job",
+                    job,
+                    *(node_args or []),
+                ]
                 if per_node_args is not None:
                     args += per_node_args(i)
                 proc, lines = _spawn(args)

@@ -48,12 +48,18 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if not self.job or len(self.job) > 128:
-            raise ConfigError(f"cluster.job must be a non-empty string of at most 128 chars, got {self.job!r}")
+            raise ConfigError(
+                f"cluster.job must be a non-empty string of at most 128 chars, got {self.job!r}"
+            )
         for a in self.nodes:
             if not isinstance(a, str) or "://" not in a:
-                raise ConfigError(f"cluster.nodes entries must be addresses like tcp://host:port, got {a!r}")
+                raise ConfigError(
+                    f"cluster.nodes entries must be addresses like tcp://host:port, got {a!r}"
+                )
         if self.capacities and len(self.capacities) != len(self.nodes):
-            raise ConfigError(f"cluster.capacities has {len(self.capacities)} entries for {len(self.nodes)} nodes")
+            raise ConfigError(
+                f"cluster.capacities has {len(self.capacities)} entries for {len(self.nodes)} nodes"
+            )
         if any(not c > 0 for c in self.capacities):
             raise ConfigError(f"cluster.capacities must be positive, got {self.capacities}")
         if self.world_size < 0:
@@ -129,28 +135,45 @@ class OptimizerConfig:
         if self.name not in OPTIMIZER_NAMES:
             why = UNSUPPORTED.get(self.name.lower())
             raise ConfigError(
-                f"optimizer.name must be one of {', '.join(OPTIMIZER_NAMES)}, got {self.name!r}" + (f": {why}" if why else "")
+                f"optimizer.name must be one of {', '.join(OPTIMIZER_NAMES)}, got {self.name!r}"
+                + (f": {why}" if why else "")
             )
         if self.max_grad_norm < 0:
             raise ConfigError(f"optimizer.max_grad_norm must be >= 0, got {self.max_grad_norm}")
         if self.hold_replies not in HOLD_REPLIES:
-            raise ConfigError(f"optimizer.hold_replies must be one of {HOLD_REPLIES}, got {self.hold_replies!r}")
+            raise ConfigError(
+                f"optimizer.hold_replies must be one of {HOLD_REPLIES}, got {self.hold_replies!r}"
+            )
         if self.delayed_update_warmup < 0:  # the loader already made it an int, as every other key
-            raise ConfigError(f"optimizer.delayed_update_warmup must be >= 0, got {self.delayed_update_warmup}")
+            raise ConfigError(
+                f"optimizer.delayed_update_warmup must be >= 0, got {self.delayed_update_warmup}"
+            )
         if any(not isinstance(p, str) or not p for p in self.delayed_params):
-            raise ConfigError(f"optimizer.delayed_params must be fnmatch patterns on parameter names, got {self.delayed_params!r}")
+            raise ConfigError(
+                f"optimizer.delayed_params must be fnmatch patterns on parameter names, got {self.delayed_params!r}"
+            )
         if self.delayed_params and not self.delayed_update:
-            raise ConfigError(f"optimizer.delayed_params = {self.delayed_params} needs optimizer.delayed_update = true")
+            raise ConfigError(
+                f"optimizer.delayed_params = {self.delayed_params} needs optimizer.delayed_update = true"
+            )
         if self.stream_budget_bytes < 0:
-            raise ConfigError(f"optimizer.stream_budget_bytes must be >= 0 (0 = no limit), got {self.stream_budget_bytes}")
+            raise ConfigError(
+                f"optimizer.stream_budget_bytes must be >= 0 (0 = no limit), got {self.stream_budget_bytes}"
+            )
         if self.stream_hold_bytes < -1:
-            raise ConfigError(f"optimizer.stream_hold_bytes must be >= 0, or -1 for the default, got {self.stream_hold_bytes}")
+            raise ConfigError(
+                f"optimizer.stream_hold_bytes must be >= 0, or -1 for the default, got {self.stream_hold_bytes}"
+            )
         if self.stream_prefetch < 0:
             raise ConfigError(f"optimizer.stream_prefetch must be >= 0, got {self.stream_prefetch}")
         if any(not isinstance(p, str) or not p for p in self.stream_units):
-            raise ConfigError(f"optimizer.stream_units must be fnmatch patterns on module names, got {self.stream_units!r}")
+            raise ConfigError(
+                f"optimizer.stream_units must be fnmatch patterns on module names, got {self.stream_units!r}"
+            )
         if self.stream_weights and self.delayed_update:
-            raise ConfigError("optimizer.stream_weights and optimizer.delayed_update cannot be combined: a streaming worker holds no weights to update late")
+            raise ConfigError(
+                "optimizer.stream_weights and optimizer.delayed_update cannot be combined: a streaming worker holds no weights to update late"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -216,9 +239,13 @@ class LuwuConfig:
                 continue
             cls = sections.get(section)
             if cls is None:
-                raise ConfigError(f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}")
+                raise ConfigError(
+                    f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}"
+                )
             if not isinstance(value, cls):
-                raise ConfigError(f"{section} must be a {cls.__name__}, got {type(value).__name__} (from {source})")
+                raise ConfigError(
+                    f"{section} must be a {cls.__name__}, got {type(value).__name__} (from {source})"
+                )
             built[section] = value
             sources.update({f"{section}.{f.name}": source for f in dataclasses.fields(cls)})
         for section, values in fields.items():
@@ -234,10 +261,14 @@ def _checked(section: str, name: str, value, source: str):
     """``value`` for ``section.name`` in the field's type; unknown sections and keys are errors."""
     sections = _sections()
     if section not in sections:
-        raise ConfigError(f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}")
+        raise ConfigError(
+            f"unknown config section {section!r} (from {source}); sections are {sorted(sections)}"
+        )
     fields = {f.name: f for f in dataclasses.fields(sections[section])}
     if name not in fields:
-        raise ConfigError(f"unknown config key {section}.{name} (from {source}); {section} has {sorted(fields)}")
+        raise ConfigError(
+            f"unknown config key {section}.{name} (from {source}); {section} has {sorted(fields)}"
+        )
     return _coerce(section, name, fields[name].type, value, source)
 
 
@@ -291,7 +322,9 @@ def _coerce(section: str, name: str, typ, value, source: str):
             return conv
         return value
     except (ValueError, TypeError):
-        raise ConfigError(f"{key} = {value!r} (from {source}) is not a valid {getattr(typ, '__name__', typ)}") from None
+        raise ConfigError(
+            f"{key} = {value!r} (from {source}) is not a valid {getattr(typ, '__name__', typ)}"
+        ) from None
 
 
 #: Keyword arguments of RemoteOptimizer that are settings of the configuration tree.
@@ -341,7 +374,9 @@ def keyword_settings(**kw) -> dict:
     return out
 
 
-def resolve_config(config: LuwuConfig | None = None, *, env: dict | None = None, **keywords) -> LuwuConfig:
+def resolve_config(
+    config: LuwuConfig | None = None, *, env: dict | None = None, **keywords
+) -> LuwuConfig:
     """The tree RemoteOptimizer runs on: ``config`` (default: defaults < ``LUWU_SECTION__FIELD`` of ``env``,
     default ``os.environ``) with the keyword arguments given over it; with no node configured, the
     comma-separated ``LUWU_NODES``."""
@@ -349,15 +384,21 @@ def resolve_config(config: LuwuConfig | None = None, *, env: dict | None = None,
     base = config if config is not None else load_config(None, env=env)
     patterns = keywords.get("delayed_params")
     if isinstance(patterns, str):
-        patterns = keywords["delayed_params"] = [v.strip() for v in patterns.split(",") if v.strip()]
+        patterns = keywords["delayed_params"] = [
+            v.strip() for v in patterns.split(",") if v.strip()
+        ]
     delayed = keywords.get("delayed_update")
     if patterns and not (delayed if delayed is not None else base.optimizer.delayed_update):
-        raise ConfigError(f"delayed_params={patterns} needs delayed_update=True")  # in the caller's words
+        raise ConfigError(
+            f"delayed_params={patterns} needs delayed_update=True"
+        )  # in the caller's words
     cfg = base.replace(keyword_settings(**keywords))
     if not cfg.cluster.nodes:
         cfg = cfg.replace({"cluster.nodes": env.get("LUWU_NODES", "")}, "env LUWU_NODES")
     if not cfg.cluster.nodes:
-        raise ConfigError("no nodes: pass nodes=[...] (see luwu.local_cluster), set cluster.nodes or LUWU_NODES")
+        raise ConfigError(
+            "no nodes: pass nodes=[...] (see luwu.local_cluster), set cluster.nodes or LUWU_NODES"
+        )
     return cfg
 
 
@@ -373,7 +414,9 @@ def _file_settings(path: str):
     except OSError as exc:  # permission denied, an I/O error: one line, never a traceback
         raise ConfigError(f"cluster file {path!r} cannot be read: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"cluster file {path!r} is not valid TOML: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})") from None
+        raise ConfigError(
+            f"cluster file {path!r} is not valid TOML: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+        ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"cluster file {path!r} is not valid TOML: {exc}") from None
     for section, table in data.items():
@@ -383,7 +426,13 @@ def _file_settings(path: str):
             yield section, name, value
 
 
-def load_config(path: str | list[str] | tuple[str, ...] | None = None, *, env: dict | None = None, argv: list[str] | None = None, overrides: dict | None = None) -> LuwuConfig:
+def load_config(
+    path: str | list[str] | tuple[str, ...] | None = None,
+    *,
+    env: dict | None = None,
+    argv: list[str] | None = None,
+    overrides: dict | None = None,
+) -> LuwuConfig:
     """Resolve the configuration: defaults < TOML files < LUWU_SECTION__FIELD env < --section.field=value.
 
     ``path`` is one cluster file or several, read in order, a later file's setting over an earlier

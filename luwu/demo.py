@@ -41,7 +41,13 @@ def load_digits_split():
 
 def make_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 10))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Linear(HIDDEN, 10),
+    )
 
 
 def global_batch(step: int, n: int, global_bs: int) -> torch.Tensor:
@@ -53,7 +59,9 @@ def global_batch(step: int, n: int, global_bs: int) -> torch.Tensor:
 def evaluate(model, x, y) -> tuple[float, float]:
     with torch.no_grad():
         out = model(x)
-        return float(torch.nn.functional.cross_entropy(out, y)), float((out.argmax(1) == y).float().mean())
+        return float(torch.nn.functional.cross_entropy(out, y)), float(
+            (out.argmax(1) == y).float().mean()
+        )
 
 
 def _worker(rank: int, world: int, nodes: list[str], steps: int, q) -> None:
@@ -62,10 +70,22 @@ def _worker(rank: int, world: int, nodes: list[str], steps: int, q) -> None:
     torch.set_num_threads(1)
     xtr, ytr, xte, yte = load_digits_split()
     model = make_model()
-    opt = luwu.RemoteOptimizer(model, "adamw", nodes=nodes, rank=rank, world_size=world, job="demo", lr=LR, weight_decay=0.01, bucket_bytes=BUCKET_BYTES)
+    opt = luwu.RemoteOptimizer(
+        model,
+        "adamw",
+        nodes=nodes,
+        rank=rank,
+        world_size=world,
+        job="demo",
+        lr=LR,
+        weight_decay=0.01,
+        bucket_bytes=BUCKET_BYTES,
+    )
     try:
         for step in range(steps):
-            idx = global_batch(step, len(xtr), BATCH_PER_WORKER * world)[rank * BATCH_PER_WORKER : (rank + 1) * BATCH_PER_WORKER]
+            idx = global_batch(step, len(xtr), BATCH_PER_WORKER * world)[
+                rank * BATCH_PER_WORKER : (rank + 1) * BATCH_PER_WORKER
+            ]
             opt.zero_grad()
             loss = torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
             loss.backward()
@@ -73,8 +93,20 @@ def _worker(rank: int, world: int, nodes: list[str], steps: int, q) -> None:
             if rank == 0:
                 q.put(("step", step, float(loss.detach())))
         opt.synchronize()
-        raw = 4 * steps * sum(p.numel() for p in model.parameters())  # what fp32 would have sent each way
-        q.put(("done", rank, evaluate(model, xte, yte), opt.client.bytes_sent, opt.client.bytes_received, raw, opt.config.compression.enabled))
+        raw = (
+            4 * steps * sum(p.numel() for p in model.parameters())
+        )  # what fp32 would have sent each way
+        q.put(
+            (
+                "done",
+                rank,
+                evaluate(model, xte, yte),
+                opt.client.bytes_sent,
+                opt.client.bytes_received,
+                raw,
+                opt.config.compression.enabled,
+            )
+        )
     except BaseException as exc:  # report, then re-raise so the exit code says it too
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
         raise
@@ -104,29 +136,47 @@ def run_demo(steps: int = 150, workers: int = 2, nodes: int = 2, argv=None) -> i
     import luwu
 
     console = Console()
-    console.print(f"[bold]LuWu demo[/]: MLP on scikit-learn digits, {workers} workers x {nodes} nodes on loopback, {steps} steps, global batch {BATCH_PER_WORKER * workers}")
+    console.print(
+        f"[bold]LuWu demo[/]: MLP on scikit-learn digits, {workers} workers x {nodes} nodes on loopback, {steps} steps, global batch {BATCH_PER_WORKER * workers}"
+    )
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     results: dict[int, tuple] = {}
     with luwu.local_cluster(nodes, job="demo") as cluster:
         console.print(f"nodes: {', '.join(cluster.addresses)}")
-        procs = [ctx.Process(target=_worker, args=(r, workers, cluster.addresses, steps, q), daemon=True) for r in range(workers)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, workers, cluster.addresses, steps, q), daemon=True)
+            for r in range(workers)
+        ]
         t0 = time.perf_counter()
         for p in procs:
             p.start()
-        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as progress:
+        with Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
             task = progress.add_task("training on LuWu", total=steps)
             deadline = time.monotonic() + 600
             while len(results) < workers:
                 try:
                     kind, *rest = q.get(timeout=1.0)
                 except Exception:
-                    if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    if (
+                        any(p.exitcode not in (None, 0) for p in procs)
+                        or time.monotonic() > deadline
+                    ):
                         console.print("[red]a worker failed[/]")
                         return 1
                     continue
                 if kind == "step":
-                    progress.update(task, completed=rest[0] + 1, description=f"training on LuWu (loss {rest[1]:.3f})")
+                    progress.update(
+                        task,
+                        completed=rest[0] + 1,
+                        description=f"training on LuWu (loss {rest[1]:.3f})",
+                    )
                 elif kind == "error":
                     console.print(f"[red]worker {rest[0]} failed: {rest[1]}[/]")
                     return 1
@@ -135,17 +185,33 @@ def run_demo(steps: int = 150, workers: int = 2, nodes: int = 2, argv=None) -> i
         wall = time.perf_counter() - t0
         for p in procs:
             p.join(30)
-    (loss, acc), sent, recv = results[0][0], sum(r[1] for r in results.values()), sum(r[2] for r in results.values())
+    (loss, acc), sent, recv = (
+        results[0][0],
+        sum(r[1] for r in results.values()),
+        sum(r[2] for r in results.values()),
+    )
     raw, compressed = sum(r[3] for r in results.values()), results[0][4]
     how = "hybrid compression" if compressed else "fp32, compression off"
     l_loss, l_acc, l_wall = _local(steps, workers)
     table = Table(title=f"digits test set ({360} images) after {steps} steps")
     for col in ("run", "eval loss", "accuracy", "wall s"):
         table.add_column(col, justify="right" if col != "run" else "left")
-    table.add_row(f"LuWu RemoteOptimizer ({workers} workers, {nodes} nodes, {how})", f"{loss:.4f}", f"{acc:.2%}", f"{wall:.1f}")
-    table.add_row("torch.optim.AdamW (1 process, same global batch)", f"{l_loss:.4f}", f"{l_acc:.2%}", f"{l_wall:.1f}")
+    table.add_row(
+        f"LuWu RemoteOptimizer ({workers} workers, {nodes} nodes, {how})",
+        f"{loss:.4f}",
+        f"{acc:.2%}",
+        f"{wall:.1f}",
+    )
+    table.add_row(
+        "torch.optim.AdamW (1 process, same global batch)",
+        f"{l_loss:.4f}",
+        f"{l_acc:.2%}",
+        f"{l_wall:.1f}",
+    )
     console.print(table)
-    console.print(f"wire bytes: {sent / 1e6:.1f} MB pushed (gradients), {recv / 1e6:.1f} MB received (weights), all workers (fp32 payload: {raw / 1e6:.1f} MB each way)")
+    console.print(
+        f"wire bytes: {sent / 1e6:.1f} MB pushed (gradients), {recv / 1e6:.1f} MB received (weights), all workers (fp32 payload: {raw / 1e6:.1f} MB each way)"
+    )
     if compressed:
         why = "the cost of compression; RemoteOptimizer(..., compression=False) sends fp32 and matches AdamW to float rounding"
     else:

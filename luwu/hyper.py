@@ -14,7 +14,12 @@ import torch
 
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.feedback import WORKER_MOMENTUM
-from luwu.switch_nodes.optimizers import EXTRA_HYPER, IMPLEMENTATION_SWITCHES, OptimizerKind, check_hyper
+from luwu.switch_nodes.optimizers import (
+    EXTRA_HYPER,
+    IMPLEMENTATION_SWITCHES,
+    OptimizerKind,
+    check_hyper,
+)
 
 
 def travelling(v):
@@ -31,7 +36,9 @@ def defaults_of(kind: OptimizerKind, hyper: dict, keywords: list[str]) -> dict:
     defaults = dict(kind.defaults)
     for k, v in hyper.items():
         if k == "differentiable" and v:
-            raise ConfigError("differentiable=True: a node's step runs outside autograd, nothing can differentiate through it")
+            raise ConfigError(
+                "differentiable=True: a node's step runs outside autograd, nothing can differentiate through it"
+            )
         if v is None or k in IMPLEMENTATION_SWITCHES:
             continue
         if k not in defaults:
@@ -45,7 +52,11 @@ def unknown_keyword(key: str, value, optimizer: str, hyper: list[str], keywords:
     close = difflib.get_close_matches(key, keywords + hyper, n=1, cutoff=0.75)
     hint = ""
     if close:
-        what = "a RemoteOptimizer keyword" if close[0] in keywords else f"a hyperparameter of {optimizer!r}"
+        what = (
+            "a RemoteOptimizer keyword"
+            if close[0] in keywords
+            else f"a hyperparameter of {optimizer!r}"
+        )
         hint = f"; did you mean {close[0]!r} ({what})?"
     return (
         f"{key}={value!r} is not a RemoteOptimizer keyword nor a hyperparameter of optimizer {optimizer!r} "

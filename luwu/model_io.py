@@ -98,7 +98,10 @@ def save_checkpoint(opt, path: str | os.PathLike, timeout_s: float | None = None
     values = {}
     for i, group in enumerate(_torch_groups(opt)):
         for k, v in group.items():
-            values[f"{GROUPS}{i}.{k}"], keys[f"{GROUPS}{i}.{k}"] = v, ("optim", "param_groups", i, k)
+            values[f"{GROUPS}{i}.{k}"], keys[f"{GROUPS}{i}.{k}"] = (
+                v,
+                ("optim", "param_groups", i, k),
+            )
     write_metadata(folder, pieces, _write_objects(folder / _GROUPS_FILE, values), keys)
     return folder
 
@@ -127,20 +130,43 @@ def load_checkpoint(opt, path: str | os.PathLike, timeout_s: float | None = None
     for s in layout.params:
         size = source.size(MODEL + s.name)
         if size is None:
-            raise ConfigError(f"checkpoint {folder} has no {MODEL}{s.name}: load a training checkpoint of this model (save_checkpoint's, or FSDP2's)")
+            raise ConfigError(
+                f"checkpoint {folder} has no {MODEL}{s.name}: load a training checkpoint of this model (save_checkpoint's, or FSDP2's)"
+            )
         if size != tuple(s.shape):
-            raise ConfigError(f"checkpoint {folder}: {MODEL}{s.name} has shape {size}, the model's is {tuple(s.shape)}")
+            raise ConfigError(
+                f"checkpoint {folder}: {MODEL}{s.name} has shape {size}, the model's is {tuple(s.shape)}"
+            )
     groups = _read_groups(opt, source)
-    keys = [f"{OPTIM_STATE}{s.name}.step" for s in layout.params if source.size(f"{OPTIM_STATE}{s.name}.step") is not None]
+    keys = [
+        f"{OPTIM_STATE}{s.name}.step"
+        for s in layout.params
+        if source.size(f"{OPTIM_STATE}{s.name}.step") is not None
+    ]
     steps = {k: torch.zeros(()) for k in keys}
     source.read({k: [((), t)] for k, t in steps.items()})
     step = int(max(float(t) for t in steps.values())) if steps else opt.worker.step_num
     nodes = [n for n in range(layout.num_nodes) if layout.buckets_of(n)]
     for n in nodes:
-        opt.client.send(n, {"op": Op.IMPORT, "step": step, "path": str(folder)}, [_frame(layout, n, None)])
-    _raise_first(opt.client.answers([(Op.IMPORT, n, step, -1) for n in nodes], Op.IMPORT, _timeout(opt, timeout_s), what="checkpoint loaded"))
+        opt.client.send(
+            n, {"op": Op.IMPORT, "step": step, "path": str(folder)}, [_frame(layout, n, None)]
+        )
+    _raise_first(
+        opt.client.answers(
+            [(Op.IMPORT, n, step, -1) for n in nodes],
+            Op.IMPORT,
+            _timeout(opt, timeout_s),
+            what="checkpoint loaded",
+        )
+    )
     for g, saved in zip(opt.param_groups, groups):
-        g.update({k: v for k, v in saved.items() if k in opt.kind.defaults or k in EXTRA_HYPER[opt.kind.name]})
+        g.update(
+            {
+                k: v
+                for k, v in saved.items()
+                if k in opt.kind.defaults or k in EXTRA_HYPER[opt.kind.name]
+            }
+        )
     return opt.worker.recover(None)  # every rank takes the loaded weights and the step
 
 
@@ -160,8 +186,14 @@ def _raise_first(answers: list) -> list:
 
 def _frame(layout, node: int, groups: list[dict] | None) -> torch.Tensor:
     """The EXPORT / IMPORT frame for ``node``: its parameters' names and shapes (and the groups' hyperparameters)."""
-    params = {s.param: [s.name, list(layout.params[s.param].shape)] for b in layout.buckets_of(node) for s in b.segments}
-    return torch.frombuffer(bytearray(msgpack.packb({"params": params, "groups": groups})), dtype=torch.uint8)
+    params = {
+        s.param: [s.name, list(layout.params[s.param].shape)]
+        for b in layout.buckets_of(node)
+        for s in b.segments
+    }
+    return torch.frombuffer(
+        bytearray(msgpack.packb({"params": params, "groups": groups})), dtype=torch.uint8
+    )
 
 
 def _plain(v):
@@ -188,13 +220,22 @@ def _torch_groups(opt) -> list[dict]:
     """The param groups as torch's ``get_state_dict`` has them: every key torch's optimizer class of this
     kind keeps (its implementation switches too: an FSDP2 job's optimizer asks for them), LuWu's values,
     ``params`` as the parameters' names."""
-    classes = {name.lower(): c for name, c in vars(torch.optim).items() if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)}
+    classes = {
+        name.lower(): c
+        for name, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+    }
     cls = classes.get(opt.kind.name)
     out = []
     for g, names in zip(opt.param_groups, _group_names(opt)):
         group = {}
         if cls is not None:
-            group = dict(cls([torch.zeros(1, requires_grad=True)], **{k: g[k] for k in opt.kind.defaults if k in g}).param_groups[0])
+            group = dict(
+                cls(
+                    [torch.zeros(1, requires_grad=True)],
+                    **{k: g[k] for k in opt.kind.defaults if k in g},
+                ).param_groups[0]
+            )
         out.append(group | {k: v for k, v in g.items() if k != "params"} | {"params": names})
     return out
 
@@ -210,35 +251,58 @@ def _read_groups(opt, source: DcpFolder) -> list[dict]:
         groups.setdefault(int(index), {})[name] = value
     mine = _group_names(opt)
     if sorted(groups) != list(range(len(mine))):
-        raise ConfigError(f"checkpoint {source.path} has {len(groups)} param groups, this optimizer {len(mine)}: build it with the same groups")
+        raise ConfigError(
+            f"checkpoint {source.path} has {len(groups)} param groups, this optimizer {len(mine)}: build it with the same groups"
+        )
     for i, names in enumerate(mine):
         saved = groups[i].get("params")
         if saved is not None and list(saved) != names:
-            raise ConfigError(f"checkpoint {source.path}: param group {i} holds {list(saved)[:6]}, this optimizer's {names[:6]}: build it with the same groups")
+            raise ConfigError(
+                f"checkpoint {source.path}: param group {i} holds {list(saved)[:6]}, this optimizer's {names[:6]}: build it with the same groups"
+            )
     return [groups[i] for i in range(len(mine))]
 
 
-def _export(opt, path, groups: list[dict] | None, keys: dict, timeout_s: float | None) -> tuple[Path, list[tuple[str, list]]]:
+def _export(
+    opt, path, groups: list[dict] | None, keys: dict, timeout_s: float | None
+) -> tuple[Path, list[tuple[str, list]]]:
     """EXPORT to every node holding buckets; returns the folder and, per node, its file and its pieces
     (each checked to be one of ``keys`` with one size)."""
     layout, client = opt.layout, opt.client
     nodes = [n for n in range(layout.num_nodes) if layout.buckets_of(n)]
     for n in nodes:
-        client.send(n, {"op": Op.EXPORT, "step": opt.worker.step_num, "path": os.fspath(path)}, [_frame(layout, n, groups)])
-    msgs = _raise_first(client.answers([(Op.EXPORT, n, None, -1) for n in nodes], Op.EXPORT, _timeout(opt, timeout_s), what="exported shard"))
+        client.send(
+            n,
+            {"op": Op.EXPORT, "step": opt.worker.step_num, "path": os.fspath(path)},
+            [_frame(layout, n, groups)],
+        )
+    msgs = _raise_first(
+        client.answers(
+            [(Op.EXPORT, n, None, -1) for n in nodes],
+            Op.EXPORT,
+            _timeout(opt, timeout_s),
+            what="exported shard",
+        )
+    )
     folders = {m.header["path"] for m in msgs}
     if len(folders) != 1:
-        raise ProtocolError(f"the nodes wrote into different folders {sorted(folders)}: give them one export root on a shared filesystem")
+        raise ProtocolError(
+            f"the nodes wrote into different folders {sorted(folders)}: give them one export root on a shared filesystem"
+        )
     pieces = []
     for n, m in zip(nodes, msgs):  # node n wrote __<n>_0.distcp (its index in the layout)
         entries = msgpack.unpackb(m.tensors()[0].numpy().tobytes())
         unknown = sorted({e[0] for e in entries} - set(keys))
         if unknown:
-            raise ProtocolError(f"node {client.nodes[n]} wrote tensors this job does not have: {unknown[:4]}")
+            raise ProtocolError(
+                f"node {client.nodes[n]} wrote tensors this job does not have: {unknown[:4]}"
+            )
         pieces.append((f"__{n}_0.distcp", entries))
     folder = Path(folders.pop())
     if not folder.is_dir():
-        raise ConfigError(f"the nodes wrote into {folder}, which this worker cannot see: put the export root on a filesystem the nodes and the workers share")
+        raise ConfigError(
+            f"the nodes wrote into {folder}, which this worker cannot see: put the export root on a filesystem the nodes and the workers share"
+        )
     return folder, pieces
 
 

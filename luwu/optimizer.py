@@ -31,23 +31,25 @@ from luwu import hyper as hyperparameters
 from luwu import model_io, optim_state
 from luwu.clipping import RoundPolicy
 from luwu.config import LuwuConfig, resolve_config
+from luwu.gpu_workers import grad_views, layer_waits, precision, streaming
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
-from luwu.gpu_workers import grad_views, layer_waits, precision, streaming
 from luwu.gpu_workers.links import LinkSpeeds
 from luwu.gpu_workers.metrics import StepReport, WorkerMetrics
 from luwu.gpu_workers.worker import Worker
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
+from luwu.protocol.layout import ParamSpec, build_layout
 from luwu.protocol.memory import trim_heap
 from luwu.protocol.metrics import serve_metrics
-from luwu.protocol.layout import ParamSpec, build_layout
 from luwu.switch_nodes.optimizers import EXTRA_HYPER, check_hyper, get_kind
 
 log = logging.getLogger(__name__)
 
 # GradScaler hands itself to optimizers that take a ``grad_scaler`` argument and warns that this will
 # change; LuWu needs the scaler to make the overflow decision global, so the warning is expected.
-warnings.filterwarnings("ignore", message="GradScaler is going to stop passing itself", category=FutureWarning)
+warnings.filterwarnings(
+    "ignore", message="GradScaler is going to stop passing itself", category=FutureWarning
+)
 
 
 class RemoteOptimizer(torch.optim.Optimizer):
@@ -139,25 +141,61 @@ class RemoteOptimizer(torch.optim.Optimizer):
         registry=None,
         metrics_port: int | None = None,
         metrics_host: str | None = None,
-        stream_weights: bool | None = None, stream_units=None, prefetch: int | None = None, init_weights: str | None = None, model=None,
+        stream_weights: bool | None = None,
+        stream_units=None,
+        prefetch: int | None = None,
+        init_weights: str | None = None,
+        model=None,
         resume: bool | None = None,
         **hyper,
     ):
         if optimizer is not None:
             get_kind(optimizer)  # torch's algorithms a node cannot run are refused with the reason
         cfg = resolve_config(
-            config, optimizer=optimizer, nodes=nodes, capacities=capacities, world_size=world_size, job=job, mode=mode,
-            delayed_update=delayed_update, delayed_update_warmup=delayed_update_warmup, delayed_params=delayed_params,
-            max_grad_norm=max_grad_norm, layer_waits=layer_waits, bucket_bytes=bucket_bytes, timeout_s=timeout_s, metrics_host=metrics_host,
-            transport=transport, compression=compression, stream_weights=stream_weights, prefetch=prefetch, stream_units=streaming.patterns_of(stream_units), init_weights=init_weights, resume=resume,
+            config,
+            optimizer=optimizer,
+            nodes=nodes,
+            capacities=capacities,
+            world_size=world_size,
+            job=job,
+            mode=mode,
+            delayed_update=delayed_update,
+            delayed_update_warmup=delayed_update_warmup,
+            delayed_params=delayed_params,
+            max_grad_norm=max_grad_norm,
+            layer_waits=layer_waits,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout_s,
+            metrics_host=metrics_host,
+            transport=transport,
+            compression=compression,
+            stream_weights=stream_weights,
+            prefetch=prefetch,
+            stream_units=streaming.patterns_of(stream_units),
+            init_weights=init_weights,
+            resume=resume,
         )
         self.config = cfg
-        self.streamer, self._waits, (self._units, self._unit_of) = None, None, streaming.plan_units(params if model is None else model, stream_units, cfg.optimizer, model is not None)
+        self.streamer, self._waits, (self._units, self._unit_of) = (
+            None,
+            None,
+            streaming.plan_units(
+                params if model is None else model, stream_units, cfg.optimizer, model is not None
+            ),
+        )
         kind = get_kind(cfg.optimizer.name)
-        keywords = [n for n, p in inspect.signature(RemoteOptimizer.__init__).parameters.items() if p.kind is p.KEYWORD_ONLY]
+        keywords = [
+            n
+            for n, p in inspect.signature(RemoteOptimizer.__init__).parameters.items()
+            if p.kind is p.KEYWORD_ONLY
+        ]
         defaults = hyperparameters.defaults_of(kind, hyper, keywords)
-        names: dict[int, str] = {} if model is None else {id(p): n for n, p in model.named_parameters()}  # groups named by model=
-        self._model = params if isinstance(params, torch.nn.Module) else model  # (model_state_dict's keys)
+        names: dict[int, str] = (
+            {} if model is None else {id(p): n for n, p in model.named_parameters()}
+        )  # groups named by model=
+        self._model = (
+            params if isinstance(params, torch.nn.Module) else model
+        )  # (model_state_dict's keys)
         if isinstance(params, torch.nn.Module):
             named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
             names = {id(p): n for n, p in named}
@@ -172,7 +210,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         self.nodes = list(cfg.cluster.nodes)
         self.job = cfg.cluster.job
         self.amp = amp
-        self._round_policy = RoundPolicy(max_grad_norm=self.max_grad_norm, amp=amp, mode=cfg.node.mode, resume=cfg.optimizer.resume)
+        self._round_policy = RoundPolicy(
+            max_grad_norm=self.max_grad_norm,
+            amp=amp,
+            mode=cfg.node.mode,
+            resume=cfg.optimizer.resume,
+        )
         self._flat_params()  # a pattern that matches no parameter fails here, before any thread or socket
         self._sync_grads = True
         self._hooks: list = []
@@ -189,7 +232,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _start(self) -> None:
         """Connect to the nodes and join the job. A refused start holds no rank there: BYE to the nodes that
         welcomed this worker before another refused it."""
-        self.client = WorkerClient(self.nodes, job=self.job, rank=self.rank, cfg=self.config.transport)
+        self.client = WorkerClient(
+            self.nodes, job=self.job, rank=self.rank, cfg=self.config.transport
+        )
         try:
             self._build()
         except BaseException:
@@ -217,31 +262,60 @@ class RemoteOptimizer(torch.optim.Optimizer):
         params, specs = [], []
         patterns = self.config.optimizer.delayed_params
         for gi, g in enumerate(self.param_groups):
-            names = g.get("param_names") or [None] * len(g["params"])  # torch keeps named parameters' names here
+            names = g.get("param_names") or [None] * len(
+                g["params"]
+            )  # torch keeps named parameters' names here
             for p, name in zip(g["params"], names):
                 params.append(p)
                 name = name or self._names.get(id(p), f"param{len(specs)}")
                 delayed = any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
-                specs.append(ParamSpec(name, tuple(p.shape), gi, delayed, self._unit_of.get(id(p), -1), whole=self.kind.whole_params))
+                specs.append(
+                    ParamSpec(
+                        name,
+                        tuple(p.shape),
+                        gi,
+                        delayed,
+                        self._unit_of.get(id(p), -1),
+                        whole=self.kind.whole_params,
+                    )
+                )
         for pat in patterns:
             if not any(fnmatch.fnmatchcase(s.name, pat) for s in specs):
-                raise ConfigError(f"delayed_params pattern {pat!r} matches no parameter (names: {', '.join(s.name for s in specs[:8])}{', ...' if len(specs) > 8 else ''})")
+                raise ConfigError(
+                    f"delayed_params pattern {pat!r} matches no parameter (names: {', '.join(s.name for s in specs[:8])}{', ...' if len(specs) > 8 else ''})"
+                )
         return params, specs
 
     def _build(self, step: int = 0) -> None:
         params, specs = self._flat_params()
-        precision.check_dtypes(params, lambda p: self._names.get(id(p), "?"), streaming=self._units is not None)
+        precision.check_dtypes(
+            params, lambda p: self._names.get(id(p), "?"), streaming=self._units is not None
+        )
         self.layout = build_layout(specs, self.config.transport.bucket_bytes, self.capacities)
-        if max((b.nbytes for b in self.layout.buckets), default=0) > self.config.transport.max_message_bytes:  # a whole parameter (Adafactor)
-            raise ConfigError("a parameter kept whole is over transport.max_message_bytes: raise it (and node.max_message_bytes)")
+        if (
+            max((b.nbytes for b in self.layout.buckets), default=0)
+            > self.config.transport.max_message_bytes
+        ):  # a whole parameter (Adafactor)
+            raise ConfigError(
+                "a parameter kept whole is over transport.max_message_bytes: raise it (and node.max_message_bytes)"
+            )
         feedback, cc = None, self.config.compression
-        self._links = LinkSpeeds(self.client, cc, self.layout, self.metrics, rank=self.rank, before=getattr(self, "_links", None))  # each node link's codecs
+        self._links = LinkSpeeds(
+            self.client,
+            cc,
+            self.layout,
+            self.metrics,
+            rank=self.rank,
+            before=getattr(self, "_links", None),
+        )  # each node link's codecs
         codec_for, pull_for, fetch_for = self._links.codec_functions()
         if cc.enabled:
             from luwu.protocol.feedback import ErrorFeedback
 
             feedback = ErrorFeedback(getattr(torch, cc.residual_dtype))
-        pull_for = precision.pull_codec_for(params, pull_for)  # a bf16 model's weights come back as bf16
+        pull_for = precision.pull_codec_for(
+            params, pull_for
+        )  # a bf16 model's weights come back as bf16
         self.worker = Worker(
             params,
             self.layout,
@@ -257,15 +331,23 @@ class RemoteOptimizer(torch.optim.Optimizer):
             hyper_of=self._hyper_of,
             momentum_correction=cc.enabled and cc.momentum_correction,
             two_phase=False,  # (decided once connected: RoundPolicy)
-            **streaming.worker_arguments(self.layout, self._units, self.config.optimizer, fetch_for),
+            **streaming.worker_arguments(
+                self.layout, self._units, self.config.optimizer, fetch_for
+            ),
         )
         self.worker.connect(step, resume=self.config.optimizer.resume)
         self._links.start(self.worker.step_num)
-        self.worker.two_phase = self._round_policy.wants_round(self.worker.step_num)  # (whether it starts the job with the others: known now)
+        self.worker.two_phase = self._round_policy.wants_round(
+            self.worker.step_num
+        )  # (whether it starts the job with the others: known now)
         trim_heap()  # the start-up pull's replies, freed: not kept for reuse as a step's (a second model's worth)
-        self.streamer = streaming.restart(self.streamer, self.worker, params, self._units, self.config.optimizer, self.metrics)
+        self.streamer = streaming.restart(
+            self.streamer, self.worker, params, self._units, self.config.optimizer, self.metrics
+        )
         hold = self.config.optimizer.hold_replies
-        self._hold_replies = not self.worker.streamed and (hold == "always" or hold == "auto" and self._links.slowest_gbps() >= 10)
+        self._hold_replies = not self.worker.streamed and (
+            hold == "always" or hold == "auto" and self._links.slowest_gbps() >= 10
+        )
         if self._hold_replies:  # from the first step on: as if the step before it had just begun
             self.client.release(step - 1)
         self._close_waits()
@@ -273,7 +355,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         grad_views.attach(self.worker, self.config.optimizer)
         for h in self._hooks:
             h.remove()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)
+        ]
 
     def _delayed_buckets(self) -> frozenset[int]:
         """Ids of the buckets whose weights land a step late once the delay starts."""
@@ -300,7 +384,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if not cc.enabled or not cc.momentum_correction:
             return
         try:
-            hyperparameters.check_momentum_correction(self.kind, self._hyper_of(gi), cc, self.config.node.mode)
+            hyperparameters.check_momentum_correction(
+                self.kind, self._hyper_of(gi), cc, self.config.node.mode
+            )
         except ConfigError as exc:
             raise ConfigError(f"param group {gi}: {exc}") from None
 
@@ -322,7 +408,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         g = self.param_groups[-1]
         extras = {k: g[k] for names in EXTRA_HYPER.values() for k in names if g.get(k) is not None}
         try:  # as torch's constructors do: a bad value fails here, not at the first push to a node
-            check_hyper(self.kind, self._hyper_of(len(self.param_groups) - 1) | extras)  # extras: one for another optimizer is named
+            check_hyper(
+                self.kind, self._hyper_of(len(self.param_groups) - 1) | extras
+            )  # extras: one for another optimizer is named
         except ConfigError as exc:
             self.param_groups.pop()
             raise ConfigError(f"param group {len(self.param_groups)}: {exc}") from None
@@ -343,7 +431,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
         """The optimizer state gathered from the shards, in ``torch.optim``'s own format."""
         self.synchronize()
         sd = super().state_dict()
-        sd["state"] = optim_state.to_torch(self.kind, self.layout, self._flat_params()[0], self.param_groups, optim_state.fetch(self.worker))
+        sd["state"] = optim_state.to_torch(
+            self.kind,
+            self.layout,
+            self._flat_params()[0],
+            self.param_groups,
+            optim_state.fetch(self.worker),
+        )
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -351,8 +445,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         nodes, with this worker's current parameters as the master weights; any node count works."""
         self.synchronize()
         super().load_state_dict(state_dict)
-        with streaming.gathered(self.streamer):  # streaming mode: the weights are the master weights too
-            flats = optim_state.from_torch(self.kind, self.layout, self._flat_params()[0], self.state)
+        with streaming.gathered(
+            self.streamer
+        ):  # streaming mode: the weights are the master weights too
+            flats = optim_state.from_torch(
+                self.kind, self.layout, self._flat_params()[0], self.state
+            )
         self.state.clear()
         optim_state.store(self.worker, flats, self._state_names())
 
@@ -374,9 +472,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
         rolls back to that step and this worker takes its weights) or a ``WorkerLostError`` (dropped in
         elastic mode: take the current weights). Returns the step to resume from: rewind the data to it
         (e.g. ``Prefetcher.load_state_dict``, or a sampler indexed by step)."""
-        err = self._last_error or self.worker.last_error  # (streaming mode also waits in forward and backward)
+        err = (
+            self._last_error or self.worker.last_error
+        )  # (streaming mode also waits in forward and backward)
         if isinstance(err, RollbackError):
-            step = self.worker.recover(err.step, (getattr(err, "detail", None) or {}).get("boot", ""))
+            step = self.worker.recover(
+                err.step, (getattr(err, "detail", None) or {}).get("boot", "")
+            )
         else:
             step = self.worker.recover(None)
         self._last_error = None
@@ -399,24 +501,38 @@ class RemoteOptimizer(torch.optim.Optimizer):
         inv_scale = 1.0
         if grad_scaler is not None:
             if not self.amp:
-                raise ConfigError("a GradScaler drives this optimizer: construct RemoteOptimizer(..., amp=True) so the overflow decision is made globally")
+                raise ConfigError(
+                    "a GradScaler drives this optimizer: construct RemoteOptimizer(..., amp=True) so the overflow decision is made globally"
+                )
             inv_scale = 1.0 / float(grad_scaler.get_scale())
         if self._hold_replies:  # the nodes may send this step's weights now
             self.client.release(self.worker.step_num)
-        report = self.worker.step(delay=self._delaying(self.worker.step_num), inv_scale=inv_scale, max_norm=self.max_grad_norm)
+        report = self.worker.step(
+            delay=self._delaying(self.worker.step_num),
+            inv_scale=inv_scale,
+            max_norm=self.max_grad_norm,
+        )
         self._links.at_step(self.worker.step_num)  # (between this step's pushes and the next's)
         streaming.end_step(self.streamer, report)
         if grad_scaler is not None:
             # Every worker's scaler backs off alike: the decision is the nodes', not this worker's grads.
             state = grad_scaler._per_optimizer_states[id(self)]
-            state["found_inf_per_device"] = {torch.device("cpu"): torch.full((), float(report.skipped))}
+            state["found_inf_per_device"] = {
+                torch.device("cpu"): torch.full((), float(report.skipped))
+            }
         self.last_report = report
         self._round_policy.stepped = True
         self.worker.two_phase = self._round_policy.wants_round(self.worker.step_num)
         self._record(report)
         return loss
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach=None,
+    ) -> torch.Tensor:
         """Clip the averaged gradient by its global norm on the nodes, as ``torch.nn.utils.clip_grad_norm_``
         does locally (FSDP's ``model.clip_grad_norm_``): call it after ``backward()`` and before ``step()``.
         Returns the total 2-norm of the averaged gradient (unscaled with ``amp=scaler``), the same on every
@@ -427,7 +543,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         clip): the first step's gradients wait for it on the nodes, and once it is called every step does.
         ``foreach`` is accepted for torch's signature and ignored."""
         step = self.worker.step_num
-        inv_scale = self._round_policy.inv_scale_for_clip(step, self.worker.two_phase, max_norm, norm_type)
+        inv_scale = self._round_policy.inv_scale_for_clip(
+            step, self.worker.two_phase, max_norm, norm_type
+        )
         try:
             nonfinite, norm = self.worker.clip_round(inv_scale, float(max_norm))
         except LuwuError as exc:
@@ -450,7 +568,13 @@ class RemoteOptimizer(torch.optim.Optimizer):
         """Per-step metrics: counters from the I/O thread's totals, the step-time breakdown from the report."""
         pf = getattr(self, "_prefetcher", None)
         raw = sum(b.numel for b in self.layout.buckets) * 4
-        self.metrics.record_step(report, self.client.bytes_sent, self.client.bytes_received, raw, pf.last_wait_s if pf is not None else None)
+        self.metrics.record_step(
+            report,
+            self.client.bytes_sent,
+            self.client.bytes_received,
+            raw,
+            pf.last_wait_s if pf is not None else None,
+        )
 
     def attach_prefetcher(self, prefetcher) -> None:
         """Report the seconds each step waited for data (``luwu_worker_data_wait_seconds``) from a Prefetcher."""

@@ -45,21 +45,45 @@ PULL_CODECS = ("none", "bf16", "fp16", "bf16_steps", "int8_delta")
 STREAM_CODECS = ("none", "bf16", "fp16", "int8", "int4")
 
 #: How much a codec loses, for ranking options: 0 is exact.
-LOSSINESS: dict[str, int] = {"none": 0, "bf16": 1, "fp16": 1, "bf16_steps": 1, "int8": 2, "int8_delta": 2, "int4": 3, "topk": 4}
+LOSSINESS: dict[str, int] = {
+    "none": 0,
+    "bf16": 1,
+    "fp16": 1,
+    "bf16_steps": 1,
+    "int8": 2,
+    "int8_delta": 2,
+    "int4": 3,
+    "topk": 4,
+}
 
 # BEGIN MEASURED (benchmarks/bench_codecs.py --write-facts rewrites this block)
 #: Per codec: encode, encode with error feedback and decode-add throughput, GB/s of fp32 input, one
 #: thread; overhead_us: fixed cost of one message (encode + decode-add of 1024 elements, less ``none``'s).
 MEASURED_ON = "16777216 elements, 1 thread(s), median of 9, loadavg 0.66 1.32 1.62"
 MEASURED: dict[str, dict[str, float]] = {
-    "none": {"encode_gbps": math.inf, "encode_ef_gbps": math.inf, "decode_gbps": 9.98, "overhead_us": 0.0},
+    "none": {
+        "encode_gbps": math.inf,
+        "encode_ef_gbps": math.inf,
+        "decode_gbps": 9.98,
+        "overhead_us": 0.0,
+    },
     "bf16": {"encode_gbps": 16.2, "encode_ef_gbps": 5.1, "decode_gbps": 9.67, "overhead_us": 6.85},
     "fp16": {"encode_gbps": 6.27, "encode_ef_gbps": 3.13, "decode_gbps": 9.54, "overhead_us": 18.1},
     "int8": {"encode_gbps": 14.1, "encode_ef_gbps": 6.4, "decode_gbps": 14.1, "overhead_us": 8.94},
     "int4": {"encode_gbps": 14.1, "encode_ef_gbps": 8.79, "decode_gbps": 16.8, "overhead_us": 8.2},
     "topk": {"encode_gbps": 1.29, "encode_ef_gbps": 1.09, "decode_gbps": 25.2, "overhead_us": 22.8},
-    "int8_delta": {"encode_gbps": 2.94, "encode_ef_gbps": 2.94, "decode_gbps": 17.3, "overhead_us": 23.3},
-    "bf16_steps": {"encode_gbps": 2.96, "encode_ef_gbps": 2.96, "decode_gbps": 5.24, "overhead_us": 14.6},
+    "int8_delta": {
+        "encode_gbps": 2.94,
+        "encode_ef_gbps": 2.94,
+        "decode_gbps": 17.3,
+        "overhead_us": 23.3,
+    },
+    "bf16_steps": {
+        "encode_gbps": 2.96,
+        "encode_ef_gbps": 2.96,
+        "decode_gbps": 5.24,
+        "overhead_us": 14.6,
+    },
 }
 # END MEASURED
 
@@ -84,7 +108,11 @@ def throughput(name: str) -> Throughput | None:
     if row is None:
         return None
     ef = base_name(name) in FEEDBACK_CODECS
-    return Throughput(row["encode_ef_gbps" if ef else "encode_gbps"], row["decode_gbps"], row["overhead_us"] * 1e-6)
+    return Throughput(
+        row["encode_ef_gbps" if ef else "encode_gbps"],
+        row["decode_gbps"],
+        row["overhead_us"] * 1e-6,
+    )
 
 
 def codec_for(name: str):

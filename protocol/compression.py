@@ -9,10 +9,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from luwu.protocol.codec_facts import PULL_CODECS, ROUNDING_CODECS, STREAM_CODECS, check_codec_name, is_sparse
+from luwu.protocol.codec_facts import (
+    PULL_CODECS,
+    ROUNDING_CODECS,
+    STREAM_CODECS,
+    check_codec_name,
+    is_sparse,
+)
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import SMALL_NUMEL
-
 
 #: Storage dtypes of an error-feedback residual (torch's names).
 RESIDUAL_DTYPES = ("float32", "bfloat16")
@@ -102,28 +107,48 @@ class CompressionConfig:
             or not isinstance(self.link_gbps, (int, float))
             or not (math.isfinite(self.link_gbps) and self.link_gbps > 0)
         ):
-            raise ConfigError(f'compression.link_gbps must be "auto" (measured) or a positive finite number of Gbit/s, got {self.link_gbps!r}')
-        if isinstance(self.topk_density, bool) or not isinstance(self.topk_density, (int, float)) or not (
-            0.0 < self.topk_density <= 1.0
+            raise ConfigError(
+                f'compression.link_gbps must be "auto" (measured) or a positive finite number of Gbit/s, got {self.link_gbps!r}'
+            )
+        if (
+            isinstance(self.topk_density, bool)
+            or not isinstance(self.topk_density, (int, float))
+            or not (0.0 < self.topk_density <= 1.0)
         ):
-            raise ConfigError(f"compression.topk_density must be in (0, 1], got {self.topk_density!r}")
+            raise ConfigError(
+                f"compression.topk_density must be in (0, 1], got {self.topk_density!r}"
+            )
         if self.link_gbps != AUTO:
             self.link_gbps = float(self.link_gbps)
         self.topk_density = float(self.topk_density)
         check_codec_name("compression.large_codec", self.large_codec)
         if self.warmup_codec not in ROUNDING_CODECS:
-            raise ConfigError(f"compression.warmup_codec must be one of {ROUNDING_CODECS} (no error feedback in the warm-up), got {self.warmup_codec!r}")
+            raise ConfigError(
+                f"compression.warmup_codec must be one of {ROUNDING_CODECS} (no error feedback in the warm-up), got {self.warmup_codec!r}"
+            )
         if self.pull_codec not in (*PULL_CODECS, "auto"):
-            raise ConfigError(f"compression.pull_codec must be auto or one of {PULL_CODECS}, got {self.pull_codec!r}")
+            raise ConfigError(
+                f"compression.pull_codec must be auto or one of {PULL_CODECS}, got {self.pull_codec!r}"
+            )
         if self.stream_codec not in STREAM_CODECS:
-            raise ConfigError(f"compression.stream_codec must be one of {STREAM_CODECS}, got {self.stream_codec!r}")
+            raise ConfigError(
+                f"compression.stream_codec must be one of {STREAM_CODECS}, got {self.stream_codec!r}"
+            )
         if self.residual_dtype not in RESIDUAL_DTYPES:
-            raise ConfigError(f"compression.residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}")
+            raise ConfigError(
+                f"compression.residual_dtype must be one of {RESIDUAL_DTYPES}, got {self.residual_dtype!r}"
+            )
         self.rules = _parse_rules(self.rules)
         if not isinstance(self.momentum_correction, bool):
-            raise ConfigError(f"compression.momentum_correction must be a bool, got {self.momentum_correction!r}")
-        if self.momentum_correction and not any(is_sparse(c) for c in [self.large_codec, *(c for _, c in self.rules)]):
-            raise ConfigError("compression.momentum_correction applies to top-k buckets, and neither large_codec nor a rule is top-k")
+            raise ConfigError(
+                f"compression.momentum_correction must be a bool, got {self.momentum_correction!r}"
+            )
+        if self.momentum_correction and not any(
+            is_sparse(c) for c in [self.large_codec, *(c for _, c in self.rules)]
+        ):
+            raise ConfigError(
+                "compression.momentum_correction applies to top-k buckets, and neither large_codec nor a rule is top-k"
+            )
 
     def codec_name(self, name: str) -> str:
         """The wire name of codec ``name`` with this config's parameters (top-k density)."""
@@ -145,14 +170,20 @@ def _parse_rules(rules) -> list[tuple[str, str]]:
             items.append((pattern.strip(), codec.strip()))
         rules = items
     if not isinstance(rules, (list, tuple)):
-        raise ConfigError(f"compression.rules must be a list of (pattern, codec) pairs, got {rules!r}")
+        raise ConfigError(
+            f"compression.rules must be a list of (pattern, codec) pairs, got {rules!r}"
+        )
     out = []
     for i, rule in enumerate(rules):
         if isinstance(rule, str) or not isinstance(rule, (list, tuple)) or len(rule) != 2:
-            raise ConfigError(f"compression.rules[{i}] must be a (pattern, codec) pair, got {rule!r}")
+            raise ConfigError(
+                f"compression.rules[{i}] must be a (pattern, codec) pair, got {rule!r}"
+            )
         pattern, codec = rule
         if not isinstance(pattern, str) or not pattern:
-            raise ConfigError(f"compression.rules[{i}]: pattern must be a non-empty str, got {pattern!r}")
+            raise ConfigError(
+                f"compression.rules[{i}]: pattern must be a non-empty str, got {pattern!r}"
+            )
         check_codec_name(f"compression.rules[{i}] codec", codec)
         out.append((pattern, codec))
     return out

@@ -205,7 +205,11 @@ def write_metadata(
     ProtocolError."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
         TensorStorageMetadata,
     )  # fmt: skip
 
@@ -215,9 +219,7 @@ def write_metadata(
         for key, size, offsets, sizes, at, length in file_pieces:
             md = entries.setdefault(
                 key,
-                TensorStorageMetadata(
-                    TensorProperties(dtype=torch.float32), torch.Size(size), []
-                ),
+                TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), []),
             )
             if tuple(md.size) != tuple(size):
                 raise ProtocolError(f"two shapes for {key}: {list(md.size)} and {list(size)}")

@@ -83,7 +83,9 @@ class ErrorFeedback:
         r = self._res.get(key)
         if r is None or r.numel() != numel:
             if r is not None:
-                log.warning("residual of %r resized from %d to %d elements: dropped", key, r.numel(), numel)
+                log.warning(
+                    "residual of %r resized from %d to %d elements: dropped", key, r.numel(), numel
+                )
             r = self._res[key] = torch.zeros(numel, dtype=self.dtype)
         return r
 
@@ -135,7 +137,9 @@ class ErrorFeedback:
             r = self._res[key]
             if out is None:
                 out = codec.alloc(x.numel())  # the frame must not alias r (or the scratch)
-            enc = self._with_fp32(r, lambda r32: codec.encode(r32.add_(x), out, num_summands=num_summands))
+            enc = self._with_fp32(
+                r, lambda r32: codec.encode(r32.add_(x), out, num_summands=num_summands)
+            )
             r.zero_()
             self._dirty.discard(key)
             self._vel.pop(key, None)
@@ -144,16 +148,24 @@ class ErrorFeedback:
         self._dirty.add(key)
         if momentum is None:
             self._vel.pop(key, None)
-            return self._with_fp32(r, lambda r32: codec.encode_feedback_(x, r32, out, num_summands=num_summands))
+            return self._with_fp32(
+                r, lambda r32: codec.encode_feedback_(x, r32, out, num_summands=num_summands)
+            )
         if not codec.sparse:
-            raise ConfigError(f"momentum correction needs a sparse codec (top-k), not {codec.name!r}")
+            raise ConfigError(
+                f"momentum correction needs a sparse codec (top-k), not {codec.name!r}"
+            )
         u = self._vel.get(key)
         if u is None or u.numel() != x.numel():
             u = self._vel[key] = torch.zeros(x.numel(), dtype=torch.float32)
         beta, alpha = momentum
         u.mul_(beta).add_(x, alpha=alpha)
-        enc = self._with_fp32(r, lambda r32: codec.encode_feedback_(u, r32, out, num_summands=num_summands))
-        codec.clear_sent_(u, enc)  # momentum factor masking: what was sent carries its momentum with it
+        enc = self._with_fp32(
+            r, lambda r32: codec.encode_feedback_(u, r32, out, num_summands=num_summands)
+        )
+        codec.clear_sent_(
+            u, enc
+        )  # momentum factor masking: what was sent carries its momentum with it
         return enc
 
     def reset(self, key: Hashable | None = None) -> None:
@@ -172,7 +184,10 @@ class ErrorFeedback:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self._res, self._vel) for t in d.values()) + self._wide.numel() * 4
+        return (
+            sum(t.numel() * t.element_size() for d in (self._res, self._vel) for t in d.values())
+            + self._wide.numel() * 4
+        )
 
 
 class PullEncoded(NamedTuple):
@@ -192,13 +207,17 @@ class DeltaEncoder:
     worker that just joined, needs :meth:`force_resync`.
     """
 
-    def __init__(self, codec: str = "int8", *, resync_every: int = 50, full_codec: str = "none", **params) -> None:
+    def __init__(
+        self, codec: str = "int8", *, resync_every: int = 50, full_codec: str = "none", **params
+    ) -> None:
         if isinstance(resync_every, bool) or not isinstance(resync_every, int) or resync_every < 1:
             raise ConfigError(f"resync_every must be an int >= 1, got {resync_every!r}")
         self.codec = get_codec(codec, **params)
         self.full = get_codec(full_codec)
         if self.full.lossy:
-            raise ConfigError(f"full_codec must be lossless (a resync is exact), got {full_codec!r}")
+            raise ConfigError(
+                f"full_codec must be lossless (a resync is exact), got {full_codec!r}"
+            )
         self.resync_every = resync_every
         self._shadow: dict[Hashable, torch.Tensor] = {}
         self._out: dict[Hashable, list[torch.Tensor]] = {}
@@ -241,7 +260,12 @@ class DeltaEncoder:
             shadow = self._shadow[key] = torch.empty(n, dtype=torch.float32)
             self._out.pop(key, None)
             last = None
-        if last is None or step - last >= self.resync_every or step < last or has_nonfinite(weights):
+        if (
+            last is None
+            or step - last >= self.resync_every
+            or step < last
+            or has_nonfinite(weights)
+        ):
             shadow.copy_(weights)
             self._last_full[key] = step
             # without full_out the shadow is the frame: no second full-size buffer
@@ -269,7 +293,9 @@ class DeltaEncoder:
         self._last_full.clear()
 
 
-def apply_pull_(weights: torch.Tensor, codec: str, delta: bool, frames: list[torch.Tensor], meta: dict) -> None:
+def apply_pull_(
+    weights: torch.Tensor, codec: str, delta: bool, frames: list[torch.Tensor], meta: dict
+) -> None:
     """Worker side: update the persistent fp32 copy ``weights`` from a reply.
 
     Call ``get_codec(codec).validate(...)`` on the frame lengths first.

@@ -80,7 +80,9 @@ class Segment:
     param_offset: int  # first element of the parameter covered
     offset: int  # where it starts inside the bucket
     numel: int
-    whole: bool = False  # the whole parameter, never split (ParamSpec.whole): its shape travels with it
+    whole: bool = (
+        False  # the whole parameter, never split (ParamSpec.whole): its shape travels with it
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,27 +102,58 @@ class Bucket:
         ``[id, group, numel, [[param, param_offset, offset, numel], ...]]`` (positions only: names and
         shapes stay with the workers, except that a ``whole`` segment carries its parameter's shape as a
         fifth item, for the optimizer). Compared by nodes when a layout is extended."""
-        return [self.id, self.group, self.numel, [[s.param, s.param_offset, s.offset, s.numel, *([list(s.shape)] if s.whole else [])] for s in self.segments]]
+        return [
+            self.id,
+            self.group,
+            self.numel,
+            [
+                [s.param, s.param_offset, s.offset, s.numel, *([list(s.shape)] if s.whole else [])]
+                for s in self.segments
+            ],
+        ]
 
     @classmethod
     def from_wire(cls, spec: Any, *, node: int = -1) -> Bucket:
         """Parse and validate what :meth:`to_wire` wrote (from an untrusted peer: every field checked).
         The segments carry positions only (empty name and shape; the shape of a whole one). Raises
         :class:`ProtocolError`."""
-        if not isinstance(spec, list) or len(spec) != 4 or not _ints(spec[:3], 3) or not isinstance(spec[3], list):
-            raise ProtocolError(f"malformed bucket spec {str(spec)[:200]}: expected [id, group, numel, [[param, param_offset, offset, numel], ...]]")
+        if (
+            not isinstance(spec, list)
+            or len(spec) != 4
+            or not _ints(spec[:3], 3)
+            or not isinstance(spec[3], list)
+        ):
+            raise ProtocolError(
+                f"malformed bucket spec {str(spec)[:200]}: expected [id, group, numel, [[param, param_offset, offset, numel], ...]]"
+            )
         bid, group, numel, segs = spec
         if not all(_segment_ok(x) for x in segs):
-            raise ProtocolError(f"bucket {bid}: each segment must be 4 ints [param, param_offset, offset, numel] (and a whole one's shape)")
+            raise ProtocolError(
+                f"bucket {bid}: each segment must be 4 ints [param, param_offset, offset, numel] (and a whole one's shape)"
+            )
         if numel <= 0 or bid < 0 or group < 0 or not segs:
             raise ProtocolError(f"bad bucket spec header {spec[:3]!r}")
         segments, off = [], 0
         for param, param_offset, offset, n, *shape in segs:
             if offset != off or n <= 0 or param < 0 or param_offset < 0:
                 raise ProtocolError(f"bucket {bid}: segments are not contiguous and positive")
-            if shape and (param_offset != 0 or any(d < 0 for d in shape[0]) or math.prod(shape[0]) != n):
-                raise ProtocolError(f"bucket {bid}: a whole segment of {n} elements at {param_offset} with shape {shape[0]}")
-            segments.append(Segment(param, "", tuple(shape[0]) if shape else (), param_offset, offset, n, bool(shape)))
+            if shape and (
+                param_offset != 0 or any(d < 0 for d in shape[0]) or math.prod(shape[0]) != n
+            ):
+                raise ProtocolError(
+                    f"bucket {bid}: a whole segment of {n} elements at {param_offset} with shape {shape[0]}"
+                )
+            segments.append(
+                Segment(
+                    param,
+                    "",
+                    tuple(shape[0]) if shape else (),
+                    param_offset,
+                    offset,
+                    n,
+                    bool(shape),
+                )
+            )
             off += n
         if off != numel:
             raise ProtocolError(f"bucket {bid}: segments cover {off} elements, spec says {numel}")
@@ -133,7 +166,13 @@ def _ints(xs: Any, n: int) -> bool:
 
 def _segment_ok(x: Any) -> bool:
     """4 ints, or (a whole segment) 4 ints and a list of ints, its parameter's shape."""
-    return _ints(x, 4) or (isinstance(x, list) and len(x) == 5 and _ints(x[:4], 4) and isinstance(x[4], list) and _ints(x[4], len(x[4])))
+    return _ints(x, 4) or (
+        isinstance(x, list)
+        and len(x) == 5
+        and _ints(x[:4], 4)
+        and isinstance(x[4], list)
+        and _ints(x[4], len(x[4]))
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,10 +208,14 @@ class Layout:
 
     def delayed_buckets(self) -> frozenset[int]:
         """Ids of the buckets of delayed parameters (a bucket holds delayed parameters only, or none)."""
-        return frozenset(b.id for b in self.buckets if b.segments and self.params[b.segments[0].param].delayed)
+        return frozenset(
+            b.id for b in self.buckets if b.segments and self.params[b.segments[0].param].delayed
+        )
 
 
-def _split_group(indices: list[int], params: tuple[ParamSpec, ...], cap: int) -> list[list[tuple[int, int, int]]]:
+def _split_group(
+    indices: list[int], params: tuple[ParamSpec, ...], cap: int
+) -> list[list[tuple[int, int, int]]]:
     """Pack parameters (reverse order) into buckets of at most ``cap`` elements.
 
     Returns, per bucket, (param index, param_offset, numel) triples.
@@ -202,7 +245,11 @@ def _split_group(indices: list[int], params: tuple[ParamSpec, ...], cap: int) ->
     return buckets
 
 
-def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: int, capacities: list[float] | tuple[float, ...]) -> Layout:
+def build_layout(
+    params: list[ParamSpec] | tuple[ParamSpec, ...],
+    bucket_bytes: int,
+    capacities: list[float] | tuple[float, ...],
+) -> Layout:
     """Compute the layout; ``capacities`` has one positive weight per node."""
     params = tuple(params)
     if bucket_bytes < FP32_BYTES:
@@ -221,7 +268,13 @@ def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: 
         for unit in sorted({params[i].unit for i in idxs}):
             for delayed in (False, True):
                 for dense in (False, True):
-                    cls = [i for i in idxs if is_dense_class(params[i].shape) == dense and params[i].delayed == delayed and params[i].unit == unit]
+                    cls = [
+                        i
+                        for i in idxs
+                        if is_dense_class(params[i].shape) == dense
+                        and params[i].delayed == delayed
+                        and params[i].unit == unit
+                    ]
                     parts_of_group += _split_group(cls, params, cap)
         # in the order backward completes them: a bucket is full when its first-registered
         # parameter's gradient arrives (stable: a parameter spanning buckets keeps its order)
@@ -242,7 +295,9 @@ def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: 
         "classes": ["dense-apart", SMALL_NUMEL],
         "capacities": [float(c) for c in capacities],
     }
-    if any(p.delayed for p in params):  # (absent otherwise: layouts without delayed parameters keep their hash)
+    if any(
+        p.delayed for p in params
+    ):  # (absent otherwise: layouts without delayed parameters keep their hash)
         described["delayed"] = [i for i, p in enumerate(params) if p.delayed]
     if any(p.unit >= 0 for p in params):  # (likewise: resident layouts keep their hash)
         described["units"] = [p.unit for p in params]
@@ -254,4 +309,11 @@ def build_layout(params: list[ParamSpec] | tuple[ParamSpec, ...], bucket_bytes: 
             separators=(",", ":"),
         ).encode()
     ).hexdigest()[:16]
-    return Layout(params, tuple(buckets), len(capacities), bucket_bytes, tuple(float(c) for c in capacities), digest)
+    return Layout(
+        params,
+        tuple(buckets),
+        len(capacities),
+        bucket_bytes,
+        tuple(float(c) for c in capacities),
+        digest,
+    )

@@ -22,6 +22,10 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -32,25 +36,33 @@ MAX_MMAP_THRESHOLD = 32 << 20
 _done: tuple[int, int] | None = None
 
 
-def retain_freed_memory(mmap_threshold: int = MAX_MMAP_THRESHOLD, trim_threshold: int = 1 << 30) -> bool:
+def retain_freed_memory(
+    mmap_threshold: int = MAX_MMAP_THRESHOLD, trim_threshold: int = 1 << 30
+) -> bool:
     """Serve blocks below ``mmap_threshold`` bytes from the heap and keep up to ``trim_threshold`` bytes
     of freed heap memory for reuse. Idempotent; returns whether glibc took the setting."""
     global _done
     if _done == (mmap_threshold, trim_threshold):
         return True
     if not 0 < mmap_threshold <= MAX_MMAP_THRESHOLD or trim_threshold <= 0:
-        raise ValueError(f"mmap_threshold must be in (0, {MAX_MMAP_THRESHOLD}] and trim_threshold > 0, got {mmap_threshold}, {trim_threshold}")
+        raise ValueError(
+            f"mmap_threshold must be in (0, {MAX_MMAP_THRESHOLD}] and trim_threshold > 0, got {mmap_threshold}, {trim_threshold}"
+        )
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         log.info("no glibc mallopt here: freed memory is left to the allocator's defaults")
         return False
-    ok = bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+    ok = bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        mallopt(M_TRIM_THRESHOLD, trim_threshold)
+    )
     if ok:
         _done = (mmap_threshold, trim_threshold)
     else:
-        log.warning("mallopt refused mmap_threshold=%d / trim_threshold=%d", mmap_threshold, trim_threshold)
+        log.warning(
+            "mallopt refused mmap_threshold=%d / trim_threshold=%d", mmap_threshold, trim_threshold
+        )
     return ok
 
 
@@ -79,7 +91,7 @@ MADV_HUGEPAGE, HUGE_ADVICE_MIN_BYTES = 14, 4 << 20
 _madvise = None
 
 
-def advise_huge_pages(storage: "torch.UntypedStorage") -> None:
+def advise_huge_pages(storage: torch.UntypedStorage) -> None:
     """Ask the kernel for transparent huge pages under a freshly allocated CPU ``storage`` of
     ``HUGE_ADVICE_MIN_BYTES`` or more, before anything writes it (Linux ``madvise(MADV_HUGEPAGE)``; elsewhere,
     or where the kernel refuses, nothing).
@@ -102,7 +114,11 @@ def advise_huge_pages(storage: "torch.UntypedStorage") -> None:
         page = mmap.PAGESIZE
         lo = storage.data_ptr() // page * page
         hi = -(-(storage.data_ptr() + storage.nbytes()) // page) * page
-        if _madvise(lo, hi - lo, MADV_HUGEPAGE) != 0:  # (no THP in this kernel: said once, then not asked again)
-            log.info("madvise(MADV_HUGEPAGE) refused (errno %d): fetched weights are written into 4 KiB pages", ctypes.get_errno())
+        if (
+            _madvise(lo, hi - lo, MADV_HUGEPAGE) != 0
+        ):  # (no THP in this kernel: said once, then not asked again)
+            log.info(
+                "madvise(MADV_HUGEPAGE) refused (errno %d): fetched weights are written into 4 KiB pages",
+                ctypes.get_errno(),
+            )
             _madvise = False
-

@@ -55,15 +55,31 @@ class Op(enum.IntEnum):
 #: The ``pull`` of a PUSH whose reply carries no weights, only that the step was applied (streaming mode).
 PULL_ACK = "ack"
 
-I, F, S, B, L, D, N = int, float, str, bool, list, dict, type(None)
+I, F, S, B, L, D, N = int, float, str, bool, list, dict, type(None)  # noqa: E741
 
 # Fields every message carries, then the fields of each op: name -> allowed types.
 COMMON: dict[str, tuple] = {"v": (I,), "op": (I,), "job": (S,), "step": (I,), "worker": (I,)}
 SCHEMA: dict[Op, dict[str, tuple]] = {
-    Op.HELLO: {"world_size": (I,), "layout": (S,), "node_index": (I,), "buckets": (L,), "optimizer": (S,), "mode": (S,)},
+    Op.HELLO: {
+        "world_size": (I,),
+        "layout": (S,),
+        "node_index": (I,),
+        "buckets": (L,),
+        "optimizer": (S,),
+        "mode": (S,),
+    },
     Op.WELCOME: {"layout": (S,), "versions": (D,), "initialized": (L,)},
     Op.INIT: {"bucket": (I,), "codec": (S,), "cmeta": (D,), "nbytes": (L,)},
-    Op.PUSH: {"bucket": (I,), "codec": (S,), "cmeta": (D,), "nbytes": (L,), "hyper": (D,), "nograd": (L,), "two_phase": (B,), "pull": (S,)},
+    Op.PUSH: {
+        "bucket": (I,),
+        "codec": (S,),
+        "cmeta": (D,),
+        "nbytes": (L,),
+        "hyper": (D,),
+        "nograd": (L,),
+        "two_phase": (B,),
+        "pull": (S,),
+    },
     Op.UPDATE: {"bucket": (I,), "codec": (S,), "cmeta": (D,), "nbytes": (L,), "skipped": (B,)},
     Op.PULL: {"bucket": (I,), "codec": (S,)},
     Op.STATE: {"bucket": (I,), "action": (S,), "names": (L,), "nbytes": (L,)},
@@ -79,7 +95,15 @@ SCHEMA: dict[Op, dict[str, tuple]] = {
     Op.IMPORT: {"path": (S,)},
 }
 # Optional fields (checked when present).
-OPTIONAL: dict[str, tuple] = {"seq": (I,), "detail": (D,), "ahead": (I,), "delta": (B,), "param_names": (D,), "partial": (B,), "resume": (B,)}
+OPTIONAL: dict[str, tuple] = {
+    "seq": (I,),
+    "detail": (D,),
+    "ahead": (I,),
+    "delta": (B,),
+    "param_names": (D,),
+    "partial": (B,),
+    "resume": (B,),
+}
 """``partial`` (PUSH): a micro-batch's gradient under ``no_sync()`` in streaming mode; the node adds it
 to the step's sum and answers nothing; the worker's last push of the step comes without it. ``resume``
 (HELLO): the worker continues the job from the step the nodes hold (``RemoteOptimizer(resume=True)``, or
@@ -136,7 +160,13 @@ def _where(h: dict) -> str:
     return ", ".join(parts)
 
 
-def decode(frames: Sequence, *, job: str | None = None, max_message_bytes: int = 1 << 31, header_only: bool = False) -> Message:
+def decode(
+    frames: Sequence,
+    *,
+    job: str | None = None,
+    max_message_bytes: int = 1 << 31,
+    header_only: bool = False,
+) -> Message:
     """Validate and decode received frames; raises ProtocolError naming the fault. ``header_only``: the
     payload was dropped unread by the receiver; only the header is checked, and the message has none."""
     if not frames:
@@ -167,39 +197,76 @@ def decode(frames: Sequence, *, job: str | None = None, max_message_bytes: int =
             raise ProtocolError(f"{op.name} header lacks field {name!r} ({_where(header)})")
         val = header[name]
         if not isinstance(val, types) or (isinstance(val, bool) and bool not in types):
-            raise ProtocolError(f"{op.name} field {name!r} has type {type(val).__name__}, expected {'/'.join(t.__name__ for t in types)} ({_where(header)})")
+            raise ProtocolError(
+                f"{op.name} field {name!r} has type {type(val).__name__}, expected {'/'.join(t.__name__ for t in types)} ({_where(header)})"
+            )
     for name, types in OPTIONAL.items():
         val = header.get(name)
-        if name in header and (not isinstance(val, types) or (isinstance(val, bool) and bool not in types)):
-            raise ProtocolError(f"{op.name} field {name!r} has type {type(header[name]).__name__} ({_where(header)})")
+        if name in header and (
+            not isinstance(val, types) or (isinstance(val, bool) and bool not in types)
+        ):
+            raise ProtocolError(
+                f"{op.name} field {name!r} has type {type(header[name]).__name__} ({_where(header)})"
+            )
     unknown = set(header) - set(COMMON) - set(SCHEMA[op]) - set(OPTIONAL) - {"nbytes"}
     if unknown:
-        raise ProtocolError(f"{op.name} header has unknown fields {sorted(map(repr, unknown))} ({_where(header)})")
+        raise ProtocolError(
+            f"{op.name} header has unknown fields {sorted(map(repr, unknown))} ({_where(header)})"
+        )
     if header["step"] < 0 or header["worker"] < 0:
         raise ProtocolError(f"negative step or worker ({_where(header)})")
     if job is not None and header["job"] != job:
-        raise JobMismatchError(f"message of job {header['job']!r} refused: this node serves job {job!r} ({_where(header)})")
+        raise JobMismatchError(
+            f"message of job {header['job']!r} refused: this node serves job {job!r} ({_where(header)})"
+        )
     if header_only:
         return Message(header, [])
     payload = list(frames[1:])
     nbytes = header.get("nbytes", [])
-    if not isinstance(nbytes, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in nbytes):
+    if not isinstance(nbytes, list) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in nbytes
+    ):
         raise ProtocolError(f"nbytes must be a list of non-negative ints ({_where(header)})")
     if len(nbytes) != len(payload):
-        raise ProtocolError(f"header announces {len(nbytes)} payload frames, message has {len(payload)} ({_where(header)})")
+        raise ProtocolError(
+            f"header announces {len(nbytes)} payload frames, message has {len(payload)} ({_where(header)})"
+        )
     total = 0
     for i, (n, p) in enumerate(zip(nbytes, payload)):
         got = len(getattr(p, "buffer", p)) if not isinstance(p, memoryview) else p.nbytes
         if got != n:
-            raise ProtocolError(f"payload frame {i} has {got} bytes, header says {n} ({_where(header)})")
+            raise ProtocolError(
+                f"payload frame {i} has {got} bytes, header says {n} ({_where(header)})"
+            )
         total += n
     if total > max_message_bytes:
-        raise ProtocolError(f"payload of {total} bytes exceeds the maximum of {max_message_bytes} ({_where(header)})")
+        raise ProtocolError(
+            f"payload of {total} bytes exceeds the maximum of {max_message_bytes} ({_where(header)})"
+        )
     return Message(header, payload)
 
 
-def error_message(job: str, code: str, message: str, *, ref_op: int = 0, step: int = 0, worker: int = 0, bucket: int = -1, detail: dict | None = None) -> list:
-    header = {"op": Op.ERROR, "job": job, "step": max(step, 0), "worker": max(worker, 0), "code": code, "message": message, "ref_op": int(ref_op), "bucket": bucket}
+def error_message(
+    job: str,
+    code: str,
+    message: str,
+    *,
+    ref_op: int = 0,
+    step: int = 0,
+    worker: int = 0,
+    bucket: int = -1,
+    detail: dict | None = None,
+) -> list:
+    header = {
+        "op": Op.ERROR,
+        "job": job,
+        "step": max(step, 0),
+        "worker": max(worker, 0),
+        "code": code,
+        "message": message,
+        "ref_op": int(ref_op),
+        "bucket": bucket,
+    }
     if detail:
         header["detail"] = detail
     return encode(header)

@@ -15,7 +15,22 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 
 # Buckets for latencies from sub-millisecond pushes to multi-second steps.
-SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 class MetricsFactory:
@@ -42,7 +57,9 @@ class MetricsFactory:
     def gauge(self, what: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
         return Gauge(self._name(what), doc, labels, registry=self.registry)
 
-    def histogram(self, what: str, doc: str, labels: tuple[str, ...] = (), buckets=SECONDS_BUCKETS) -> Histogram:
+    def histogram(
+        self, what: str, doc: str, labels: tuple[str, ...] = (), buckets=SECONDS_BUCKETS
+    ) -> Histogram:
         return Histogram(self._name(what), doc, labels, registry=self.registry, buckets=buckets)
 
 
@@ -76,7 +93,9 @@ class _Server(ThreadingWSGIServer):
 
     def shutdown(self) -> None:
         """Stop serving without waiting forever for a thread that may have died with the interpreter."""
-        self._BaseServer__shutdown_request = True  # what BaseServer.shutdown sets, minus its unbounded wait
+        self._BaseServer__shutdown_request = (
+            True  # what BaseServer.shutdown sets, minus its unbounded wait
+        )
         if self.thread is not None:
             self.thread.join(timeout=2.0)
         self.server_close()
@@ -118,7 +137,9 @@ def serve_metrics(registry: CollectorRegistry, host: str = "127.0.0.1", port: in
     """
     family, addr = _get_best_family(host, port)
     server_class = type("_MetricsServer", (_Server,), {"address_family": family})
-    server = make_server(addr, port, metrics_app(registry, health), server_class, handler_class=_Handler)
+    server = make_server(
+        addr, port, metrics_app(registry, health), server_class, handler_class=_Handler
+    )
     server.thread = threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="luwu-metrics", daemon=True
     )

@@ -28,7 +28,15 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("blockquant.c", "bf16steps.c"))
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-strict-aliasing", "-fno-math-errno", "-shared", "-fPIC")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-strict-aliasing",
+    "-fno-math-errno",
+    "-shared",
+    "-fPIC",
+)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -78,7 +86,9 @@ def _compile(cc: str, folder: Path, lib: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".blockquant-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        out = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, *map(str, SOURCES)], capture_output=True, text=True, timeout=120
+        )
         if out.returncode != 0:
             raise RuntimeError(f"{cc} failed: {out.stderr.strip()[-500:]}")
         os.chmod(tmp, 0o755)
@@ -91,9 +101,20 @@ def _compile(cc: str, folder: Path, lib: Path) -> Path:
 
 def _build(cc: str) -> Path:
     src = b"\0".join(p.read_bytes() for p in SOURCES)
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), "".join(version).encode(), _cpu_id().encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
+    version = subprocess.run(
+        [cc, "--version"], capture_output=True, text=True, timeout=30
+    ).stdout.splitlines()[:1]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                src,
+                " ".join(FLAGS).encode(),
+                "".join(version).encode(),
+                _cpu_id().encode(),
+                platform.machine().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
     name = f"blockquant-{key}.so"
     for folder in _folders():
         try:
@@ -101,13 +122,18 @@ def _build(cc: str) -> Path:
         except OSError:
             continue
         if not _trusted(folder):
-            log.warning("luwu: not using the kernel cache %s: it is not owned by this user alone (mode or owner)", folder)
+            log.warning(
+                "luwu: not using the kernel cache %s: it is not owned by this user alone (mode or owner)",
+                folder,
+            )
             continue
         lib = folder / name
         if lib.exists():
             if _trusted(lib):
                 return lib
-            log.warning("luwu: ignoring %s: not owned by this user alone; building a private copy", lib)
+            log.warning(
+                "luwu: ignoring %s: not owned by this user alone; building a private copy", lib
+            )
             continue
         try:
             return _compile(cc, folder, lib)
@@ -149,10 +175,15 @@ def kernels() -> ctypes.CDLL | None:
             else:
                 try:
                     _lib = _load()
-                except Exception as exc:  # any failure leaves the torch path, which is correct, only slower
+                except (
+                    Exception
+                ) as exc:  # any failure leaves the torch path, which is correct, only slower
                     reason = f"{type(exc).__name__}: {exc}"
-                    log.warning("luwu: the fused codec kernels are not available (%s); using the torch path, "
-                                "about 3x slower per byte", reason)
+                    log.warning(
+                        "luwu: the fused codec kernels are not available (%s); using the torch path, "
+                        "about 3x slower per byte",
+                        reason,
+                    )
             _tried = True
     return _lib
 

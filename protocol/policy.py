@@ -33,8 +33,18 @@ from luwu.protocol.compression import AUTO, CompressionConfig
 from luwu.protocol.layout import Bucket, Segment
 
 __all__ = [
-    "FEEDBACK_CODECS", "PULL_CODECS", "ROUNDING_CODECS", "CompressionConfig", "LinkRule", "choose_codec",
-    "choose_fetch_codec", "choose_pull_codec", "codec_seconds", "is_small", "link_speed", "pays_off",
+    "FEEDBACK_CODECS",
+    "PULL_CODECS",
+    "ROUNDING_CODECS",
+    "CompressionConfig",
+    "LinkRule",
+    "choose_codec",
+    "choose_fetch_codec",
+    "choose_pull_codec",
+    "codec_seconds",
+    "is_small",
+    "link_speed",
+    "pays_off",
 ]
 
 #: Gbit/s the cost rule assumes for ``link_gbps = "auto"`` where no measurement is at hand (``luwu plan``,
@@ -75,7 +85,12 @@ def codec_seconds(name: str, numel: int, link_gbps: float) -> float:
     cost = codec_facts.throughput(name)
     raw = 4.0 * numel
     wire = codec_facts.wire_bytes(name, numel)
-    return raw / (cost.encode_gbps * 1e9) + wire * 8.0 / (link_gbps * 1e9) + raw / (cost.decode_gbps * 1e9) + cost.overhead_s
+    return (
+        raw / (cost.encode_gbps * 1e9)
+        + wire * 8.0 / (link_gbps * 1e9)
+        + raw / (cost.decode_gbps * 1e9)
+        + cost.overhead_s
+    )
 
 
 def pays_off(name: str, numel: int, cfg: CompressionConfig) -> bool:
@@ -99,7 +114,9 @@ def _first_paying(candidates: list[str], numel: int, cfg: CompressionConfig) -> 
     return "none"
 
 
-def choose_codec(bucket: Bucket, step: int, cfg: CompressionConfig, *, residual: bool = True) -> tuple[str, bool]:
+def choose_codec(
+    bucket: Bucket, step: int, cfg: CompressionConfig, *, residual: bool = True
+) -> tuple[str, bool]:
     """(codec name, use error feedback) for pushing ``bucket``'s gradient at ``step``. ``residual=False``
     (a streamed unit's bucket: the worker keeps nothing of it between uses, and an error-feedback residual
     would be a copy of the unit kept for the whole run): where the policy would pick an error-feedback
@@ -108,7 +125,9 @@ def choose_codec(bucket: Bucket, step: int, cfg: CompressionConfig, *, residual:
         return "none", False
     name = _rule_codec(bucket, cfg)
     if step < cfg.warmup_steps:
-        return _first_paying([name if name in ROUNDING_CODECS else cfg.warmup_codec], bucket.numel, cfg), False
+        return _first_paying(
+            [name if name in ROUNDING_CODECS else cfg.warmup_codec], bucket.numel, cfg
+        ), False
     if name is None:
         if any(is_small(s, cfg) for s in bucket.segments):
             candidates = ["bf16"]
@@ -136,7 +155,11 @@ def choose_fetch_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str
     if not cfg.enabled or bucket.numel == 0 or cfg.pull_codec == "none":
         return "none"
     if step < cfg.warmup_steps:
-        return _first_paying([cfg.stream_codec if cfg.stream_codec in ROUNDING_CODECS else cfg.warmup_codec], bucket.numel, cfg)
+        return _first_paying(
+            [cfg.stream_codec if cfg.stream_codec in ROUNDING_CODECS else cfg.warmup_codec],
+            bucket.numel,
+            cfg,
+        )
     if cfg.stream_codec not in ROUNDING_CODECS and any(is_small(s, cfg) for s in bucket.segments):
         return _first_paying(["bf16"], bucket.numel, cfg)
     return _first_paying(_stream_candidates(cfg), bucket.numel, cfg)
@@ -158,7 +181,10 @@ def choose_pull_codec(bucket: Bucket, step: int, cfg: CompressionConfig) -> str:
         return "none"
     want = cfg.pull_codec
     if want == "auto" and (step >= cfg.warmup_steps or cfg.warmup_codec == "bf16"):
-        return min(("bf16_steps", "bf16", "none"), key=lambda name: codec_seconds(name, bucket.numel, link_speed(cfg)))
+        return min(
+            ("bf16_steps", "bf16", "none"),
+            key=lambda name: codec_seconds(name, bucket.numel, link_speed(cfg)),
+        )
     if want == "bf16_steps":
         return _first_paying([want, "bf16"], bucket.numel, cfg)
     if step < cfg.warmup_steps and want not in ROUNDING_CODECS:
@@ -188,7 +214,9 @@ class LinkRule:
 
     def __init__(self, band: float = LINK_BAND, patience: int = LINK_PATIENCE) -> None:
         if not band > 1.0 or patience < 1:
-            raise ValueError(f"LinkRule needs band > 1 and patience >= 1, got band={band!r}, patience={patience!r}")
+            raise ValueError(
+                f"LinkRule needs band > 1 and patience >= 1, got band={band!r}, patience={patience!r}"
+            )
         self.band, self.patience = band, patience
         self.decided: float | None = None
         self._streak: list[float] = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import shutil
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10: the same parser as a package
@@ -30,7 +31,9 @@ TREE = ROOT / "build" / "docs-src"
 
 def build_tree() -> Path:
     """(Re)build ``build/docs-src`` from pyproject's ``package-dir``; returns the folder to search."""
-    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
     shutil.rmtree(TREE, ignore_errors=True)
     top = TREE / "luwu"
     top.mkdir(parents=True)

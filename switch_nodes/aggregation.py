@@ -35,20 +35,26 @@ class Aggregation:
         self._applied_since_log = 0
 
     # ----------------------------------------------------------------- PUSH
-    def check_push(self, b: BucketState, h: dict, frames: list, *, first: bool) -> tuple[Codec, tuple, dict | None]:
+    def check_push(
+        self, b: BucketState, h: dict, frames: list, *, first: bool
+    ) -> tuple[Codec, tuple, dict | None]:
         """Validate a push before it touches the accumulator (or is held undecoded): its codec, frames and
         payload (a sparse codec's indices), and for the first push of a step also its ``nograd``
         segments, reply codec and hyperparameters (None otherwise)."""
         codec = get_codec(h["codec"])
         if codec.pull_only:
-            raise ProtocolError(f"bucket {b.id}: codec {codec.name!r} carries weights back, not gradients")
+            raise ProtocolError(
+                f"bucket {b.id}: codec {codec.name!r} carries weights back, not gradients"
+            )
         codec.validate(b.numel, h["nbytes"], h["cmeta"])
         codec.check_payload(b.numel, frames, h["cmeta"])
         nograd = tuple(h["nograd"])
         if not first:
             return codec, nograd, None
         if any(not isinstance(i, int) or not 0 <= i < len(b.segments) for i in nograd):
-            raise ProtocolError(f"bucket {b.id}: nograd names segments outside 0..{len(b.segments) - 1}")
+            raise ProtocolError(
+                f"bucket {b.id}: nograd names segments outside 0..{len(b.segments) - 1}"
+            )
         self.node.replies.codec(h["pull"])
         hyper = dict(b.kind.defaults) | h["hyper"]
         check_hyper(b.kind, hyper)
@@ -64,7 +70,9 @@ class Aggregation:
         h = msg.header
         b = self.node.bucket(h)
         if not b.initialized:
-            raise StepMismatchError(f"bucket {b.id} has no weights yet: rank 0 must INIT it before pushes")
+            raise StepMismatchError(
+                f"bucket {b.id} has no weights yet: rank 0 must INIT it before pushes"
+            )
         if self.node.cfg.mode == "async":
             await self._on_push_async(b, h, msg)
             return
@@ -76,19 +84,29 @@ class Aggregation:
         if w in acc.workers:
             self.node.metrics.duplicates.inc()
             if h.get("partial"):
-                raise StepMismatchError(f"bucket {b.id} step {step}: micro-batch push of worker {w} after its last push of the step")
+                raise StepMismatchError(
+                    f"bucket {b.id} step {step}: micro-batch push of worker {w} after its last push of the step"
+                )
             return
-        codec, nograd, hyper = self.check_push(b, h, msg.tensors(), first=not acc.workers and not acc.partial)
+        codec, nograd, hyper = self.check_push(
+            b, h, msg.tensors(), first=not acc.workers and not acc.partial
+        )
         if hyper is None:
             self._check_same_nograd(b, h, acc, nograd)
         else:
             check_momentum_steps(b.kind, hyper, b.steps, ahead=step - b.version)
             acc.nograd, acc.hyper = nograd, hyper
-        acc.two_phase = acc.two_phase or bool(h["two_phase"])  # one worker asking for the global round gets it (a worker's first step asks, in case it clips)
+        acc.two_phase = (
+            acc.two_phase or bool(h["two_phase"])
+        )  # one worker asking for the global round gets it (a worker's first step asks, in case it clips)
         members = self.node.members
-        b.add_push(acc, codec, msg.tensors(), h["cmeta"], len(members), partial=bool(h.get("partial")))
+        b.add_push(
+            acc, codec, msg.tensors(), h["cmeta"], len(members), partial=bool(h.get("partial"))
+        )
         self._count_push(b, h)
-        if h.get("partial"):  # no_sync() micro-batch: summed, nothing answered, the worker's last push completes it
+        if h.get(
+            "partial"
+        ):  # no_sync() micro-batch: summed, nothing answered, the worker's last push completes it
             acc.partial[w] = acc.partial.get(w, 0) + 1
             return
         acc.workers.add(w)
@@ -102,7 +120,9 @@ class Aggregation:
         w, step = h["worker"], h["step"]
         self.node.metrics.duplicates.inc()
         if step != b.version - 1:
-            raise StepMismatchError(f"bucket {b.id}: push of worker {w} for step {step}, node is at step {b.version}")
+            raise StepMismatchError(
+                f"bucket {b.id}: push of worker {w} for step {step}, node is at step {b.version}"
+            )
         codec = self.node.replies.codec(h["pull"]).full
         self.node.submit(lambda: self.node.replies.send_current(b, [w], codec, seq=step))
 
@@ -110,7 +130,11 @@ class Aggregation:
         if nograd == acc.nograd:
             return
         names = sorted(set(nograd) ^ set(acc.nograd))
-        params = [self.node.param_names.get(b.segments[i].param, f"#{b.segments[i].param}") for i in names if i < len(b.segments)]
+        params = [
+            self.node.param_names.get(b.segments[i].param, f"#{b.segments[i].param}")
+            for i in names
+            if i < len(b.segments)
+        ]
         raise StepMismatchError(
             f"bucket {b.id} step {h['step']}: worker {h['worker']} disagrees with the other workers on which parameters have a "
             f"gradient: {params} (None on some workers, a tensor on others)"
@@ -127,14 +151,22 @@ class Aggregation:
                 self._reply_async(b, w, step, h["pull"])
             return
         if step != last + 1:
-            raise StepMismatchError(f"bucket {b.id}: worker {w} pushed step {step} after step {last}")
+            raise StepMismatchError(
+                f"bucket {b.id}: worker {w} pushed step {step} after step {last}"
+            )
         if h["two_phase"]:
-            raise ConfigError("global-norm clipping and AMP need sync mode: an async node applies each push alone")
+            raise ConfigError(
+                "global-norm clipping and AMP need sync mode: an async node applies each push alone"
+            )
         if h.get("partial"):
-            raise ConfigError("no_sync() in streaming mode needs sync mode: an async node applies each push alone")
+            raise ConfigError(
+                "no_sync() in streaming mode needs sync mode: an async node applies each push alone"
+            )
         codec, nograd, hyper = self.check_push(b, h, msg.tensors(), first=True)
         if hyper.get(WORKER_MOMENTUM) is not None:
-            raise ConfigError("momentum correction needs sync mode: an async node applies each worker's momentum alone")
+            raise ConfigError(
+                "momentum correction needs sync mode: an async node applies each worker's momentum alone"
+            )
         # one accumulator per push, not per version: another worker's push may come while this one is applied
         acc = Accumulator(first_at=time.monotonic(), nograd=nograd, hyper=hyper, pull=h["pull"])
         codec.decode_(b.buffer(acc), msg.tensors(), h["cmeta"])
@@ -193,16 +225,36 @@ class Aggregation:
         """After the membership shrank: every open step that now has all its (remaining) workers goes on."""
         for b in list(self.node.buckets.values()):
             acc = b.accs.get(b.version)
-            if acc is not None and acc.workers and acc.workers >= self.node.members and not acc.norm_sent:
+            if (
+                acc is not None
+                and acc.workers
+                and acc.workers >= self.node.members
+                and not acc.norm_sent
+            ):
                 await self.complete(b, b.version, acc)
 
     async def _send_norm(self, b: BucketState, step: int, acc: Accumulator, n: float) -> None:
         sq, nonfinite = await self.node.run(b.sqnorm, acc, n)
         job = self.node.job
         for w in acc.workers:
-            self.node.send_to(w, wire.encode({"op": Op.NORM, "job": job, "step": step, "worker": w, "bucket": b.id, "sqnorm": sq, "nonfinite": nonfinite}))
+            self.node.send_to(
+                w,
+                wire.encode(
+                    {
+                        "op": Op.NORM,
+                        "job": job,
+                        "step": step,
+                        "worker": w,
+                        "bucket": b.id,
+                        "sqnorm": sq,
+                        "nonfinite": nonfinite,
+                    }
+                ),
+            )
 
-    def _queue_apply(self, b: BucketState, step: int, acc: Accumulator, divisor: float, *, skip: bool) -> None:
+    def _queue_apply(
+        self, b: BucketState, step: int, acc: Accumulator, divisor: float, *, skip: bool
+    ) -> None:
         acc.started = True
         self.node.submit(lambda: self._apply(b, step, acc, divisor, skip=skip))
 
@@ -212,17 +264,23 @@ class Aggregation:
         for bid in h["buckets"]:
             b = self.node.buckets.get(bid) if isinstance(bid, int) else None
             if b is None:
-                raise ProtocolError(f"COMMIT names bucket {bid!r}, not owned by node {self.node.index}")
+                raise ProtocolError(
+                    f"COMMIT names bucket {bid!r}, not owned by node {self.node.index}"
+                )
             acc = b.accs.get(step)
             if acc is None or not acc.norm_sent or acc.started or step != b.version:
                 continue  # already committed by another worker's COMMIT, or not yet complete
             coef = h["coef"]
             if not (coef > 0 and coef == coef and coef != float("inf")) and not h["skip"]:
                 raise ProtocolError(f"COMMIT coefficient must be positive and finite, got {coef}")
-            self._queue_apply(b, step, acc, len(acc.workers) / coef if not h["skip"] else 1.0, skip=h["skip"])
+            self._queue_apply(
+                b, step, acc, len(acc.workers) / coef if not h["skip"] else 1.0, skip=h["skip"]
+            )
 
     # ----------------------------------------------------------------- the step
-    async def _apply(self, b: BucketState, step: int, acc: Accumulator, divisor: float, *, skip: bool) -> None:
+    async def _apply(
+        self, b: BucketState, step: int, acc: Accumulator, divisor: float, *, skip: bool
+    ) -> None:
         """A queued job: the optimizer step of (bucket, step) on the optimizer thread, then the replies."""
         node, replies = self.node, self.node.replies
         t0 = time.perf_counter()
@@ -239,8 +297,12 @@ class Aggregation:
 
         try:
             payload = await node.run(work)
-        except Exception as exc:  # a bug, not an input: say so to the workers waiting for this bucket
-            log.exception("node %s: optimizer step of bucket %d, step %d failed", node.index, b.id, step)
+        except (
+            Exception
+        ) as exc:  # a bug, not an input: say so to the workers waiting for this bucket
+            log.exception(
+                "node %s: optimizer step of bucket %d, step %d failed", node.index, b.id, step
+            )
             text = f"node {node.index}: optimizer step of bucket {b.id}, step {step} failed: {type(exc).__name__}: {exc}"
             for w in acc.workers:
                 node.tell(w, "internal", text, step=step, bucket=b.id)
@@ -264,4 +326,11 @@ class Aggregation:
         self._applied_since_log += 1
         if self._applied_since_log >= node.cfg.log_every * max(1, len(node.buckets)):
             self._applied_since_log = 0
-            log.info("node %s at step %d: %d buckets, %d workers, %.0f pushes", node.index, node.step, len(node.buckets), len(node.peers), node.metrics.pushes._value.get())
+            log.info(
+                "node %s at step %d: %d buckets, %d workers, %.0f pushes",
+                node.index,
+                node.step,
+                len(node.buckets),
+                len(node.peers),
+                node.metrics.pushes._value.get(),
+            )

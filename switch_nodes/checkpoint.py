@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from luwu.protocol.dcp_files import DcpFolder, save_tensor, write_metadata
 from luwu.protocol.errors import CorruptCheckpointError
 from luwu.protocol.layout import Bucket

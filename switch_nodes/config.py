@@ -154,42 +154,88 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ConfigError(f"node.bind must be a ZeroMQ address like tcp://127.0.0.1:0, got {self.bind!r}")
+            raise ConfigError(
+                f"node.bind must be a ZeroMQ address like tcp://127.0.0.1:0, got {self.bind!r}"
+            )
         if self.mode not in MODES:
             raise ConfigError(f"node.mode must be one of {MODES}, got {self.mode!r}")
         if self.worker_policy not in WORKER_POLICIES:
-            raise ConfigError(f"node.worker_policy must be one of {WORKER_POLICIES}, got {self.worker_policy!r}")
+            raise ConfigError(
+                f"node.worker_policy must be one of {WORKER_POLICIES}, got {self.worker_policy!r}"
+            )
         for name in ("staleness", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"node.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("torch_threads", "log_every", "rcvhwm", "max_message_bytes", "inflight_bytes", "max_shard_bytes", "max_world_size", "max_message_frames", "max_connections"):
+        for name in (
+            "torch_threads",
+            "log_every",
+            "rcvhwm",
+            "max_message_bytes",
+            "inflight_bytes",
+            "max_shard_bytes",
+            "max_world_size",
+            "max_message_frames",
+            "max_connections",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"node.{name} must be >= 1, got {getattr(self, name)}")
         if self.listener not in LISTENERS:
             raise ConfigError(f"node.listener must be one of {LISTENERS}, got {self.listener!r}")
         if self.listener == "zmtp" and self.bind.startswith("inproc://"):
-            raise ConfigError("node.listener = 'zmtp' binds tcp:// or ipc:// addresses, not inproc://")
+            raise ConfigError(
+                "node.listener = 'zmtp' binds tcp:// or ipc:// addresses, not inproc://"
+            )
         if self.join_secret and (not self.uses_zmtp or self.curve_secret_key):
-            raise ConfigError("node.join_secret is checked by the zmtp listener without CURVE: with CURVE keys, the authorized keys do this (leave it empty)")
+            raise ConfigError(
+                "node.join_secret is checked by the zmtp listener without CURVE: with CURVE keys, the authorized keys do this (leave it empty)"
+            )
         if self.join_secret and len(self.join_secret) < MIN_JOIN_SECRET:
-            raise ConfigError(f"node.join_secret has {len(self.join_secret)} characters, at least {MIN_JOIN_SECRET} are needed (128 bits as hex): "
-                              "make one with `python -c 'import secrets; print(secrets.token_hex(16))'` (`luwu up` makes one by itself)")
+            raise ConfigError(
+                f"node.join_secret has {len(self.join_secret)} characters, at least {MIN_JOIN_SECRET} are needed (128 bits as hex): "
+                "make one with `python -c 'import secrets; print(secrets.token_hex(16))'` (`luwu up` makes one by itself)"
+            )
         for name in ("stranger_bytes", "control_reply_bytes", "stranger_reply_bytes"):
             if getattr(self, name) < 65 * 1024:
-                raise ConfigError(f"node.{name} must be >= 66560 (a header of 64 KiB fits), got {getattr(self, name)}")
+                raise ConfigError(
+                    f"node.{name} must be >= 66560 (a header of 64 KiB fits), got {getattr(self, name)}"
+                )
         if self.peers_total_bytes and self.peers_total_bytes < self.peer_budget:
-            raise ConfigError(f"node.peers_total_bytes = {self.peers_total_bytes} cannot hold one worker's message (node.peer_bytes resolves to {self.peer_budget}): raise it or set 0")
-        if self.peer_bytes and self.peer_bytes < self.max_message_bytes + 65 * 1024 + 64 * self.max_message_frames:
-            raise ConfigError(f"node.peer_bytes = {self.peer_bytes} cannot hold one message of node.max_message_bytes = {self.max_message_bytes}: raise it or set 0")
+            raise ConfigError(
+                f"node.peers_total_bytes = {self.peers_total_bytes} cannot hold one worker's message (node.peer_bytes resolves to {self.peer_budget}): raise it or set 0"
+            )
+        if (
+            self.peer_bytes
+            and self.peer_bytes < self.max_message_bytes + 65 * 1024 + 64 * self.max_message_frames
+        ):
+            raise ConfigError(
+                f"node.peer_bytes = {self.peer_bytes} cannot hold one message of node.max_message_bytes = {self.max_message_bytes}: raise it or set 0"
+            )
         if bool(self.curve_public_key) != bool(self.curve_secret_key):
-            raise ConfigError("node.curve_public_key and node.curve_secret_key must be given together")
+            raise ConfigError(
+                "node.curve_public_key and node.curve_secret_key must be given together"
+            )
         if self.curve_secret_key and not self.curve_authorized_keys:
-            raise ConfigError("node.curve_authorized_keys is empty: with CURVE on, list the workers' public keys (luwu keys)")
-        host = self.bind.split("://", 1)[1].rsplit(":", 1)[0] if self.bind.startswith("tcp://") else "127.0.0.1"
-        if host not in ("127.0.0.1", "localhost", "[::1]", "::1") and not host.startswith("127.") and not self.curve_secret_key and not self.insecure_public_bind:
-            raise ConfigError(f"node.bind={self.bind!r} is not loopback: configure CURVE keys (luwu keys) or set node.insecure_public_bind = true on a trusted network")
+            raise ConfigError(
+                "node.curve_authorized_keys is empty: with CURVE on, list the workers' public keys (luwu keys)"
+            )
+        host = (
+            self.bind.split("://", 1)[1].rsplit(":", 1)[0]
+            if self.bind.startswith("tcp://")
+            else "127.0.0.1"
+        )
+        if (
+            host not in ("127.0.0.1", "localhost", "[::1]", "::1")
+            and not host.startswith("127.")
+            and not self.curve_secret_key
+            and not self.insecure_public_bind
+        ):
+            raise ConfigError(
+                f"node.bind={self.bind!r} is not loopback: configure CURVE keys (luwu keys) or set node.insecure_public_bind = true on a trusted network"
+            )
         if not self.gate and not self.insecure_open and not self.uses_zmtp:
-            raise ConfigError(f"node.listener = 'libzmq' cannot ask for a join secret, and no CURVE keys are set: configure CURVE keys "
-                              f"(luwu keys), use listener = 'zmtp' with a join secret, or set node.insecure_open = true to serve anyone who reaches {self.bind}")
+            raise ConfigError(
+                f"node.listener = 'libzmq' cannot ask for a join secret, and no CURVE keys are set: configure CURVE keys "
+                f"(luwu keys), use listener = 'zmtp' with a join secret, or set node.insecure_open = true to serve anyone who reaches {self.bind}"
+            )
         if not self.worker_timeout_s > 0:
             raise ConfigError(f"node.worker_timeout_s must be > 0, got {self.worker_timeout_s}")

@@ -52,7 +52,9 @@ class CurveKeys:
     """The node's long-term key pair and the client keys it lets in (z85 strings, as configured): the
     workers' and the monitors' (what each may do is the node's to say, not the handshake's)."""
 
-    def __init__(self, public: str, secret: str, authorized: list[str], monitors: list[str] = ()) -> None:
+    def __init__(
+        self, public: str, secret: str, authorized: list[str], monitors: list[str] = ()
+    ) -> None:
         self.public = zmq.utils.z85.decode(public.encode())
         self.secret = zmq.utils.z85.decode(secret.encode())
         self.authorized = {zmq.utils.z85.decode(k.encode()): k for k in [*authorized, *monitors]}
@@ -92,16 +94,31 @@ class CurveSession:
         if hello[6:8] != b"\x01\x00":
             raise CurveError(f"CURVE version {hello[6]}.{hello[7]} (this node speaks 1.0)")
         if hello[8:80] != bytes(72):
-            raise CurveError("a HELLO whose padding is not zeros (rfc 26: its anti-amplification padding must be)")
+            raise CurveError(
+                "a HELLO whose padding is not zeros (rfc 26: its anti-amplification padding must be)"
+            )
         self.client_short, short = hello[80:112], hello[112:120]
-        if _open(hello[120:200], b"CurveZMQHELLO---" + short, self.client_short, self.keys.secret, "HELLO (wrong server key?)") != bytes(64):
+        if _open(
+            hello[120:200],
+            b"CurveZMQHELLO---" + short,
+            self.client_short,
+            self.keys.secret,
+            "HELLO (wrong server key?)",
+        ) != bytes(64):
             raise CurveError("a HELLO whose signature box is not zeros")
         self.peer_nonce = _short_nonce(short)
         self.cookie_key = nacl.randombytes(32)
         cookie_nonce = nacl.randombytes(16)
-        cookie = cookie_nonce + nacl.crypto_secretbox(self.client_short + self.short_secret, b"COOKIE--" + cookie_nonce, self.cookie_key)
+        cookie = cookie_nonce + nacl.crypto_secretbox(
+            self.client_short + self.short_secret, b"COOKIE--" + cookie_nonce, self.cookie_key
+        )
         welcome_nonce = nacl.randombytes(16)
-        box = nacl.crypto_box(self.short_public + cookie, b"WELCOME-" + welcome_nonce, self.client_short, self.keys.secret)
+        box = nacl.crypto_box(
+            self.short_public + cookie,
+            b"WELCOME-" + welcome_nonce,
+            self.client_short,
+            self.keys.secret,
+        )
         return welcome_nonce + box
 
     def initiate(self, body: bytes) -> bytes:
@@ -110,7 +127,9 @@ class CurveSession:
         if len(body) < 257 or not body.startswith(b"\x08INITIATE"):
             raise CurveError(f"a CURVE INITIATE of {len(body)} bytes")
         try:
-            cookie = nacl.crypto_secretbox_open(body[25:105], b"COOKIE--" + body[9:25], self.cookie_key)
+            cookie = nacl.crypto_secretbox_open(
+                body[25:105], b"COOKIE--" + body[9:25], self.cookie_key
+            )
         except CryptoError:
             raise CurveError("an INITIATE with a cookie this node did not give") from None
         if cookie != self.client_short + self.short_secret:
@@ -119,12 +138,24 @@ class CurveSession:
         if _short_nonce(short) <= self.peer_nonce:
             raise CurveError("an INITIATE whose nonce does not grow")
         self.peer_nonce = _short_nonce(short)
-        plain = _open(body[113:], b"CurveZMQINITIATE" + short, self.client_short, self.short_secret, "INITIATE")
+        plain = _open(
+            body[113:],
+            b"CurveZMQINITIATE" + short,
+            self.client_short,
+            self.short_secret,
+            "INITIATE",
+        )
         client, vouch_nonce, vouch = plain[:32], plain[32:48], plain[48:128]
-        if _open(vouch, b"VOUCH---" + vouch_nonce, client, self.short_secret, "vouch") != self.client_short + self.keys.public:
+        if (
+            _open(vouch, b"VOUCH---" + vouch_nonce, client, self.short_secret, "vouch")
+            != self.client_short + self.keys.public
+        ):
             raise CurveError("a vouch for another connection or node")
         if client not in self.keys.authorized:
-            raise CurveError(f"a CURVE key that is not authorized: {zmq.utils.z85.encode(client).decode()}", unauthorized=True)
+            raise CurveError(
+                f"a CURVE key that is not authorized: {zmq.utils.z85.encode(client).decode()}",
+                unauthorized=True,
+            )
         self.client_key = self.keys.authorized[client]
         self.key = nacl.crypto_box_beforenm(self.client_short, self.short_secret)
         return plain[128:]
@@ -155,7 +186,12 @@ class CurveSession:
         self.check(frame)
         c = ffi.from_buffer(frame)
         m = ffi.from_buffer(out, require_writable=True)
-        if lib.crypto_box_open_easy_afternm(m, c + 16, len(frame) - 16, b"CurveZMQMESSAGEC" + bytes(frame[8:16]), self.key) != 0:
+        if (
+            lib.crypto_box_open_easy_afternm(
+                m, c + 16, len(frame) - 16, b"CurveZMQMESSAGEC" + bytes(frame[8:16]), self.key
+            )
+            != 0
+        ):
             raise CurveError("a MESSAGE that does not open (corrupted or forged)")
         flags = out[0]
         return bool(flags & _INNER_MORE), bool(flags & _INNER_COMMAND)
@@ -177,6 +213,8 @@ class CurveSession:
             buf[h + 32] = (_INNER_MORE if i < last else 0) | (_INNER_COMMAND if command else 0)
             buf[h + 33 :] = data
             p = ffi.from_buffer(buf, require_writable=True)
-            lib.crypto_box_easy_afternm(p + h + 16, p + h + 32, n + 1, b"CurveZMQMESSAGES" + short, self.key)
+            lib.crypto_box_easy_afternm(
+                p + h + 16, p + h + 32, n + 1, b"CurveZMQMESSAGES" + short, self.key
+            )
             out.append(buf)
         return out

@@ -38,7 +38,9 @@ def run_node(cfg: NodeConfig, *, job: str, registry=None, metrics=None, on_start
         import uvloop
 
         runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency; keep the node usable without it
+    except (
+        ImportError
+    ):  # pragma: no cover - uvloop is a dependency; keep the node usable without it
         runner = asyncio.run
     server = NodeServer(cfg, job=job, registry=registry)
     http = None
@@ -47,7 +49,11 @@ def run_node(cfg: NodeConfig, *, job: str, registry=None, metrics=None, on_start
 
         def health():
             st = server.stats()
-            return server.address is not None, {"step": st["step"], "workers": st["workers"], "node": st["node"]}
+            return server.address is not None, {
+                "step": st["step"],
+                "workers": st["workers"],
+                "node": st["node"],
+            }
 
         http, port = serve_metrics(server.metrics.registry, metrics.host, metrics.port, health)
         print(f"{METRICS_LINE} http://{metrics.host}:{port}", flush=True)

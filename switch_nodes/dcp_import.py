@@ -135,7 +135,7 @@ class Imports:
     def _boxes(self, source: DcpFolder, b: BucketState, request: Request) -> dict[str, list]:
         """Every box bucket ``b`` reads, by key (for :meth:`DcpFolder.plan`)."""
         wants: dict[str, list] = {}
-        for si, s, name, shape, states in self._keys(source, b, request):
+        for _si, s, name, shape, states in self._keys(source, b, request):
             wants.setdefault(MODEL + name, []).extend(
                 boxes(shape, s.param_offset, s.param_offset + s.numel)
             )

@@ -45,7 +45,9 @@ if TYPE_CHECKING:
 MODEL, OPTIM_STATE = "model.", "optim.state."
 
 
-def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def boxes(
+    shape: tuple[int, ...], start: int, stop: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The n-d boxes ``(offsets, sizes)``, in order, that the row-major flat range ``[start, stop)`` of a
     tensor of ``shape`` covers; each box is itself one contiguous flat range."""
     if start >= stop:
@@ -76,12 +78,19 @@ def flat_index(offsets: tuple[int, ...], shape: tuple[int, ...]) -> int:
     return index
 
 
-def box_views(flat: torch.Tensor, shape: tuple[int, ...], start: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+def box_views(
+    flat: torch.Tensor, shape: tuple[int, ...], start: int
+) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     """``flat`` holds elements ``start`` to ``start + flat.numel()`` of a tensor of ``shape``: the boxes of
     that range, each with the view of ``flat`` that holds it (shaped as the box)."""
     out = []
     for offsets, sizes in boxes(tuple(shape), start, start + flat.numel()):
-        out.append((offsets, flat.narrow(0, flat_index(offsets, shape) - start, math.prod(sizes)).view(sizes)))
+        out.append(
+            (
+                offsets,
+                flat.narrow(0, flat_index(offsets, shape) - start, math.prod(sizes)).view(sizes),
+            )
+        )
     return out
 
 
@@ -100,13 +109,32 @@ class Request:
             raise ProtocolError(f"{op.name} carries one frame: the parameters' names and shapes")
         try:
             body = msgpack.unpackb(frames[0].numpy().tobytes(), strict_map_key=False)
-            params = {int(k): (str(v[0]), tuple(int(d) for d in v[1])) for k, v in body["params"].items()}
+            params = {
+                int(k): (str(v[0]), tuple(int(d) for d in v[1])) for k, v in body["params"].items()
+            }
             groups = body.get("groups")
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-            raise ProtocolError(f"{op.name} frame is not a msgpack map of parameter names and shapes: {type(exc).__name__}: {exc}") from None
-        if any(d < 0 for _, shape in params.values() for d in shape) or any(len(name) > 1024 for name, _ in params.values()):
-            raise ProtocolError(f"{op.name}: a parameter shape is negative or a name over 1024 characters")
-        if groups is not None and not (isinstance(groups, list) and all(isinstance(g, dict) for g in groups)):
+        except (
+            ValueError,
+            TypeError,
+            KeyError,
+            IndexError,
+            AttributeError,
+            msgpack.ExtraData,
+            msgpack.FormatError,
+            msgpack.StackError,
+        ) as exc:
+            raise ProtocolError(
+                f"{op.name} frame is not a msgpack map of parameter names and shapes: {type(exc).__name__}: {exc}"
+            ) from None
+        if any(d < 0 for _, shape in params.values() for d in shape) or any(
+            len(name) > 1024 for name, _ in params.values()
+        ):
+            raise ProtocolError(
+                f"{op.name}: a parameter shape is negative or a name over 1024 characters"
+            )
+        if groups is not None and not (
+            isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
+        ):
             raise ProtocolError(f"{op.name}: groups must be a list of hyperparameter maps")
         return cls(params, groups)
 
@@ -114,7 +142,9 @@ class Request:
         """The name and shape of segment ``s``'s parameter, checked to hold the segment."""
         got = self.params.get(s.param)
         if got is None or math.prod(got[1]) < s.param_offset + s.numel:
-            raise ProtocolError(f"no valid shape for parameter {s.param} (got {got and list(got[1])})")
+            raise ProtocolError(
+                f"no valid shape for parameter {s.param} (got {got and list(got[1])})"
+            )
         return got
 
     def hyper(self, b: BucketState) -> dict:
@@ -132,7 +162,9 @@ class Exports:
         cfg = self.node.cfg
         root = cfg.export_root or cfg.checkpoint_dir
         if not root:
-            raise ConfigError(f"node {self.node.index} has no export root: set node.export_root (or node.checkpoint_dir)")
+            raise ConfigError(
+                f"node {self.node.index} has no export root: set node.export_root (or node.checkpoint_dir)"
+            )
         return Path(root).resolve()
 
     def target(self, path: str) -> Path:
@@ -141,7 +173,9 @@ class Exports:
         folder = Path(path) if os.path.isabs(path) else root / path
         folder = folder.resolve()
         if folder != root and root not in folder.parents:
-            raise ProtocolError(f"export path {path!r} is outside node {self.node.index}'s export root {root}")
+            raise ProtocolError(
+                f"export path {path!r} is outside node {self.node.index}'s export root {root}"
+            )
         return folder
 
     async def on_export(self, ident: bytes, msg: wire.Message) -> None:
@@ -153,9 +187,23 @@ class Exports:
         try:
             entries = await node.run(self.write, folder, request)
         except OSError as exc:
-            raise ConfigError(f"node {node.index} could not write its shard into {folder}: {exc}") from None
+            raise ConfigError(
+                f"node {node.index} could not write its shard into {folder}: {exc}"
+            ) from None
         body = torch.frombuffer(bytearray(msgpack.packb(entries)), dtype=torch.uint8)
-        node.send(ident, wire.encode({"op": Op.EXPORT, "job": node.job, "step": node.step, "worker": h["worker"], "path": str(folder)}, [body]))
+        node.send(
+            ident,
+            wire.encode(
+                {
+                    "op": Op.EXPORT,
+                    "job": node.job,
+                    "step": node.step,
+                    "worker": h["worker"],
+                    "path": str(folder),
+                },
+                [body],
+            ),
+        )
 
     async def on_import(self, ident: bytes, msg: wire.Message) -> None:
         """Read this node's shard from the training checkpoint the header names (:mod:`.dcp_import`)."""
@@ -180,7 +228,9 @@ class Exports:
                     try:
                         entries += self._bucket(f, b, request)
                     except ProtocolError as exc:
-                        raise ProtocolError(f"EXPORT to node {node.index}, bucket {b.id}: {exc}") from None
+                        raise ProtocolError(
+                            f"EXPORT to node {node.index}, bucket {b.id}: {exc}"
+                        ) from None
                 f.flush()
                 os.fsync(f.fileno())
             os.rename(tmp, final)
@@ -195,17 +245,27 @@ class Exports:
         if request.groups is None:
             for s in b.segments:
                 name, shape = request.param(s)
-                out += self._pieces(f, name, shape, b.params.narrow(0, s.offset, s.numel), s.param_offset)
+                out += self._pieces(
+                    f, name, shape, b.params.narrow(0, s.offset, s.numel), s.param_offset
+                )
             return out
         hyper, kind = request.hyper(b), b.kind
         flats = {n: b.state.read(n) for n in kind.state_for(hyper)}
         for si, s in enumerate(b.segments):
             name, shape = request.param(s)
-            out += self._pieces(f, MODEL + name, shape, b.params.narrow(0, s.offset, s.numel), s.param_offset)
+            out += self._pieces(
+                f, MODEL + name, shape, b.params.narrow(0, s.offset, s.numel), s.param_offset
+            )
             scalars, shapes = torch_param_state(kind, shape, float(b.steps[si]), hyper)
             for n, state_shape in shapes.items():
                 start, length = slot(shape, state_shape, s.param_offset, s.numel)
-                out += self._pieces(f, f"{OPTIM_STATE}{name}.{n}", state_shape, flats[n].narrow(0, s.offset, length), start)
+                out += self._pieces(
+                    f,
+                    f"{OPTIM_STATE}{name}.{n}",
+                    state_shape,
+                    flats[n].narrow(0, s.offset, length),
+                    start,
+                )
             if s.param_offset == 0:
                 for n, value in scalars.items():
                     out += self._pieces(f, f"{OPTIM_STATE}{name}.{n}", (), value.reshape(1), 0)

@@ -42,7 +42,9 @@ class Later:
 
     def wait(self, timeout: float | None = None) -> None:
         t0 = time.monotonic()
-        while not self.event.wait(0.25 if timeout is None else min(0.25, max(0.0, timeout - (time.monotonic() - t0)))):
+        while not self.event.wait(
+            0.25 if timeout is None else min(0.25, max(0.0, timeout - (time.monotonic() - t0)))
+        ):
             if not self.alive():
                 return
             if timeout is not None and time.monotonic() - t0 >= timeout:

@@ -20,6 +20,7 @@ import struct
 from pathlib import Path
 
 import torch
+
 from luwu.protocol.errors import CorruptCheckpointError
 
 __all__ = ["MAGIC", "SUFFIX", "read", "write"]

@@ -90,7 +90,11 @@ def listening_socket(bind: str) -> tuple[socket.socket, str]:
         raise
     if scheme != "ipc":
         got = sock.getsockname()
-        address = f"tcp://[{got[0]}]:{got[1]}" if sock.family == socket.AF_INET6 else f"tcp://{got[0]}:{got[1]}"
+        address = (
+            f"tcp://[{got[0]}]:{got[1]}"
+            if sock.family == socket.AF_INET6
+            else f"tcp://{got[0]}:{got[1]}"
+        )
     sock.listen(1024)
     sock.setblocking(False)
     return sock, address
@@ -112,7 +116,14 @@ class LibzmqListener(Listener):
     """libzmq's ROUTER. Bounds one frame (``MAXMSGSIZE``) and whole messages (``RCVHWM``), not an
     unfinished multipart message (with CURVE, only authenticated workers can send one)."""
 
-    def __init__(self, bind: str, *, max_message_bytes: int, hwm: int, curve: tuple[str, str, list[str]] | None = None) -> None:
+    def __init__(
+        self,
+        bind: str,
+        *,
+        max_message_bytes: int,
+        hwm: int,
+        curve: tuple[str, str, list[str]] | None = None,
+    ) -> None:
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -128,7 +139,9 @@ class LibzmqListener(Listener):
             public, secret, authorized = curve
             self._auth = AsyncioAuthenticator(ctx)
             self._auth.start()
-            self._auth.configure_curve_callback(domain="*", credentials_provider=_KeyList({k.encode() for k in authorized}))
+            self._auth.configure_curve_callback(
+                domain="*", credentials_provider=_KeyList({k.encode() for k in authorized})
+            )
             sock.curve_server = True
             sock.curve_secretkey = secret.encode()
             sock.curve_publickey = public.encode()
@@ -154,7 +167,9 @@ class LibzmqListener(Listener):
 
     def send(self, ident: bytes, frames: list, track: bool = False, priority=None):
         try:
-            fut = self._sock.send_multipart([ident, *frames], copy=False, track=track, flags=zmq.NOBLOCK)
+            fut = self._sock.send_multipart(
+                [ident, *frames], copy=False, track=track, flags=zmq.NOBLOCK
+            )
         except zmq.Again:
             raise SendQueueFull(ident) from None
         # zmq.asyncio settles a NOBLOCK send at once; its result is the MessageTracker

@@ -15,14 +15,20 @@ the step naming them (strict) or drops them and goes on (elastic).
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
 from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
-from luwu.protocol.errors import ConfigError, JobExistsError, LayoutMismatchError, ProtocolError, WorkerLostError
+from luwu.protocol.errors import (
+    ConfigError,
+    JobExistsError,
+    LayoutMismatchError,
+    ProtocolError,
+    WorkerLostError,
+)
 from luwu.protocol.layout import Bucket
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.optimizers import OptimizerKind, get_kind
@@ -52,7 +58,9 @@ def ranks_text(ranks: list[int], limit: int = 12) -> str:
             runs[-1][1] = r
         else:
             runs.append([r, r])
-    text = ", ".join(f"{a}-{b}" if b > a + 1 else ", ".join(map(str, range(a, b + 1))) for a, b in runs[:limit])
+    text = ", ".join(
+        f"{a}-{b}" if b > a + 1 else ", ".join(map(str, range(a, b + 1))) for a, b in runs[:limit]
+    )
     return f"[{text}{f', ... ({len(ranks)} ranks)' if len(runs) > limit else ''}]"
 
 
@@ -68,8 +76,12 @@ class Membership:
     def __init__(self, node: NodeServer):
         self.node = node
         self._lost_reported: set[tuple[int, int]] = set()
-        self._not_reading: set[int] = set()  # ranks named for leaving their replies unread (until they say HELLO again)
-        self._waiting_since: float | None = None  # when the node began to wait for ranks (start-up, a step), for the log
+        self._not_reading: set[int] = (
+            set()
+        )  # ranks named for leaving their replies unread (until they say HELLO again)
+        self._waiting_since: float | None = (
+            None  # when the node began to wait for ranks (start-up, a step), for the log
+        )
         self._left: set[int] = set()  # ranks that said BYE (until they say HELLO again)
 
     # ----------------------------------------------------------------- HELLO
@@ -79,16 +91,26 @@ class Membership:
         if h["world_size"] < 1 or w >= h["world_size"]:
             raise ProtocolError(f"worker rank {w} is outside world size {h['world_size']}")
         if h["world_size"] > node.cfg.max_world_size:  # before anything is sized by it
-            raise ConfigError(f"HELLO of worker {w} names world size {h['world_size']}, over this node's node.max_world_size = {node.cfg.max_world_size}")
+            raise ConfigError(
+                f"HELLO of worker {w} names world size {h['world_size']}, over this node's node.max_world_size = {node.cfg.max_world_size}"
+            )
         if node.index >= 0 and h["node_index"] != node.index:
-            raise LayoutMismatchError(f"this is node {node.index}, worker {w} addressed it as node {h['node_index']}")
+            raise LayoutMismatchError(
+                f"this is node {node.index}, worker {w} addressed it as node {h['node_index']}"
+            )
         kind = get_kind(h["optimizer"])
         if h["mode"] != node.cfg.mode:
-            raise ConfigError(f"worker {w} runs mode {h['mode']!r}, this node runs {node.cfg.mode!r}")
+            raise ConfigError(
+                f"worker {w} runs mode {h['mode']!r}, this node runs {node.cfg.mode!r}"
+            )
         buckets = [Bucket.from_wire(s) for s in h["buckets"]]
         names = h.get("param_names", {})
-        if not all(type(k) is int and isinstance(v, str) and len(v) < 1024 for k, v in names.items()):
-            raise ProtocolError("param_names must map parameter indices (ints) to names (short strings)")
+        if not all(
+            type(k) is int and isinstance(v, str) and len(v) < 1024 for k, v in names.items()
+        ):
+            raise ProtocolError(
+                "param_names must map parameter indices (ints) to names (short strings)"
+            )
         self._check_key(ident, w)
         bound = node.peers.get(w)
         self._check_rank_free(ident, w, bound)
@@ -124,7 +146,11 @@ class Membership:
         job with one of them is being trained right now."""
         node, now = self.node, time.monotonic()
         return sorted(
-            r for r in node.peers if r != but and now - node.last_seen.get(r, 0.0) < node.cfg.worker_timeout_s and node.connected(r)
+            r
+            for r in node.peers
+            if r != but
+            and now - node.last_seen.get(r, 0.0) < node.cfg.worker_timeout_s
+            and node.connected(r)
         )
 
     def _check_fresh(self, w: int) -> None:
@@ -135,8 +161,16 @@ class Membership:
         step = node.step
         if step == 0 or self.live_ranks(but=w):
             return
-        how = "restored from its checkpoint" if node.restored_step == step else "left by an earlier run"
-        ckpt = f" whose node.checkpoint_dir holds no checkpoint of it (this node's, {node.cfg.checkpoint_dir}, does)" if node.ckpt else ""
+        how = (
+            "restored from its checkpoint"
+            if node.restored_step == step
+            else "left by an earlier run"
+        )
+        ckpt = (
+            f" whose node.checkpoint_dir holds no checkpoint of it (this node's, {node.cfg.checkpoint_dir}, does)"
+            if node.ckpt
+            else ""
+        )
         raise JobExistsError(
             f"job {node.job!r}: node {node.index} holds its weights and optimizer state at step {step} ({how}) and no worker "
             f"is training it; worker {w} did not ask to resume. Continue from step {step}: RemoteOptimizer(..., resume=True) "
@@ -158,7 +192,8 @@ class Membership:
         owner = keys.index(key) if key in keys else None
         raise ProtocolError(
             f"HELLO as worker rank {w} with a key that is not rank {w}'s: it is authorized "
-            + (f"as rank {owner}" if owner is not None else "for no rank") + " (node.curve_keys_by_rank: the i-th authorized key is rank i's)"
+            + (f"as rank {owner}" if owner is not None else "for no rank")
+            + " (node.curve_keys_by_rank: the i-th authorized key is rank i's)"
         )
 
     def _check_capacity(self, w: int, kind: OptimizerKind, buckets: list[Bucket]) -> None:
@@ -177,9 +212,13 @@ class Membership:
         or extends it (add_param_group: every known bucket unchanged)."""
         node, w = self.node, h["worker"]
         if h["world_size"] != node.world_size:
-            raise LayoutMismatchError(f"worker {w} says world size {h['world_size']}, the job has {node.world_size}")
+            raise LayoutMismatchError(
+                f"worker {w} says world size {h['world_size']}, the job has {node.world_size}"
+            )
         if kind is not node.kind:
-            raise LayoutMismatchError(f"worker {w} uses optimizer {kind.name!r}, the job uses {node.kind.name!r}")
+            raise LayoutMismatchError(
+                f"worker {w} uses optimizer {kind.name!r}, the job uses {node.kind.name!r}"
+            )
         new = {b.id: b.to_wire() for b in buckets}
         if h["layout"] == node.layout_hash and new.keys() != node.buckets.keys():
             # the job's layout names exactly the job's buckets: a HELLO with its hash and other bucket ids would
@@ -195,11 +234,15 @@ class Membership:
                     f"(bucket {b.id} differs: a different model or bucket_bytes)"
                 )
 
-    def _admit(self, ident: bytes, h: dict, kind: OptimizerKind, buckets: list[Bucket], names: dict) -> None:
+    def _admit(
+        self, ident: bytes, h: dict, kind: OptimizerKind, buckets: list[Bucket], names: dict
+    ) -> None:
         node, w = self.node, h["worker"]
         for spec in buckets:
             if spec.id not in node.buckets:
-                b = node.buckets[spec.id] = BucketState(spec.id, spec.group, spec.numel, list(spec.segments), kind, node.accumulators)
+                b = node.buckets[spec.id] = BucketState(
+                    spec.id, spec.group, spec.numel, list(spec.segments), kind, node.accumulators
+                )
                 b.version = h["step"]  # a group added mid-training starts at the job's step
                 node.replies.add(spec.id)
         node.param_names.update(names)
@@ -215,7 +258,14 @@ class Membership:
         node.metrics.workers.set(len(node.peers))
         versions = {b.id: b.version for b in node.buckets.values()}
         initialized = [b.id for b in node.buckets.values() if b.initialized]
-        node.answer(ident, Op.WELCOME, w, layout=node.layout_hash, versions=versions, initialized=initialized)
+        node.answer(
+            ident,
+            Op.WELCOME,
+            w,
+            layout=node.layout_hash,
+            versions=versions,
+            initialized=initialized,
+        )
 
     # ----------------------------------------------------------------- INIT, HEARTBEAT, rank checks
     def on_init(self, ident: bytes, msg: wire.Message) -> None:
@@ -240,7 +290,13 @@ class Membership:
         self._not_reading.discard(w)
         self._left.add(w)
         node.metrics.workers.set(len(node.peers))
-        log.info("node %s: worker %d left the job at step %d (BYE); %d workers connected", node.index, w, node.step, len(node.peers))
+        log.info(
+            "node %s: worker %d left the job at step %d (BYE); %d workers connected",
+            node.index,
+            w,
+            node.step,
+            len(node.peers),
+        )
         node.answer(ident, Op.BYE, w)
         if node.cfg.worker_policy == "elastic" and node.members - {w}:
             node.members.discard(w)
@@ -249,7 +305,9 @@ class Membership:
     def on_heartbeat(self, ident: bytes, msg: wire.Message) -> None:
         w = msg.header["worker"]
         self.node.last_seen[w] = time.monotonic()
-        if "seq" in msg.header and self.node.peers.get(w) == ident:  # it reached step() of seq (optimizer.hold_replies)
+        if (
+            "seq" in msg.header and self.node.peers.get(w) == ident
+        ):  # it reached step() of seq (optimizer.hold_replies)
             self.node.replies.held.release(w, msg.header["seq"])
         self.node.answer(ident, Op.HEARTBEAT, w)
 
@@ -259,7 +317,9 @@ class Membership:
         if node.world_size is None or w >= node.world_size:
             raise ProtocolError(f"worker rank {w} is outside world size {node.world_size}")
         if node.peers.get(w) != ident:
-            raise ProtocolError(f"worker {w}: message from a peer that did not say HELLO as this rank")
+            raise ProtocolError(
+                f"worker {w}: message from a peer that did not say HELLO as this rank"
+            )
         if w not in node.members and h["op"] == Op.PUSH:
             raise WorkerLostError(
                 f"worker {w} was dropped from the job after {node.cfg.worker_timeout_s:.0f} s without pushes (elastic mode): call optimizer.recover() to rejoin"
@@ -280,7 +340,11 @@ class Membership:
             for b in list(node.buckets.values()):
                 for step, acc in list(b.accs.items()):
                     missing = node.members - acc.workers
-                    if not missing or not acc.workers or now - acc.first_at < node.cfg.worker_timeout_s:
+                    if (
+                        not missing
+                        or not acc.workers
+                        or now - acc.first_at < node.cfg.worker_timeout_s
+                    ):
                         continue
                     if node.cfg.worker_policy == "elastic":
                         await self._drop(missing, step, b.id)
@@ -296,7 +360,15 @@ class Membership:
         With no worker connected nobody waits; a rank that left (BYE) is not waited for unless a step needs it."""
         node = self.node
         absent = sorted(set(range(node.world_size)) - set(node.peers) - self._left)
-        waiting = sorted({w for b in node.buckets.values() for acc in b.accs.values() if now - acc.first_at > 5.0 for w in node.members - acc.workers})
+        waiting = sorted(
+            {
+                w
+                for b in node.buckets.values()
+                for acc in b.accs.values()
+                if now - acc.first_at > 5.0
+                for w in node.members - acc.workers
+            }
+        )
         if not node.peers or not (absent or waiting):
             self._waiting_since = None
             return False
@@ -305,7 +377,14 @@ class Membership:
         if not due:
             return False
         level = logging.WARNING if now - self._waiting_since >= WAIT_GRACE_S else logging.INFO
-        log.log(level, "node %s at %s: waiting for worker ranks %s (not connected: %s)", node.index, node.address, ranks_text(waiting or absent), ranks_text(absent))
+        log.log(
+            level,
+            "node %s at %s: waiting for worker ranks %s (not connected: %s)",
+            node.index,
+            node.address,
+            ranks_text(waiting or absent),
+            ranks_text(absent),
+        )
         return True
 
     async def not_reading(self, ranks: set[int]) -> None:
@@ -319,7 +398,13 @@ class Membership:
         who = ", ".join(f"worker {w}" for w in sorted(new))
         node.metrics.errors.labels("not_reading").inc(len(new))
         stuck_s = node.cfg.worker_timeout_s / 4
-        log.error("node %s: %s left its replies unread for %.0f s: %s", node.index, who, stuck_s, "dropped (elastic)" if node.cfg.worker_policy == "elastic" else "lost (strict mode)")
+        log.error(
+            "node %s: %s left its replies unread for %.0f s: %s",
+            node.index,
+            who,
+            stuck_s,
+            "dropped (elastic)" if node.cfg.worker_policy == "elastic" else "lost (strict mode)",
+        )
         if node.cfg.worker_policy == "elastic":
             await self._drop(new, node.step, -1)
             return
@@ -334,7 +419,9 @@ class Membership:
         for w in missing:
             node.replies.held.forget(w)
         node.metrics.dropped_workers.inc(len(missing))
-        log.warning("node %s: dropped workers %s from step %d (elastic)", node.index, sorted(missing), step)
+        log.warning(
+            "node %s: dropped workers %s from step %d (elastic)", node.index, sorted(missing), step
+        )
         text = f"dropped from step {step} after {node.cfg.worker_timeout_s:.0f} s without a push (elastic mode): call optimizer.recover() to rejoin"
         for w in missing:  # a stalled worker learns it when it wakes up
             node.tell(w, WorkerLostError.code, f"worker {w} {text}", step=step, bucket=bid)

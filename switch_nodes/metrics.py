@@ -11,21 +11,42 @@ class NodeMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         f = MetricsFactory("node", registry)
         self.registry = f.registry
-        self.bytes_in = f.counter("bytes_received_total", "Payload bytes received (on the wire)", ("op",))
+        self.bytes_in = f.counter(
+            "bytes_received_total", "Payload bytes received (on the wire)", ("op",)
+        )
         self.bytes_out = f.counter("bytes_sent_total", "Payload bytes sent (on the wire)", ("op",))
-        self.raw_in = f.counter("raw_bytes_received_total", "fp32 bytes the received payloads stand for", ("op",))
-        self.raw_out = f.counter("raw_bytes_sent_total", "fp32 bytes the sent payloads stand for", ("op",))
+        self.raw_in = f.counter(
+            "raw_bytes_received_total", "fp32 bytes the received payloads stand for", ("op",)
+        )
+        self.raw_out = f.counter(
+            "raw_bytes_sent_total", "fp32 bytes the sent payloads stand for", ("op",)
+        )
         self.pushes = f.counter("pushes_total", "Gradient pushes accepted")
-        self.duplicates = f.counter("duplicate_pushes_total", "Retried pushes recognised and not counted again")
+        self.duplicates = f.counter(
+            "duplicate_pushes_total", "Retried pushes recognised and not counted again"
+        )
         self.updates = f.counter("updates_applied_total", "Bucket updates applied by the optimizer")
-        self.skipped = f.counter("steps_skipped_total", "Bucket steps skipped (non-finite gradient)")
+        self.skipped = f.counter(
+            "steps_skipped_total", "Bucket steps skipped (non-finite gradient)"
+        )
         self.errors = f.counter("errors_total", "Messages refused, by error code", ("code",))
-        self.opt_seconds = f.histogram("optimizer_step_seconds", "Seconds of one bucket's optimizer step (incl. reply encode)")
-        self.agg_wait = f.histogram("aggregation_wait_seconds", "Seconds from the first to the last push of a (step, bucket)")
+        self.opt_seconds = f.histogram(
+            "optimizer_step_seconds", "Seconds of one bucket's optimizer step (incl. reply encode)"
+        )
+        self.agg_wait = f.histogram(
+            "aggregation_wait_seconds",
+            "Seconds from the first to the last push of a (step, bucket)",
+        )
         self.workers = f.gauge("connected_workers", "Workers that said HELLO and are alive")
         self.step = f.gauge("step", "Lowest bucket version held by this node (steps applied)")
-        self.staleness = f.gauge("staleness_steps", "Steps between the fastest and the slowest worker (async mode)")
-        self.checkpoint_age = f.gauge("checkpoint_age_seconds", "Seconds since the last checkpoint was written")
+        self.staleness = f.gauge(
+            "staleness_steps", "Steps between the fastest and the slowest worker (async mode)"
+        )
+        self.checkpoint_age = f.gauge(
+            "checkpoint_age_seconds", "Seconds since the last checkpoint was written"
+        )
         self.checkpoint_step = f.gauge("checkpoint_step", "Step of the last checkpoint written")
-        self.dropped_workers = f.counter("dropped_workers_total", "Workers dropped from a step (elastic mode)")
+        self.dropped_workers = f.counter(
+            "dropped_workers_total", "Workers dropped from a step (elastic mode)"
+        )
         self.names = list(f.names)

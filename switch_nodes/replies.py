@@ -22,13 +22,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
 import zmq
 
 from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
 from luwu.protocol.feedback import DeltaEncoder
-from luwu.protocol.messages import PULL_ACK as ACK, Op
+from luwu.protocol.messages import PULL_ACK as ACK
+from luwu.protocol.messages import Op
 from luwu.switch_nodes.held_replies import HeldReplies
 from luwu.switch_nodes.store import BucketState
 
@@ -53,7 +53,9 @@ class ReplyBuffers:
     ``stuck_s``: its zero-copy replies are given up on (they may go out torn) and ``on_stuck`` is told
     its rank."""
 
-    def __init__(self, on_stuck: Callable[[set[int]], None] | None = None, stuck_s: float = 15.0) -> None:
+    def __init__(
+        self, on_stuck: Callable[[set[int]], None] | None = None, stuck_s: float = 15.0
+    ) -> None:
         self._trackers: list = []  # (worker, MessageTracker) of the zero-copy replies in flight
         self.on_stuck, self.stuck_s = on_stuck, stuck_s
 
@@ -133,7 +135,9 @@ class StepsPullCodec(PullCodec):
         self.name = STEPS
         self.codec = get_codec(STEPS)
         self._plain = PullCodec("bf16")
-        self._synced: dict[int, int] = {}  # bucket -> the version whose bf16 rounding the workers hold
+        self._synced: dict[
+            int, int
+        ] = {}  # bucket -> the version whose bf16 rounding the workers hold
         self._local = threading.local()  # (bucket, version, its bits) of the step being applied
 
     def before_step(self, b: BucketState) -> None:
@@ -191,9 +195,15 @@ class Replies:
         self.node = node
         self.buffers: dict[int, ReplyBuffers] = {}
         self._delta: DeltaPullCodec | None = None  # made on first use: it holds a shadow per bucket
-        self._steps: StepsPullCodec | None = None  # made on first use: it knows which versions the workers hold
-        self._pending: dict[int, list[tuple[int, str]]] = {}  # PULLs that came before the bucket's INIT
-        self.held = HeldReplies(node.send_to, node.cfg.mode == "sync", node.cfg.rcvhwm // 2, node.connected)  # until the worker's step()
+        self._steps: StepsPullCodec | None = (
+            None  # made on first use: it knows which versions the workers hold
+        )
+        self._pending: dict[
+            int, list[tuple[int, str]]
+        ] = {}  # PULLs that came before the bucket's INIT
+        self.held = HeldReplies(
+            node.send_to, node.cfg.mode == "sync", node.cfg.rcvhwm // 2, node.connected
+        )  # until the worker's step()
 
     def codec(self, name: str) -> PullCodec:
         """The pull codec named by a worker (raises on an unknown name)."""
@@ -247,7 +257,9 @@ class Replies:
         for w, name in self._pending.pop(b.id, []):
             self.send(b, [w], self.encode(b, PullCodec(name)))
 
-    async def send_current(self, b: BucketState, workers: list[int], codec: PullCodec, seq: int | None = None) -> None:
+    async def send_current(
+        self, b: BucketState, workers: list[int], codec: PullCodec, seq: int | None = None
+    ) -> None:
         """Encode the bucket's weights on the optimizer thread (behind the queued steps) and send them."""
         gen = self.node.gen
         payload = await self.node.run(self._encode_for_some, b, codec)
@@ -262,9 +274,26 @@ class Replies:
         self.resync(b.id)
         return payload
 
-    def send(self, b: BucketState, workers: list[int], payload: Payload, *, skipped: bool = False, seq: int | None = None) -> None:
+    def send(
+        self,
+        b: BucketState,
+        workers: list[int],
+        payload: Payload,
+        *,
+        skipped: bool = False,
+        seq: int | None = None,
+    ) -> None:
         """Send an UPDATE with ``payload`` to ``workers``. ``seq``: the step it answers (absent for a PULL)."""
-        header = {"op": Op.UPDATE, "job": self.node.job, "step": b.version, "worker": 0, "bucket": b.id, "codec": payload.codec, "cmeta": payload.meta, "skipped": skipped}
+        header = {
+            "op": Op.UPDATE,
+            "job": self.node.job,
+            "step": b.version,
+            "worker": 0,
+            "bucket": b.id,
+            "codec": payload.codec,
+            "cmeta": payload.meta,
+            "skipped": skipped,
+        }
         if payload.delta:
             header["delta"] = True
         if seq is not None:
@@ -277,7 +306,11 @@ class Replies:
         priority = (b.version, -b.id) if payload.frames and seq is not None else None
         for w in workers:
             if w in self.node.peers:
-                later = self.held.hold(w, seq, b.id, data, priority) if seq is not None and payload.frames else None
+                later = (
+                    self.held.hold(w, seq, b.id, data, priority)
+                    if seq is not None and payload.frames
+                    else None
+                )
                 trackers.append((w, later or self.node.send_to(w, data, True, priority)))
                 metrics.bytes_out.labels("update").inc(nbytes)
                 if payload.frames:  # (an ack carries no weights)

@@ -26,7 +26,9 @@ __all__ = ["Sender", "Sent"]
 
 _IOV = 1024  # buffers per sendmsg (Linux's IOV_MAX)
 _BATCH = 256  # messages per sendmsg at most
-_AHEAD = 8 << 20  # bytes per sendmsg at most (more than a socket buffer takes): what is not in it may still be reordered
+_AHEAD = (
+    8 << 20
+)  # bytes per sendmsg at most (more than a socket buffer takes): what is not in it may still be reordered
 
 
 def _views(parts: list) -> list:
@@ -88,7 +90,15 @@ class Sender:
         with self._lock:
             self._outs[key] = _Out(fd)
 
-    def put(self, key: bytes, parts: list, sent: Sent | None = None, seal: Callable[[list], list] | None = None, priority=None, cost: int = 0) -> bool:
+    def put(
+        self,
+        key: bytes,
+        parts: list,
+        sent: Sent | None = None,
+        seal: Callable[[list], list] | None = None,
+        priority=None,
+        cost: int = 0,
+    ) -> bool:
         """Queue ``parts`` (bytes / memoryviews, untouched until ``sent`` is done) for ``key``; False if gone.
         ``seal``: ``parts`` are a message's frames, turned into what goes out by ``seal(parts)`` on this
         thread, right before they are sent (CURVE: nonces in the order of the wire). ``priority``: among

@@ -41,9 +41,9 @@ from luwu.switch_nodes.lines import READY_LINE
 from luwu.switch_nodes.listener import LibzmqListener, Listener, SendQueueFull
 from luwu.switch_nodes.membership import Membership
 from luwu.switch_nodes.metrics import NodeMetrics
-from luwu.switch_nodes.peer_roles import PeerRoles
 from luwu.switch_nodes.optimizers import OptimizerKind
-from luwu.switch_nodes.replies import ReplyBuffers, Replies
+from luwu.switch_nodes.peer_roles import PeerRoles
+from luwu.switch_nodes.replies import Replies, ReplyBuffers
 from luwu.switch_nodes.store import AccumulatorPool, BucketState
 
 __all__ = ["NodeServer", "READY_LINE", "ReplyBuffers"]
@@ -51,7 +51,20 @@ __all__ = ["NodeServer", "READY_LINE", "ReplyBuffers"]
 log = logging.getLogger(__name__)
 
 #: Ops a worker sends as a rank: the sender must be the connection that said HELLO as that rank.
-_RANKED = frozenset({Op.PUSH, Op.INIT, Op.PULL, Op.COMMIT, Op.STATE, Op.CHECKPOINT, Op.ROLLBACK, Op.EXPORT, Op.BYE, Op.IMPORT})
+_RANKED = frozenset(
+    {
+        Op.PUSH,
+        Op.INIT,
+        Op.PULL,
+        Op.COMMIT,
+        Op.STATE,
+        Op.CHECKPOINT,
+        Op.ROLLBACK,
+        Op.EXPORT,
+        Op.BYE,
+        Op.IMPORT,
+    }
+)
 #: Ops served to a connection that has not said HELLO.
 _OPEN = frozenset({Op.HELLO, Op.STATS})
 
@@ -66,7 +79,9 @@ class NodeServer:
         self.metrics = NodeMetrics(registry)
         self.address: str | None = None
         self.started = time.monotonic()
-        self.boot = uuid.uuid4().hex[:12]  # identifies this process: a rollback is done once per boot
+        self.boot = uuid.uuid4().hex[
+            :12
+        ]  # identifies this process: a rollback is done once per boot
         # the job as the workers described it in HELLO
         self.buckets: dict[int, BucketState] = {}
         self.layout_hash: str | None = None
@@ -76,17 +91,27 @@ class NodeServer:
         # who is in it
         self.peers: dict[int, bytes] = {}  # worker rank -> ZeroMQ routing id
         self.last_seen: dict[int, float] = {}
-        self.members: set[int] = set()  # ranks expected in each step (elastic mode drops the missing)
+        self.members: set[int] = (
+            set()
+        )  # ranks expected in each step (elastic mode drops the missing)
         # the optimizer thread and the queue of jobs in front of it
         self.gen = 0  # bumped by a rollback: queued jobs of the abandoned timeline are dropped
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="luwu-opt")
         self._jobs: asyncio.Queue | None = None
         self._stop: asyncio.Event | None = None
         self.listener: Listener | None = None
-        self.roles = PeerRoles(self)  # who a connection is: what it may hold and leave unread, who may say HELLO
+        self.roles = PeerRoles(
+            self
+        )  # who a connection is: what it may hold and leave unread, who may say HELLO
         self._full_told: set[bytes] = set()  # connections told of in the log for not reading
-        self.ckpt = CheckpointStore(cfg.checkpoint_dir, cfg.index) if cfg.checkpoint_dir and cfg.index >= 0 else None
-        self.accumulators = AccumulatorPool(cfg.inflight_bytes)  # shared by the buckets (luwu.switch_nodes.store)
+        self.ckpt = (
+            CheckpointStore(cfg.checkpoint_dir, cfg.index)
+            if cfg.checkpoint_dir and cfg.index >= 0
+            else None
+        )
+        self.accumulators = AccumulatorPool(
+            cfg.inflight_bytes
+        )  # shared by the buckets (luwu.switch_nodes.store)
         self.replies = Replies(self)
         self.membership = Membership(self)
         self.aggregation = Aggregation(self)
@@ -120,17 +145,48 @@ class NodeServer:
             from luwu.switch_nodes.curve import CurveKeys
             from luwu.switch_nodes.zmtp import ZmtpListener
 
-            keys = CurveKeys(cfg.curve_public_key, cfg.curve_secret_key, cfg.curve_authorized_keys, cfg.curve_monitor_keys) if cfg.curve_secret_key else None
+            keys = (
+                CurveKeys(
+                    cfg.curve_public_key,
+                    cfg.curve_secret_key,
+                    cfg.curve_authorized_keys,
+                    cfg.curve_monitor_keys,
+                )
+                if cfg.curve_secret_key
+                else None
+            )
             roles = self.roles
             self.listener = ZmtpListener(
-                cfg.bind, max_message_bytes=cfg.max_message_bytes, max_frames=cfg.max_message_frames, budget=roles.budget, who=self.who,
-                max_connections=cfg.max_connections, sndhwm=cfg.rcvhwm, join_secret=cfg.join_secret, member=roles.member, curve=keys,
-                reply_budget=roles.reply_budget, total_bytes=cfg.peers_total_budget, exclusive=roles.exclusive, replaced=roles.replaced,
-                stuck_s=cfg.worker_timeout_s / 4, on_stuck=roles.stuck,
+                cfg.bind,
+                max_message_bytes=cfg.max_message_bytes,
+                max_frames=cfg.max_message_frames,
+                budget=roles.budget,
+                who=self.who,
+                max_connections=cfg.max_connections,
+                sndhwm=cfg.rcvhwm,
+                join_secret=cfg.join_secret,
+                member=roles.member,
+                curve=keys,
+                reply_budget=roles.reply_budget,
+                total_bytes=cfg.peers_total_budget,
+                exclusive=roles.exclusive,
+                replaced=roles.replaced,
+                stuck_s=cfg.worker_timeout_s / 4,
+                on_stuck=roles.stuck,
             )
         else:
-            curve = (cfg.curve_public_key, cfg.curve_secret_key, [*cfg.curve_authorized_keys, *cfg.curve_monitor_keys]) if cfg.curve_secret_key else None
-            self.listener = LibzmqListener(cfg.bind, max_message_bytes=cfg.max_message_bytes, hwm=cfg.rcvhwm, curve=curve)
+            curve = (
+                (
+                    cfg.curve_public_key,
+                    cfg.curve_secret_key,
+                    [*cfg.curve_authorized_keys, *cfg.curve_monitor_keys],
+                )
+                if cfg.curve_secret_key
+                else None
+            )
+            self.listener = LibzmqListener(
+                cfg.bind, max_message_bytes=cfg.max_message_bytes, hwm=cfg.rcvhwm, curve=curve
+            )
         self.address = self.listener.address
         return self.address
 
@@ -157,7 +213,13 @@ class NodeServer:
         self._stop = asyncio.Event()
         self.durability.restore_latest()
         print(f"{READY_LINE} {self.address}", flush=True)
-        log.info("node %s serving job %r at %s (mode %s)", self.index, self.job, self.address, self.cfg.mode)
+        log.info(
+            "node %s serving job %r at %s (mode %s)",
+            self.index,
+            self.job,
+            self.address,
+            self.cfg.mode,
+        )
         self._jobs = asyncio.Queue()
         recv = asyncio.ensure_future(self._recv_loop())
         jobs = asyncio.ensure_future(self._job_loop())
@@ -213,17 +275,32 @@ class NodeServer:
         while True:
             ident, body, dropped = await listener.recv()
             try:
-                msg = wire.decode(body, job=self.job, max_message_bytes=self.cfg.max_message_bytes, header_only=dropped)
+                msg = wire.decode(
+                    body,
+                    job=self.job,
+                    max_message_bytes=self.cfg.max_message_bytes,
+                    header_only=dropped,
+                )
                 if dropped:
                     raise self._dropped_error(ident, msg.header["op"])
                 await self._dispatch(ident, msg)
             except LuwuError as exc:
                 self._refuse(ident, body, exc)
-            except RecursionError:  # a header nested deeper than Python formats or walks: refused like any bad input
-                self._refuse(ident, body, ProtocolError("a header nested too deep to read (lists or maps within each other)"))
+            except (
+                RecursionError
+            ):  # a header nested deeper than Python formats or walks: refused like any bad input
+                self._refuse(
+                    ident,
+                    body,
+                    ProtocolError(
+                        "a header nested too deep to read (lists or maps within each other)"
+                    ),
+                )
             except Exception as exc:  # a node never dies of a message
                 log.exception("internal error handling a message")
-                self._refuse(ident, body, ProtocolError(f"internal error: {type(exc).__name__}: {exc}"))
+                self._refuse(
+                    ident, body, ProtocolError(f"internal error: {type(exc).__name__}: {exc}")
+                )
 
     async def _dispatch(self, ident: bytes, msg: wire.Message) -> None:
         op = msg.header["op"]
@@ -264,7 +341,9 @@ class NodeServer:
         """What a stranger is told for a message whose payload was dropped unread: what its header would get
         (the payload decides nothing for a stranger)."""
         if op in _OPEN or self._member(ident):
-            return ProtocolError(f"{op.name} with a payload of more than node.stranger_bytes = {self.cfg.stranger_bytes} from a peer that did not say HELLO")
+            return ProtocolError(
+                f"{op.name} with a payload of more than node.stranger_bytes = {self.cfg.stranger_bytes} from a peer that did not say HELLO"
+            )
         return self._stranger_error(op)
 
     def _refuse(self, ident: bytes, body, exc: LuwuError) -> None:
@@ -273,7 +352,11 @@ class NodeServer:
         self.metrics.errors.labels(code).inc()
         hdr: dict = {}
         try:
-            h = msgpack.unpackb(getattr(body[0], "bytes", body[0]), raw=False, strict_map_key=False) if body else {}
+            h = (
+                msgpack.unpackb(getattr(body[0], "bytes", body[0]), raw=False, strict_map_key=False)
+                if body
+                else {}
+            )
             hdr = h if isinstance(h, dict) else {}
         except Exception:
             pass
@@ -285,7 +368,19 @@ class NodeServer:
         step = exc.step if exc.step is not None else num("step", 0)
         detail = {"boot": exc.boot} if exc.boot is not None else None
         bucket = num("bucket", -1) if "bucket" in hdr else -1
-        self.send(ident, wire.error_message(self.job, code, str(exc), ref_op=num("op", 0), step=step, worker=num("worker", 0), bucket=bucket, detail=detail))
+        self.send(
+            ident,
+            wire.error_message(
+                self.job,
+                code,
+                str(exc),
+                ref_op=num("op", 0),
+                step=step,
+                worker=num("worker", 0),
+                bucket=bucket,
+                detail=detail,
+            ),
+        )
 
     def send(self, ident: bytes, frames: list, track: bool = False, priority=None):
         """Send without blocking; returns the send tracker when ``track`` (see :meth:`Listener.send`). A full
@@ -294,11 +389,17 @@ class NodeServer:
             return self.listener.send(ident, frames, track, priority)
         except SendQueueFull:
             self.metrics.errors.labels("send_queue_full").inc()
-            if ident not in self._full_told:  # once per connection: a peer that does not read writes no log
+            if (
+                ident not in self._full_told
+            ):  # once per connection: a peer that does not read writes no log
                 if len(self._full_told) > 4096:
                     self._full_told.clear()
                 self._full_told.add(ident)
-                log.warning("send queue full for %s (%r): it does not read; its replies are dropped (luwu_node_errors_total{code=\"send_queue_full\"} counts them)", self.who(ident), ident)
+                log.warning(
+                    'send queue full for %s (%r): it does not read; its replies are dropped (luwu_node_errors_total{code="send_queue_full"} counts them)',
+                    self.who(ident),
+                    ident,
+                )
             return None
 
     def send_to(self, worker: int, frames: list, track: bool = False, priority=None):
@@ -313,15 +414,23 @@ class NodeServer:
 
     def not_reading(self, ranks: set[int]) -> None:
         """From the optimizer thread: these workers left their replies unread (see :class:`ReplyBuffers`)."""
-        self.loop.call_soon_threadsafe(asyncio.ensure_future, self.membership.not_reading(set(ranks)))
+        self.loop.call_soon_threadsafe(
+            asyncio.ensure_future, self.membership.not_reading(set(ranks))
+        )
 
     def tell(self, worker: int, code: str, text: str, *, step: int, bucket: int) -> None:
         """An ERROR to ``worker`` that answers no message of its own (a lost peer, a failed step)."""
-        self.send_to(worker, wire.error_message(self.job, code, text, step=step, worker=worker, bucket=bucket))
+        self.send_to(
+            worker,
+            wire.error_message(self.job, code, text, step=step, worker=worker, bucket=bucket),
+        )
 
     def answer(self, ident: bytes, op: Op, worker: int, **fields: Any) -> None:
         """A header-only reply with the node's step."""
-        self.send(ident, wire.encode({"op": op, "job": self.job, "step": self.step, "worker": worker, **fields}))
+        self.send(
+            ident,
+            wire.encode({"op": op, "job": self.job, "step": self.step, "worker": worker, **fields}),
+        )
 
     def bucket(self, h: dict) -> BucketState:
         b = self.buckets.get(h["bucket"])
@@ -358,8 +467,11 @@ class NodeServer:
             "updates": val("luwu_node_updates_applied_total"),
             "uptime_s": time.monotonic() - self.started,
             "mode": self.cfg.mode,
-            "checkpoint_step": self.ckpt.last_step if self.ckpt and self.ckpt.last_step is not None else -1,
-            "checkpoint_age_s": time.time() - self.ckpt.last_time if self.ckpt and self.ckpt.last_time else -1.0,
+            "checkpoint_step": self.ckpt.last_step
+            if self.ckpt and self.ckpt.last_step is not None
+            else -1,
+            "checkpoint_age_s": time.time() - self.ckpt.last_time
+            if self.ckpt and self.ckpt.last_time
+            else -1.0,
             "members": sorted(self.members),
         }
-

@@ -54,9 +54,15 @@ class Accumulator:
     norm_sent: bool = False
     started: bool = False  # handed to the optimizer queue (or its norm round): never twice
     pull: str = "none"  # codec of the weights in the reply
-    prescale: float = 1.0  # the pushes were decoded times 1 / prescale (the 1/n of the average, folded in)
-    held: tuple | None = None  # (codec, frames, meta) of the first push, not decoded yet (see add_push)
-    partial: dict = field(default_factory=dict)  # worker -> micro-batch pushes summed so far (no_sync on the nodes)
+    prescale: float = (
+        1.0  # the pushes were decoded times 1 / prescale (the 1/n of the average, folded in)
+    )
+    held: tuple | None = (
+        None  # (codec, frames, meta) of the first push, not decoded yet (see add_push)
+    )
+    partial: dict = field(
+        default_factory=dict
+    )  # worker -> micro-batch pushes summed so far (no_sync on the nodes)
 
 
 class AccumulatorPool:
@@ -142,12 +148,21 @@ class SegmentState(Mapping):
     segment's slot (it never has more elements than the parameter), zeros elsewhere."""
 
     def __init__(self, kind: OptimizerKind, segments: list, numel: int):
-        self._names, self._numel, self._offsets = kind.state_names, numel, [s.offset for s in segments]
+        self._names, self._numel, self._offsets = (
+            kind.state_names,
+            numel,
+            [s.offset for s in segments],
+        )
         for s in segments:
             if not s.whole or s.param_offset != 0 or torch.Size(s.shape).numel() != s.numel:
-                raise ConfigError(f"optimizer {kind.name!r} needs each parameter whole in one bucket: parameter {s.param} is not (a layout built without ParamSpec.whole)")
+                raise ConfigError(
+                    f"optimizer {kind.name!r} needs each parameter whole in one bucket: parameter {s.param} is not (a layout built without ParamSpec.whole)"
+                )
         shapes = [kind.state_shapes(s.shape) for s in segments]
-        self._tensors = {n: [torch.zeros(sh[n], dtype=torch.float32) if n in sh else None for sh in shapes] for n in self._names}
+        self._tensors = {
+            n: [torch.zeros(sh[n], dtype=torch.float32) if n in sh else None for sh in shapes]
+            for n in self._names
+        }
 
     def __getitem__(self, name: str) -> list[torch.Tensor | None]:
         return self._tensors[name]
@@ -181,16 +196,36 @@ class SegmentState(Mapping):
 class BucketState:
     """One owned bucket: master weights, optimizer state, step counters, accumulators of steps in flight."""
 
-    def __init__(self, bid: int, group: int, numel: int, segments: list[SegmentSpec], kind: OptimizerKind, pool: AccumulatorPool | None = None):
-        self.id, self.group, self.numel, self.segments, self.kind = bid, group, numel, segments, kind
+    def __init__(
+        self,
+        bid: int,
+        group: int,
+        numel: int,
+        segments: list[SegmentSpec],
+        kind: OptimizerKind,
+        pool: AccumulatorPool | None = None,
+    ):
+        self.id, self.group, self.numel, self.segments, self.kind = (
+            bid,
+            group,
+            numel,
+            segments,
+            kind,
+        )
         self.params = torch.zeros(numel, dtype=torch.float32)
-        self.state = SegmentState(kind, segments, numel) if kind.whole_params else FlatState(kind.state_names, numel, allocate=kind.state_for({}))
+        self.state = (
+            SegmentState(kind, segments, numel)
+            if kind.whole_params
+            else FlatState(kind.state_names, numel, allocate=kind.state_for({}))
+        )
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in segments]
         self.version = 0  # steps processed (applied or skipped)
         self.initialized = False
         self.accs: dict[int, Accumulator] = {}
         self.worker_steps: dict[int, int] = {}  # async mode: the last step each worker pushed
-        self.held: list[tuple[int, int, str]] = []  # async mode: replies waiting for the slowest worker
+        self.held: list[
+            tuple[int, int, str]
+        ] = []  # async mode: replies waiting for the slowest worker
         self._pool = pool if pool is not None else AccumulatorPool()
         self.pviews = self._views(self.params)
         self._sviews: dict[str, list[torch.Tensor]] = {}
@@ -207,13 +242,21 @@ class BucketState:
         its tensors, shaped as torch's (None for segments without that state)."""
         views = self._sviews.get(name)
         if views is None:
-            views = self._sviews[name] = self.state[name] if isinstance(self.state, SegmentState) else self._views(self.state[name])
+            views = self._sviews[name] = (
+                self.state[name]
+                if isinstance(self.state, SegmentState)
+                else self._views(self.state[name])
+            )
         return views
 
     def tensors(self) -> list[torch.Tensor]:
         """The weights, every state tensor (``kind.state_names`` order; zeros for state never used, not
         allocated for it) and the step counters: what a checkpoint or a STATE get holds."""
-        return [self.params, *(self.state.read(n) for n in self.kind.state_names), torch.stack(self.steps) if self.steps else torch.zeros(0)]
+        return [
+            self.params,
+            *(self.state.read(n) for n in self.kind.state_names),
+            torch.stack(self.steps) if self.steps else torch.zeros(0),
+        ]
 
     def load(self, ts: list[torch.Tensor]) -> None:
         """Copy what :meth:`tensors` gave back into the bucket (all-zero unused state stays unallocated)."""
@@ -232,9 +275,13 @@ class BucketState:
         if acc is not None:
             return acc
         if step < self.version:
-            raise StepMismatchError(f"bucket {self.id}: push for step {step}, already applied (node is at step {self.version})")
+            raise StepMismatchError(
+                f"bucket {self.id}: push for step {step}, already applied (node is at step {self.version})"
+            )
         if step > self.version + max_ahead:
-            raise StepMismatchError(f"bucket {self.id}: push for step {step} is too far ahead of step {self.version}")
+            raise StepMismatchError(
+                f"bucket {self.id}: push for step {step} is too far ahead of step {self.version}"
+            )
         acc = self.accs[step] = Accumulator(first_at=time.monotonic())
         return acc
 
@@ -244,7 +291,16 @@ class BucketState:
             acc.buf = self._pool.take(self.numel)
         return acc.buf
 
-    def add_push(self, acc: Accumulator, codec, frames: list[torch.Tensor], meta: dict, expected: int, *, partial: bool = False) -> None:
+    def add_push(
+        self,
+        acc: Accumulator,
+        codec,
+        frames: list[torch.Tensor],
+        meta: dict,
+        expected: int,
+        *,
+        partial: bool = False,
+    ) -> None:
         """Decode one worker's push into the accumulator, times 1/``expected`` (the number of workers the
         step waits for): the average costs no pass of its own, and :meth:`apply` needs no ``grad_scale``.
 
@@ -261,7 +317,9 @@ class BucketState:
         elif acc.held is not None:
             first, acc.held = acc.held, None
             if first[0] is codec and not partial:
-                codec.decode_pair_(self.buffer(acc), (first[1], first[2]), (frames, meta), 1.0 / acc.prescale)
+                codec.decode_pair_(
+                    self.buffer(acc), (first[1], first[2]), (frames, meta), 1.0 / acc.prescale
+                )
             else:  # a partial push, or another codec (a worker fell back to fp32 on a non-finite gradient)
                 first[0].decode_(self.buffer(acc), first[1], first[2], 1.0 / acc.prescale)
                 codec.decode_add_(acc.buf, frames, meta, 1.0 / acc.prescale)
@@ -289,7 +347,12 @@ class BucketState:
         keep = [i for i in range(len(self.segments)) if i not in acc.nograd]
         g = self._views(self.buffer(acc))
         sv = {n: self.state_views(n) for n in self.kind.state_for(acc.hyper or {})}
-        return ([self.pviews[i] for i in keep], [g[i] for i in keep], {n: [v[i] for i in keep] for n, v in sv.items()}, [self.steps[i] for i in keep])
+        return (
+            [self.pviews[i] for i in keep],
+            [g[i] for i in keep],
+            {n: [v[i] for i in keep] for n, v in sv.items()},
+            [self.steps[i] for i in keep],
+        )
 
     def sqnorm(self, acc: Accumulator, divisor: float) -> tuple[float, bool]:
         """Squared L2 norm of the gradient sum / ``divisor`` (segments with a gradient) and whether any

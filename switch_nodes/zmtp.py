@@ -63,12 +63,33 @@ class ZmtpListener(Listener):
     and ``replaced(old, new)`` is told); ``on_stuck(ident)``: its replies stayed unsent ``stuck_s``."""
 
     def __init__(
-        self, bind: str, *, max_message_bytes: int, max_frames: int, budget: Callable[[bytes], int], who: Callable[[bytes], str], max_connections: int,
-        sndhwm: int, handshake_s: float = 10.0, join_secret: str = "", member: Callable[[bytes], bool] = lambda ident: True, curve: CurveKeys | None = None,
-        reply_budget: Callable[[bytes], int] = lambda ident: 1 << 20, total_bytes: int = 1 << 62, exclusive: Callable[[str], bool] = lambda key: False,
-        replaced: Callable[[bytes, bytes], None] = lambda old, new: None, stuck_s: float = 15.0, on_stuck: Callable[[bytes], None] | None = None,
+        self,
+        bind: str,
+        *,
+        max_message_bytes: int,
+        max_frames: int,
+        budget: Callable[[bytes], int],
+        who: Callable[[bytes], str],
+        max_connections: int,
+        sndhwm: int,
+        handshake_s: float = 10.0,
+        join_secret: str = "",
+        member: Callable[[bytes], bool] = lambda ident: True,
+        curve: CurveKeys | None = None,
+        reply_budget: Callable[[bytes], int] = lambda ident: 1 << 20,
+        total_bytes: int = 1 << 62,
+        exclusive: Callable[[str], bool] = lambda key: False,
+        replaced: Callable[[bytes, bytes], None] = lambda old, new: None,
+        stuck_s: float = 15.0,
+        on_stuck: Callable[[bytes], None] | None = None,
     ) -> None:
-        self.max_message_bytes, self.max_frames, self.budget, self.who, self.member = max_message_bytes, max_frames, budget, who, member
+        self.max_message_bytes, self.max_frames, self.budget, self.who, self.member = (
+            max_message_bytes,
+            max_frames,
+            budget,
+            who,
+            member,
+        )
         self.reply_budget, self.exclusive, self.replaced = reply_budget, exclusive, replaced
         self.stuck_s, self.on_stuck = stuck_s, on_stuck
         self.join_secret, self.curve = join_secret.encode(), curve
@@ -78,12 +99,19 @@ class ZmtpListener(Listener):
         self.sender = Sender()
         self.discard = memoryview(bytearray(64 * 1024))
         self.peers: dict[bytes, Peer] = {}
-        self._ready: collections.deque[Peer] = collections.deque()  # peers with complete messages, taken in turn
+        self._ready: collections.deque[Peer] = (
+            collections.deque()
+        )  # peers with complete messages, taken in turn
         self._arrived: asyncio.Event | None = None
         self._last: tuple[Peer, int] | None = None
         self._server = None
         self._full_told = False
-        self.total = PeersTotal(total_bytes, self.peers, lambda: bool(self._ready) or self._last is not None, self.refuse)
+        self.total = PeersTotal(
+            total_bytes,
+            self.peers,
+            lambda: bool(self._ready) or self._last is not None,
+            self.refuse,
+        )
         self.by_key: dict[str, Peer] = {}  # an exclusive key's connection
         self._keys_told: set[str] = set()
         self._stuck_told: set[bytes] = set()
@@ -105,7 +133,11 @@ class ZmtpListener(Listener):
         if len(self.peers) >= self.max_connections:
             if not self._full_told:
                 self._full_told = True
-                log.warning("node refuses connections past node.max_connections = %d (first: %s)", self.max_connections, peer.name)
+                log.warning(
+                    "node refuses connections past node.max_connections = %d (first: %s)",
+                    self.max_connections,
+                    peer.name,
+                )
             peer.transport.abort()
             return False
         self.peers[peer.ident] = peer
@@ -132,8 +164,13 @@ class ZmtpListener(Listener):
             return
         if key not in self._keys_told:
             self._keys_told.add(key)
-            log.warning("CURVE key %s: a new connection (%s) replaces its connection from %s (a worker key holds one connection at a time: "
-                        "node.curve_keys_by_rank); said once per key", key, peer.name, old.name)
+            log.warning(
+                "CURVE key %s: a new connection (%s) replaces its connection from %s (a worker key holds one connection at a time: "
+                "node.curve_keys_by_rank); said once per key",
+                key,
+                peer.name,
+                old.name,
+            )
         self.replaced(old.ident, peer.ident)
         old.cut()
 
@@ -153,7 +190,11 @@ class ZmtpListener(Listener):
     def unread(self, peer: Peer) -> None:
         """``peer``'s replies without payload wait unsent past its reply budget: it asks and does not read."""
         n, budget = self.sender.unsent(peer.ident), self.reply_budget(peer.ident)
-        self.refuse(peer, f"{n} bytes of replies left unread, more than it may leave ({budget}: node.control_reply_bytes, node.stranger_reply_bytes before HELLO)", at_once=True)
+        self.refuse(
+            peer,
+            f"{n} bytes of replies left unread, more than it may leave ({budget}: node.control_reply_bytes, node.stranger_reply_bytes before HELLO)",
+            at_once=True,
+        )
 
     def deliver(self, peer: Peer, frames: list, nbytes: int, dropped: bool) -> None:
         self.total.delivered(peer)
@@ -196,8 +237,12 @@ class ZmtpListener(Listener):
             peer, n = self._last
             self._last = None
             peer.served(n)
-        await asyncio.sleep(0)  # the loop reads the sockets between two messages: a busy peer starves no other's I/O
-        while not self._ready:  # one message per peer in turn: a peer with many queued delays no other by them
+        await asyncio.sleep(
+            0
+        )  # the loop reads the sockets between two messages: a busy peer starves no other's I/O
+        while (
+            not self._ready
+        ):  # one message per peer in turn: a peer with many queued delays no other by them
             self._arrived.clear()
             await self._arrived.wait()
         peer = self._ready.popleft()
@@ -219,7 +264,9 @@ class ZmtpListener(Listener):
         peer = self.peers.get(ident)
         if peer is None or peer.closed or not peer.ready:
             return None  # gone: what libzmq's ROUTER does with a message to an unknown peer
-        if self.sender.queued(ident) >= self.sndhwm:  # sends never wait on a peer: its queue is bounded by messages
+        if (
+            self.sender.queued(ident) >= self.sndhwm
+        ):  # sends never wait on a peer: its queue is bounded by messages
             raise SendQueueFull(ident)
         return peer.send(frames, track, priority)
 

@@ -5,7 +5,20 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["Refused", "COMMAND", "GREETING_BYTES", "LONG", "MORE", "command", "frame_head", "greeting", "properties", "property_list", "ready"]
+__all__ = [
+    "Refused",
+    "COMMAND",
+    "GREETING_BYTES",
+    "LONG",
+    "MORE",
+    "command",
+    "frame_head",
+    "greeting",
+    "properties",
+    "property_list",
+    "ready",
+]
+
 
 class Refused(Exception):
     """A peer broke a limit or the protocol: it is disconnected (the message says why). ``answer``: a
@@ -29,12 +42,24 @@ def frame_head(n: int, more: bool) -> bytes:
 
 def greeting(mechanism: bytes = b"NULL") -> bytes:
     """Signature, version 3.1, the security mechanism, as-server, filler (rfc 37, section "The Greeting")."""
-    return b"\xff" + b"\x00" * 7 + b"\x01\x7f" + b"\x03\x01" + mechanism.ljust(20, b"\x00") + b"\x01" + b"\x00" * 31
+    return (
+        b"\xff"
+        + b"\x00" * 7
+        + b"\x01\x7f"
+        + b"\x03\x01"
+        + mechanism.ljust(20, b"\x00")
+        + b"\x01"
+        + b"\x00" * 31
+    )
 
 
 def command(name: bytes, body: bytes) -> bytes:
     data = bytes([len(name)]) + name + body
-    return (bytes([COMMAND, len(data)]) if len(data) < 256 else bytes([COMMAND | LONG]) + struct.pack(">Q", len(data))) + data
+    return (
+        bytes([COMMAND, len(data)])
+        if len(data) < 256
+        else bytes([COMMAND | LONG]) + struct.pack(">Q", len(data))
+    ) + data
 
 
 def ready(socket_type: bytes) -> bytes:

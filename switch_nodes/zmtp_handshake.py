@@ -12,7 +12,17 @@ import time
 
 from luwu.protocol.messages import JOIN_PROPERTY
 from luwu.switch_nodes.curve import MAX_INITIATE, CurveKeys, CurveSession
-from luwu.switch_nodes.zmtp_frames import COMMAND, GREETING_BYTES, LONG, Refused, command, greeting, properties, property_list, ready
+from luwu.switch_nodes.zmtp_frames import (
+    COMMAND,
+    GREETING_BYTES,
+    LONG,
+    Refused,
+    command,
+    greeting,
+    properties,
+    property_list,
+    ready,
+)
 
 __all__ = ["BUFFER_BYTES", "Handshake", "StrangerLog", "command_at"]
 
@@ -66,7 +76,9 @@ class Handshake:
         mech = bytes(g[12:32]).rstrip(b"\x00")
         if mech != self.mechanism:
             keys = "CURVE keys configured" if self.curve is not None else "no CURVE keys configured"
-            raise Refused(f"security mechanism {mech.decode('ascii', 'replace')!r}: this node speaks {self.mechanism.decode()} ({keys})")
+            raise Refused(
+                f"security mechanism {mech.decode('ascii', 'replace')!r}: this node speaks {self.mechanism.decode()} ({keys})"
+            )
 
     def on_command(self, body: bytes) -> tuple[bytes, bool]:
         """A handshake command's body -> (the command frame to answer with, whether the handshake is through)."""
@@ -77,11 +89,15 @@ class Handshake:
             return command(b"WELCOME", self.curve.welcome(body)), False
         if self.state == "initiate":
             if not body.startswith(b"\x08INITIATE") or len(body) > MAX_INITIATE:
-                raise Refused(f"expected a CURVE INITIATE of at most {MAX_INITIATE} bytes after WELCOME")
+                raise Refused(
+                    f"expected a CURVE INITIATE of at most {MAX_INITIATE} bytes after WELCOME"
+                )
             props = self._properties(self.curve.initiate(body))
             self._check_type(props)
             self.state = "done"
-            return command(b"READY", self.curve.ready(property_list({b"Socket-Type": b"ROUTER"}))), True
+            return command(
+                b"READY", self.curve.ready(property_list({b"Socket-Type": b"ROUTER"}))
+            ), True
         if not body.startswith(b"\x05READY"):
             raise Refused("expected READY after the greeting")
         props = self._properties(body[6:])
@@ -102,7 +118,9 @@ class Handshake:
     def _check_type(props: dict[bytes, bytes]) -> None:
         kind = props.get(b"socket-type", b"")
         if kind != b"DEALER":
-            raise Refused(f"socket type {kind.decode('ascii', 'replace')!r}: a node serves DEALER sockets")
+            raise Refused(
+                f"socket type {kind.decode('ascii', 'replace')!r}: a node serves DEALER sockets"
+            )
 
 
 class StrangerLog:
@@ -118,7 +136,11 @@ class StrangerLog:
         now = time.monotonic()
         if now - self.since >= 60:
             if self.quiet:
-                log.warning("... and %d more peers that did not say HELLO disconnected in the last %.0f s", self.quiet, now - self.since)
+                log.warning(
+                    "... and %d more peers that did not say HELLO disconnected in the last %.0f s",
+                    self.quiet,
+                    now - self.since,
+                )
             self.since, self.lines, self.quiet = now, 0, 0
         self.lines += 1
         if self.lines > self.LINES:

@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 import numpy as np
+
 from luwu.protocol.messages import MAX_HEADER_BYTES
 from luwu.switch_nodes.curve import OVERHEAD
 from luwu.switch_nodes.sender import Sent

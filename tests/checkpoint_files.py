@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import torch
+
 from luwu.protocol.layout import Bucket, Segment
 from luwu.switch_nodes.checkpoint import CHECKSUMS, MANIFEST, CheckpointStore
 
@@ -67,7 +68,16 @@ def assert_resumes_like_adamw(addr: str, job: str, make_model, data: list, at: i
     resumed, local = make_model(), make_model()
     ref = torch.optim.AdamW(local.parameters(), lr=0.01)
     train_steps(local, ref, data[:at])
-    opt = luwu.RemoteOptimizer(resumed, "adamw", nodes=[addr], job=job, lr=0.01, compression=False, timeout_s=30, resume=True)
+    opt = luwu.RemoteOptimizer(
+        resumed,
+        "adamw",
+        nodes=[addr],
+        job=job,
+        lr=0.01,
+        compression=False,
+        timeout_s=30,
+        resume=True,
+    )
     try:
         opt.synchronize()
         for a, b in zip(resumed.parameters(), local.parameters()):

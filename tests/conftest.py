@@ -9,7 +9,9 @@ sys.path[:0] = [_TESTS, os.path.dirname(_TESTS)]
 
 
 def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true", default=False, help="run the long studies marked slow")
+    parser.addoption(
+        "--runslow", action="store_true", default=False, help="run the long studies marked slow"
+    )
 
 
 def pytest_collection_modifyitems(config, items):

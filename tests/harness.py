@@ -34,13 +34,30 @@ def member_socket(sock):
     return sock
 
 
-def start_workers(script: Path, spec: dict, world_size: int, tmp: Path, env: dict | None = None) -> list[subprocess.Popen]:
+def start_workers(
+    script: Path, spec: dict, world_size: int, tmp: Path, env: dict | None = None
+) -> list[subprocess.Popen]:
     path = tmp / f"spec-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(spec))
     procs = []
     for r in range(world_size):
-        e = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_RANK=str(r), PYTHONUNBUFFERED="1", **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, str(script), str(path)], env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        e = dict(
+            os.environ,
+            RANK=str(r),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(r),
+            PYTHONUNBUFFERED="1",
+            **(env or {}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(path)],
+                env=e,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 
@@ -75,17 +92,25 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[str]:
     return [out or "" for out in outs]
 
 
-def run_training(spec: dict, nodes: list[str], tmp: Path, world_size: int = 2, timeout_s: float = 120) -> list[dict]:
+def run_training(
+    spec: dict, nodes: list[str], tmp: Path, world_size: int = 2, timeout_s: float = 120
+) -> list[dict]:
     """Train with RemoteOptimizer in ``world_size`` real processes; returns each rank's saved result."""
-    spec = dict(spec, nodes=nodes, world_size=world_size, out=str(tmp / f"result-{time.monotonic_ns()}"))
+    spec = dict(
+        spec, nodes=nodes, world_size=world_size, out=str(tmp / f"result-{time.monotonic_ns()}")
+    )
     wait_all(start_workers(TRAIN, spec, world_size, tmp), timeout_s)
     return [torch.load(f"{spec['out']}.rank{r}") for r in range(world_size)]
 
 
-def assert_params_close(got: list[torch.Tensor], want: list[torch.Tensor], rtol: float = 1e-6, atol: float = 1e-7) -> None:
+def assert_params_close(
+    got: list[torch.Tensor], want: list[torch.Tensor], rtol: float = 1e-6, atol: float = 1e-7
+) -> None:
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want)):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, i=i: f"parameter {i}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=rtol, atol=atol, msg=lambda m, i=i: f"parameter {i}: {m}"
+        )
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -99,7 +124,9 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
-def kill_node_after_step(cluster, proc: subprocess.Popen, step: int, node: int = 1, timeout_s: float = 120) -> list[str]:
+def kill_node_after_step(
+    cluster, proc: subprocess.Popen, step: int, node: int = 1, timeout_s: float = 120
+) -> list[str]:
     """Read ``proc``'s stdout until it prints ``STEP <step>``, then SIGKILL ``node`` of ``cluster`` and
     restart it (from its checkpoints). Returns the lines read, for failure messages."""
     seen, deadline = [], time.monotonic() + timeout_s

@@ -23,7 +23,9 @@ def frame(body: bytes, more: bool = False) -> bytes:
 class RawPeer:
     """A TCP connection that did the ZMTP 3 handshake as a DEALER and sends whatever it is told."""
 
-    def __init__(self, addr: str, timeout_s: float = 10.0, rcvbuf: int = 0, secret: str | None = None):
+    def __init__(
+        self, addr: str, timeout_s: float = 10.0, rcvbuf: int = 0, secret: str | None = None
+    ):
         """``secret``: the join secret shown in READY; None: this process's local clusters' (a holder of the
         job's secret who may then misbehave), '' none (a stranger)."""
         if secret is None:

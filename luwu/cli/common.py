@@ -10,13 +10,20 @@ from __future__ import annotations
 import argparse
 
 
-def add_command(subparsers, name: str, *, help: str, description: str, func, settings: bool) -> argparse.ArgumentParser:
+def add_command(
+    subparsers, name: str, *, help: str, description: str, func, settings: bool
+) -> argparse.ArgumentParser:
     """A subcommand that runs ``func(args)``; with ``settings``, it takes ``--config`` and
     ``--section.field=value`` flags (handed to ``func`` as ``args.overrides``)."""
     p = subparsers.add_parser(name, help=help, description=description, allow_abbrev=False)
     p.set_defaults(func=func, parser=p, settings=settings, overrides=[])
     if settings:
-        p.add_argument("--config", metavar="FILE", action="append", help="TOML cluster file; repeat it to layer files, a later one's settings over an earlier one's (e.g. the cluster file, then a worker's key file); --section.field=value flags override them")
+        p.add_argument(
+            "--config",
+            metavar="FILE",
+            action="append",
+            help="TOML cluster file; repeat it to layer files, a later one's settings over an earlier one's (e.g. the cluster file, then a worker's key file); --section.field=value flags override them",
+        )
     return p
 
 
@@ -55,7 +62,13 @@ def positive_int(text: str) -> int:
 class VersionAction(argparse.Action):
     """``--version``: reads the package metadata only when asked (it costs an import)."""
 
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help="print the version and exit"):
+    def __init__(
+        self,
+        option_strings,
+        dest=argparse.SUPPRESS,
+        default=argparse.SUPPRESS,
+        help="print the version and exit",
+    ):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):

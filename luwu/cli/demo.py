@@ -13,7 +13,10 @@ def cmd_demo(args) -> int:
 
 def register(subparsers) -> None:
     s = add_command(
-        subparsers, "demo", func=cmd_demo, settings=False,
+        subparsers,
+        "demo",
+        func=cmd_demo,
+        settings=False,
         help="train a small real model on an embedded local cluster and compare with local AdamW",
         description="Train an MLP on scikit-learn's digits with 2 worker processes and 2 node daemons on loopback, then the same training with torch.optim.AdamW in one process, and print both.",
     )

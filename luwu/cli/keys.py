@@ -11,8 +11,8 @@ def cmd_keys(args) -> int:
 
     shared = None
     if args.cluster:
-        from luwu.ops.cluster_file import cluster_sections
         from luwu.config import load_config
+        from luwu.ops.cluster_file import cluster_sections
 
         cfg = load_config(args.cluster)
         shared = cluster_sections(cfg, list(cfg.cluster.nodes))
@@ -26,7 +26,10 @@ def cmd_keys(args) -> int:
 
 def register(subparsers) -> None:
     s = add_command(
-        subparsers, "keys", func=cmd_keys, settings=False,
+        subparsers,
+        "keys",
+        func=cmd_keys,
+        settings=False,
         help="generate CURVE keys for nodes and workers",
         description=(
             "Generate a CURVE key pair for the nodes, one per worker rank and one for `luwu status`/`top`; nodes then accept "
@@ -35,6 +38,16 @@ def register(subparsers) -> None:
             "rank r its own worker<r>.toml."
         ),
     )
-    s.add_argument("--out", default="luwu-keys", help="directory to write the key files into (default ./luwu-keys)")
-    s.add_argument("--workers", type=positive_int, default=1, help="number of worker key pairs (default 1)")
-    s.add_argument("--cluster", metavar="FILE", help="a cluster file (no secrets) whose settings are copied into each worker<r>.toml and monitor.toml, so a worker needs one --config")
+    s.add_argument(
+        "--out",
+        default="luwu-keys",
+        help="directory to write the key files into (default ./luwu-keys)",
+    )
+    s.add_argument(
+        "--workers", type=positive_int, default=1, help="number of worker key pairs (default 1)"
+    )
+    s.add_argument(
+        "--cluster",
+        metavar="FILE",
+        help="a cluster file (no secrets) whose settings are copied into each worker<r>.toml and monitor.toml, so a worker needs one --config",
+    )

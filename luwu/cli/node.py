@@ -27,7 +27,9 @@ def _bindable(address: str) -> str:
     try:
         ip = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
     except OSError as exc:
-        raise ConfigError(f"cannot resolve {host!r} of this node's entry {address!r} in [cluster] nodes: {exc}") from None
+        raise ConfigError(
+            f"cannot resolve {host!r} of this node's entry {address!r} in [cluster] nodes: {exc}"
+        ) from None
     return f"tcp://{ip}:{port}"
 
 
@@ -35,14 +37,19 @@ def own_node_config(cfg):
     """The node's settings, binding its own entry of ``[cluster] nodes`` (by ``node.index``)
     unless ``node.bind`` was given: workers reading the same file then reach it."""
     index = cfg.node.index
-    if cfg.sources.get("node.bind", "default") != "default" or not 0 <= index < len(cfg.cluster.nodes):
+    if cfg.sources.get("node.bind", "default") != "default" or not 0 <= index < len(
+        cfg.cluster.nodes
+    ):
         return cfg.node
     return dataclasses.replace(cfg.node, bind=_bindable(cfg.cluster.nodes[index]))
 
 
 def _busy(what: str, address: str, hint: str) -> int:
-    print(f"luwu node: error: cannot bind {what} {address}: Address already in use; another program (an old node?) holds it: "
-          f"stop it (`ss -ltnp` shows which), or {hint}", file=sys.stderr)
+    print(
+        f"luwu node: error: cannot bind {what} {address}: Address already in use; another program (an old node?) holds it: "
+        f"stop it (`ss -ltnp` shows which), or {hint}",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -53,7 +60,9 @@ def warnings_for(cfg, node) -> list[str]:
 
     out = []
     if not is_loopback(node.bind) and not node.curve_secret_key and node.insecure_public_bind:
-        out.append(f"node.insecure_public_bind: {node.bind} is served WITHOUT encryption; anyone who reaches it can join the job (luwu keys makes CURVE keys)")
+        out.append(
+            f"node.insecure_public_bind: {node.bind} is served WITHOUT encryption; anyone who reaches it can join the job (luwu keys makes CURVE keys)"
+        )
     return [*out, argv_secret_warning(cfg)] if argv_secret_warning(cfg) else out
 
 
@@ -67,16 +76,24 @@ def with_gate(node, job: str, run_dir: str | None) -> tuple:
     from luwu.ops.rundir import KEYS_DIR, default_run_dir, make_run_dir
 
     if node.gate == "CURVE keys":
-        return node, "CURVE keys on: a worker joins with its own key file (worker<rank>.toml of luwu keys or luwu up)"
+        return (
+            node,
+            "CURVE keys on: a worker joins with its own key file (worker<rank>.toml of luwu keys or luwu up)",
+        )
     if node.gate == "join secret":
-        return node, "join secret on: workers and luwu status join with the same transport.join_secret (a mode-600 --config file or LUWU_TRANSPORT__JOIN_SECRET)"
+        return (
+            node,
+            "join secret on: workers and luwu status join with the same transport.join_secret (a mode-600 --config file or LUWU_TRANSPORT__JOIN_SECRET)",
+        )
     if node.insecure_open or not node.uses_zmtp:
         return node, ""
     folder = Path(run_dir or default_run_dir(job))
     make_run_dir(folder)
     secret, path, made = job_join_secret(folder / KEYS_DIR, job)
-    line = (f"join secret on ({'made in' if made else 'read from'} {path}, mode 600): workers and luwu status join with "
-            f"--config {path} (after the cluster file) or LUWU_TRANSPORT__JOIN_SECRET set from it; node.insecure_open = true serves anyone")
+    line = (
+        f"join secret on ({'made in' if made else 'read from'} {path}, mode 600): workers and luwu status join with "
+        f"--config {path} (after the cluster file) or LUWU_TRANSPORT__JOIN_SECRET set from it; node.insecure_open = true serves anyone"
+    )
     return dataclasses.replace(node, join_secret=secret), line
 
 
@@ -92,23 +109,36 @@ def cmd_node(args) -> int:
         print(f"luwu node: warning: {line}", file=sys.stderr)
     node, joining = with_gate(node, cfg.cluster.job, args.run_dir)
 
-    def bound(server) -> None:  # said once the port is ours: a node that cannot bind says one line only
+    def bound(
+        server,
+    ) -> None:  # said once the port is ours: a node that cannot bind says one line only
         if joining:
             print(f"luwu node: {joining}", file=sys.stderr, flush=True)
 
     try:
         return run_node(node, job=cfg.cluster.job, metrics=cfg.metrics, on_start=bound)
     except AddressInUse:
-        return _busy("the node address", node.bind, "choose another port: --node.bind=tcp://HOST:PORT (port 0: any free port)")
+        return _busy(
+            "the node address",
+            node.bind,
+            "choose another port: --node.bind=tcp://HOST:PORT (port 0: any free port)",
+        )
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             raise
-        return _busy("the metrics endpoint", f"http://{cfg.metrics.host}:{cfg.metrics.port}", "choose another port: --metrics.port=PORT (0: any free port, -1: off)")
+        return _busy(
+            "the metrics endpoint",
+            f"http://{cfg.metrics.host}:{cfg.metrics.port}",
+            "choose another port: --metrics.port=PORT (0: any free port, -1: off)",
+        )
 
 
 def register(subparsers) -> None:
     s = add_command(
-        subparsers, "node", func=cmd_node, settings=True,
+        subparsers,
+        "node",
+        func=cmd_node,
+        settings=True,
         help="run one node daemon in the foreground",
         description=(
             "Run one node daemon in the foreground. It prints 'LUWU_NODE_READY <address>' once bound. It binds node.bind if "
@@ -120,4 +150,8 @@ def register(subparsers) -> None:
     )
     from luwu.ops.rundir import RUN_ROOT
 
-    s.add_argument("--run-dir", metavar="DIR", help=f"where the join secret is made or found: DIR/keys/join.toml (default ./{RUN_ROOT}/<job>)")
+    s.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help=f"where the join secret is made or found: DIR/keys/join.toml (default ./{RUN_ROOT}/<job>)",
+    )

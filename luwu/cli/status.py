@@ -47,11 +47,15 @@ def resolve_cluster(args) -> Target:
     from luwu.config import load_config
     from luwu.ops.rundir import CLUSTER_FILE, default_run_dir
 
-    path = args.config[-1] if args.config and len(args.config) == 1 else args.config  # one file, or the layered list
+    path = (
+        args.config[-1] if args.config and len(args.config) == 1 else args.config
+    )  # one file, or the layered list
     if path is None and args.run_dir:
         path = _run_dir_file(args.run_dir)
         if not os.path.exists(path):
-            raise ConfigError(f"run dir {args.run_dir!r} has no {CLUSTER_FILE}: is the cluster up (luwu up --run-dir {args.run_dir})?")
+            raise ConfigError(
+                f"run dir {args.run_dir!r} has no {CLUSTER_FILE}: is the cluster up (luwu up --run-dir {args.run_dir})?"
+            )
     cfg = load_config(path, argv=args.overrides)
     if not cfg.cluster.nodes and path is None:
         guess = _run_dir_file(default_run_dir(cfg.cluster.job))
@@ -59,11 +63,22 @@ def resolve_cluster(args) -> Target:
             path = guess
             cfg = load_config(path, argv=args.overrides)
     if not cfg.cluster.nodes:
-        raise ConfigError("no nodes to ask: pass --config CLUSTER_FILE (luwu up writes <run dir>/cluster.toml), --run-dir DIR, or --cluster.nodes=tcp://host:port,...")
+        raise ConfigError(
+            "no nodes to ask: pass --config CLUSTER_FILE (luwu up writes <run dir>/cluster.toml), --run-dir DIR, or --cluster.nodes=tcp://host:port,..."
+        )
     t = cfg.transport
-    curve = (t.curve_server_key, t.curve_public_key, t.curve_secret_key) if t.curve_server_key else None
+    curve = (
+        (t.curve_server_key, t.curve_public_key, t.curve_secret_key) if t.curve_server_key else None
+    )
     files = [path] if isinstance(path, str) else list(path or ())
-    return Target(list(cfg.cluster.nodes), cfg.cluster.job, " + ".join(files) or "environment/flags", curve, t.join_secret, _run_dir_of(files[0] if files else None))
+    return Target(
+        list(cfg.cluster.nodes),
+        cfg.cluster.job,
+        " + ".join(files) or "environment/flags",
+        curve,
+        t.join_secret,
+        _run_dir_of(files[0] if files else None),
+    )
 
 
 def _run_dir_of(path: str | None) -> Path | None:
@@ -113,33 +128,66 @@ def cmd_status(args) -> int:
         raise ConfigError(f"--sample must be >= 0 seconds, got {args.sample}")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    statuses = query_many(addresses, job, args.timeout, curve=target.curve, join_secret=target.join_secret)
+    statuses = query_many(
+        addresses, job, args.timeout, curve=target.curve, join_secret=target.join_secret
+    )
     prev = None
     if args.sample > 0:
         prev = {st.address: st for st in statuses}
         time.sleep(args.sample)
-        statuses = query_many(addresses, job, args.timeout, curve=target.curve, join_secret=target.join_secret)
+        statuses = query_many(
+            addresses, job, args.timeout, curve=target.curve, join_secret=target.join_secret
+        )
     restarts = restarts_of(target)
     warnings = warnings_of(target)
     if args.json:
-        print(json.dumps([row(st, (prev or {}).get(st.address), restarts=restarts.get(st.address)) for st in statuses], indent=2))
+        print(
+            json.dumps(
+                [
+                    row(st, (prev or {}).get(st.address), restarts=restarts.get(st.address))
+                    for st in statuses
+                ],
+                indent=2,
+            )
+        )
     else:
-        how = f"rates over the last {args.sample:g} s" if args.sample > 0 else "rates averaged since each node started (--sample S for a window)"
+        how = (
+            f"rates over the last {args.sample:g} s"
+            if args.sample > 0
+            else "rates averaged since each node started (--sample S for a window)"
+        )
         out = console()
-        out.print(render_table(statuses, prev, title=f"LuWu job [bold]{job}[/] ({source}); {how}", restarts=restarts, width=out.width))
+        out.print(
+            render_table(
+                statuses,
+                prev,
+                title=f"LuWu job [bold]{job}[/] ({source}); {how}",
+                restarts=restarts,
+                width=out.width,
+            )
+        )
         for line in warnings:
-            out.print(f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+            out.print(
+                f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True
+            )
     return 0 if all(st.up for st in statuses) else 1
 
 
 def add_cluster_arguments(p) -> None:
     """--run-dir, next to the --config of every settings command: which cluster to ask."""
-    p.add_argument("--run-dir", metavar="DIR", help="read DIR/cluster.toml (what `luwu up --run-dir DIR` wrote)")
+    p.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="read DIR/cluster.toml (what `luwu up --run-dir DIR` wrote)",
+    )
 
 
 def register(subparsers) -> None:
     s = add_command(
-        subparsers, "status", func=cmd_status, settings=True,
+        subparsers,
+        "status",
+        func=cmd_status,
+        settings=True,
         help="ask every node of a cluster file: up or not, step, workers, bytes/s, restarts, last checkpoint",
         description=(
             "Ask every node of a cluster (STATS over its ZeroMQ address, all at once with one deadline) and print one row "
@@ -151,6 +199,18 @@ def register(subparsers) -> None:
         ),
     )
     add_cluster_arguments(s)
-    s.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help=f"seconds to wait for the nodes' answers (default {DEFAULT_TIMEOUT_S:g})")
-    s.add_argument("--sample", type=float, default=0.0, metavar="S", help="ask twice, S seconds apart, and show rates over that window (default: averages since each node started)")
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds to wait for the nodes' answers (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    s.add_argument(
+        "--sample",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="ask twice, S seconds apart, and show rates over that window (default: averages since each node started)",
+    )
     s.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")

@@ -6,7 +6,14 @@ import sys
 import time
 
 from luwu.cli.common import add_command
-from luwu.cli.status import DEFAULT_TIMEOUT_S, Target, add_cluster_arguments, console, resolve_cluster, restarts_of
+from luwu.cli.status import (
+    DEFAULT_TIMEOUT_S,
+    Target,
+    add_cluster_arguments,
+    console,
+    resolve_cluster,
+    restarts_of,
+)
 from luwu.protocol.errors import ConfigError
 
 
@@ -20,7 +27,10 @@ def reread(args, target: Target) -> tuple[Target, str]:
     try:
         return resolve_cluster(args), ""
     except ConfigError as exc:
-        return target, f"\n[yellow]cannot read the cluster again ({escape(str(exc))}): polling the nodes read before[/]"
+        return (
+            target,
+            f"\n[yellow]cannot read the cluster again ({escape(str(exc))}): polling the nodes read before[/]",
+        )
 
 
 def cmd_top(args) -> int:
@@ -33,7 +43,11 @@ def cmd_top(args) -> int:
         raise ConfigError(f"--interval must be > 0 seconds, got {args.interval}")
     if args.iterations < 0:
         raise ConfigError(f"--iterations must be >= 0 (0 = until Ctrl-C), got {args.iterations}")
-    timeout_s = args.timeout if args.timeout is not None else max(0.2, min(DEFAULT_TIMEOUT_S, args.interval))
+    timeout_s = (
+        args.timeout
+        if args.timeout is not None
+        else max(0.2, min(DEFAULT_TIMEOUT_S, args.interval))
+    )
     out = console()
     prev: dict[str, NodeStatus] = {}
     n = 0
@@ -41,9 +55,17 @@ def cmd_top(args) -> int:
     def frame():
         nonlocal prev, target
         target, stale = reread(args, target)
-        statuses = query_many(target.addresses, target.job, timeout_s, curve=target.curve, join_secret=target.join_secret)
+        statuses = query_many(
+            target.addresses,
+            target.job,
+            timeout_s,
+            curve=target.curve,
+            join_secret=target.join_secret,
+        )
         title = f"luwu top - job [bold]{target.job}[/] ({target.source}) - {time.strftime('%H:%M:%S')} - every {args.interval:g} s, Ctrl-C quits{stale}"
-        table = render_table(statuses, prev, title=title, restarts=restarts_of(target), width=out.width)
+        table = render_table(
+            statuses, prev, title=title, restarts=restarts_of(target), width=out.width
+        )
         prev = {st.address: st for st in statuses if st.up}
         return table
 
@@ -69,7 +91,10 @@ def cmd_top(args) -> int:
 
 def register(subparsers) -> None:
     t = add_command(
-        subparsers, "top", func=cmd_top, settings=True,
+        subparsers,
+        "top",
+        func=cmd_top,
+        settings=True,
         help="live view of the cluster that refreshes, like htop",
         description=(
             "A table of every node that refreshes every --interval seconds, with bytes/s and updates/s computed between "
@@ -78,6 +103,24 @@ def register(subparsers) -> None:
         ),
     )
     add_cluster_arguments(t)
-    t.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (default 1)")
-    t.add_argument("--iterations", type=int, default=0, metavar="N", help="stop after N refreshes (default 0: until Ctrl-C)")
-    t.add_argument("--timeout", type=float, default=None, metavar="S", help="seconds to wait for answers per refresh (default: min(interval, 2))")
+    t.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds between refreshes (default 1)",
+    )
+    t.add_argument(
+        "--iterations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="stop after N refreshes (default 0: until Ctrl-C)",
+    )
+    t.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds to wait for answers per refresh (default: min(interval, 2))",
+    )

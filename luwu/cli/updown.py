@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 from luwu.cli.common import add_command, positive_int
-from luwu.protocol.errors import ConfigError
 from luwu.ops.rundir import CLUSTER_FILE, KEYS_DIR, RUN_ROOT, default_run_dir
+from luwu.protocol.errors import ConfigError
 
 
 def _positive(args, *names: str) -> None:
     for name in names:
         if not getattr(args, name) > 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}")
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(args, name)}"
+            )
 
 
 def _example_script() -> str:
@@ -23,7 +24,9 @@ def _example_script() -> str:
     from importlib.util import find_spec
 
     spec = find_spec("luwu.deploy.train_example")
-    path = Path(spec.origin) if spec is not None and spec.origin else Path("deploy/train_example.py")
+    path = (
+        Path(spec.origin) if spec is not None and spec.origin else Path("deploy/train_example.py")
+    )
     try:
         return str(path.resolve().relative_to(Path.cwd()))
     except ValueError:
@@ -34,8 +37,8 @@ def cmd_up(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from luwu.ops import daemons
     from luwu.config import load_config
+    from luwu.ops import daemons
     from luwu.ops.keyset import argv_secret_warning
     from luwu.ops.supervisor import Plan
 
@@ -49,8 +52,16 @@ def cmd_up(args) -> int:
     if argv_secret_warning(cfg):
         warnings.append(argv_secret_warning(cfg))
     for line in warnings:
-        err.print(f"luwu up: warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True)
-    plan = Plan(job=job, cwd=os.getcwd(), nodes=nodes, stop_timeout_s=args.stop_timeout, warnings=warnings)
+        err.print(
+            f"luwu up: warning: {line}",
+            style="yellow",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+    plan = Plan(
+        job=job, cwd=os.getcwd(), nodes=nodes, stop_timeout_s=args.stop_timeout, warnings=warnings
+    )
     daemons.launch(run_dir, plan, secrets)
     try:
         state, problem = daemons.wait_ready(run_dir, len(plan.nodes), args.timeout, err)
@@ -60,7 +71,9 @@ def cmd_up(args) -> int:
         raise
     if problem:
         head, _, body = problem.partition("\n")
-        err.print(f"luwu up: {head}", style="bold red", markup=False, highlight=False, soft_wrap=True)
+        err.print(
+            f"luwu up: {head}", style="bold red", markup=False, highlight=False, soft_wrap=True
+        )
         if body:
             err.print(body, markup=False, highlight=False, soft_wrap=True)
         err.print("luwu up: stopping what was started", highlight=False)
@@ -69,7 +82,11 @@ def cmd_up(args) -> int:
     nodes = state["nodes"]
     join_secret = secrets.get("LUWU_NODE__JOIN_SECRET", "")
     daemons.write_outputs(run_dir, cfg, nodes, keys, join_secret)
-    table = Table(title=f"LuWu job [bold]{job}[/]: {len(nodes)} nodes up", title_justify="left", header_style="bold")
+    table = Table(
+        title=f"LuWu job [bold]{job}[/]: {len(nodes)} nodes up",
+        title_justify="left",
+        header_style="bold",
+    )
     for col in ("#", "address", "metrics", "pid"):
         table.add_column(col, no_wrap=True)
     for n in nodes:
@@ -77,9 +94,17 @@ def cmd_up(args) -> int:
     console.print(table)
     made = keys is not None and bool(keys.workers)
     if made:
-        console.print(f"CURVE on: keys made for {len(keys.workers)} worker ranks in {run_dir / KEYS_DIR} (mode 600; --workers N for more)", highlight=False, soft_wrap=True)
+        console.print(
+            f"CURVE on: keys made for {len(keys.workers)} worker ranks in {run_dir / KEYS_DIR} (mode 600; --workers N for more)",
+            highlight=False,
+            soft_wrap=True,
+        )
     if join_secret:
-        console.print(f"join secret on: workers use {run_dir / KEYS_DIR}/join.toml (mode 600)", highlight=False, soft_wrap=True)
+        console.print(
+            f"join secret on: workers use {run_dir / KEYS_DIR}/join.toml (mode 600)",
+            highlight=False,
+            soft_wrap=True,
+        )
     for line in next_steps(run_dir, made, join=bool(join_secret)):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0
@@ -108,12 +133,14 @@ def next_steps(run_dir: Path, curve: bool = False, *, join: bool = False) -> lis
 def cmd_down(args) -> int:
     from rich.console import Console
 
-    from luwu.ops import daemons
     from luwu.config import load_config
+    from luwu.ops import daemons
 
     console = Console(stderr=True)
     _positive(args, "timeout")
-    cfg = load_config(args.config, argv=args.overrides)  # also checks the flags when --run-dir is given
+    cfg = load_config(
+        args.config, argv=args.overrides
+    )  # also checks the flags when --run-dir is given
     run_dir = Path(args.run_dir or default_run_dir(cfg.cluster.job))
     if not run_dir.is_dir():
         console.print(f"luwu down: nothing to stop: no run dir {run_dir}", highlight=False)
@@ -121,18 +148,26 @@ def cmd_down(args) -> int:
     before = sum(1 for _ in run_dir.glob("node-*.pid"))
     stopped, left = daemons.stop_run_dir(run_dir.resolve(), timeout_s=args.timeout, console=console)
     if left:
-        console.print(f"[bold red]luwu down: still running after SIGKILL: {', '.join(left)}[/]", highlight=False)
+        console.print(
+            f"[bold red]luwu down: still running after SIGKILL: {', '.join(left)}[/]",
+            highlight=False,
+        )
         return 1
     if not stopped:
         console.print(f"luwu down: nothing was running in {run_dir}", highlight=False)
     else:
-        console.print(f"luwu down: stopped the supervisor and {before} node(s) of {run_dir}", highlight=False)
+        console.print(
+            f"luwu down: stopped the supervisor and {before} node(s) of {run_dir}", highlight=False
+        )
     return 0
 
 
 def register(subparsers) -> None:
     s = add_command(
-        subparsers, "up", func=cmd_up, settings=True,
+        subparsers,
+        "up",
+        func=cmd_up,
+        settings=True,
         help="start a local cluster of node daemons in the background (pid files, logs, restarts)",
         description=(
             "Start N node daemons in the background, detached from the terminal, each with its own log and pid file in the "
@@ -150,19 +185,66 @@ def register(subparsers) -> None:
             "The run dir is mode 700, its plan, state, logs and keys mode 600."
         ),
     )
-    s.add_argument("--nodes", type=int, default=None, metavar="N", help="number of nodes (default: the cluster file's node list, else 2)")
-    s.add_argument("--host", default="127.0.0.1", help="interface the nodes bind with --nodes (default 127.0.0.1)")
-    s.add_argument("--base-port", type=int, default=0, metavar="P", help="node i binds port P+i (default 0: any free port)")
-    s.add_argument("--metrics-port", type=int, default=None, metavar="P", help="node i serves /metrics on P+i; 0 = any free port, -1 = off (default: metrics.port of the config if set there, else 0)")
-    s.add_argument("--run-dir", metavar="DIR", help=f"where pid files, logs and cluster.toml go (default ./{RUN_ROOT}/<job>)")
-    s.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds for every node to be ready (default 60)")
+    s.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="number of nodes (default: the cluster file's node list, else 2)",
+    )
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="interface the nodes bind with --nodes (default 127.0.0.1)",
+    )
+    s.add_argument(
+        "--base-port",
+        type=int,
+        default=0,
+        metavar="P",
+        help="node i binds port P+i (default 0: any free port)",
+    )
+    s.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="node i serves /metrics on P+i; 0 = any free port, -1 = off (default: metrics.port of the config if set there, else 0)",
+    )
+    s.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help=f"where pid files, logs and cluster.toml go (default ./{RUN_ROOT}/<job>)",
+    )
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds for every node to be ready (default 60)",
+    )
     from luwu.ops.keyset import DEFAULT_WORKER_KEYS
 
-    s.add_argument("--workers", type=positive_int, default=None, metavar="N", help=f"worker key files to make when up makes CURVE keys (default cluster.world_size, else {DEFAULT_WORKER_KEYS})")
-    s.add_argument("--stop-timeout", type=float, default=30.0, metavar="S", help="SIGTERM to SIGKILL when stopping a node, leaving time for its checkpoint (default 30)")
+    s.add_argument(
+        "--workers",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"worker key files to make when up makes CURVE keys (default cluster.world_size, else {DEFAULT_WORKER_KEYS})",
+    )
+    s.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="SIGTERM to SIGKILL when stopping a node, leaving time for its checkpoint (default 30)",
+    )
 
     d = add_command(
-        subparsers, "down", func=cmd_down, settings=True,
+        subparsers,
+        "down",
+        func=cmd_down,
+        settings=True,
         help="stop the cluster that `luwu up` started (supervisor first, then the nodes)",
         description=(
             "Stop the supervisor (so that nothing is restarted), which stops its nodes with SIGTERM and, after --timeout, "
@@ -170,5 +252,15 @@ def register(subparsers) -> None:
             "cluster.toml stay in the run dir. --config and --cluster.job name the default run dir."
         ),
     )
-    d.add_argument("--run-dir", metavar="DIR", help=f"the run dir given to `luwu up` (default ./{RUN_ROOT}/<job>)")
-    d.add_argument("--timeout", type=float, default=30.0, metavar="S", help="seconds from SIGTERM to SIGKILL (default 30)")
+    d.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help=f"the run dir given to `luwu up` (default ./{RUN_ROOT}/<job>)",
+    )
+    d.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds from SIGTERM to SIGKILL (default 30)",
+    )

@@ -20,9 +20,18 @@ from luwu.protocol.errors import ConfigError
 
 PER_NODE_KEYS = ("node.bind", "node.index", "metrics.port")
 """Settings that differ per node: never copied into a shared cluster file."""
-NODE_KEYS = ("node.curve_public_key", "node.curve_secret_key", "node.curve_authorized_keys", "node.curve_monitor_keys")
+NODE_KEYS = (
+    "node.curve_public_key",
+    "node.curve_secret_key",
+    "node.curve_authorized_keys",
+    "node.curve_monitor_keys",
+)
 """The nodes' own CURVE identity: a cluster file gets the public key as transport.curve_server_key."""
-CLIENT_KEYS = ("transport.curve_public_key", "transport.curve_secret_key", "transport.curve_server_key")
+CLIENT_KEYS = (
+    "transport.curve_public_key",
+    "transport.curve_secret_key",
+    "transport.curve_server_key",
+)
 """One client's CURVE identity: each worker has its own (luwu.ops.keyset), never the shared file."""
 
 
@@ -67,7 +76,12 @@ def cluster_sections(cfg, nodes: list[str], *, server_key: str = "") -> dict[str
         sections["cluster"]["world_size"] = cfg.cluster.world_size
     for key, source in sorted(cfg.sources.items()):
         section, _, name = key.partition(".")
-        if source == "default" or key in (*PER_NODE_KEYS, *NODE_KEYS, *CLIENT_KEYS) or section == "cluster" or is_secret(name):
+        if (
+            source == "default"
+            or key in (*PER_NODE_KEYS, *NODE_KEYS, *CLIENT_KEYS)
+            or section == "cluster"
+            or is_secret(name)
+        ):
             continue
         value = getattr(getattr(cfg, section), name)
         if value is not None:
@@ -80,7 +94,9 @@ def cluster_sections(cfg, nodes: list[str], *, server_key: str = "") -> dict[str
 
 def cluster_file_text(cfg, nodes: list[str], *, header: str = "", server_key: str = "") -> str:
     """:func:`cluster_sections` as TOML, under a comment ``header``."""
-    return "\n".join([*_comment(header), _dumps(cluster_sections(cfg, nodes, server_key=server_key))]).lstrip("\n")
+    return "\n".join(
+        [*_comment(header), _dumps(cluster_sections(cfg, nodes, server_key=server_key))]
+    ).lstrip("\n")
 
 
 def config_text(cfg, *, header: str = "") -> str:

@@ -21,12 +21,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-from luwu.ops.cluster_file import cluster_file_text, cluster_sections, reachable
 from secrets import token_hex
 
-from luwu.ops.keyset import DEFAULT_WORKER_KEYS, KeySet, env_file_text, is_loopback, split_secrets, write_join_files, write_keyset
-from luwu.protocol.errors import ConfigError, LuwuError
+from luwu.ops.cluster_file import cluster_file_text, cluster_sections, reachable
+from luwu.ops.keyset import (
+    DEFAULT_WORKER_KEYS,
+    KeySet,
+    env_file_text,
+    is_loopback,
+    split_secrets,
+    write_join_files,
+    write_keyset,
+)
 from luwu.ops.rundir import (
     CLUSTER_FILE,
     KEYS_DIR,
@@ -46,8 +52,8 @@ from luwu.ops.rundir import (
     write_state,
 )
 from luwu.ops.supervisor import NodeSpec, Plan
+from luwu.protocol.errors import ConfigError, LuwuError
 from luwu.switch_nodes.lines import READY_LINE
-
 
 ENV_SETTINGS = ("node.curve_authorized_keys", "node.curve_monitor_keys")
 """Settings that reach the nodes through node.env even when given as flags: ``up`` adds the
@@ -64,25 +70,39 @@ def plan_nodes(options, cfg, overrides: list[str]) -> list[NodeSpec]:
         if num < 1:
             raise ConfigError(f"--nodes must be >= 1, got {num}")
         if options.base_port < 0 or options.base_port + num - 1 > 65535:
-            raise ConfigError(f"--base-port must be 0 (any free port) or leave room for {num} ports, got {options.base_port}")
-        binds = [f"tcp://{options.host}:{options.base_port + i if options.base_port else 0}" for i in range(num)]
+            raise ConfigError(
+                f"--base-port must be 0 (any free port) or leave room for {num} ports, got {options.base_port}"
+            )
+        binds = [
+            f"tcp://{options.host}:{options.base_port + i if options.base_port else 0}"
+            for i in range(num)
+        ]
     else:
         binds = list(cfg.cluster.nodes)
     mbase = options.metrics_port
     if mbase is None:
         mbase = cfg.metrics.port if cfg.sources.get("metrics.port", "default") != "default" else 0
     if mbase < -1 or mbase + len(binds) - 1 > 65535:
-        raise ConfigError(f"--metrics-port must be -1 (off), 0 (any free port) or a base port leaving room for {len(binds)} nodes, got {mbase}")
+        raise ConfigError(
+            f"--metrics-port must be -1 (off), 0 (any free port) or a base port leaving room for {len(binds)} nodes, got {mbase}"
+        )
     base = [sys.executable, "-m", "luwu", "-v", "node"]
     for path in options.config or ():
         base += ["--config", os.path.abspath(path)]
     return [
-        NodeSpec(index=i, args=[*base, *overrides, "--node.index", str(i), "--cluster.job", cfg.cluster.job], bind=b, metrics_port=mbase if mbase <= 0 else mbase + i)
+        NodeSpec(
+            index=i,
+            args=[*base, *overrides, "--node.index", str(i), "--cluster.job", cfg.cluster.job],
+            bind=b,
+            metrics_port=mbase if mbase <= 0 else mbase + i,
+        )
         for i, b in enumerate(binds)
     ]
 
 
-def node_secrets(options, cfg, overrides: list[str], nodes: list[NodeSpec]) -> tuple[dict[str, str], KeySet | None, list[str]]:
+def node_secrets(
+    options, cfg, overrides: list[str], nodes: list[NodeSpec]
+) -> tuple[dict[str, str], KeySet | None, list[str]]:
     """What the nodes get through their environment, and what ``up`` warns about.
 
     Returns (LUWU_* variables: the secret flags of ``overrides`` and, when made here, the node's
@@ -101,18 +121,28 @@ def node_secrets(options, cfg, overrides: list[str], nodes: list[NodeSpec]) -> t
     if cfg.node.curve_secret_key:
         keys = KeySet.generate(0, node=(cfg.node.curve_public_key, cfg.node.curve_secret_key))
         env["LUWU_NODE__CURVE_AUTHORIZED_KEYS"] = ",".join(cfg.node.curve_authorized_keys)
-        env["LUWU_NODE__CURVE_MONITOR_KEYS"] = ",".join([*cfg.node.curve_monitor_keys, keys.monitor[0]])
+        env["LUWU_NODE__CURVE_MONITOR_KEYS"] = ",".join(
+            [*cfg.node.curve_monitor_keys, keys.monitor[0]]
+        )
     elif public and not cfg.node.insecure_public_bind:
-        keys = KeySet.generate(getattr(options, "workers", None) or cfg.cluster.world_size or DEFAULT_WORKER_KEYS)
+        keys = KeySet.generate(
+            getattr(options, "workers", None) or cfg.cluster.world_size or DEFAULT_WORKER_KEYS
+        )
         env.update(keys.node_env())
     elif cfg.node.insecure_open:
-        warnings.append(f"nodes serve anyone who reaches {', '.join(n.bind for n in nodes)} (node.insecure_open): any local user can join the job and make the nodes allocate")
+        warnings.append(
+            f"nodes serve anyone who reaches {', '.join(n.bind for n in nodes)} (node.insecure_open): any local user can join the job and make the nodes allocate"
+        )
     elif cfg.node.uses_zmtp:
         if public:
-            warnings.append(f"nodes bind {', '.join(public)} WITHOUT encryption (node.insecure_public_bind): anyone who reaches these ports can read the job's traffic (and its join secret)")
+            warnings.append(
+                f"nodes bind {', '.join(public)} WITHOUT encryption (node.insecure_public_bind): anyone who reaches these ports can read the job's traffic (and its join secret)"
+            )
         env["LUWU_NODE__JOIN_SECRET"] = cfg.node.join_secret or token_hex(16)
     if not cfg.node.checkpoint_dir:
-        warnings.append("checkpoints are off (no node.checkpoint_dir): a node the supervisor restarts comes back empty and the job cannot go on; set --node.checkpoint_dir=DIR")
+        warnings.append(
+            "checkpoints are off (no node.checkpoint_dir): a node the supervisor restarts comes back empty and the job cannot go on; set --node.checkpoint_dir=DIR"
+        )
     return env, keys, warnings
 
 
@@ -122,8 +152,16 @@ def launch(run_dir: Path, plan: Plan, secrets: dict[str, str] | None = None) -> 
     make_run_dir(run_dir)
     pid = supervisor_running(run_dir)
     if pid is not None:
-        raise LuwuError(f"job {plan.job!r} is already up in {run_dir} (supervisor pid {pid}): `luwu down --run-dir {run_dir}` first")
-    for stale in ("state.json", CLUSTER_FILE, "targets.json", NODE_ENV_FILE, *(p.name for p in run_dir.glob("node-*.pid"))):
+        raise LuwuError(
+            f"job {plan.job!r} is already up in {run_dir} (supervisor pid {pid}): `luwu down --run-dir {run_dir}` first"
+        )
+    for stale in (
+        "state.json",
+        CLUSTER_FILE,
+        "targets.json",
+        NODE_ENV_FILE,
+        *(p.name for p in run_dir.glob("node-*.pid")),
+    ):
         (run_dir / stale).unlink(missing_ok=True)
     for stale in (run_dir / KEYS_DIR).glob("*"):  # the keys of an earlier run of this dir
         stale.unlink()
@@ -136,17 +174,39 @@ def launch(run_dir: Path, plan: Plan, secrets: dict[str, str] | None = None) -> 
             os.replace(logf, logf.with_suffix(".log.prev"))
     plan.save(run_dir / "plan.json")
     with open_log(run_dir / SUPERVISOR_LOG) as fh:
-        starter = subprocess.Popen([sys.executable, "-m", "luwu.ops.supervisor", str(run_dir)], stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=plan.cwd, start_new_session=True)
+        starter = subprocess.Popen(
+            [sys.executable, "-m", "luwu.ops.supervisor", str(run_dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            cwd=plan.cwd,
+            start_new_session=True,
+        )
     starter.wait(30)  # the intermediate exits at once; the supervisor lives on, detached
 
 
 def wait_ready(run_dir: Path, num: int, timeout_s: float, console) -> tuple[dict | None, str]:
     """Until every node is up: (state, '') or (last state, why not)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        SpinnerColumn,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     deadline = time.monotonic() + timeout_s
     state = None
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
         task = progress.add_task("starting nodes", total=num)
         while True:
             state = read_state(run_dir) or state
@@ -157,16 +217,30 @@ def wait_ready(run_dir: Path, num: int, timeout_s: float, console) -> tuple[dict
                 n = failed[0]
                 log = node_log(run_dir, n["index"])
                 why = _up_port_hint(_node_error(tail(log)))
-                return state, f"node {n['index']} {n['last_exit'] or 'exited'} before printing {READY_LINE}{why}; its log {log} ends with:\n{tail(log)}"
+                return (
+                    state,
+                    f"node {n['index']} {n['last_exit'] or 'exited'} before printing {READY_LINE}{why}; its log {log} ends with:\n{tail(log)}",
+                )
             if len(nodes) == num and all(n["state"] == "up" for n in nodes):
                 return state, ""
             pid = read_pid(run_dir / SUPERVISOR_PID)
             if state is not None and (pid is None or not pid_alive(pid)):
-                return state, f"the supervisor died; {run_dir / SUPERVISOR_LOG} ends with:\n{tail(run_dir / SUPERVISOR_LOG)}"
+                return (
+                    state,
+                    f"the supervisor died; {run_dir / SUPERVISOR_LOG} ends with:\n{tail(run_dir / SUPERVISOR_LOG)}",
+                )
             if time.monotonic() > deadline:
-                waiting = [n for n in nodes if n["state"] != "up"] or [{"index": i} for i in range(num)]
-                logs = "\n".join(f"--- node {n['index']} ({node_log(run_dir, n['index'])}):\n{tail(node_log(run_dir, n['index']), 10)}" for n in waiting)
-                return state, f"nodes {[n['index'] for n in waiting]} not ready within {timeout_s:g} s (--timeout):\n{logs}"
+                waiting = [n for n in nodes if n["state"] != "up"] or [
+                    {"index": i} for i in range(num)
+                ]
+                logs = "\n".join(
+                    f"--- node {n['index']} ({node_log(run_dir, n['index'])}):\n{tail(node_log(run_dir, n['index']), 10)}"
+                    for n in waiting
+                )
+                return (
+                    state,
+                    f"nodes {[n['index'] for n in waiting]} not ready within {timeout_s:g} s (--timeout):\n{logs}",
+                )
             time.sleep(0.1)
 
 
@@ -174,7 +248,7 @@ def _node_error(log_tail: str) -> str:
     """': <reason>' from the one-line error a node prints when it cannot start (a busy port), else ''."""
     prefix = "luwu node: error: "
     lines = [line for line in log_tail.splitlines() if line.startswith(prefix)]
-    return f": {lines[-1][len(prefix):]}" if lines else ""
+    return f": {lines[-1][len(prefix) :]}" if lines else ""
 
 
 UP_PORT_FLAGS = {
@@ -195,28 +269,52 @@ def _up_port_hint(why: str) -> str:
     return why
 
 
-def write_outputs(run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = None, join_secret: str = "") -> None:
+def write_outputs(
+    run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = None, join_secret: str = ""
+) -> None:
     """``cluster.toml`` with the bound addresses (no secret: mode 0644) and ``targets.json`` for
     Prometheus; with ``keys``, ``keys/worker<r>.toml`` for each rank ``up`` made keys for and
     ``keys/monitor.toml``: the cluster file's settings plus that client's keys, mode 0600. With a
     ``join_secret``, ``keys/join.toml`` (every rank's) and ``keys/monitor.toml``: the cluster file's
     settings plus transport.join_secret, mode 0600."""
     job = cfg.cluster.job
-    addresses = [reachable(n["address"]) for n in nodes]  # a node bound to 0.0.0.0 is listed by this host's name
+    addresses = [
+        reachable(n["address"]) for n in nodes
+    ]  # a node bound to 0.0.0.0 is listed by this host's name
     server_key = keys.node[0] if keys else ""
     if join_secret:
         point = f"Nodes ask for the job's join secret: workers use --config {run_dir / KEYS_DIR}/join.toml (this file plus the secret)"
     elif server_key:
-        point = f"CURVE is on: worker rank r uses --config {run_dir / KEYS_DIR}/worker<r>.toml (this file plus its keys)" if keys.workers else "CURVE is on: each worker adds its own key pair (worker<r>.toml of luwu keys, or LUWU_TRANSPORT__* variables)"
+        point = (
+            f"CURVE is on: worker rank r uses --config {run_dir / KEYS_DIR}/worker<r>.toml (this file plus its keys)"
+            if keys.workers
+            else "CURVE is on: each worker adds its own key pair (worker<r>.toml of luwu keys, or LUWU_TRANSPORT__* variables)"
+        )
     else:
         point = "Point workers at it (--config, RemoteOptimizer(nodes=...) or LUWU_NODES)"
     header = f"Written by `luwu up` at {time.strftime('%Y-%m-%d %H:%M:%S')} for job {job!r}; run dir {run_dir}.\n{point} and `luwu status --run-dir` the run dir."
-    write_atomic(run_dir / CLUSTER_FILE, cluster_file_text(cfg, addresses, header=header, server_key=server_key), 0o644)
+    write_atomic(
+        run_dir / CLUSTER_FILE,
+        cluster_file_text(cfg, addresses, header=header, server_key=server_key),
+        0o644,
+    )
     if keys is not None:
-        write_keyset(run_dir / KEYS_DIR, keys, shared=cluster_sections(cfg, addresses, server_key=server_key), node_files=False)
+        write_keyset(
+            run_dir / KEYS_DIR,
+            keys,
+            shared=cluster_sections(cfg, addresses, server_key=server_key),
+            node_files=False,
+        )
     if join_secret:
         write_join_files(run_dir / KEYS_DIR, join_secret, cluster_sections(cfg, addresses))
-    targets = [{"targets": [reachable(n["metrics_url"]).split("://", 1)[1]], "labels": {"luwu_job": job, "luwu_node": str(n["index"]), "luwu_role": "node"}} for n in nodes if n["metrics_url"]]
+    targets = [
+        {
+            "targets": [reachable(n["metrics_url"]).split("://", 1)[1]],
+            "labels": {"luwu_job": job, "luwu_node": str(n["index"]), "luwu_role": "node"},
+        }
+        for n in nodes
+        if n["metrics_url"]
+    ]
     write_atomic(run_dir / "targets.json", json.dumps(targets, indent=2), 0o644)
 
 
@@ -232,7 +330,10 @@ def _terminate(pids: dict[str, int], timeout_s: float, console) -> list[str]:
         time.sleep(0.05)
     for name, pid in pids.items():
         if pid_alive(pid):
-            console.print(f"{name} (pid {pid}) still running {timeout_s:g} s after SIGTERM: SIGKILL", highlight=False)
+            console.print(
+                f"{name} (pid {pid}) still running {timeout_s:g} s after SIGTERM: SIGKILL",
+                highlight=False,
+            )
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -243,7 +344,9 @@ def _terminate(pids: dict[str, int], timeout_s: float, console) -> list[str]:
     return [name for name, pid in pids.items() if pid_alive(pid)]
 
 
-def stop_run_dir(run_dir: Path, *, timeout_s: float = 30.0, console=None) -> tuple[list[str], list[str]]:
+def stop_run_dir(
+    run_dir: Path, *, timeout_s: float = 30.0, console=None
+) -> tuple[list[str], list[str]]:
     """Stop the supervisor and the daemons of ``run_dir``; returns (stopped, still alive)."""
     from rich.console import Console
 
@@ -252,7 +355,9 @@ def stop_run_dir(run_dir: Path, *, timeout_s: float = 30.0, console=None) -> tup
     left: list[str] = []
     pid = supervisor_running(run_dir)
     if pid is not None:
-        with console.status(f"stopping supervisor {pid} and its nodes (SIGTERM, up to {timeout_s:g} s each)"):
+        with console.status(
+            f"stopping supervisor {pid} and its nodes (SIGTERM, up to {timeout_s:g} s each)"
+        ):
             # The supervisor's own SIGTERM -> SIGKILL of the nodes takes up to timeout_s; give it that and a margin.
             left += _terminate({"supervisor": pid}, timeout_s + 10.0, console)
         stopped.append(f"supervisor (pid {pid})")

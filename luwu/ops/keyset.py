@@ -51,13 +51,17 @@ def is_loopback(address: str) -> bool:
 def argv_secret_warning(cfg) -> str:
     """A warning naming the secrets of ``cfg`` that came from --flags ('' when none did): while the
     program runs, every local user reads its command line (``ps``)."""
-    flags = sorted(key for key, source in cfg.sources.items() if is_secret(key) and source.startswith("--"))
+    flags = sorted(
+        key for key, source in cfg.sources.items() if is_secret(key) and source.startswith("--")
+    )
     if not flags:
         return ""
     return f"{', '.join(flags)} given on the command line, where every local user can read it: use --config FILE (mode 600) or LUWU_SECTION__FIELD variables"
 
 
-def split_secrets(overrides: list[str], *, to_env: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+def split_secrets(
+    overrides: list[str], *, to_env: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, str]]:
     """``--section.field=value`` flags as (the flags without secrets, the secrets as
     LUWU_SECTION__FIELD environment variables); the settings named in ``to_env`` go to the
     environment too."""
@@ -100,7 +104,9 @@ def env_file_text(values: dict[str, str]) -> str:
     :func:`read_env_file` all read the same (Z85 keys hold no quote)."""
     for key, value in values.items():
         if "'" in value or "\n" in value:
-            raise ValueError(f"{key}: a value in an environment file cannot hold a quote or a newline")
+            raise ValueError(
+                f"{key}: a value in an environment file cannot hold a quote or a newline"
+            )
     return "".join(f"{key}='{value}'\n" for key, value in values.items())
 
 
@@ -137,7 +143,9 @@ class KeySet:
             public, secret = zmq.curve_keypair()
             return public.decode(), secret.decode()
 
-        return cls(node=node or pair(), workers=[pair() for _ in range(num_workers)], monitor=pair())
+        return cls(
+            node=node or pair(), workers=[pair() for _ in range(num_workers)], monitor=pair()
+        )
 
     def node_settings(self) -> dict:
         """The [node] keys: the node's pair, the workers' public keys (in rank order) and the monitor's."""
@@ -150,11 +158,18 @@ class KeySet:
 
     def node_env(self) -> dict[str, str]:
         """The node's settings as LUWU_NODE__* variables (lists comma-separated)."""
-        return {f"LUWU_NODE__{k.upper()}": ",".join(v) if isinstance(v, list) else v for k, v in self.node_settings().items()}
+        return {
+            f"LUWU_NODE__{k.upper()}": ",".join(v) if isinstance(v, list) else v
+            for k, v in self.node_settings().items()
+        }
 
     def client_settings(self, pair: tuple[str, str]) -> dict:
         """The [transport] keys of one client (a worker rank or the monitor)."""
-        return {"curve_server_key": self.node[0], "curve_public_key": pair[0], "curve_secret_key": pair[1]}
+        return {
+            "curve_server_key": self.node[0],
+            "curve_public_key": pair[0],
+            "curve_secret_key": pair[1],
+        }
 
 
 def client_file_sections(keys: KeySet, pair: tuple[str, str], shared: dict | None) -> dict:
@@ -164,7 +179,9 @@ def client_file_sections(keys: KeySet, pair: tuple[str, str], shared: dict | Non
     return sections
 
 
-def write_keyset(out: Path | str, keys: KeySet, *, shared: dict | None = None, node_files: bool = True) -> list[Path]:
+def write_keyset(
+    out: Path | str, keys: KeySet, *, shared: dict | None = None, node_files: bool = True
+) -> list[Path]:
     """Write the files of a key set into ``out`` (created 0700), each 0600; returns their paths.
 
     With ``shared`` (the sections of a cluster file), every worker file and the monitor file
@@ -174,7 +191,14 @@ def write_keyset(out: Path | str, keys: KeySet, *, shared: dict | None = None, n
     import tomli_w
 
     out = _private_dir(out)
-    files = {"node.toml": tomli_w.dumps({"node": keys.node_settings()}), "node.env": env_file_text(keys.node_env())} if node_files else {}
+    files = (
+        {
+            "node.toml": tomli_w.dumps({"node": keys.node_settings()}),
+            "node.env": env_file_text(keys.node_env()),
+        }
+        if node_files
+        else {}
+    )
     for rank, pair in enumerate(keys.workers):
         files[f"worker{rank}.toml"] = tomli_w.dumps(client_file_sections(keys, pair, shared))
     files["monitor.toml"] = tomli_w.dumps(client_file_sections(keys, keys.monitor, shared))
@@ -212,7 +236,13 @@ def job_join_secret(keys_dir: Path | str, job: str) -> tuple[str, Path, bool]:
     made = False
     if not path.exists():
         tmp = path.with_name(f".{JOIN_FILE}.{os.getpid()}.tmp")
-        write_atomic(tmp, tomli_w.dumps({"cluster": {"job": job}, "transport": {"join_secret": secrets.token_hex(16)}}), 0o600)
+        write_atomic(
+            tmp,
+            tomli_w.dumps(
+                {"cluster": {"job": job}, "transport": {"join_secret": secrets.token_hex(16)}}
+            ),
+            0o600,
+        )
         try:
             os.link(tmp, path)
             made = True
@@ -222,12 +252,16 @@ def job_join_secret(keys_dir: Path | str, job: str) -> tuple[str, Path, bool]:
             tmp.unlink(missing_ok=True)
     st = path.stat()
     if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise ConfigError(f"{path} holds the job's join secret but is {'not yours' if st.st_uid != os.geteuid() else f'mode {st.st_mode & 0o777:o}'}: "
-                          "another user may have read or planted it; remove it (a new secret is made) or chmod 600 it if it is yours")
+        raise ConfigError(
+            f"{path} holds the job's join secret but is {'not yours' if st.st_uid != os.geteuid() else f'mode {st.st_mode & 0o777:o}'}: "
+            "another user may have read or planted it; remove it (a new secret is made) or chmod 600 it if it is yours"
+        )
     try:
         secret = tomllib.loads(path.read_text())["transport"]["join_secret"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path} should hold [transport] join_secret, and cannot be read ({exc}): remove it and a new secret is made") from None
+        raise ConfigError(
+            f"{path} should hold [transport] join_secret, and cannot be read ({exc}): remove it and a new secret is made"
+        ) from None
     return secret, path, made
 
 

@@ -14,9 +14,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from luwu.ops.rundir import read_state
 from luwu.protocol.errors import NodeTimeoutError, ProtocolError, error_for_code
 from luwu.protocol.messages import join_metadata
-from luwu.ops.rundir import read_state
 from luwu.units import human_bytes, human_seconds
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,15 @@ def _parse_reply(address: str, frames: list) -> dict:
     return msg.header["detail"]
 
 
-def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, context=None, curve: tuple[str, str, str] | None = None, join_secret: str = "") -> list[NodeStatus]:
+def query_many(
+    addresses: list[str],
+    job: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    context=None,
+    curve: tuple[str, str, str] | None = None,
+    join_secret: str = "",
+) -> list[NodeStatus]:
     """Ask every node at once; one deadline for all. Never raises for a node's fault.
 
     ``curve`` = (nodes' public key, our public key, our secret key) for nodes with CURVE on
@@ -77,7 +85,9 @@ def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOU
             s.setsockopt(zmq.SNDTIMEO, 0)
             socks[s] = i
             if curve is not None:
-                s.curve_serverkey, s.curve_publickey, s.curve_secretkey = (k.encode() for k in curve)
+                s.curve_serverkey, s.curve_publickey, s.curve_secretkey = (
+                    k.encode() for k in curve
+                )
             if join_secret:
                 s.setsockopt(zmq.METADATA, join_metadata(join_secret))
             try:
@@ -99,7 +109,12 @@ def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOU
                 pending -= 1
                 frames = s.recv_multipart(flags=zmq.NOBLOCK)
                 try:
-                    out[i] = NodeStatus(addresses[i], up=True, detail=_parse_reply(addresses[i], frames), at=time.monotonic())
+                    out[i] = NodeStatus(
+                        addresses[i],
+                        up=True,
+                        detail=_parse_reply(addresses[i], frames),
+                        at=time.monotonic(),
+                    )
                 except Exception as exc:  # a node's bad answer is shown, never raised
                     out[i].error = f"{type(exc).__name__}: {exc}"
     finally:
@@ -108,12 +123,21 @@ def query_many(addresses: list[str], job: str, timeout_s: float = DEFAULT_TIMEOU
     return out
 
 
-def query_stats(address: str, job: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, curve: tuple[str, str, str] | None = None, join_secret: str = "") -> dict:
+def query_stats(
+    address: str,
+    job: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    *,
+    curve: tuple[str, str, str] | None = None,
+    join_secret: str = "",
+) -> dict:
     """The STATS ``detail`` of one node; raises NodeTimeoutError naming the address if it does not answer."""
     (st,) = query_many([address], job, timeout_s, curve=curve, join_secret=join_secret)
     if not st.up:
         if st.error.startswith("no answer"):
-            raise NodeTimeoutError(f"node {address} did not answer STATS within {timeout_s:g} s (is it up? is job {job!r} right?)")
+            raise NodeTimeoutError(
+                f"node {address} did not answer STATS within {timeout_s:g} s (is it up? is job {job!r} right?)"
+            )
         raise ProtocolError(f"node {address}: {st.error}")
     return st.detail
 
@@ -128,7 +152,9 @@ def rates(cur: NodeStatus, prev: NodeStatus | None) -> tuple[dict[str, float], s
     d = cur.detail
     if prev is not None and prev.up and cur.up and cur.at > prev.at:
         p = prev.detail
-        restarted = d.get("uptime_s", 0.0) < p.get("uptime_s", 0.0) or any(d.get(k, 0.0) < p.get(k, 0.0) for k in keys)
+        restarted = d.get("uptime_s", 0.0) < p.get("uptime_s", 0.0) or any(
+            d.get(k, 0.0) < p.get(k, 0.0) for k in keys
+        )
         if not restarted:
             dt = cur.at - prev.at
             return {k: (d.get(k, 0.0) - p.get(k, 0.0)) / dt for k in keys}, "window"
@@ -183,7 +209,19 @@ def row(cur: NodeStatus, prev: NodeStatus | None = None, *, restarts: int | None
     return out
 
 
-_COLUMNS = ("#", "address", "state", "step", "workers", "in/s", "out/s", "upd/s", "uptime", "restarts", "checkpoint")
+_COLUMNS = (
+    "#",
+    "address",
+    "state",
+    "step",
+    "workers",
+    "in/s",
+    "out/s",
+    "upd/s",
+    "uptime",
+    "restarts",
+    "checkpoint",
+)
 _NARROW_COLUMNS = _COLUMNS[:7] + ("uptime",)
 """Below WIDE_COLUMNS characters the table keeps these, and each node's restarts, updates/s and
 checkpoint go on a line of their own under it."""
@@ -193,7 +231,14 @@ WIDE_COLUMNS = 120
 def _cells(i: int, st: NodeStatus, r: dict | None, restarts: int | None) -> dict[str, str]:
     count = "-" if restarts is None else str(restarts)
     if r is None:
-        return {"#": str(i), "address": st.address, "state": "[bold red]DOWN[/]", "restarts": count, **dict.fromkeys(_COLUMNS[3:9], "-"), "checkpoint": "-"}
+        return {
+            "#": str(i),
+            "address": st.address,
+            "state": "[bold red]DOWN[/]",
+            "restarts": count,
+            **dict.fromkeys(_COLUMNS[3:9], "-"),
+            "checkpoint": "-",
+        }
     number = r["node"] if isinstance(r["node"], int) and r["node"] >= 0 else i
     return {
         "#": str(number),
@@ -210,7 +255,14 @@ def _cells(i: int, st: NodeStatus, r: dict | None, restarts: int | None) -> dict
     }
 
 
-def render_table(statuses: list[NodeStatus], prev: dict[str, NodeStatus] | None = None, *, title: str = "", restarts: dict[str, int] | None = None, width: int = WIDE_COLUMNS):
+def render_table(
+    statuses: list[NodeStatus],
+    prev: dict[str, NodeStatus] | None = None,
+    *,
+    title: str = "",
+    restarts: dict[str, int] | None = None,
+    width: int = WIDE_COLUMNS,
+):
     """A rich Table of the nodes for a console ``width`` characters wide (80 is enough).
 
     Under it: totals, each node's details when the table is narrow, and why a node is
@@ -224,10 +276,19 @@ def render_table(statuses: list[NodeStatus], prev: dict[str, NodeStatus] | None 
 
     prev, restarts = prev or {}, restarts or {}
     columns = _COLUMNS if width >= WIDE_COLUMNS else _NARROW_COLUMNS
-    table = Table(title=title or None, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    table = Table(
+        title=title or None,
+        title_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        padding=(0, 1),
+    )
     for name in columns:
         left = name in ("address", "state", "checkpoint")
-        table.add_column(name, justify="left" if left else "right", no_wrap=name != "address", overflow="fold")
+        table.add_column(
+            name, justify="left" if left else "right", no_wrap=name != "address", overflow="fold"
+        )
     total_in = total_out = 0.0
     details, notes = [], []
     for i, st in enumerate(statuses):
@@ -241,12 +302,20 @@ def render_table(statuses: list[NodeStatus], prev: dict[str, NodeStatus] | None 
         total_out += r["bytes_out_per_s"]
         if columns is _NARROW_COLUMNS:
             restarted = "" if r["restarts"] is None else f"restarts {r['restarts']}, "
-            details.append(f"node {cells['#']}: {restarted}{cells['upd/s']} updates/s, checkpoint {cells['checkpoint']}")
+            details.append(
+                f"node {cells['#']}: {restarted}{cells['upd/s']} updates/s, checkpoint {cells['checkpoint']}"
+            )
         if r["idle"]:
             notes.append(f"[yellow]node {cells['#']}: {escape(r['idle'])}[/]")
     num_up = sum(st.up for st in statuses)
     style = "green" if num_up == len(statuses) else "bold red"
-    table.caption = "\n".join([f"[{style}]{num_up}/{len(statuses)} nodes up[/]   in {human_bytes(total_in)}/s   out {human_bytes(total_out)}/s", *details, *notes])
+    table.caption = "\n".join(
+        [
+            f"[{style}]{num_up}/{len(statuses)} nodes up[/]   in {human_bytes(total_in)}/s   out {human_bytes(total_out)}/s",
+            *details,
+            *notes,
+        ]
+    )
     table.caption_justify = "left"
     return table
 
@@ -254,4 +323,6 @@ def render_table(statuses: list[NodeStatus], prev: dict[str, NodeStatus] | None 
 def restart_counts(run_dir) -> dict[str, int]:
     """Address -> restarts, from the supervisor's state.json of ``run_dir`` ({} without one)."""
     state = read_state(run_dir) or {}
-    return {n["address"]: int(n.get("restarts", 0)) for n in state.get("nodes", []) if n.get("address")}
+    return {
+        n["address"]: int(n.get("restarts", 0)) for n in state.get("nodes", []) if n.get("address")
+    }

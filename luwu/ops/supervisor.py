@@ -21,9 +21,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from luwu.protocol.errors import ConfigError
 from luwu.ops.keyset import read_env_file, redact_args
-from luwu.ops.rundir import PLAN_FILE, SUPERVISOR_PID, exit_text, node_log, node_pid_file, open_log, write_atomic, write_state
+from luwu.ops.rundir import (
+    PLAN_FILE,
+    SUPERVISOR_PID,
+    exit_text,
+    node_log,
+    node_pid_file,
+    open_log,
+    write_atomic,
+    write_state,
+)
+from luwu.protocol.errors import ConfigError
 from luwu.switch_nodes.lines import METRICS_LINE, READY_LINE
 
 log = logging.getLogger(__name__)
@@ -127,10 +136,20 @@ class Supervisor:
             env.update(read_env_file(self.run_dir / self.plan.env_file))
         with open_log(path) as fh:
             what = f"restart #{d.restarts}" if d.restarts else "start"
-            fh.write(f"---- luwu supervisor: {what} of node {d.spec.index} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(redact_args(cmd))}\n".encode())
+            fh.write(
+                f"---- luwu supervisor: {what} of node {d.spec.index} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(redact_args(cmd))}\n".encode()
+            )
             fh.flush()
             d.log_offset = fh.tell()
-            d.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, cwd=self.plan.cwd, env=env, start_new_session=True)
+            d.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                cwd=self.plan.cwd,
+                env=env,
+                start_new_session=True,
+            )
         d.partial = b""
         d.pid = d.proc.pid
         d.state = "starting"
@@ -156,7 +175,13 @@ class Supervisor:
                 d.address = line.split()[1]
                 d.state = "up"
                 d.ever_ready = True
-                log.info("node %d: up at %s (pid %d)%s", d.spec.index, d.address, d.pid, f", metrics {d.metrics_url}" if d.metrics_url else "")
+                log.info(
+                    "node %d: up at %s (pid %d)%s",
+                    d.spec.index,
+                    d.address,
+                    d.pid,
+                    f", metrics {d.metrics_url}" if d.metrics_url else "",
+                )
 
     def _on_exit(self, d: _Daemon, rc: int) -> None:
         ran_s = time.monotonic() - d.started_at
@@ -165,18 +190,36 @@ class Supervisor:
         self.pid_path(d).unlink(missing_ok=True)
         if not d.ever_ready:
             d.state = "failed"
-            log.error("node %d (pid %d): %s before it was ready; not restarting (see %s)", d.spec.index, d.pid, d.last_exit, self.log_path(d))
+            log.error(
+                "node %d (pid %d): %s before it was ready; not restarting (see %s)",
+                d.spec.index,
+                d.pid,
+                d.last_exit,
+                self.log_path(d),
+            )
             return
         if rc == 0:
             d.state = "exited"
-            log.warning("node %d (pid %d) exited cleanly after %.1f s (stopped by someone); not restarting", d.spec.index, d.pid, ran_s)
+            log.warning(
+                "node %d (pid %d) exited cleanly after %.1f s (stopped by someone); not restarting",
+                d.spec.index,
+                d.pid,
+                ran_s,
+            )
             return
         d.quick_deaths = d.quick_deaths + 1 if ran_s < self.plan.stable_s else 1
         delay = min(self.plan.max_backoff_s, self.plan.backoff_s * 2 ** (d.quick_deaths - 1))
         d.restarts += 1
         d.state = "backoff"
         d.next_start_at = time.monotonic() + delay
-        log.warning("node %d (pid %d) died: %s; restart #%d in %.1f s", d.spec.index, d.pid, d.last_exit, d.restarts, delay)
+        log.warning(
+            "node %d (pid %d) died: %s; restart #%d in %.1f s",
+            d.spec.index,
+            d.pid,
+            d.last_exit,
+            d.restarts,
+            delay,
+        )
 
     def state(self) -> dict:
         return {
@@ -184,7 +227,15 @@ class Supervisor:
             "supervisor_pid": os.getpid(),
             "stopping": self.stopping,
             "nodes": [
-                {"index": d.spec.index, "state": d.state, "pid": d.pid if d.proc is not None else None, "address": d.address, "metrics_url": d.metrics_url, "restarts": d.restarts, "last_exit": d.last_exit}
+                {
+                    "index": d.spec.index,
+                    "state": d.state,
+                    "pid": d.pid if d.proc is not None else None,
+                    "address": d.address,
+                    "metrics_url": d.metrics_url,
+                    "restarts": d.restarts,
+                    "last_exit": d.last_exit,
+                }
                 for d in self.daemons
             ],
         }
@@ -202,7 +253,12 @@ class Supervisor:
             try:
                 d.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("node %d: no exit %.0f s after SIGTERM; SIGKILL to pid %d", d.spec.index, self.plan.stop_timeout_s, d.pid)
+                log.warning(
+                    "node %d: no exit %.0f s after SIGTERM; SIGKILL to pid %d",
+                    d.spec.index,
+                    self.plan.stop_timeout_s,
+                    d.pid,
+                )
                 d.proc.kill()
                 d.proc.wait()
         for d in self.daemons:
@@ -220,7 +276,9 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, on_signal)
         write_atomic(self.run_dir / SUPERVISOR_PID, f"{os.getpid()}\n", 0o644)
-        log.info("supervisor of job %r (pid %d): %d nodes", self.plan.job, os.getpid(), len(self.daemons))
+        log.info(
+            "supervisor of job %r (pid %d): %d nodes", self.plan.job, os.getpid(), len(self.daemons)
+        )
         try:
             for d in self.daemons:
                 self._start(d)
@@ -258,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir,) = sys.argv[1:] if argv is None else argv
     if os.fork():  # the parent (started by `up`, which waits for it) leaves at once:
         os._exit(0)  # the supervisor is reparented and never becomes a zombie of `up`
-    logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        stream=sys.stdout, level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s"
+    )
     try:
         return Supervisor(Path(run_dir)).run()
     except Exception:

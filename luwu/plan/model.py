@@ -104,7 +104,6 @@ thread on one host (except through ``shared_cores``), the bf16 warm-up
 steps of the hybrid policy.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -209,24 +208,41 @@ class PlanSpec:
         if self.stream_units is not None:
             _positive_int("stream_units", self.stream_units)
         if not 0.0 <= self.stream_refetch <= 1.0:
-            raise ConfigError(f"stream_refetch must be in [0, 1] (the share of the weights fetched again for backward), got {self.stream_refetch!r}")
-        for name in ("worker_gbps", "push_bytes_per_elem", "pull_bytes_per_elem", "opt_params_per_s"):
+            raise ConfigError(
+                f"stream_refetch must be in [0, 1] (the share of the weights fetched again for backward), got {self.stream_refetch!r}"
+            )
+        for name in (
+            "worker_gbps",
+            "push_bytes_per_elem",
+            "pull_bytes_per_elem",
+            "opt_params_per_s",
+        ):
             _positive(name, getattr(self, name))
-        for name in ("compute_s", "push_encode_s_per_elem", "push_decode_s_per_elem",
-                     "pull_encode_s_per_elem", "pull_decode_s_per_elem", "net_cpu_s_per_byte"):
+        for name in (
+            "compute_s",
+            "push_encode_s_per_elem",
+            "push_decode_s_per_elem",
+            "pull_encode_s_per_elem",
+            "pull_decode_s_per_elem",
+            "net_cpu_s_per_byte",
+        ):
             _non_negative(name, getattr(self, name))
         if self.capacities is not None:
             self.capacities = tuple(self.capacities)
             if len(self.capacities) != self.nodes:
-                raise ConfigError(f"capacities has {len(self.capacities)} entries for nodes={self.nodes}: "
-                                  f"{self.capacities!r}")
+                raise ConfigError(
+                    f"capacities has {len(self.capacities)} entries for nodes={self.nodes}: "
+                    f"{self.capacities!r}"
+                )
             for i, c in enumerate(self.capacities):
                 _positive(f"capacities[{i}]", c)
         if isinstance(self.node_gbps, (list, tuple)):
             self.node_gbps = tuple(self.node_gbps)
             if len(self.node_gbps) != self.nodes:
-                raise ConfigError(f"node_gbps has {len(self.node_gbps)} entries for nodes={self.nodes}: "
-                                  f"{self.node_gbps!r}")
+                raise ConfigError(
+                    f"node_gbps has {len(self.node_gbps)} entries for nodes={self.nodes}: "
+                    f"{self.node_gbps!r}"
+                )
             for i, g in enumerate(self.node_gbps):
                 _positive(f"node_gbps[{i}]", g)
         else:
@@ -236,11 +252,20 @@ class PlanSpec:
         if self.overlap_fraction is not None and not (
             isinstance(self.overlap_fraction, (int, float)) and 0.0 <= self.overlap_fraction <= 1.0
         ):
-            raise ConfigError(f"overlap_fraction must be in [0, 1] or None, got {self.overlap_fraction!r}")
+            raise ConfigError(
+                f"overlap_fraction must be in [0, 1] or None, got {self.overlap_fraction!r}"
+            )
         if self.stream_weights and self.delayed_update:
-            raise ConfigError("stream_weights and delayed_update cannot be combined (a streaming worker holds no weights to update late)")
-        if not (isinstance(self.protocol_efficiency, (int, float)) and 0.0 < self.protocol_efficiency <= 1.0):
-            raise ConfigError(f"protocol_efficiency must be in (0, 1], got {self.protocol_efficiency!r}")
+            raise ConfigError(
+                "stream_weights and delayed_update cannot be combined (a streaming worker holds no weights to update late)"
+            )
+        if not (
+            isinstance(self.protocol_efficiency, (int, float))
+            and 0.0 < self.protocol_efficiency <= 1.0
+        ):
+            raise ConfigError(
+                f"protocol_efficiency must be in (0, 1], got {self.protocol_efficiency!r}"
+            )
 
     def node_gbps_list(self) -> tuple[float, ...]:
         if isinstance(self.node_gbps, tuple):
@@ -342,7 +367,9 @@ def plan(spec: PlanSpec) -> Plan:
     bw_worker = spec.worker_gbps * 1e9 / 8 * spec.protocol_efficiency
     bw_nodes = [g * 1e9 / 8 * spec.protocol_efficiency for g in spec.node_gbps_list()]
 
-    fetches = 1 + spec.stream_refetch if spec.stream_weights else 1  # streaming: for forward, and the share not kept for backward
+    fetches = (
+        1 + spec.stream_refetch if spec.stream_weights else 1
+    )  # streaming: for forward, and the share not kept for backward
     worker_up_bytes = P * spec.push_bytes_per_elem
     worker_down_bytes = fetches * P * spec.pull_bytes_per_elem
     worker_up_s = worker_up_bytes / bw_worker
@@ -353,9 +380,16 @@ def plan(spec: PlanSpec) -> Plan:
     node_up_s = tuple(b / bw for b, bw in zip(node_up_bytes, bw_nodes))
     node_opt_s = tuple(s / spec.opt_params_per_s / spec.node_threads for s in shards)
     # a reply is encoded once for every worker; a streaming fetch once per worker and fetch
-    per_elem_codec = W * spec.push_decode_s_per_elem + (fetches * W if spec.stream_weights else 1) * spec.pull_encode_s_per_elem
-    node_cpu_s = tuple(o + s * per_elem_codec / spec.node_threads for o, s in zip(node_opt_s, shards))
-    write_s = (2 if spec.stream_weights else 1) * P * spec.pull_decode_s_per_elem  # after the last reply (streaming: as each unit arrives)
+    per_elem_codec = (
+        W * spec.push_decode_s_per_elem
+        + (fetches * W if spec.stream_weights else 1) * spec.pull_encode_s_per_elem
+    )
+    node_cpu_s = tuple(
+        o + s * per_elem_codec / spec.node_threads for o, s in zip(node_opt_s, shards)
+    )
+    write_s = (
+        (2 if spec.stream_weights else 1) * P * spec.pull_decode_s_per_elem
+    )  # after the last reply (streaming: as each unit arrives)
     worker_codec_s = P * spec.push_encode_s_per_elem + write_s
 
     C = spec.compute_s + P * spec.push_encode_s_per_elem  # the hooks encode on the training thread
@@ -380,7 +414,9 @@ def plan(spec: PlanSpec) -> Plan:
     path_s = longest + (sum(stages) - longest) / num_buckets
     tail_s = sum(stages) / num_buckets
     sync_step_s = max(C + max(path_s - f * C, tail_s) + write_s, shared_cpu_s)
-    delayed_step_s = max(C + write_s, longest, ((1.0 - f) * C + path_s + write_s) / 2.0, shared_cpu_s)
+    delayed_step_s = max(
+        C + write_s, longest, ((1.0 - f) * C + path_s + write_s) / 2.0, shared_cpu_s
+    )
     if spec.stream_weights:  # every resource busy once per step, side by side; the first unit's fetch and last push exposed
         tail_s = sum(stages) / min(num_buckets, spec.stream_units or num_buckets)
         sync_step_s = delayed_step_s = max(C + write_s, longest, shared_cpu_s) + tail_s
@@ -397,15 +433,32 @@ def plan(spec: PlanSpec) -> Plan:
     bottleneck = max(resources, key=resources.__getitem__)  # first of equals: compute wins ties
 
     return Plan(
-        spec=spec, shard_params=shards,
-        worker_up_bytes=worker_up_bytes, worker_down_bytes=worker_down_bytes,
-        worker_up_s=worker_up_s, worker_down_s=worker_down_s,
-        node_down_bytes=node_down_bytes, node_up_bytes=node_up_bytes,
-        node_down_s=node_down_s, node_up_s=node_up_s,
-        node_opt_s=node_opt_s, node_cpu_s=node_cpu_s, worker_codec_s=worker_codec_s,
-        compute_eff_s=C, write_s=write_s, net_cpu_s=net_cpu_s, shared_cpu_s=shared_cpu_s,
-        num_buckets=num_buckets, overlap_fraction=f,
-        push_s=push_s, node_s=node_s, pull_s=pull_s, path_s=path_s, tail_s=tail_s,
-        sync_step_s=sync_step_s, delayed_step_s=delayed_step_s,
-        bottleneck=bottleneck, resources=resources,
+        spec=spec,
+        shard_params=shards,
+        worker_up_bytes=worker_up_bytes,
+        worker_down_bytes=worker_down_bytes,
+        worker_up_s=worker_up_s,
+        worker_down_s=worker_down_s,
+        node_down_bytes=node_down_bytes,
+        node_up_bytes=node_up_bytes,
+        node_down_s=node_down_s,
+        node_up_s=node_up_s,
+        node_opt_s=node_opt_s,
+        node_cpu_s=node_cpu_s,
+        worker_codec_s=worker_codec_s,
+        compute_eff_s=C,
+        write_s=write_s,
+        net_cpu_s=net_cpu_s,
+        shared_cpu_s=shared_cpu_s,
+        num_buckets=num_buckets,
+        overlap_fraction=f,
+        push_s=push_s,
+        node_s=node_s,
+        pull_s=pull_s,
+        path_s=path_s,
+        tail_s=tail_s,
+        sync_step_s=sync_step_s,
+        delayed_step_s=delayed_step_s,
+        bottleneck=bottleneck,
+        resources=resources,
     )

@@ -88,7 +88,9 @@ def recommend(
     current = plan(spec)
 
     node_plans = [(n, plan(_with_nodes(spec, n))) for n in range(1, max_nodes + 1)]
-    node_options = tuple(Option(n, None, None, p.sync_step_s, p.delayed_step_s, p.bottleneck) for n, p in node_plans)
+    node_options = tuple(
+        Option(n, None, None, p.sync_step_s, p.delayed_step_s, p.bottleneck) for n, p in node_plans
+    )
     best = min(_step(p, delayed) for _, p in node_plans)
     nodes = next(n for n, p in node_plans if _step(p, delayed) <= best * (1 + tolerance))
     unbind = next((n for n, p in node_plans if not p.node_link_binds), None)
@@ -100,7 +102,9 @@ def recommend(
             p = plan(spec_with_codecs(base, push, pull, codec_costs=codec_costs))
             rank = codec_profile(push).lossiness + codec_profile(pull).lossiness
             pairs.append((rank, push, pull, p))
-    codec_options = tuple(Option(nodes, s, q, p.sync_step_s, p.delayed_step_s, p.bottleneck) for _, s, q, p in pairs)
+    codec_options = tuple(
+        Option(nodes, s, q, p.sync_step_s, p.delayed_step_s, p.bottleneck) for _, s, q, p in pairs
+    )
     fastest = min(_step(p, delayed) for *_, p in pairs)
     _, push, pull, chosen = min(
         (x for x in pairs if _step(x[3], delayed) <= fastest * (1 + tolerance)),
@@ -108,7 +112,13 @@ def recommend(
     )
     use_delayed = chosen.sync_step_s > chosen.delayed_step_s * (1 + tolerance)
     return Recommendation(
-        nodes=nodes, nodes_unbind_links=unbind, push_codec=push, pull_codec=pull,
-        delayed_update=use_delayed, step_s=_step(chosen, use_delayed), current_step_s=current.step_s,
-        node_options=node_options, codec_options=codec_options,
+        nodes=nodes,
+        nodes_unbind_links=unbind,
+        push_codec=push,
+        pull_codec=pull,
+        delayed_update=use_delayed,
+        step_s=_step(chosen, use_delayed),
+        current_step_s=current.step_s,
+        node_options=node_options,
+        codec_options=codec_options,
     )

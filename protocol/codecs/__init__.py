@@ -9,7 +9,15 @@ blockwise int8 / int4 codecs with their native kernels, :mod:`.topk` top-k,
 (bytes, throughput) is in :mod:`luwu.protocol.codec_facts`.
 """
 
-from luwu.protocol.codecs.base import CHUNK, FP16_MAX, MAX_BLOCK, SCALE_FLOOR, Codec, Encoded, has_nonfinite
+from luwu.protocol.codecs.base import (
+    CHUNK,
+    FP16_MAX,
+    MAX_BLOCK,
+    SCALE_FLOOR,
+    Codec,
+    Encoded,
+    has_nonfinite,
+)
 from luwu.protocol.codecs.block import Int4Codec, Int8Codec
 from luwu.protocol.codecs.dense import Bf16Codec, Fp16Codec, NoneCodec
 from luwu.protocol.codecs.registry import codec_names, get_codec, register_codec
@@ -17,7 +25,22 @@ from luwu.protocol.codecs.steps import Bf16StepsCodec
 from luwu.protocol.codecs.topk import TopkCodec, topk_indices
 
 __all__ = [
-    "CHUNK", "FP16_MAX", "MAX_BLOCK", "SCALE_FLOOR", "Bf16Codec", "Bf16StepsCodec", "Codec", "Encoded", "Fp16Codec", "Int4Codec",
-    "Int8Codec", "NoneCodec", "TopkCodec", "codec_names", "get_codec", "has_nonfinite", "register_codec",
+    "CHUNK",
+    "FP16_MAX",
+    "MAX_BLOCK",
+    "SCALE_FLOOR",
+    "Bf16Codec",
+    "Bf16StepsCodec",
+    "Codec",
+    "Encoded",
+    "Fp16Codec",
+    "Int4Codec",
+    "Int8Codec",
+    "NoneCodec",
+    "TopkCodec",
+    "codec_names",
+    "get_codec",
+    "has_nonfinite",
+    "register_codec",
     "topk_indices",
 ]

@@ -86,12 +86,16 @@ def _check_meta(codec: str, meta: dict, spec: dict[str, type | tuple[type, ...]]
         if isinstance(val, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,)):
             raise ProtocolError(f"codec {codec!r}: meta {key!r} must be {typ}, got bool")
         if not isinstance(val, typ):
-            raise ProtocolError(f"codec {codec!r}: meta {key!r} must be {typ}, got {type(val).__name__}")
+            raise ProtocolError(
+                f"codec {codec!r}: meta {key!r} must be {typ}, got {type(val).__name__}"
+            )
 
 
 def _check_frames(codec: str, frames: list[int], expected: list[int]) -> None:
     if len(frames) != len(expected):
-        raise ProtocolError(f"codec {codec!r}: expected {len(expected)} payload frame(s), got {len(frames)}")
+        raise ProtocolError(
+            f"codec {codec!r}: expected {len(expected)} payload frame(s), got {len(frames)}"
+        )
     for i, (got, want) in enumerate(zip(frames, expected)):
         if got != want:
             raise ProtocolError(f"codec {codec!r}: frame {i} has {got} bytes, expected {want}")
@@ -110,8 +114,12 @@ def _check_summands(num_summands: int) -> None:
 def _flat(floats: tuple[torch.Tensor, ...], codes: tuple[torch.Tensor, ...]) -> bool:
     """Whether the fused kernels may take these tensors by address: CPU, contiguous, fp32 (int8 or
     uint8 for the codes). Anything else takes the torch path."""
-    return all(t.device.type == "cpu" and t.is_contiguous() and t.dtype == torch.float32 for t in floats) and all(
-        t.device.type == "cpu" and t.is_contiguous() and t.dtype in (torch.int8, torch.uint8) for t in codes)
+    return all(
+        t.device.type == "cpu" and t.is_contiguous() and t.dtype == torch.float32 for t in floats
+    ) and all(
+        t.device.type == "cpu" and t.is_contiguous() and t.dtype in (torch.int8, torch.uint8)
+        for t in codes
+    )
 
 
 def _chunks(n: int, chunk: int = CHUNK):
@@ -150,7 +158,9 @@ class Codec:
         return [torch.empty(n, dtype=d) for n, d in self.alloc_spec(numel)]
 
     # -- the two directions ------------------------------------------------
-    def encode(self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1) -> Encoded:
+    def encode(
+        self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1
+    ) -> Encoded:
         """Encode 1-D contiguous fp32 ``x`` (left unchanged), into ``out`` when given.
 
         ``num_summands``: how many such payloads the receiver adds up (fp16
@@ -163,7 +173,9 @@ class Codec:
         """Check meta and the frames' byte lengths for ``numel`` elements; raise ProtocolError."""
         raise NotImplementedError
 
-    def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+    def decode_add_(
+        self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0
+    ) -> None:
         """``acc += alpha * decoded``; frames are (possibly read-only) uint8 views, never written."""
         raise NotImplementedError
 
@@ -171,12 +183,20 @@ class Codec:
         """Checks that need the payload itself (a sparse codec's indices), run when a push is received,
         before a node holds it undecoded; none for dense codecs."""
 
-    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+    def decode_(
+        self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0
+    ) -> None:
         """``out = alpha * decoded`` (a node folds the 1/n of the average into its decode)."""
         out.zero_()
         self.decode_add_(out, frames, meta, alpha)
 
-    def decode_pair_(self, out: torch.Tensor, first: tuple[list[torch.Tensor], dict], second: tuple[list[torch.Tensor], dict], alpha: float) -> None:
+    def decode_pair_(
+        self,
+        out: torch.Tensor,
+        first: tuple[list[torch.Tensor], dict],
+        second: tuple[list[torch.Tensor], dict],
+        alpha: float,
+    ) -> None:
         """``out = alpha * (decoded first + decoded second)``: two pushes of this codec, (frames, meta) each.
         Dense codecs do it in one pass over ``out`` instead of a write and a read-modify-write."""
         self.decode_(out, *first, alpha)
@@ -184,7 +204,12 @@ class Codec:
 
     # -- error feedback ----------------------------------------------------
     def encode_feedback_(
-        self, x: torch.Tensor, residual: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        out: list[torch.Tensor] | None = None,
+        *,
+        num_summands: int = 1,
     ) -> Encoded:
         """Encode ``x + residual`` and leave in ``residual`` what was not sent.
 
@@ -198,7 +223,9 @@ class Codec:
 
     def clear_sent_(self, t: torch.Tensor, enc: Encoded) -> None:
         """Zero the elements of ``t`` that ``enc`` (this codec's own encode) carried: sparse codecs only."""
-        raise ConfigError(f"codec {self.name!r} is dense: every element is sent, so none is cleared alone")
+        raise ConfigError(
+            f"codec {self.name!r} is dense: every element is sent, so none is cleared alone"
+        )
 
     # -- helpers -----------------------------------------------------------
     def _scratch(self, key: str, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -211,7 +238,9 @@ class Codec:
             buf = bufs[key] = torch.empty(max(numel, 1), dtype=dtype)
         return buf[:numel]
 
-    def _prepare(self, x: torch.Tensor, out: list[torch.Tensor] | None, num_summands: int) -> list[torch.Tensor]:
+    def _prepare(
+        self, x: torch.Tensor, out: list[torch.Tensor] | None, num_summands: int
+    ) -> list[torch.Tensor]:
         """Check an encode's arguments; ``out``, or new frames when it is None."""
         self._check_input(x)
         _check_summands(num_summands)
@@ -222,16 +251,19 @@ class Codec:
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 1 or x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"codec {self.name!r} encodes 1-D contiguous fp32 tensors, got {x.dtype} {tuple(x.shape)}")
+            raise ValueError(
+                f"codec {self.name!r} encodes 1-D contiguous fp32 tensors, got {x.dtype} {tuple(x.shape)}"
+            )
 
     def _check_out(self, out: list[torch.Tensor], numel: int) -> None:
         want = self.alloc_spec(numel)
-        if len(out) != len(want) or any(o.numel() != n or o.dtype != d for o, (n, d) in zip(out, want)):
+        if len(out) != len(want) or any(
+            o.numel() != n or o.dtype != d for o, (n, d) in zip(out, want)
+        ):
             raise ValueError(f"codec {self.name!r}: out buffers do not match alloc({numel})")
 
     def __repr__(self) -> str:
         return f"<codec {self.name}>"
-
 
 
 def _amax(x: torch.Tensor) -> float:
@@ -243,4 +275,3 @@ def _amax(x: torch.Tensor) -> float:
     if math.isnan(lo) or math.isnan(hi):
         return math.nan
     return max(-lo, hi)
-

@@ -7,8 +7,18 @@ import torch
 
 from luwu.protocol import native
 from luwu.protocol.codec_facts import BLOCK
-from luwu.protocol.codecs.base import (CHUNK, MAX_BLOCK, SCALE_FLOOR, Codec, Encoded, _as, _check_frames,
-                                       _check_meta, _check_numel, _flat)
+from luwu.protocol.codecs.base import (
+    CHUNK,
+    MAX_BLOCK,
+    SCALE_FLOOR,
+    Codec,
+    Encoded,
+    _as,
+    _check_frames,
+    _check_meta,
+    _check_numel,
+    _flat,
+)
 from luwu.protocol.errors import ConfigError, ProtocolError
 
 
@@ -29,9 +39,13 @@ class _BlockCodec(Codec):
         if block is None:
             block = BLOCK[self.name]
         if isinstance(block, bool) or not isinstance(block, int) or not (1 <= block <= MAX_BLOCK):
-            raise ConfigError(f"codec {self.name!r}: block must be an int in [1, {MAX_BLOCK}], got {block!r}")
+            raise ConfigError(
+                f"codec {self.name!r}: block must be an int in [1, {MAX_BLOCK}], got {block!r}"
+            )
         if self.bits == 4 and block % 2:
-            raise ConfigError(f"codec {self.name!r}: block must be even (two values per byte), got {block}")
+            raise ConfigError(
+                f"codec {self.name!r}: block must be even (two values per byte), got {block}"
+            )
         self.block = block
 
     # -- sizes -------------------------------------------------------------
@@ -77,13 +91,26 @@ class _BlockCodec(Codec):
         torch.add(pairs[:, 0], pairs[:, 1], alpha=16.0, out=packed)
         q.copy_(packed)
 
-    def _run(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor | None) -> None:
+    def _run(
+        self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, residual: torch.Tensor | None
+    ) -> None:
         n, b = x.numel(), self.block
         lib = native.kernels()
-        if lib is not None and _flat((x, scales) if residual is None else (x, scales, residual), (q,)):
-            lib.luwu_block_encode(x.data_ptr(), 0 if residual is None else residual.data_ptr(), q.data_ptr(),
-                                  scales.data_ptr(), n, b, self.bits, float(self.levels), SCALE_FLOOR,
-                                  self._scratch("native", b).data_ptr())
+        if lib is not None and _flat(
+            (x, scales) if residual is None else (x, scales, residual), (q,)
+        ):
+            lib.luwu_block_encode(
+                x.data_ptr(),
+                0 if residual is None else residual.data_ptr(),
+                q.data_ptr(),
+                scales.data_ptr(),
+                n,
+                b,
+                self.bits,
+                float(self.levels),
+                SCALE_FLOOR,
+                self._scratch("native", b).data_ptr(),
+            )
             return
         full = n // b * b
         step = max(b, CHUNK // b * b)
@@ -99,7 +126,11 @@ class _BlockCodec(Codec):
             sc = scales[s // b : e // b]
             tmp = self._quantize(y2, sc)
             if residual is not None:
-                y2.sub_(torch.mul(tmp, sc.unsqueeze(1), out=self._scratch("sent", tmp.numel()).view_as(tmp)))
+                y2.sub_(
+                    torch.mul(
+                        tmp, sc.unsqueeze(1), out=self._scratch("sent", tmp.numel()).view_as(tmp)
+                    )
+                )
             self._store(tmp, q[s // per : e // per])
         if full < n:
             t = n - full
@@ -118,7 +149,9 @@ class _BlockCodec(Codec):
                 y.sub_(torch.mul(tmp.view(-1)[:t], sc, out=self._scratch("sent", t)[:t]))
             self._store(tmp, q[full // per :])
 
-    def encode(self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1) -> Encoded:
+    def encode(
+        self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1
+    ) -> Encoded:
         out = self._prepare(x, out, num_summands)
         self._run(x, out[0], out[1], None)
         return Encoded({"block": self.block}, list(out))
@@ -126,7 +159,9 @@ class _BlockCodec(Codec):
     def encode_feedback_(self, x, residual, out=None, *, num_summands: int = 1) -> Encoded:
         out = self._prepare(x, out, num_summands)
         if residual.shape != x.shape or residual.dtype != torch.float32:
-            raise ValueError(f"residual must be fp32 of shape {tuple(x.shape)}, got {residual.dtype} {tuple(residual.shape)}")
+            raise ValueError(
+                f"residual must be fp32 of shape {tuple(x.shape)}, got {residual.dtype} {tuple(residual.shape)}"
+            )
         self._run(x, out[0], out[1], residual)
         return Encoded({"block": self.block}, list(out))
 
@@ -136,7 +171,9 @@ class _BlockCodec(Codec):
         _check_meta(self.name, meta, {"block": int})
         b = meta["block"]
         if not (1 <= b <= MAX_BLOCK) or (self.bits == 4 and b % 2):
-            raise ProtocolError(f"codec {self.name!r}: meta 'block' = {b} is not a valid block size")
+            raise ProtocolError(
+                f"codec {self.name!r}: meta 'block' = {b} is not a valid block size"
+            )
         _check_frames(self.name, frames, [self._qbytes(numel), 4 * (-(-numel // b))])
 
     def _dequant(self, q: torch.Tensor, count: int) -> torch.Tensor:
@@ -155,7 +192,9 @@ class _BlockCodec(Codec):
         tmp.sub_(8.0)
         return tmp[:count]
 
-    def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+    def decode_add_(
+        self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0
+    ) -> None:
         n, b = acc.numel(), int(meta["block"])
         q, scales = self._frames(frames)
         if acc.device.type != "cpu":
@@ -163,7 +202,9 @@ class _BlockCodec(Codec):
             return
         lib = native.kernels()
         if lib is not None and _flat((acc, scales), (q,)) and self._fits(n, b, q, scales):
-            lib.luwu_block_decode(acc.data_ptr(), q.data_ptr(), scales.data_ptr(), n, b, self.bits, alpha, 1)
+            lib.luwu_block_decode(
+                acc.data_ptr(), q.data_ptr(), scales.data_ptr(), n, b, self.bits, alpha, 1
+            )
             return
         for s, e, tmp in self._decoded(q, scales, n, b, alpha):
             acc[s:e].add_(tmp)
@@ -185,12 +226,24 @@ class _BlockCodec(Codec):
             tmp.mul_(torch.mul(scales[-1:], alpha, out=self._scratch("dsc", 1)[:1]))
             yield full, n, tmp
 
-    def _decoded_on(self, device: torch.device, q: torch.Tensor, scales: torch.Tensor, n: int, b: int, alpha: float) -> torch.Tensor:
+    def _decoded_on(
+        self,
+        device: torch.device,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        n: int,
+        b: int,
+        alpha: float,
+    ) -> torch.Tensor:
         """The torch path on an accelerator (a CUDA parameter as the target): the codes and scales cross as they
         travelled (a byte or half a byte per value and a scale per block, not 4 bytes per value) and are widened
         there, with the CPU path's products (``code * (scale * alpha)``, each rounded on its own)."""
         q, scales = q.to(device), scales.to(device)
-        vals = q[:n].float() if self.bits == 8 else torch.stack((q & 15, q >> 4), 1).reshape(-1)[:n].float().sub_(8.0)
+        vals = (
+            q[:n].float()
+            if self.bits == 8
+            else torch.stack((q & 15, q >> 4), 1).reshape(-1)[:n].float().sub_(8.0)
+        )
         sc = torch.mul(scales, alpha)
         full = n // b * b
         vals[:full].view(-1, b).mul_(sc[: full // b].unsqueeze(1))
@@ -199,15 +252,23 @@ class _BlockCodec(Codec):
         return vals
 
     def _frames(self, frames: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return _as(frames[0], torch.int8 if self.bits == 8 else torch.uint8), _as(frames[1], torch.float32)
+        return _as(frames[0], torch.int8 if self.bits == 8 else torch.uint8), _as(
+            frames[1], torch.float32
+        )
 
     def _fits(self, n: int, b: int, q: torch.Tensor, scales: torch.Tensor) -> bool:
         """Whether frames hold what ``n`` elements in blocks of ``b`` need: the C kernels read by
         address, so a frame that :meth:`validate` did not see must not reach them short."""
-        return (1 <= b <= MAX_BLOCK and (self.bits == 8 or b % 2 == 0) and q.numel() >= self._qbytes(n)
-                and scales.numel() >= -(-n // b))
+        return (
+            1 <= b <= MAX_BLOCK
+            and (self.bits == 8 or b % 2 == 0)
+            and q.numel() >= self._qbytes(n)
+            and scales.numel() >= -(-n // b)
+        )
 
-    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+    def decode_(
+        self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0
+    ) -> None:
         lib = native.kernels()
         q, scales = self._frames(frames)
         n, b = out.numel(), int(meta["block"])
@@ -215,18 +276,41 @@ class _BlockCodec(Codec):
             out.copy_(self._decoded_on(out.device, q, scales, n, b, alpha))
             return
         if lib is not None and _flat((out, scales), (q,)) and self._fits(n, b, q, scales):
-            lib.luwu_block_decode(out.data_ptr(), q.data_ptr(), scales.data_ptr(), n, b, self.bits, alpha, 0)
+            lib.luwu_block_decode(
+                out.data_ptr(), q.data_ptr(), scales.data_ptr(), n, b, self.bits, alpha, 0
+            )
             return
         for s, e, tmp in self._decoded(q, scales, n, b, alpha):
             out[s:e].copy_(tmp)
 
-    def decode_pair_(self, out: torch.Tensor, first: tuple[list[torch.Tensor], dict], second: tuple[list[torch.Tensor], dict], alpha: float) -> None:
+    def decode_pair_(
+        self,
+        out: torch.Tensor,
+        first: tuple[list[torch.Tensor], dict],
+        second: tuple[list[torch.Tensor], dict],
+        alpha: float,
+    ) -> None:
         lib = native.kernels()
         (qa, sa), (qb, sb) = self._frames(first[0]), self._frames(second[0])
         n, b = out.numel(), int(first[1]["block"])
-        if (lib is not None and b == int(second[1]["block"]) and _flat((out, sa, sb), (qa, qb))
-                and self._fits(n, b, qa, sa) and self._fits(n, b, qb, sb)):
-            lib.luwu_block_decode_pair(out.data_ptr(), qa.data_ptr(), sa.data_ptr(), qb.data_ptr(), sb.data_ptr(), n, b, self.bits, alpha)
+        if (
+            lib is not None
+            and b == int(second[1]["block"])
+            and _flat((out, sa, sb), (qa, qb))
+            and self._fits(n, b, qa, sa)
+            and self._fits(n, b, qb, sb)
+        ):
+            lib.luwu_block_decode_pair(
+                out.data_ptr(),
+                qa.data_ptr(),
+                sa.data_ptr(),
+                qb.data_ptr(),
+                sb.data_ptr(),
+                n,
+                b,
+                self.bits,
+                alpha,
+            )
         else:
             super().decode_pair_(out, first, second, alpha)
 

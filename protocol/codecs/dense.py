@@ -6,8 +6,18 @@ import math
 
 import torch
 
-from luwu.protocol.codecs.base import (FP16_MAX, Codec, Encoded, _amax, _as, _check_frames, _check_meta,
-                                       _check_numel, _check_summands, _chunks)
+from luwu.protocol.codecs.base import (
+    FP16_MAX,
+    Codec,
+    Encoded,
+    _amax,
+    _as,
+    _check_frames,
+    _check_meta,
+    _check_numel,
+    _check_summands,
+    _chunks,
+)
 from luwu.protocol.errors import ProtocolError
 
 
@@ -33,9 +43,13 @@ class _DenseCodec(Codec):
         if x.dtype != self.dtype:  # (x of the codec's own dtype: a bf16 model's gradient as bf16)
             super()._check_input(x)
         elif x.dim() != 1 or not x.is_contiguous():
-            raise ValueError(f"codec {self.name!r} encodes 1-D contiguous tensors, got {tuple(x.shape)}")
+            raise ValueError(
+                f"codec {self.name!r} encodes 1-D contiguous tensors, got {tuple(x.shape)}"
+            )
 
-    def encode(self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1) -> Encoded:
+    def encode(
+        self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1
+    ) -> Encoded:
         self._check_input(x)
         _check_summands(num_summands)
         if out is None:
@@ -53,10 +67,14 @@ class _DenseCodec(Codec):
         _check_meta(self.name, meta, {})
         _check_frames(self.name, frames, [numel * self._size])
 
-    def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+    def decode_add_(
+        self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0
+    ) -> None:
         src = _as(frames[0], self.dtype)
         n = acc.numel()
-        if acc.device.type != "cpu":  # (a CUDA target: the frame crosses as it travelled, widened on the device)
+        if (
+            acc.device.type != "cpu"
+        ):  # (a CUDA target: the frame crosses as it travelled, widened on the device)
             src = src.to(acc.device)
         if self.dtype == torch.float32 or acc.device.type != "cpu":
             acc.add_(src, alpha=alpha)
@@ -67,9 +85,13 @@ class _DenseCodec(Codec):
             tmp.copy_(src[s:e])
             acc[s:e].add_(tmp, alpha=alpha)
 
-    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+    def decode_(
+        self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0
+    ) -> None:
         src = _as(frames[0], self.dtype)
-        if out.device.type != "cpu" and self.dtype != torch.float32:  # (a CUDA target: the frame crosses as it travelled, widened there)
+        if (
+            out.device.type != "cpu" and self.dtype != torch.float32
+        ):  # (a CUDA target: the frame crosses as it travelled, widened there)
             src = src.to(out.device)
         if alpha == 1.0:
             out.copy_(src)
@@ -82,7 +104,9 @@ class _DenseCodec(Codec):
 
     def decode_pair_(self, out, first, second, alpha: float) -> None:
         a, b = _as(first[0][0], self.dtype), _as(second[0][0], self.dtype)
-        if self.dtype == torch.float32:  # (a + b) * alpha: the same bits whichever push came first (lerp is not)
+        if (
+            self.dtype == torch.float32
+        ):  # (a + b) * alpha: the same bits whichever push came first (lerp is not)
             torch.add(a, b, out=out).mul_(alpha)
             return
         for s, e in _chunks(out.numel()):  # convert both in cache-sized chunks, one pass over out
@@ -160,7 +184,9 @@ class Fp16Codec(Codec):
             torch.mul(y[s:e], scale, out=tmp)
             q[s:e].copy_(tmp)
 
-    def encode(self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1) -> Encoded:
+    def encode(
+        self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1
+    ) -> Encoded:
         out = self._prepare(x, out, num_summands)
         amax = _amax(x)
         scale = self.scale_for(amax, num_summands)
@@ -187,10 +213,14 @@ class Fp16Codec(Codec):
         _check_meta(self.name, meta, {"scale": (float, int)})
         sc = float(meta["scale"])
         if not (math.isfinite(sc) and 2.0**-126 <= sc <= 2.0**126):
-            raise ProtocolError(f"codec 'fp16': meta 'scale' must be positive and finite, in [2**-126, 2**126] (what an encoder produces), got {meta['scale']!r}")
+            raise ProtocolError(
+                f"codec 'fp16': meta 'scale' must be positive and finite, in [2**-126, 2**126] (what an encoder produces), got {meta['scale']!r}"
+            )
         _check_frames(self.name, frames, [2 * numel])
 
-    def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+    def decode_add_(
+        self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0
+    ) -> None:
         src = _as(frames[0], torch.float16)
         k = alpha / float(meta["scale"])
         for s, e in _chunks(acc.numel()):
@@ -198,7 +228,9 @@ class Fp16Codec(Codec):
             tmp.copy_(src[s:e])
             acc[s:e].add_(tmp, alpha=k)
 
-    def decode_(self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+    def decode_(
+        self, out: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0
+    ) -> None:
         out.copy_(_as(frames[0], torch.float16))
         k = alpha / float(meta["scale"])
         if k != 1.0:

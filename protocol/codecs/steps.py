@@ -29,7 +29,16 @@ from __future__ import annotations
 import torch
 
 from luwu.protocol import native
-from luwu.protocol.codecs.base import CHUNK, Codec, Encoded, _as, _check_frames, _check_meta, _check_numel, _chunks
+from luwu.protocol.codecs.base import (
+    CHUNK,
+    Codec,
+    Encoded,
+    _as,
+    _check_frames,
+    _check_meta,
+    _check_numel,
+    _chunks,
+)
 from luwu.protocol.errors import ConfigError, ProtocolError
 
 #: The share of elements the cost model assumes escape (two more bytes each).
@@ -55,7 +64,9 @@ def _bits(w: torch.Tensor) -> torch.Tensor:
 
 def _from_bits(bits: torch.Tensor) -> torch.Tensor:
     """int32 patterns 0..65535 -> a bf16 tensor."""
-    return bits.to(torch.int16).view(torch.bfloat16)  # (the int32 -> int16 cast keeps the low 16 bits)
+    return bits.to(torch.int16).view(
+        torch.bfloat16
+    )  # (the int32 -> int16 cast keeps the low 16 bits)
 
 
 class Bf16StepsCodec(Codec):
@@ -74,7 +85,9 @@ class Bf16StepsCodec(Codec):
         return [(numel, torch.int8)]  # (the escapes' frame is sized by each reply)
 
     def encode(self, x, out=None, *, num_summands: int = 1) -> Encoded:
-        raise ConfigError("bf16_steps is a pull codec: the node encodes the steps from the last weights sent (encode_steps)")
+        raise ConfigError(
+            "bf16_steps is a pull codec: the node encodes the steps from the last weights sent (encode_steps)"
+        )
 
     def snapshot(self, weights: torch.Tensor) -> torch.Tensor:
         """The bf16 patterns of ``weights`` (1-D fp32) now, in per-thread scratch: the old bits of the next
@@ -88,28 +101,43 @@ class Bf16StepsCodec(Codec):
             old.view(torch.bfloat16).copy_(weights)
         return old
 
-    def encode_steps(self, weights: torch.Tensor, old: torch.Tensor, out: torch.Tensor | None = None) -> Encoded:
+    def encode_steps(
+        self, weights: torch.Tensor, old: torch.Tensor, out: torch.Tensor | None = None
+    ) -> Encoded:
         """The steps from ``old`` (int16 bf16 patterns, e.g. :meth:`snapshot`) to the bf16 rounding of
         ``weights`` (1-D fp32). ``out``: the codes' frame (int8, numel), else a new one; the escapes' frame
         is new, sized by the count."""
         self._check_input(weights)
         n = weights.numel()
         if old.numel() != n or old.dtype != torch.int16:
-            raise ValueError(f"old must be int16 bf16 patterns of {n} elements, got {old.dtype} {tuple(old.shape)}")
+            raise ValueError(
+                f"old must be int16 bf16 patterns of {n} elements, got {old.dtype} {tuple(old.shape)}"
+            )
         codes = out if out is not None else torch.empty(n, dtype=torch.int8)
         if codes.numel() != n or codes.dtype != torch.int8:
-            raise ValueError(f"out must be int8 of {n} elements, got {codes.dtype} {tuple(codes.shape)}")
+            raise ValueError(
+                f"out must be int8 of {n} elements, got {codes.dtype} {tuple(codes.shape)}"
+            )
         lib = native.kernels()
-        if lib is not None and all(t.device.type == "cpu" and t.is_contiguous() for t in (weights, old, codes)):
+        if lib is not None and all(
+            t.device.type == "cpu" and t.is_contiguous() for t in (weights, old, codes)
+        ):
             esc = self._scratch("esc", n, torch.int16)
-            k = lib.luwu_bf16_steps_encode(weights.data_ptr(), old.data_ptr(), codes.data_ptr(), esc.data_ptr(), n)
+            k = lib.luwu_bf16_steps_encode(
+                weights.data_ptr(), old.data_ptr(), codes.data_ptr(), esc.data_ptr(), n
+            )
             return Encoded({"escapes": k}, [codes, esc[:k].clone()])
         parts = []
         for s, e in _chunks(n):
             nb = _bits(weights[s:e])
             ob = old[s:e].to(torch.int32) & 0xFFFF
             d = _ord(nb) - _ord(ob)
-            esc = (d < -127) | (d > 127) | ((nb & 0x7F80) == 0x7F80) | (((nb & 0x7FFF) == 0) & (nb != ob))
+            esc = (
+                (d < -127)
+                | (d > 127)
+                | ((nb & 0x7F80) == 0x7F80)
+                | (((nb & 0x7FFF) == 0) & (nb != ob))
+            )
             codes[s:e].copy_(torch.where(esc, ESCAPE, d))
             parts.append(nb[esc].to(torch.int16))
         escapes = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int16)
@@ -124,28 +152,49 @@ class Bf16StepsCodec(Codec):
         _check_frames(self.name, frames, [numel, 2 * k])
 
     def decode_(self, out, frames, meta, alpha: float = 1.0) -> None:
-        raise ProtocolError(f"codec {self.name!r} sends steps: it needs the weights it steps from (a delta reply)")
+        raise ProtocolError(
+            f"codec {self.name!r} sends steps: it needs the weights it steps from (a delta reply)"
+        )
 
-    def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+    def decode_add_(
+        self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0
+    ) -> None:
         """Step ``acc`` (fp32 holding bf16 values, or bf16) to the new bf16 weights. The count of escape
         codes is checked against ``meta`` before anything is written."""
         if alpha != 1.0:
             raise ValueError(f"codec {self.name!r}: steps are not scaled (alpha = {alpha})")
         if acc.dtype not in (torch.float32, torch.bfloat16) or acc.dim() != 1:
-            raise ValueError(f"codec {self.name!r} steps 1-D fp32 or bf16 weights, got {acc.dtype} {tuple(acc.shape)}")
-        codes, esc = _as(frames[0], torch.int8), _as(frames[1], torch.int16) if len(frames) > 1 else None
+            raise ValueError(
+                f"codec {self.name!r} steps 1-D fp32 or bf16 weights, got {acc.dtype} {tuple(acc.shape)}"
+            )
+        codes, esc = (
+            _as(frames[0], torch.int8),
+            _as(frames[1], torch.int16) if len(frames) > 1 else None,
+        )
         n, k = acc.numel(), int(meta["escapes"])
         if codes.numel() != n or (esc.numel() if esc is not None else 0) != k:
-            raise ProtocolError(f"codec {self.name!r}: {codes.numel()} codes and {0 if esc is None else esc.numel()} escapes for {n} weights ({k} announced)")
+            raise ProtocolError(
+                f"codec {self.name!r}: {codes.numel()} codes and {0 if esc is None else esc.numel()} escapes for {n} weights ({k} announced)"
+            )
         lib = native.kernels()
         if lib is not None and acc.device.type == "cpu" and acc.is_contiguous():
-            got = lib.luwu_bf16_steps_apply(acc.data_ptr(), int(acc.dtype == torch.bfloat16), codes.data_ptr(),
-                                            esc.data_ptr() if k else 0, n, k)
+            got = lib.luwu_bf16_steps_apply(
+                acc.data_ptr(),
+                int(acc.dtype == torch.bfloat16),
+                codes.data_ptr(),
+                esc.data_ptr() if k else 0,
+                n,
+                k,
+            )
             if got != k:
-                raise ProtocolError(f"codec {self.name!r}: the codes hold another number of escapes than the {k} announced")
+                raise ProtocolError(
+                    f"codec {self.name!r}: the codes hold another number of escapes than the {k} announced"
+                )
             return
         if int((codes == ESCAPE).sum()) != k:
-            raise ProtocolError(f"codec {self.name!r}: the codes hold another number of escapes than the {k} announced")
+            raise ProtocolError(
+                f"codec {self.name!r}: the codes hold another number of escapes than the {k} announced"
+            )
         j = 0
         for s, e in _chunks(n, CHUNK):
             c = codes[s:e].to(device=acc.device, dtype=torch.int32)

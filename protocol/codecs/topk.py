@@ -7,7 +7,16 @@ import math
 
 import torch
 
-from luwu.protocol.codecs.base import CHUNK, Codec, Encoded, _as, _check_frames, _check_meta, _check_numel, _chunks
+from luwu.protocol.codecs.base import (
+    CHUNK,
+    Codec,
+    Encoded,
+    _as,
+    _check_frames,
+    _check_meta,
+    _check_numel,
+    _chunks,
+)
 from luwu.protocol.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -22,7 +31,9 @@ TOPK_MARGIN = 1.5
 TOPK_CHUNK = CHUNK
 
 
-def topk_indices(x: torch.Tensor, k: int, *, generator: torch.Generator | None = None) -> torch.Tensor:
+def topk_indices(
+    x: torch.Tensor, k: int, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Sorted int64 indices of ``k`` elements of largest magnitude in 1-D ``x``.
 
     The RTop-K idea, made exact: a magnitude threshold is estimated from a
@@ -96,10 +107,16 @@ class TopkCodec(Codec):
 
     def __init__(self, density: float = 0.01, values: str = "fp32") -> None:
         super().__init__()
-        if isinstance(density, bool) or not isinstance(density, (int, float)) or not (0.0 < density <= 1.0):
+        if (
+            isinstance(density, bool)
+            or not isinstance(density, (int, float))
+            or not (0.0 < density <= 1.0)
+        ):
             raise ConfigError(f"codec 'topk': density must be in (0, 1], got {density!r}")
         if values not in _TOPK_VALUES:
-            raise ConfigError(f"codec 'topk': values must be one of {sorted(_TOPK_VALUES)}, got {values!r}")
+            raise ConfigError(
+                f"codec 'topk': values must be one of {sorted(_TOPK_VALUES)}, got {values!r}"
+            )
         self.density = float(density)
         self.values = values
         self._vdt = _TOPK_VALUES[values]
@@ -124,7 +141,9 @@ class TopkCodec(Codec):
             g = self._local.gen = torch.Generator().manual_seed(0x1D00)
         return g
 
-    def _select(self, y: torch.Tensor, out: list[torch.Tensor] | None, num_summands: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _select(
+        self, y: torch.Tensor, out: list[torch.Tensor] | None, num_summands: int
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         out = self._prepare(y, out, num_summands)
         idx = topk_indices(y, self.k_for(y.numel()), generator=self._generator())
         vals = y[idx]
@@ -132,7 +151,9 @@ class TopkCodec(Codec):
         out[1].copy_(idx)
         return out, idx
 
-    def encode(self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1) -> Encoded:
+    def encode(
+        self, x: torch.Tensor, out: list[torch.Tensor] | None = None, *, num_summands: int = 1
+    ) -> Encoded:
         out, _ = self._select(x, out, num_summands)
         return Encoded({"k": out[1].numel(), "values": self.values}, list(out))
 
@@ -153,7 +174,9 @@ class TopkCodec(Codec):
         if not 0 <= k <= numel:
             raise ProtocolError(f"codec 'topk': meta 'k' = {k} is outside [0, numel={numel}]")
         if meta["values"] not in _TOPK_VALUES:
-            raise ProtocolError(f"codec 'topk': meta 'values' = {meta['values']!r} is not one of {sorted(_TOPK_VALUES)}")
+            raise ProtocolError(
+                f"codec 'topk': meta 'values' = {meta['values']!r} is not one of {sorted(_TOPK_VALUES)}"
+            )
         vsize = torch.empty((), dtype=_TOPK_VALUES[meta["values"]]).element_size()
         _check_frames(self.name, frames, [k * vsize, 4 * k])
 
@@ -163,9 +186,13 @@ class TopkCodec(Codec):
             return
         lo, hi = torch.aminmax(_as(frames[1], torch.int32))
         if int(lo) < 0 or int(hi) >= numel:
-            raise ProtocolError(f"codec 'topk': index out of range [0, {numel}): min {int(lo)}, max {int(hi)}")
+            raise ProtocolError(
+                f"codec 'topk': index out of range [0, {numel}): min {int(lo)}, max {int(hi)}"
+            )
 
-    def decode_add_(self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0) -> None:
+    def decode_add_(
+        self, acc: torch.Tensor, frames: list[torch.Tensor], meta: dict, alpha: float = 1.0
+    ) -> None:
         k = int(meta["k"])
         if k == 0:
             return

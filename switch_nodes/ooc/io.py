@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+
 from luwu.protocol.errors import ConfigError
 
 log = logging.getLogger(__name__)

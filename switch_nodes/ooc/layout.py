@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
 from luwu.protocol.errors import ConfigError
 from luwu.switch_nodes.ooc.io import ALIGN, CHECKSUM_BLOCK_BYTES, align_up
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+
 from luwu.protocol.errors import (
     ConfigError,
     CorruptCheckpointError,

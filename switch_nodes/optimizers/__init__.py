@@ -73,7 +73,15 @@ def _update(module: str) -> Callable[..., None]:
     return _module(module).apply_
 
 
-def apply_(kind: OptimizerKind, params: list, grads: list, state: dict[str, list], steps: list, hyper: dict, grad_scale: Any = None) -> None:
+def apply_(
+    kind: OptimizerKind,
+    params: list,
+    grads: list,
+    state: dict[str, list],
+    steps: list,
+    hyper: dict,
+    grad_scale: Any = None,
+) -> None:
     """One optimizer step of ``kind`` over segment views (flat slices of a bucket). ``grad_scale`` (a
     0-d tensor or None): grads are divided by it inside the update, how the node averages over workers
     and applies clipping / AMP unscaling without an extra pass."""

@@ -9,7 +9,15 @@ from luwu.switch_nodes.optimizers.common import Tensors, unscale_
 from luwu.switch_nodes.optimizers.kinds import OptimizerKind
 
 
-def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str, Tensors], steps: Tensors, hyper: dict, grad_scale: torch.Tensor | None = None) -> None:
+def apply_(
+    kind: OptimizerKind,
+    params: Tensors,
+    grads: Tensors,
+    state: dict[str, Tensors],
+    steps: Tensors,
+    hyper: dict,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
     """One Adadelta step over segment views; grads are divided by ``grad_scale`` (in place) first."""
     unscale_(grads, grad_scale)
     _adadelta.adadelta(

@@ -16,14 +16,24 @@ from luwu.switch_nodes.optimizers.common import Tensors, unscale_
 from luwu.switch_nodes.optimizers.kinds import OptimizerKind
 
 
-def _shape(row_var: torch.Tensor | None, col_var: torch.Tensor | None, variance: torch.Tensor | None) -> torch.Size:
+def _shape(
+    row_var: torch.Tensor | None, col_var: torch.Tensor | None, variance: torch.Tensor | None
+) -> torch.Size:
     """The parameter's shape, from its state: (..., R, 1) and (..., 1, C) give (..., R, C)."""
     if variance is not None:
         return variance.shape
     return torch.Size((*row_var.shape[:-1], col_var.shape[-1]))
 
 
-def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str, list], steps: Tensors, hyper: dict, grad_scale: torch.Tensor | None = None) -> None:
+def apply_(
+    kind: OptimizerKind,
+    params: Tensors,
+    grads: Tensors,
+    state: dict[str, list],
+    steps: Tensors,
+    hyper: dict,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
     """One Adafactor step over whole-parameter segment views; grads are divided by ``grad_scale``
     (in place) first, as torch's function takes none."""
     unscale_(grads, grad_scale)

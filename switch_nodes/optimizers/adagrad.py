@@ -11,7 +11,15 @@ from luwu.switch_nodes.optimizers.common import Tensors, fill_first_
 from luwu.switch_nodes.optimizers.kinds import OptimizerKind
 
 
-def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str, Tensors], steps: Tensors, hyper: dict, grad_scale: torch.Tensor | None = None) -> None:
+def apply_(
+    kind: OptimizerKind,
+    params: Tensors,
+    grads: Tensors,
+    state: dict[str, Tensors],
+    steps: Tensors,
+    hyper: dict,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
     """One Adagrad step over segment views; the fused kernel divides the grads by ``grad_scale``."""
     fill_first_(state["sum"], steps, float(hyper["initial_accumulator_value"]))
     _adagrad.adagrad(

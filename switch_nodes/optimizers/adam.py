@@ -39,7 +39,15 @@ from luwu.switch_nodes.optimizers.kinds import OptimizerKind
 Tensors = list[torch.Tensor]
 
 
-def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str, Tensors], steps: Tensors, hyper: dict, grad_scale: torch.Tensor | None = None) -> None:
+def apply_(
+    kind: OptimizerKind,
+    params: Tensors,
+    grads: Tensors,
+    state: dict[str, Tensors],
+    steps: Tensors,
+    hyper: dict,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
     """One Adam (``kind.name == "adam"``) or AdamW step over segment views. ``grad_scale``: grads are
     divided by it inside the kernel.
 
@@ -68,7 +76,9 @@ def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str
     frozen = [i for i in range(len(params)) if freeze is not None and float(steps[i]) >= freeze]
     density = hyper.get(WORKER_MOMENTUM)
     if density is not None and live:
-        raise ValueError("a momentum-corrected push reached segments whose variance is not frozen yet (check_momentum_steps)")
+        raise ValueError(
+            "a momentum-corrected push reached segments whose variance is not frozen yet (check_momentum_steps)"
+        )
     common = dict(
         beta1=float(hyper["betas"][0]),
         beta2=float(hyper["betas"][1]),
@@ -155,5 +165,3 @@ def _adam_frozen_variance_(
             m.zero_()
             torch.div(g, u, out=u).clamp_(-bound / density * bc1, bound / density * bc1)
         p.add_(u, alpha=-lr / bc1)
-
-

@@ -60,7 +60,11 @@ class OptimizerKind:
         """torch's shape of each state tensor of a parameter of ``shape`` (the parameter's own for
         elementwise kinds; each never has more elements than the parameter)."""
         shape = tuple(shape)
-        return self.shaped_state(shape) if self.shaped_state is not None else {n: shape for n in self.state_names}
+        return (
+            self.shaped_state(shape)
+            if self.shaped_state is not None
+            else {n: shape for n in self.state_names}
+        )
 
     def state_for(self, h: dict) -> tuple[str, ...]:
         """The state names torch's update keeps with hyperparameters ``h``."""
@@ -95,7 +99,9 @@ def _no_luwu_extras(kind: OptimizerKind, h: dict) -> None:
     if h.get("variance_freeze_step") is not None:
         raise ConfigError(f"variance_freeze_step applies to adam and adamw, not to {kind.name}")
     if _worker_momentum(h)[1] is not None:
-        raise ConfigError(f"{_MC} supports sgd and adam/adamw (with variance_freeze_step) only, not {kind.name}")
+        raise ConfigError(
+            f"{_MC} supports sgd and adam/adamw (with variance_freeze_step) only, not {kind.name}"
+        )
 
 
 def _check_adam(kind: OptimizerKind, h: dict) -> None:
@@ -103,16 +109,26 @@ def _check_adam(kind: OptimizerKind, h: dict) -> None:
     if not float(h["eps"]) >= 0.0:
         raise ConfigError(f"invalid epsilon value: {h['eps']}")
     freeze = h.get("variance_freeze_step")
-    if freeze is not None and (isinstance(freeze, bool) or not isinstance(freeze, int) or freeze < 1):
-        raise ConfigError(f"invalid variance_freeze_step: {freeze!r} (None, or an int >= 1: the steps that update the variance)")
+    if freeze is not None and (
+        isinstance(freeze, bool) or not isinstance(freeze, int) or freeze < 1
+    ):
+        raise ConfigError(
+            f"invalid variance_freeze_step: {freeze!r} (None, or an int >= 1: the steps that update the variance)"
+        )
     if freeze is not None and h.get("amsgrad"):
-        raise ConfigError("variance_freeze_step and amsgrad=True do not combine (amsgrad's maximum is a live variance)")
+        raise ConfigError(
+            "variance_freeze_step and amsgrad=True do not combine (amsgrad's maximum is a live variance)"
+        )
     if _worker_momentum(h)[1] is None:
         return
     if freeze is None:
-        raise ConfigError(f"{_MC} needs Adam's variance frozen: set variance_freeze_step (at most compression.warmup_steps) in the param groups")
+        raise ConfigError(
+            f"{_MC} needs Adam's variance frozen: set variance_freeze_step (at most compression.warmup_steps) in the param groups"
+        )
     if kind.name == "adam" and float(h["weight_decay"]) != 0.0:
-        raise ConfigError(f"{_MC} does not support adam's L2 weight_decay (it would go through the workers' momentum): use adamw")
+        raise ConfigError(
+            f"{_MC} does not support adam's L2 weight_decay (it would go through the workers' momentum): use adamw"
+        )
 
 
 def _check_sgd(kind: OptimizerKind, h: dict) -> None:
@@ -184,22 +200,62 @@ def _adafactor_shapes(shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
 _MC = "momentum correction (compression.momentum_correction)"
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
 _ADAM_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False, "maximize": False}
+_ADAM_DEFAULTS = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "amsgrad": False,
+    "maximize": False,
+}
 _AMSGRAD = (("max_exp_avg_sq", "amsgrad"),)
 _NO_EXTRA: tuple[str, ...] = ()
 
 
-def _kind(name: str, state: tuple[str, ...], defaults: dict, check: Callable, module: str | None = None, **more: Any) -> OptimizerKind:
+def _kind(
+    name: str,
+    state: tuple[str, ...],
+    defaults: dict,
+    check: Callable,
+    module: str | None = None,
+    **more: Any,
+) -> OptimizerKind:
     """A kind whose worker sends every key of its defaults with each push."""
-    return OptimizerKind(name, state, defaults, tuple(defaults), _NO_EXTRA, module or name, check, **more)
+    return OptimizerKind(
+        name, state, defaults, tuple(defaults), _NO_EXTRA, module or name, check, **more
+    )
 
 
-ADAMW = OptimizerKind("adamw", _ADAM_STATE, _ADAM_DEFAULTS | {"weight_decay": 1e-2}, _ADAM_KEYS, ("variance_freeze_step",), "adam", _check_adam, _AMSGRAD)
-ADAM = OptimizerKind("adam", _ADAM_STATE, _ADAM_DEFAULTS | {"weight_decay": 0.0}, _ADAM_KEYS, ("variance_freeze_step",), "adam", _check_adam, _AMSGRAD)
+ADAMW = OptimizerKind(
+    "adamw",
+    _ADAM_STATE,
+    _ADAM_DEFAULTS | {"weight_decay": 1e-2},
+    _ADAM_KEYS,
+    ("variance_freeze_step",),
+    "adam",
+    _check_adam,
+    _AMSGRAD,
+)
+ADAM = OptimizerKind(
+    "adam",
+    _ADAM_STATE,
+    _ADAM_DEFAULTS | {"weight_decay": 0.0},
+    _ADAM_KEYS,
+    ("variance_freeze_step",),
+    "adam",
+    _check_adam,
+    _AMSGRAD,
+)
 SGD = OptimizerKind(
     "sgd",
     ("momentum_buffer",),
-    {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False, "maximize": False},
+    {
+        "lr": 1e-3,
+        "momentum": 0.0,
+        "dampening": 0.0,
+        "weight_decay": 0.0,
+        "nesterov": False,
+        "maximize": False,
+    },
     ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
     (),
     "sgd",
@@ -208,39 +264,97 @@ SGD = OptimizerKind(
     step_in_state=False,
 )
 ADAGRAD = _kind(
-    "adagrad", ("sum",), {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10, "maximize": False}, _check_adagrad
+    "adagrad",
+    ("sum",),
+    {
+        "lr": 1e-2,
+        "lr_decay": 0.0,
+        "weight_decay": 0.0,
+        "initial_accumulator_value": 0.0,
+        "eps": 1e-10,
+        "maximize": False,
+    },
+    _check_adagrad,
 )
 RMSPROP = _kind(
     "rmsprop",
     ("square_avg", "momentum_buffer", "grad_avg"),
-    {"lr": 1e-2, "alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "centered": False, "maximize": False},
+    {
+        "lr": 1e-2,
+        "alpha": 0.99,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "momentum": 0.0,
+        "centered": False,
+        "maximize": False,
+    },
     _check_rmsprop,
     optional_state=(("momentum_buffer", "momentum"), ("grad_avg", "centered")),
 )
-ADAMAX = _kind("adamax", ("exp_avg", "exp_inf"), {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "maximize": False}, _check_adam_like)
+ADAMAX = _kind(
+    "adamax",
+    ("exp_avg", "exp_inf"),
+    {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "maximize": False},
+    _check_adam_like,
+)
 NADAM = _kind(
     "nadam",
     ("exp_avg", "exp_avg_sq"),
-    {"lr": 2e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "momentum_decay": 4e-3, "decoupled_weight_decay": False, "maximize": False},
+    {
+        "lr": 2e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "momentum_decay": 4e-3,
+        "decoupled_weight_decay": False,
+        "maximize": False,
+    },
     _check_adam_like,
 )
 RADAM = _kind(
     "radam",
     ("exp_avg", "exp_avg_sq"),
-    {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "decoupled_weight_decay": False, "maximize": False},
+    {
+        "lr": 1e-3,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "decoupled_weight_decay": False,
+        "maximize": False,
+    },
     _check_adam_like,
 )
-ADADELTA = _kind("adadelta", ("square_avg", "acc_delta"), {"lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0.0, "maximize": False}, _check_adadelta)
+ADADELTA = _kind(
+    "adadelta",
+    ("square_avg", "acc_delta"),
+    {"lr": 1.0, "rho": 0.9, "eps": 1e-6, "weight_decay": 0.0, "maximize": False},
+    _check_adadelta,
+)
 ADAFACTOR = _kind(
     "adafactor",
     ("row_var", "col_var", "variance"),
-    {"lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": 0.0, "maximize": False},
+    {
+        "lr": 1e-2,
+        "beta2_decay": -0.8,
+        "eps": (None, 1e-3),
+        "d": 1.0,
+        "weight_decay": 0.0,
+        "maximize": False,
+    },
     _check_adafactor,
     shaped_state=_adafactor_shapes,
 )
-RPROP = _kind("rprop", ("prev", "step_size"), {"lr": 1e-2, "etas": (0.5, 1.2), "step_sizes": (1e-6, 50.0), "maximize": False}, _check_rprop)
+RPROP = _kind(
+    "rprop",
+    ("prev", "step_size"),
+    {"lr": 1e-2, "etas": (0.5, 1.2), "step_sizes": (1e-6, 50.0), "maximize": False},
+    _check_rprop,
+)
 
-KINDS: dict[str, OptimizerKind] = {k.name: k for k in (ADAMW, ADAM, SGD, ADAGRAD, RMSPROP, ADAMAX, NADAM, RADAM, ADADELTA, RPROP, ADAFACTOR)}
+KINDS: dict[str, OptimizerKind] = {
+    k.name: k
+    for k in (ADAMW, ADAM, SGD, ADAGRAD, RMSPROP, ADAMAX, NADAM, RADAM, ADADELTA, RPROP, ADAFACTOR)
+}
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(KINDS)
 
 #: The other torch.optim algorithms, and why a node cannot run them on its slices.
@@ -269,7 +383,9 @@ def get_kind(name: str) -> OptimizerKind:
         return kind
     why = UNSUPPORTED.get(name.lower())
     if why is not None:
-        raise ConfigError(f"optimizer {name!r} cannot run on LuWu nodes: {why}; supported: {', '.join(OPTIMIZER_NAMES)}")
+        raise ConfigError(
+            f"optimizer {name!r} cannot run on LuWu nodes: {why}; supported: {', '.join(OPTIMIZER_NAMES)}"
+        )
     raise ConfigError(f"unknown optimizer {name!r}: choose one of {sorted(KINDS)}")
 
 
@@ -283,8 +399,14 @@ def check_hyper(kind: OptimizerKind, h: dict) -> None:
     if not float(h.get("weight_decay", 0.0)) >= 0.0:
         raise ConfigError(f"invalid weight_decay value: {h.get('weight_decay')}")
     key, density = _worker_momentum(h)
-    if density is not None and (isinstance(density, bool) or not isinstance(density, (int, float)) or not 0.0 < density <= 1.0):
-        raise ConfigError(f"invalid {key}: {density!r} (the top-k density of a momentum-corrected push, in (0, 1])")
+    if density is not None and (
+        isinstance(density, bool)
+        or not isinstance(density, (int, float))
+        or not 0.0 < density <= 1.0
+    ):
+        raise ConfigError(
+            f"invalid {key}: {density!r} (the top-k density of a momentum-corrected push, in (0, 1])"
+        )
     kind.check(kind, h)
 
 
@@ -292,7 +414,11 @@ def check_momentum_steps(kind: OptimizerKind, h: dict, steps: list, ahead: int =
     """A momentum-corrected push may only reach Adam segments whose variance is frozen already.
     ``steps``: the segments' step counters; ``ahead``: steps of the bucket still to be applied before
     the one pushed (sync pushes run up to two ahead of the node)."""
-    if _worker_momentum(h)[1] is None or "variance_freeze_step" not in kind.extra_hyper or not steps:
+    if (
+        _worker_momentum(h)[1] is None
+        or "variance_freeze_step" not in kind.extra_hyper
+        or not steps
+    ):
         return
     freeze, taken = h["variance_freeze_step"], min(int(s) for s in steps) + ahead
     if taken < freeze:

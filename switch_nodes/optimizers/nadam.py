@@ -36,15 +36,30 @@ def mu_product(step: int, beta1: float, momentum_decay: float) -> float:
 
 def torch_scalars(step: int, hyper: dict) -> dict[str, torch.Tensor]:
     """The per-parameter scalars of torch's NAdam state after ``step`` steps (for ``state_dict``)."""
-    return {"mu_product": torch.tensor(mu_product(step, pair(hyper["betas"])[0], float(hyper["momentum_decay"])), dtype=torch.float32)}
+    return {
+        "mu_product": torch.tensor(
+            mu_product(step, pair(hyper["betas"])[0], float(hyper["momentum_decay"])),
+            dtype=torch.float32,
+        )
+    }
 
 
-def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str, Tensors], steps: Tensors, hyper: dict, grad_scale: torch.Tensor | None = None) -> None:
+def apply_(
+    kind: OptimizerKind,
+    params: Tensors,
+    grads: Tensors,
+    state: dict[str, Tensors],
+    steps: Tensors,
+    hyper: dict,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
     """One NAdam step over segment views; grads are divided by ``grad_scale`` (in place) first."""
     unscale_(grads, grad_scale)
     beta1 = pair(hyper["betas"])[0]
     momentum_decay = float(hyper["momentum_decay"])
-    mu_products = [torch.tensor(mu_product(int(s), beta1, momentum_decay), dtype=torch.float32) for s in steps]
+    mu_products = [
+        torch.tensor(mu_product(int(s), beta1, momentum_decay), dtype=torch.float32) for s in steps
+    ]
     _nadam.nadam(
         params,
         grads,

@@ -18,7 +18,15 @@ from luwu.switch_nodes.optimizers.kinds import OptimizerKind
 Tensors = list[torch.Tensor]
 
 
-def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str, Tensors], steps: Tensors, hyper: dict, grad_scale: torch.Tensor | None = None) -> None:
+def apply_(
+    kind: OptimizerKind,
+    params: Tensors,
+    grads: Tensors,
+    state: dict[str, Tensors],
+    steps: Tensors,
+    hyper: dict,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
     """One SGD step over segment views; grads are divided by ``grad_scale`` (in place) first."""
     momentum = float(hyper["momentum"])
     bufs = state.get("momentum_buffer", [])  # allocated only with momentum (kind.optional_state)
@@ -42,17 +50,30 @@ def apply_(kind: OptimizerKind, params: Tensors, grads: Tensors, state: dict[str
         first = rest = []
     if first:
         tmp: list = [None] * len(first)
-        _sgd.sgd([params[i] for i in first], [grads[i] for i in first], tmp, foreach=False, **common)
+        _sgd.sgd(
+            [params[i] for i in first], [grads[i] for i in first], tmp, foreach=False, **common
+        )
         for j, i in enumerate(first):
             bufs[i].copy_(tmp[j])
     if rest:
-        _sgd.sgd([params[i] for i in rest], [grads[i] for i in rest], [bufs[i] if momentum != 0.0 else None for i in rest], foreach=False, **common)
+        _sgd.sgd(
+            [params[i] for i in rest],
+            [grads[i] for i in rest],
+            [bufs[i] if momentum != 0.0 else None for i in rest],
+            foreach=False,
+            **common,
+        )
     for s in steps:
         s.add_(1)
 
 
 def _sgd_worker_momentum_(
-    params: list[torch.Tensor], grads: list[torch.Tensor], bufs: list[torch.Tensor], *, lr: float, maximize: bool
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    bufs: list[torch.Tensor],
+    *,
+    lr: float,
+    maximize: bool,
 ) -> None:
     """SGD step of a momentum-corrected push: the grads are the workers' momentum, torch's
     ``p -= lr * buf`` with the workers' sum as ``buf``; the node's own buffer is dropped (zeroed)."""

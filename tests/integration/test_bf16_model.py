@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import luwu
-from luwu import optim_state
 from benchmarks import convergence as conv
+from luwu import optim_state
 from luwu.protocol.errors import ConfigError
 
 STEPS = 40
@@ -28,7 +28,9 @@ def _masters(opt) -> list[torch.Tensor]:
     flat = [torch.empty(p.numel()) for p in params]
     for b in opt.layout.buckets:
         for s in b.segments:
-            flat[s.param].narrow(0, s.param_offset, s.numel).copy_(state[b.id][0].narrow(0, s.offset, s.numel))
+            flat[s.param].narrow(0, s.param_offset, s.numel).copy_(
+                state[b.id][0].narrow(0, s.offset, s.numel)
+            )
     return flat
 
 
@@ -45,7 +47,9 @@ def test_bf16_model_masters_equal_local_adamw_fed_the_same_gradients():
     shadow = [p.detach().float().clone().requires_grad_(False) for p in model.parameters()]
     local = torch.optim.AdamW(shadow, lr=LR, weight_decay=0.01)
     with luwu.local_cluster(2) as c:
-        opt = luwu.RemoteOptimizer(model, nodes=c.addresses, lr=LR, weight_decay=0.01, compression=False)
+        opt = luwu.RemoteOptimizer(
+            model, nodes=c.addresses, lr=LR, weight_decay=0.01, compression=False
+        )
         try:
             for step in range(10):
                 x, y = task.batch(step, 0, 1)
@@ -59,9 +63,13 @@ def test_bf16_model_masters_equal_local_adamw_fed_the_same_gradients():
             masters = _masters(opt)
             for p, s, m in zip(model.parameters(), shadow, masters):
                 assert p.dtype == torch.bfloat16
-                torch.testing.assert_close(m, s.reshape(-1), rtol=0, atol=1e-6)  # op order of the AdamW step only
+                torch.testing.assert_close(
+                    m, s.reshape(-1), rtol=0, atol=1e-6
+                )  # op order of the AdamW step only
                 assert not torch.equal(m, m.bfloat16().float())  # the nodes keep fp32, not bf16
-                assert torch.equal(p.detach().reshape(-1), m.bfloat16())  # the worker holds them rounded to nearest
+                assert torch.equal(
+                    p.detach().reshape(-1), m.bfloat16()
+                )  # the worker holds them rounded to nearest
         finally:
             opt.close()
 
@@ -76,7 +84,9 @@ def test_bf16_model_on_defaults_follows_autocast_training_within_one_percent():
             r.copy_(p)
     local = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.01)
     with luwu.local_cluster(2) as c:
-        opt = luwu.RemoteOptimizer(model, nodes=c.addresses, lr=LR, weight_decay=0.01)  # default policy: codecs on
+        opt = luwu.RemoteOptimizer(
+            model, nodes=c.addresses, lr=LR, weight_decay=0.01
+        )  # default policy: codecs on
         try:
             assert opt.config.compression.enabled
             for step in range(STEPS):
@@ -105,4 +115,9 @@ def test_other_dtypes_and_bf16_streaming_are_refused():
         with pytest.raises(ConfigError, match="fp32 or bf16"):
             luwu.RemoteOptimizer(torch.nn.Linear(4, 4).half(), nodes=c.addresses, lr=0.1)
         with pytest.raises(ConfigError, match="streaming mode keeps fp32"):
-            luwu.RemoteOptimizer(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).bfloat16(), nodes=c.addresses, lr=0.1, stream_weights=True)
+            luwu.RemoteOptimizer(
+                torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).bfloat16(),
+                nodes=c.addresses,
+                lr=0.1,
+                stream_weights=True,
+            )

@@ -11,10 +11,10 @@ import shutil
 import pytest
 import torch
 from checkpoint_files import assert_resumes_like_adamw, rewrite_manifest, save_small, train_steps
-from luwu.switch_nodes import legacy_checkpoint
-from luwu.switch_nodes.checkpoint import CHECKSUMS, DATA, MANIFEST, CheckpointStore
 
 import luwu
+from luwu.switch_nodes import legacy_checkpoint
+from luwu.switch_nodes.checkpoint import CHECKSUMS, DATA, MANIFEST, CheckpointStore
 
 JOB = "ckpt-format"
 
@@ -96,7 +96,9 @@ def test_a_second_checkpoint_of_one_step_replaces_the_first_and_a_crash_between_
 
 def _init() -> dict:
     """A fresh random state dict of :func:`_model`'s network (from torch's current seed)."""
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)).state_dict()
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8)
+    ).state_dict()
 
 
 def _model(init: dict) -> torch.nn.Module:

@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness import assert_params_close, run_training
+from workers.train import reference
 
 import luwu
-from harness import assert_params_close, run_training
 from luwu.protocol.errors import ConfigError
-from workers.train import reference
 
 
 def _mlp() -> torch.nn.Sequential:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)
+        torch.nn.Linear(32, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
     )
 
 
@@ -31,7 +35,9 @@ def test_torch_clip_after_backward_is_refused_at_step(cluster2, compression, cli
     """The issue's case: a 3-layer MLP, SGD lr=1, clip_grad_norm_(1e-6) between backward() and step().
     Local torch barely moves the weights; LuWu used to move them by 7e-2 without a word."""
     model = _mlp()
-    opt = luwu.RemoteOptimizer(model, "sgd", nodes=cluster2.addresses, lr=1.0, compression=compression)
+    opt = luwu.RemoteOptimizer(
+        model, "sgd", nodes=cluster2.addresses, lr=1.0, compression=compression
+    )
     try:
         for step in range(clip_at + 1):
             opt.zero_grad()
@@ -41,7 +47,10 @@ def test_torch_clip_after_backward_is_refused_at_step(cluster2, compression, cli
                 opt.step()
                 continue
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-6)
-            with pytest.raises(ConfigError, match=r"changed after it was sent to the nodes.*opt\.clip_grad_norm_\(max_norm\)") as err:
+            with pytest.raises(
+                ConfigError,
+                match=r"changed after it was sent to the nodes.*opt\.clip_grad_norm_\(max_norm\)",
+            ) as err:
                 opt.step()
             assert f"step {clip_at}:" in str(err.value) and "4.weight" in str(err.value)
     finally:
@@ -67,7 +76,12 @@ def test_replacing_a_gradient_after_backward_is_refused(cluster2):
 def test_clip_grad_norm_equals_local_clipped_training(cluster2, tmp_path, optimizer, max_norm):
     """opt.clip_grad_norm_ after backward with 2 workers, compression off: the weights and the returned
     norms equal torch's clip_grad_norm_ on the global batch to 1e-6."""
-    spec = {"optimizer": optimizer, "hyper": {"lr": 1.0 if optimizer == "sgd" else 0.01}, "steps": 6, "clip_call": max_norm}
+    spec = {
+        "optimizer": optimizer,
+        "hyper": {"lr": 1.0 if optimizer == "sgd" else 0.01},
+        "steps": 6,
+        "clip_call": max_norm,
+    }
     results = run_training(spec, cluster2.addresses, tmp_path)
     norms: list[float] = []
     want, _ = reference(dict(spec, world_size=2), norms=norms)
@@ -82,8 +96,13 @@ def test_clip_grad_norm_with_a_scheduler_and_grad_scaler(cluster2, tmp_path):
     """AMP: RemoteOptimizer(amp=scaler) + opt.clip_grad_norm_ (no scaler.unscale_: the nodes unscale) equals
     torch's unscale_ + clip_grad_norm_ + scaler.step, with an lr scheduler, an inf injected on one step."""
     spec = {
-        "optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 6, "clip_call": 0.05, "amp": True,
-        "inject_inf": [1, 3], "scheduler": ["StepLR", {"step_size": 2, "gamma": 0.5}],
+        "optimizer": "adamw",
+        "hyper": {"lr": 0.01},
+        "steps": 6,
+        "clip_call": 0.05,
+        "amp": True,
+        "inject_inf": [1, 3],
+        "scheduler": ["StepLR", {"step_size": 2, "gamma": 0.5}],
     }
     results = run_training(spec, cluster2.addresses, tmp_path)
     norms: list[float] = []
@@ -105,7 +124,9 @@ def test_clip_grad_norm_first_called_late_is_refused(cluster1):
             x, y = _batch(step)
             torch.nn.functional.cross_entropy(model(x), y).backward()
             if step == 1:
-                with pytest.raises(ConfigError, match=r"clip_grad_norm_ at step 1.*max_grad_norm=0.5"):
+                with pytest.raises(
+                    ConfigError, match=r"clip_grad_norm_ at step 1.*max_grad_norm=0.5"
+                ):
                     opt.clip_grad_norm_(0.5)
             opt.step()
     finally:

@@ -18,23 +18,34 @@ from benchmarks import convergence as conv
 #: lands ~0.1% away; top-k 1% without it ends tens of percent higher.
 BOUND = 0.02
 
-SHORT = conv.TaskRun(task="digits", steps=40, lr=5e-3, lr_warmup=5, eval_every=10, task_args={"hidden": 256})
+SHORT = conv.TaskRun(
+    task="digits", steps=40, lr=5e-3, lr_warmup=5, eval_every=10, task_args={"hidden": 256}
+)
 
 
 @pytest.mark.timeout(170)
 def test_short_digits_hybrid_and_int8_keep_the_uncompressed_loss():
     names = ("uncompressed", "hybrid", "int8+EF", "topk1% noEF")
-    rows = {r["variant"]: r for r in conv.run_variants(SHORT, [conv.VARIANT_BY_NAME[n] for n in names], parallel=len(names), timeout_s=150)}
+    rows = {
+        r["variant"]: r
+        for r in conv.run_variants(
+            SHORT, [conv.VARIANT_BY_NAME[n] for n in names], parallel=len(names), timeout_s=150
+        )
+    }
     base = rows["uncompressed"]
     assert base["compressed_share"] == 0.0 and base["push_ratio"] == pytest.approx(1.0)
-    assert base["final_eval_loss"] < 0.5 * base["evals"][0][1], "uncompressed training did not learn"
+    assert base["final_eval_loss"] < 0.5 * base["evals"][0][1], (
+        "uncompressed training did not learn"
+    )
     for name in ("hybrid", "int8+EF"):
         r = rows[name]
         # the 256x256 matrix (77% of the bytes) went int8 after warm-up, the rest bf16
         assert r["codec_share"].get("int8", 0.0) > 0.7, r["codec_share"]
         assert set(r["codec_share"]) <= {"int8", "bf16", "none"}, r["codec_share"]
         assert r["push_ratio"] > 2.5
-        assert abs(r["rel_diff"]) < BOUND, f"{name}: final eval loss {r['final_eval_loss']:.4f} vs {base['final_eval_loss']:.4f}"
+        assert abs(r["rel_diff"]) < BOUND, (
+            f"{name}: final eval loss {r['final_eval_loss']:.4f} vs {base['final_eval_loss']:.4f}"
+        )
     # the bound is one that broken compression misses
     assert rows["topk1% noEF"]["codec_share"].get("topk", 0.0) > 0.7
     assert rows["topk1% noEF"]["rel_diff"] > BOUND
@@ -46,9 +57,15 @@ def test_full_study_meets_the_targets():
     """The study of benchmarks/convergence.py (both tasks, all variants): the issue's targets hold."""
     failed = []
     for task, run in conv.STUDY.items():
-        for r in conv.run_variants(run, conv.variants_for(task, list(conv.VARIANT_BY_NAME)), parallel=2):
-            if r["compression"].get("enabled", True):  # the large matrices really went int8 / int4 / top-k
+        for r in conv.run_variants(
+            run, conv.variants_for(task, list(conv.VARIANT_BY_NAME)), parallel=2
+        ):
+            if r["compression"].get(
+                "enabled", True
+            ):  # the large matrices really went int8 / int4 / top-k
                 assert r["compressed_share"] > 0.8, (task, r["variant"], r["codec_share"])
             if r["ok"] is False:
-                failed.append(f"{task} / {r['variant']}: {r['rel_diff']:+.2%} (target {r['target']:.0%})")
+                failed.append(
+                    f"{task} / {r['variant']}: {r['rel_diff']:+.2%} (target {r['target']:.0%})"
+                )
     assert not failed, failed

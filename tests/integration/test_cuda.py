@@ -18,13 +18,19 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.LayerNorm(64)) for _ in range(3)]
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.LayerNorm(64))
+        for _ in range(3)
+    ]
     return torch.nn.Sequential(*blocks, torch.nn.Linear(64, 5)).cuda()
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(16, 64, generator=g), torch.randint(0, 5, (16,), generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(16, 64, generator=g), torch.randint(0, 5, (16,), generator=g))
+        for _ in range(n)
+    ]
 
 
 def _train(model: torch.nn.Module, opt, batches) -> list[float]:
@@ -40,7 +46,9 @@ def _train(model: torch.nn.Module, opt, batches) -> list[float]:
 
 def _assert_same_weights(got: dict, ref: torch.nn.Module, rtol: float, atol: float) -> None:
     for name, w in ref.state_dict().items():
-        torch.testing.assert_close(got[name].to(w.device), w, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            got[name].to(w.device), w, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.timeout(180)
@@ -50,7 +58,14 @@ def test_cuda_model_through_nodes_equals_local_adamw_on_cuda(cluster2, stream):
     ref = _model()
     want_losses = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3), data)
     model = _model()
-    opt = RemoteOptimizer(model if stream else model.parameters(), nodes=cluster2.addresses, job=cluster2.job, lr=1e-3, compression=False, stream_weights=stream)
+    opt = RemoteOptimizer(
+        model if stream else model.parameters(),
+        nodes=cluster2.addresses,
+        job=cluster2.job,
+        lr=1e-3,
+        compression=False,
+        stream_weights=stream,
+    )
     try:
         losses = _train(model, opt, data)
         got = opt.model_state_dict() if stream else model.state_dict()
@@ -73,12 +88,21 @@ def test_prefetcher_copies_pinned_batches_to_cuda_on_a_side_stream():
     assert seen == [float(i) for i in range(12)]
 
 
-def _lockstep(ref, local, model, opt, batches, *, amp: bool = False, clip: float | None = None) -> None:
+def _lockstep(
+    ref, local, model, opt, batches, *, amp: bool = False, clip: float | None = None
+) -> None:
     """Train ``ref`` with the local optimizer and ``model`` with LuWu on the same batches, each optionally
     under fp16 autocast with its own GradScaler (``amp``) and torch's global-norm clipping (``clip``)."""
-    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**10) for _ in range(2)] if amp else [None, None]
+    scalers = (
+        [torch.amp.GradScaler("cuda", init_scale=2.0**10) for _ in range(2)]
+        if amp
+        else [None, None]
+    )
     for x, y in batches:
-        for net, o, scaler, remote in ((ref, local, scalers[0], False), (model, opt, scalers[1], True)):
+        for net, o, scaler, remote in (
+            (ref, local, scalers[0], False),
+            (model, opt, scalers[1], True),
+        ):
             o.zero_grad()
             with torch.autocast("cuda", dtype=torch.float16, enabled=amp):
                 loss = torch.nn.functional.cross_entropy(net(x.cuda()), y.cuda())
@@ -103,7 +127,15 @@ def test_cuda_amp_and_clipping_equal_local_torch(cluster2):
     data = _batches(6)
     ref, model = _model(), _model()
     local = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = RemoteOptimizer(model.parameters(), nodes=cluster2.addresses, job=cluster2.job, lr=1e-3, compression=False, amp=True, max_grad_norm=0.5)
+    opt = RemoteOptimizer(
+        model.parameters(),
+        nodes=cluster2.addresses,
+        job=cluster2.job,
+        lr=1e-3,
+        compression=False,
+        amp=True,
+        max_grad_norm=0.5,
+    )
     try:
         _lockstep(ref, local, model, opt, data, amp=True, clip=0.5)
         got = model.state_dict()
@@ -120,7 +152,13 @@ def test_cuda_model_on_default_compression_trains_like_local_adamw(cluster2, str
     data = _batches(4) * 5  # seen five times: the loss falls
     ref, model = _model(), _model()
     local = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    opt = RemoteOptimizer(model if stream else model.parameters(), nodes=cluster2.addresses, job=cluster2.job, lr=3e-3, stream_weights=stream)
+    opt = RemoteOptimizer(
+        model if stream else model.parameters(),
+        nodes=cluster2.addresses,
+        job=cluster2.job,
+        lr=3e-3,
+        stream_weights=stream,
+    )
     try:
         want = _train(ref, local, data)
         got = _train(model, opt, data)
@@ -140,11 +178,15 @@ def test_cuda_bf16_model_trains_through_nodes(cluster2):
     model = _model().to(torch.bfloat16)
     shadow = [p.detach().float().clone() for p in model.parameters()]
     local = torch.optim.AdamW(shadow, lr=1e-3)
-    opt = RemoteOptimizer(model.parameters(), nodes=cluster2.addresses, job=cluster2.job, lr=1e-3, compression=False)
+    opt = RemoteOptimizer(
+        model.parameters(), nodes=cluster2.addresses, job=cluster2.job, lr=1e-3, compression=False
+    )
     try:
         for x, y in data:
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x.cuda().bfloat16()).float(), y.cuda()).backward()
+            torch.nn.functional.cross_entropy(
+                model(x.cuda().bfloat16()).float(), y.cuda()
+            ).backward()
             for p, s in zip(model.parameters(), shadow):
                 assert p.grad.dtype == torch.bfloat16 and p.grad.is_cuda
                 s.grad = p.grad.float()
@@ -165,7 +207,9 @@ def test_cuda_no_sync_accumulation_equals_local(cluster2):
     data = _batches(8)
     ref, model = _model(), _model()
     local = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = RemoteOptimizer(model.parameters(), nodes=cluster2.addresses, job=cluster2.job, lr=1e-3, compression=False)
+    opt = RemoteOptimizer(
+        model.parameters(), nodes=cluster2.addresses, job=cluster2.job, lr=1e-3, compression=False
+    )
     try:
         for i in range(0, len(data), 2):
             for net, o, remote in ((ref, local, False), (model, opt, True)):

@@ -18,9 +18,9 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+from harness import ROOT, start_workers, wait_all
 
 import luwu
-from harness import ROOT, start_workers, wait_all
 
 SCRIPT = ROOT / "workers" / "dcp_checkpoint.py"
 LR = 0.02

@@ -33,13 +33,19 @@ def _pair(cluster, **kw):
     model = tanh_mlp(depth=3)
     ref = copy.deepcopy(model)
     # one bucket per layer (16 x 16 weight + bias = 1088 B)
-    opt = luwu.RemoteOptimizer(model, nodes=cluster.addresses, lr=LR, compression=False, bucket_bytes=1088, **kw)
+    opt = luwu.RemoteOptimizer(
+        model, nodes=cluster.addresses, lr=LR, compression=False, bucket_bytes=1088, **kw
+    )
     return model, opt, ref, torch.optim.AdamW(ref.parameters(), lr=LR)
 
 
 def _is_view(opt, p: torch.Tensor) -> bool:
     """``p.grad`` is a slice of the worker's bucket buffers (one flat buffer)."""
-    return p.grad is not None and p.grad.untyped_storage().data_ptr() == opt.worker.flat_grads[p.dtype].untyped_storage().data_ptr()
+    return (
+        p.grad is not None
+        and p.grad.untyped_storage().data_ptr()
+        == opt.worker.flat_grads[p.dtype].untyped_storage().data_ptr()
+    )
 
 
 @pytest.mark.timeout(60)
@@ -52,15 +58,23 @@ def test_grads_are_bucket_views_with_torch_values_and_training_equals_local_adam
             lopt.zero_grad(set_to_none=set_to_none)
             _loss(model, step).backward()
             _loss(ref, step).backward()
-            assert all(_is_view(opt, p) for p in model.parameters()), "every .grad is its bucket's slice"
+            assert all(_is_view(opt, p) for p in model.parameters()), (
+                "every .grad is its bucket's slice"
+            )
             # step 0: the same weights, the same gradient to the bit; later the weights differ by the node's
             # fused AdamW's rounding (1e-8), so do the gradients
             grads = [p.grad.clone() for p in model.parameters()]
             for g, p, q in zip(grads, model.parameters(), ref.parameters()):
-                assert p.grad.shape == p.shape and (torch.equal(g, q.grad) if step == 0 else torch.allclose(g, q.grad, rtol=1e-4, atol=1e-8))
+                assert p.grad.shape == p.shape and (
+                    torch.equal(g, q.grad)
+                    if step == 0
+                    else torch.allclose(g, q.grad, rtol=1e-4, atol=1e-8)
+                )
             opt.step()
             lopt.step()
-            for g, p in zip(grads, model.parameters()):  # .grad after step(): the gradient as pushed
+            for g, p in zip(
+                grads, model.parameters()
+            ):  # .grad after step(): the gradient as pushed
                 assert torch.equal(p.grad, g)
         opt.synchronize()
         assert_params_close(list(model.parameters()), list(ref.parameters()))
@@ -73,12 +87,24 @@ def test_a_parameter_split_over_buckets_is_one_slice(cluster1):
     """A 64 x 64 weight over 4 KiB buckets spans five buckets (and shares the first and the last): the
     buckets are placed in one buffer so that its gradient is one contiguous slice, and training is exact."""
     torch.manual_seed(1)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(64, 16),
+    )
     ref = copy.deepcopy(model)
-    opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=LR, compression=False, bucket_bytes=4096)
-    lopt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)  # (the node's: equal to the bit, not just to rounding)
+    opt = luwu.RemoteOptimizer(
+        model, nodes=cluster1.addresses, lr=LR, compression=False, bucket_bytes=4096
+    )
+    lopt = torch.optim.AdamW(
+        ref.parameters(), lr=LR, fused=True
+    )  # (the node's: equal to the bit, not just to rounding)
     try:
-        assert max(len(opt.worker.where[i]) for i in opt.worker.where) >= 4, "the 64 x 64 weight spans buckets"
+        assert max(len(opt.worker.where[i]) for i in opt.worker.where) >= 4, (
+            "the 64 x 64 weight spans buckets"
+        )
         for step in range(3):
             for m, o in ((model, opt), (ref, lopt)):
                 o.zero_grad()
@@ -132,8 +158,13 @@ def test_an_in_place_change_of_a_pushed_gradient_is_refused_with_its_name(cluste
     model, opt, _, _ = _pair(cluster1)
     try:
         _loss(model, 0).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # torch's clipping, after the pushes left
-        with pytest.raises(ConfigError, match=r"step 0: the gradient of \['\d+\.(bias|weight)', '\d+\.(bias|weight)'.*\] changed after it was sent to the nodes.*opt\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(
+            model.parameters(), 1e-3
+        )  # torch's clipping, after the pushes left
+        with pytest.raises(
+            ConfigError,
+            match=r"step 0: the gradient of \['\d+\.(bias|weight)', '\d+\.(bias|weight)'.*\] changed after it was sent to the nodes.*opt\.clip_grad_norm_",
+        ):
             opt.step()
     finally:
         opt.close()
@@ -148,13 +179,20 @@ def test_a_change_after_step_while_the_reply_is_owed_is_refused_when_it_lands():
             opt.step()  # (the first step waits for the global round, in case clip_grad_norm_ comes: not this one)
             opt.zero_grad()
             _loss(model, 1).backward()
-            os.kill(c.procs[0].pid, signal.SIGSTOP)  # the node holds its replies: the frames count as on their way
+            os.kill(
+                c.procs[0].pid, signal.SIGSTOP
+            )  # the node holds its replies: the frames count as on their way
             try:
                 opt.step()  # per-layer waits: returns with the replies owed
-                next(model.parameters()).grad.mul_(0.5)  # module.zero_grad(set_to_none=False) or a stray in-place op
+                next(model.parameters()).grad.mul_(
+                    0.5
+                )  # module.zero_grad(set_to_none=False) or a stray in-place op
             finally:
                 os.kill(c.procs[0].pid, signal.SIGCONT)
-            with pytest.raises(ConfigError, match=r"step 1, bucket \d+: the gradient of \['0\.weight'\] changed in place while its push was on its way"):
+            with pytest.raises(
+                ConfigError,
+                match=r"step 1, bucket \d+: the gradient of \['0\.weight'\] changed in place while its push was on its way",
+            ):
                 opt.synchronize()
         finally:
             opt.close()
@@ -184,7 +222,10 @@ def test_a_second_backward_outside_no_sync_is_refused_not_dropped(cluster1):
     model, opt, _, _ = _pair(cluster1)
     try:
         _loss(model, 0).backward()
-        with pytest.raises(StepMismatchError, match=r"step 0: a second gradient of \d+\.(weight|bias) \(bucket \d+\) after its push.*no_sync"):
+        with pytest.raises(
+            StepMismatchError,
+            match=r"step 0: a second gradient of \d+\.(weight|bias) \(bucket \d+\) after its push.*no_sync",
+        ):
             _loss(model, 1).backward()
     finally:
         opt.close()
@@ -200,7 +241,9 @@ def test_a_parameter_with_two_gradients_in_one_backward_before_its_push_counts_o
     torch.manual_seed(2)
     model = torch.nn.ModuleDict({"b": torch.nn.Linear(16, 16), "a": torch.nn.Linear(16, 16)})
     ref = copy.deepcopy(model)
-    opt = luwu.RemoteOptimizer(model, nodes=cluster1.addresses, lr=LR, compression=False, bucket_bytes=1 << 16)
+    opt = luwu.RemoteOptimizer(
+        model, nodes=cluster1.addresses, lr=LR, compression=False, bucket_bytes=1 << 16
+    )
     lopt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
 
     def loss(m, step):

@@ -47,7 +47,9 @@ def test_a_steps_weights_reach_the_worker_only_at_its_step(cluster1, monkeypatch
     else:
         monkeypatch.setenv("LUWU_OPTIMIZER__HOLD_REPLIES", hold)
     m, local = model(), model()
-    opt = luwu.RemoteOptimizer(m, nodes=cluster1.addresses, lr=0.01, compression=False, bucket_bytes=4096)
+    opt = luwu.RemoteOptimizer(
+        m, nodes=cluster1.addresses, lr=0.01, compression=False, bucket_bytes=4096
+    )
     ref = torch.optim.AdamW(local.parameters(), lr=0.01)
     try:
         assert len(opt.worker.layout.buckets) >= 6
@@ -75,7 +77,12 @@ def test_held_replies_go_at_the_release_first_layers_first_and_a_closed_connecti
     from luwu.switch_nodes.held_replies import HeldReplies
 
     sent, alive = [], {0: True, 1: True}
-    held = HeldReplies(lambda w, frames, track, priority: sent.append((w, frames[0])), sync=True, limit=8, alive=lambda w: alive[w])
+    held = HeldReplies(
+        lambda w, frames, track, priority: sent.append((w, frames[0])),
+        sync=True,
+        limit=8,
+        alive=lambda w: alive[w],
+    )
     assert held.hold(0, 0, 1, [b"b1"], None) is None  # before the worker's first word: at once
     held.release(0, -1)  # connected: holds from step 0 on
     trackers = [held.hold(0, 0, b, [b"b%d" % b], None) for b in (1, 3, 2)]

@@ -29,7 +29,7 @@ import pytest
 import torch
 import zmq
 import zmq.utils.monitor
-from harness import assert_params_close, member_socket, run_training, proc_status
+from harness import assert_params_close, member_socket, proc_status, run_training
 from raw_zmtp import PING, MiB, RawPeer, frame
 from workers.train import DEFAULTS, make_model, reference
 
@@ -44,8 +44,17 @@ from luwu.switch_nodes.zmtp_frames import frame_head
 
 JOB = "luwu"
 WORLD = 2
-SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 60, "batch": 8, "bucket_bytes": 1024, "timeout_s": 60.0}
-CHECKPOINT_EVERY = 10  # nodes checkpoint as in production, so ROLLBACK and CHECKPOINT have something to act on
+SPEC = {
+    "optimizer": "adamw",
+    "hyper": {"lr": 0.01},
+    "steps": 60,
+    "batch": 8,
+    "bucket_bytes": 1024,
+    "timeout_s": 60.0,
+}
+CHECKPOINT_EVERY = (
+    10  # nodes checkpoint as in production, so ROLLBACK and CHECKPOINT have something to act on
+)
 NODE_ARGS = ["--node.max_message_bytes", str(4 * MiB), "--node.peers_total_bytes", str(8 * MiB)]
 """The fuzzed nodes' limits: a node-wide total small enough that the side attacks' holders pass it."""
 
@@ -104,11 +113,43 @@ def templates(layout, node: int, optimizer: str = "adamw") -> dict[Op, tuple[dic
     zeros = bytes(4 * b.numel)
     common = {"job": JOB, "step": 0, "worker": 0}
     t = {
-        Op.HELLO: ({"world_size": WORLD, "layout": layout.hash, "node_index": node, "buckets": [x.to_wire() for x in mine], "optimizer": optimizer, "mode": "sync", "param_names": {s.param: s.name for x in mine for s in x.segments}}, []),
-        Op.WELCOME: ({"layout": layout.hash, "versions": {x.id: 0 for x in mine}, "initialized": [x.id for x in mine]}, []),
+        Op.HELLO: (
+            {
+                "world_size": WORLD,
+                "layout": layout.hash,
+                "node_index": node,
+                "buckets": [x.to_wire() for x in mine],
+                "optimizer": optimizer,
+                "mode": "sync",
+                "param_names": {s.param: s.name for x in mine for s in x.segments},
+            },
+            [],
+        ),
+        Op.WELCOME: (
+            {
+                "layout": layout.hash,
+                "versions": {x.id: 0 for x in mine},
+                "initialized": [x.id for x in mine],
+            },
+            [],
+        ),
         Op.INIT: ({"bucket": b.id, "codec": "none", "cmeta": {}}, [zeros]),
-        Op.PUSH: ({"bucket": b.id, "codec": "none", "cmeta": {}, "hyper": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}, "nograd": [], "two_phase": False, "pull": "none"}, [zeros]),
-        Op.UPDATE: ({"bucket": b.id, "codec": "none", "cmeta": {}, "skipped": False, "seq": 0}, [zeros]),
+        Op.PUSH: (
+            {
+                "bucket": b.id,
+                "codec": "none",
+                "cmeta": {},
+                "hyper": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+                "nograd": [],
+                "two_phase": False,
+                "pull": "none",
+            },
+            [zeros],
+        ),
+        Op.UPDATE: (
+            {"bucket": b.id, "codec": "none", "cmeta": {}, "skipped": False, "seq": 0},
+            [zeros],
+        ),
         Op.PULL: ({"bucket": b.id, "codec": "none"}, []),
         Op.STATE: ({"bucket": b.id, "action": "get", "names": []}, []),
         Op.CHECKPOINT: ({}, []),
@@ -118,7 +159,10 @@ def templates(layout, node: int, optimizer: str = "adamw") -> dict[Op, tuple[dic
         Op.NORM: ({"bucket": b.id, "sqnorm": 1.0, "nonfinite": False}, []),
         Op.COMMIT: ({"coef": 1.0, "skip": False, "buckets": [x.id for x in mine]}, []),
         Op.ROLLBACK: ({}, []),
-        Op.EXPORT: ({"path": "fuzz-export"}, [msgpack.packb({s.param: [s.numel] for x in mine for s in x.segments})]),
+        Op.EXPORT: (
+            {"path": "fuzz-export"},
+            [msgpack.packb({s.param: [s.numel] for x in mine for s in x.segments})],
+        ),
         Op.BYE: ({}, []),
         Op.IMPORT: ({"path": "fuzz-import"}, []),
     }
@@ -126,14 +170,32 @@ def templates(layout, node: int, optimizer: str = "adamw") -> dict[Op, tuple[dic
 
 
 def pack(header: dict, payload: list[bytes], nbytes=None) -> list[bytes]:
-    h = {"v": wire.VERSION, **header, "nbytes": [len(p) for p in payload] if nbytes is None else nbytes}
+    h = {
+        "v": wire.VERSION,
+        **header,
+        "nbytes": [len(p) for p in payload] if nbytes is None else nbytes,
+    }
     return [msgpack.packb(h, use_bin_type=True), *payload]
 
 
 # -- the fuzzer ---------------------------------------------------------------------------------------
 
 BIG = [-(2**63), -(2**31) - 1, -1, 2**31, 2**32 + 1, 2**53 + 1, 2**63 - 1, 2**64 - 1]
-CODEC_NAMES = [*codec_names(), "int8_delta", "int8:0", "int8:3", "int8:99999999", "int4:7", "topk:0", "topk:2.5", "topk:abc", "zstd", "", "none:1", "x" * 300]
+CODEC_NAMES = [
+    *codec_names(),
+    "int8_delta",
+    "int8:0",
+    "int8:3",
+    "int8:99999999",
+    "int4:7",
+    "topk:0",
+    "topk:2.5",
+    "topk:abc",
+    "zstd",
+    "",
+    "none:1",
+    "x" * 300,
+]
 
 
 class Fuzzer:
@@ -151,9 +213,28 @@ class Fuzzer:
     a rank inside the world is sent (to study everything else while such a HELLO still hijacks ranks).
     """
 
-    CATEGORIES = {"garbage": 2, "msgpack": 2, "mutate": 6, "bytes": 3, "push": 4, "hello": 2, "takeover": 1, "rollback": 0.5, "big": 0.05, "nested": 0.5}
+    CATEGORIES = {
+        "garbage": 2,
+        "msgpack": 2,
+        "mutate": 6,
+        "bytes": 3,
+        "push": 4,
+        "hello": 2,
+        "takeover": 1,
+        "rollback": 0.5,
+        "big": 0.05,
+        "nested": 0.5,
+    }
 
-    def __init__(self, layout, node: int, seed: int, *, allow_rank_hello: bool = True, categories: dict | None = None):
+    def __init__(
+        self,
+        layout,
+        node: int,
+        seed: int,
+        *,
+        allow_rank_hello: bool = True,
+        categories: dict | None = None,
+    ):
         self.rng = random.Random(seed)
         self.layout, self.node = layout, node
         self.t = templates(layout, node)
@@ -171,7 +252,9 @@ class Fuzzer:
         if k == 1:
             return r.randint(-5, 300)
         if k == 2:
-            return r.choice([math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324, r.uniform(-1e6, 1e6)])
+            return r.choice(
+                [math.nan, math.inf, -math.inf, -0.0, 1e308, 5e-324, r.uniform(-1e6, 1e6)]
+            )
         if k == 3:
             return r.choice([True, False, None])
         if k == 4:
@@ -187,7 +270,10 @@ class Fuzzer:
         if k == 9:
             return [self.value(depth + 1) for _ in range(r.randrange(5))]
         if k == 10:
-            return {r.choice(["a", "lr", "scale", "block", "k", 0, -1]): self.value(depth + 1) for _ in range(r.randrange(4))}
+            return {
+                r.choice(["a", "lr", "scale", "block", "k", 0, -1]): self.value(depth + 1)
+                for _ in range(r.randrange(4))
+            }
         return [[self.value(depth + 2)]] * r.randrange(1, 4)
 
     def template(self, op: Op | None = None) -> tuple[dict, list[bytes]]:
@@ -220,7 +306,10 @@ class Fuzzer:
         return [r.randbytes(r.randrange(0, 200)) for _ in range(r.randrange(1, 4))]
 
     def _msgpack(self):
-        return [msgpack.packb(self.value(), use_bin_type=True), *(self.rng.randbytes(8) for _ in range(self.rng.randrange(3)))]
+        return [
+            msgpack.packb(self.value(), use_bin_type=True),
+            *(self.rng.randbytes(8) for _ in range(self.rng.randrange(3))),
+        ]
 
     def _mutate(self):
         r = self.rng
@@ -234,13 +323,31 @@ class Fuzzer:
             elif k == 1:
                 h[r.choice(list(h))] = self.value()
             elif k == 2:
-                h[r.choice(["seq", "detail", "ahead", "delta", "param_names", "zz", "nbytes", "bucket", "codec"])] = self.value()
+                h[
+                    r.choice(
+                        [
+                            "seq",
+                            "detail",
+                            "ahead",
+                            "delta",
+                            "param_names",
+                            "zz",
+                            "nbytes",
+                            "bucket",
+                            "codec",
+                        ]
+                    )
+                ] = self.value()
             elif k == 3:
-                nbytes = [r.choice([*BIG, 0, 16, len(p[0]) if p else 0]) for _ in range(r.randrange(3))]
+                nbytes = [
+                    r.choice([*BIG, 0, 16, len(p[0]) if p else 0]) for _ in range(r.randrange(3))
+                ]
             elif k == 4:
                 p = [r.randbytes(r.randrange(64)) for _ in range(r.randrange(3))]
             else:
-                h[r.choice(["step", "bucket", "world_size", "node_index", "ref_op"])] = r.choice(BIG)
+                h[r.choice(["step", "bucket", "world_size", "node_index", "ref_op"])] = r.choice(
+                    BIG
+                )
         return pack(h, p, nbytes)
 
     def _bytes(self):
@@ -265,14 +372,34 @@ class Fuzzer:
         for _ in range(r.randrange(1, 4)):
             k = r.randrange(9)
             if k == 0:  # payload of the wrong size, or sizes that lie
-                p = [bytes(max(0, r.choice([0, 1, 4, len(p[0]) - 4 if p else 3, (len(p[0]) if p else 0) + 4])))]
+                p = [
+                    bytes(
+                        max(
+                            0,
+                            r.choice(
+                                [0, 1, 4, len(p[0]) - 4 if p else 3, (len(p[0]) if p else 0) + 4]
+                            ),
+                        )
+                    )
+                ]
             elif k == 1:
                 nbytes = [r.choice([*BIG, 0, 4])]
             elif k == 2:  # another codec, its meta and frames not matching
                 h["codec"] = r.choice(CODEC_NAMES)
-                h["cmeta"] = r.choice([{}, {"scale": r.choice([0.0, -1.0, math.nan, math.inf, 1e-300, 2.0**-130])}, {"block": r.choice([0, -1, 3, 2**31])}, {"k": r.choice([-1, 0, 2**40])}, {"k": 1, "values": "fp64"}, {"x": 1}])
+                h["cmeta"] = r.choice(
+                    [
+                        {},
+                        {"scale": r.choice([0.0, -1.0, math.nan, math.inf, 1e-300, 2.0**-130])},
+                        {"block": r.choice([0, -1, 3, 2**31])},
+                        {"k": r.choice([-1, 0, 2**40])},
+                        {"k": 1, "values": "fp64"},
+                        {"x": 1},
+                    ]
+                )
                 if r.random() < 0.5:
-                    enc = get_codec(r.choice(["bf16", "int8", "int4", "topk"])).encode(torch.randn(r.randrange(1, 300)))
+                    enc = get_codec(r.choice(["bf16", "int8", "int4", "topk"])).encode(
+                        torch.randn(r.randrange(1, 300))
+                    )
                     p = [bytes(wire.tensor_frame(f)) for f in enc.frames]
             elif k == 3:
                 h["bucket"] = r.choice([*other, -1, 10**6, *BIG])
@@ -281,7 +408,18 @@ class Fuzzer:
             elif k == 5:
                 h["nograd"] = r.choice([[0], [-1], [10**9], ["a"], [0] * 1000, [[0]]])
             elif k == 6:
-                h["hyper"] = r.choice([{"lr": math.nan}, {"lr": -1.0}, {"lr": "x"}, {"betas": [2.0, 0.1]}, {"eps": -1.0}, {"amsgrad": True}, {"zz": 1}, {"lr": 1e308}])
+                h["hyper"] = r.choice(
+                    [
+                        {"lr": math.nan},
+                        {"lr": -1.0},
+                        {"lr": "x"},
+                        {"betas": [2.0, 0.1]},
+                        {"eps": -1.0},
+                        {"amsgrad": True},
+                        {"zz": 1},
+                        {"lr": 1e308},
+                    ]
+                )
             elif k == 7:
                 h["two_phase"], h["pull"] = r.choice([True, False]), r.choice(CODEC_NAMES)
             else:
@@ -327,12 +465,16 @@ class Fuzzer:
             h["layout"] = ""
             h["buckets"] = []
         else:
-            h["param_names"] = r.choice([{"x": "y"}, {2**63 - 1: "z"}, {"1" * 5000: 1}, {0: [1, 2]}])
+            h["param_names"] = r.choice(
+                [{"x": "y"}, {2**63 - 1: "z"}, {"1" * 5000: 1}, {0: [1, 2]}]
+            )
         return pack(h, p)
 
     def _takeover(self):
         r = self.rng
-        op = r.choice([Op.HELLO, Op.HELLO, Op.PUSH, Op.PULL, Op.STATE, Op.COMMIT, Op.INIT, Op.HEARTBEAT])
+        op = r.choice(
+            [Op.HELLO, Op.HELLO, Op.PUSH, Op.PULL, Op.STATE, Op.COMMIT, Op.INIT, Op.HEARTBEAT]
+        )
         h, p = self.template(op)
         h["worker"] = r.choice([0, 1])
         h["step"] = r.choice([0, 0, 1, 5])
@@ -357,8 +499,14 @@ class Fuzzer:
         kind = r.randrange(4)
         if kind == 3:  # the header itself inside lists
             return [b"\x91" * depth + head, *p]
-        value = (b"\x91" * depth + b"\xc0", b"\x81\xa1k" * depth + b"\xc0", b"\x91\x82\xa2id\x00\xa6numels" + b"\x91" * depth + b"\x00")[kind]
-        key = r.choice(["detail", "param_names", "buckets", "cmeta", "hyper", "step", "names", "zz"])
+        value = (
+            b"\x91" * depth + b"\xc0",
+            b"\x81\xa1k" * depth + b"\xc0",
+            b"\x91\x82\xa2id\x00\xa6numels" + b"\x91" * depth + b"\x00",
+        )[kind]
+        key = r.choice(
+            ["detail", "param_names", "buckets", "cmeta", "hyper", "step", "names", "zz"]
+        )
         return [with_field(head, key, value), *p]
 
     def _rollback(self):
@@ -396,12 +544,23 @@ class SideAttacks:
     HOLD_S = 3.0
     """With a pause past 1 s: how long a round's holders stay before they are let go."""
 
-    def __init__(self, addrs: list[str], holders: int = 100, rounds: int = 2, pause_s: float = 1.0) -> None:
+    def __init__(
+        self, addrs: list[str], holders: int = 100, rounds: int = 2, pause_s: float = 1.0
+    ) -> None:
         self.addrs, self.holders, self.rounds, self.pause_s = addrs, holders, rounds, pause_s
         self.stats: Counter = Counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="side-attacks", daemon=True)
-        head = msgpack.packb({"v": wire.VERSION, "op": int(Op.STATS), "job": JOB, "step": 0, "worker": 0, "nbytes": [240 * 1024]})
+        head = msgpack.packb(
+            {
+                "v": wire.VERSION,
+                "op": int(Op.STATS),
+                "job": JOB,
+                "step": 0,
+                "worker": 0,
+                "nbytes": [240 * 1024],
+            }
+        )
         self._unfinished = frame(head, True) + frame_head(240 * 1024, True) + bytes(240 * 1024)
 
     def __enter__(self) -> SideAttacks:
@@ -421,10 +580,14 @@ class SideAttacks:
                     self._pings(addr)
                     held[addr] = self._hold(addr, held[addr])
                 self.stats["rounds"] += 1
-                if self.pause_s > 1.0:  # the holders held HOLD_S (the nodes cut some), then a pause without them
+                if (
+                    self.pause_s > 1.0
+                ):  # the holders held HOLD_S (the nodes cut some), then a pause without them
                     self._stop.wait(self.HOLD_S)
                     held = {a: self._release(peers) for a, peers in held.items()}
-                self._stop.wait(max(0.0, self.pause_s - self.HOLD_S) if self.pause_s > 1.0 else self.pause_s)
+                self._stop.wait(
+                    max(0.0, self.pause_s - self.HOLD_S) if self.pause_s > 1.0 else self.pause_s
+                )
         finally:
             for peers in held.values():
                 self._cut(peers)
@@ -438,7 +601,9 @@ class SideAttacks:
             try:
                 RawPeer(addr, timeout_s=5, secret=secret).close()
                 self.stats["strangers_admitted"] += 1
-            except OSError:  # ConnectionError (closed) or a timeout: no READY, the handshake is where it ended
+            except (
+                OSError
+            ):  # ConnectionError (closed) or a timeout: no READY, the handshake is where it ended
                 self.stats["strangers_refused"] += 1
 
     def _pings(self, addr: str) -> None:
@@ -447,7 +612,9 @@ class SideAttacks:
         except OSError:
             self.stats["connect_errors"] += 1
             return
-        threading.Thread(target=p.try_send, args=(PING * (4 * MiB // len(PING)),), daemon=True).start()
+        threading.Thread(
+            target=p.try_send, args=(PING * (4 * MiB // len(PING)),), daemon=True
+        ).start()
         self.stats["ping_peers"] += 1
         self.stats["ping_peers_cut" if p.cut_by_node(15) else "ping_peers_kept"] += 1
         p.close()
@@ -621,7 +788,14 @@ def fuzz(
             if op != want:
                 rep.num_violations += 1
                 if len(rep.violations) < 10:
-                    rep.violations.append((cat, shown(frames), op.name, text[:200] if want else "answered instead of disconnected"))
+                    rep.violations.append(
+                        (
+                            cat,
+                            shown(frames),
+                            op.name,
+                            text[:200] if want else "answered instead of disconnected",
+                        )
+                    )
 
     def disconnected(s: zmq.Socket) -> None:
         """The node closed ``s``'s connection: owed once every message before the doomed one is answered."""
@@ -632,7 +806,14 @@ def fuzz(
         else:
             rep.num_violations += 1
             if len(rep.violations) < 10:
-                rep.violations.append(("disconnect", shown(pending[s][0][1]) if pending[s] else "-", f"disconnected with {len(pending[s])} unanswered", ""))
+                rep.violations.append(
+                    (
+                        "disconnect",
+                        shown(pending[s][0][1]) if pending[s] else "-",
+                        f"disconnected with {len(pending[s])} unanswered",
+                        "",
+                    )
+                )
         node = owner[s]
         drop_socket(s)
         open_socket(node)
@@ -643,12 +824,22 @@ def fuzz(
     try:
         while rep.sent < num_messages or any(pending.values()):
             for s in list(owner):
-                if reconnect_every and sent_on[s] >= reconnect_every and not pending[s] and rep.sent < num_messages:
+                if (
+                    reconnect_every
+                    and sent_on[s] >= reconnect_every
+                    and not pending[s]
+                    and rep.sent < num_messages
+                ):
                     node = owner[s]
                     drop_socket(s)
                     open_socket(node)
                     continue
-                while s not in doomed and len(pending[s]) < window and rep.sent < num_messages and not (reconnect_every and sent_on[s] >= reconnect_every):
+                while (
+                    s not in doomed
+                    and len(pending[s]) < window
+                    and rep.sent < num_messages
+                    and not (reconnect_every and sent_on[s] >= reconnect_every)
+                ):
                     if not pending[s]:
                         waiting_since[s] = time.monotonic()
                     cat, frames = fuzzers[owner[s]].message()
@@ -728,7 +919,13 @@ def fuzz_during_training(
     NODE_ARGS."""
     spec = dict(SPEC if spec is None else spec)
     layout = job_layout(spec, 2)
-    ckpt = ["--node.checkpoint_dir", str(tmp_path / "ckpt"), "--node.checkpoint_every", str(CHECKPOINT_EVERY), *NODE_ARGS]
+    ckpt = [
+        "--node.checkpoint_dir",
+        str(tmp_path / "ckpt"),
+        "--node.checkpoint_every",
+        str(CHECKPOINT_EVERY),
+        *NODE_ARGS,
+    ]
     with luwu.local_cluster(2, node_args=ckpt) as cluster:
         pids = [p.pid for p in cluster.procs]
         out: dict = {}
@@ -736,7 +933,9 @@ def fuzz_during_training(
         def train():
             t0 = time.monotonic()
             try:
-                out["results"] = run_training(spec, cluster.addresses, tmp_path, world_size=WORLD, timeout_s=1800)
+                out["results"] = run_training(
+                    spec, cluster.addresses, tmp_path, world_size=WORLD, timeout_s=1800
+                )
             except BaseException as exc:  # reported by the caller
                 out["error"] = f"{type(exc).__name__}: {exc}"
             out["seconds"] = time.monotonic() - t0
@@ -744,40 +943,90 @@ def fuzz_during_training(
         th = threading.Thread(target=train, name="legit-training", daemon=True)
         th.start()
         wait_for_workers(cluster.addresses, WORLD, 120, alive=th.is_alive)
-        fuzzers = [Fuzzer(layout, i, seed * 1000 + i, allow_rank_hello=allow_rank_hello, categories=categories) for i in range(2)]
+        fuzzers = [
+            Fuzzer(
+                layout, i, seed * 1000 + i, allow_rank_hello=allow_rank_hello, categories=categories
+            )
+            for i in range(2)
+        ]
 
         def progress(r: FuzzReport) -> None:
             if rss_curve is not None:
-                rss_curve.append((r.sent, round(r.seconds, 1), [proc_status(pid)["VmRSS"] if p.poll() is None else 0 for pid, p in zip(pids, cluster.procs)]))
+                rss_curve.append(
+                    (
+                        r.sent,
+                        round(r.seconds, 1),
+                        [
+                            proc_status(pid)["VmRSS"] if p.poll() is None else 0
+                            for pid, p in zip(pids, cluster.procs)
+                        ],
+                    )
+                )
             if on_progress is not None:
                 on_progress(r)
 
-        kw = {"training_alive": th.is_alive, "on_progress": progress, "reconnect_every": reconnect_every, "progress_every": progress_every}
+        kw = {
+            "training_alive": th.is_alive,
+            "on_progress": progress,
+            "reconnect_every": reconnect_every,
+            "progress_every": progress_every,
+        }
         rep = fuzz(cluster.addresses, fuzzers, min(warmup_messages, num_messages), **kw)
         rss_warm = [proc_status(pid)["VmRSS"] for pid in pids]
-        side = SideAttacks(cluster.addresses, pause_s=side_pause_s) if side_attacks else contextlib.nullcontext()
+        side = (
+            SideAttacks(cluster.addresses, pause_s=side_pause_s)
+            if side_attacks
+            else contextlib.nullcontext()
+        )
         with side:
             rep = fuzz(cluster.addresses, fuzzers, num_messages, rep=rep, **kw)
         th.join(600)
         alive = [p.poll() is None for p in cluster.procs]
-        status = [proc_status(pid) if a else {"VmRSS": 0, "VmHWM": 0} for pid, a in zip(pids, alive)]
+        status = [
+            proc_status(pid) if a else {"VmRSS": 0, "VmHWM": 0} for pid, a in zip(pids, alive)
+        ]
         stats_after = [stats(a) if ok else {} for a, ok in zip(cluster.addresses, alive)]
     equal = diff = None
     if "results" in out:
         if against_luwu:
             with luwu.local_cluster(2) as quiet:
-                want = run_training(spec, quiet.addresses, tmp_path, world_size=WORLD, timeout_s=1800)[0]["params"]
+                want = run_training(
+                    spec, quiet.addresses, tmp_path, world_size=WORLD, timeout_s=1800
+                )[0]["params"]
         else:
             want, _ = reference(dict(spec, world_size=WORLD))
-        diff = max(float((g - w).abs().max()) for r in out["results"] for g, w in zip(r["params"], want))
+        diff = max(
+            float((g - w).abs().max()) for r in out["results"] for g, w in zip(r["params"], want)
+        )
         try:
             for r in out["results"]:
-                assert_params_close(r["params"], want, **({"rtol": 0, "atol": 0} if against_luwu else reference_tolerance(spec["steps"])))
+                assert_params_close(
+                    r["params"],
+                    want,
+                    **(
+                        {"rtol": 0, "atol": 0}
+                        if against_luwu
+                        else reference_tolerance(spec["steps"])
+                    ),
+                )
             equal = True
         except AssertionError:
             equal = False
     side_stats = dict(side.stats) if side_attacks else {}
-    return StudyResult(spec, rep, rss_warm, [s["VmRSS"] for s in status], [s["VmHWM"] for s in status], alive, stats_after, out.get("error"), equal, diff, out.get("seconds", 0.0), side_stats)
+    return StudyResult(
+        spec,
+        rep,
+        rss_warm,
+        [s["VmRSS"] for s in status],
+        [s["VmHWM"] for s in status],
+        alive,
+        stats_after,
+        out.get("error"),
+        equal,
+        diff,
+        out.get("seconds", 0.0),
+        side_stats,
+    )
 
 
 def reference_tolerance(steps: int) -> dict:
@@ -798,22 +1047,38 @@ def assert_study(res: StudyResult, num_messages: int) -> None:
     consequence on the training)."""
     rep = res.report
     assert res.alive == [True, True], f"a node died: alive {res.alive}"
-    assert rep.num_violations == 0, f"{rep.num_violations} replies broke the contract, e.g. {rep.violations}"
-    assert not rep.internal_errors, f"input got past validation and raised inside the node: {dict(rep.internal_errors)}, e.g. {rep.internal_examples}"
+    assert rep.num_violations == 0, (
+        f"{rep.num_violations} replies broke the contract, e.g. {rep.violations}"
+    )
+    assert not rep.internal_errors, (
+        f"input got past validation and raised inside the node: {dict(rep.internal_errors)}, e.g. {rep.internal_examples}"
+    )
     assert rep.sent == num_messages
-    assert rep.missing == 0, f"{rep.missing} of {rep.sent} messages got no reply within the deadline"
-    assert rep.unsolicited == 0, f"the nodes sent {rep.unsolicited} messages nobody asked for to fuzzer sockets"
+    assert rep.missing == 0, (
+        f"{rep.missing} of {rep.sent} messages got no reply within the deadline"
+    )
+    assert rep.unsolicited == 0, (
+        f"the nodes sent {rep.unsolicited} messages nobody asked for to fuzzer sockets"
+    )
     assert rep.replies_by_op.get("ERROR", 0) >= 0.8 * rep.sent, rep.replies_by_op
     assert rep.sent_during_training > 0, "the fuzzing did not overlap the training"
     assert res.training_error is None, res.training_error
-    assert res.training_equal, f"training differs from the undisturbed reference by up to {res.max_abs_diff}"
-    assert all(s["step"] == res.spec["steps"] for s in res.stats_after), res.stats_after  # (the workers said BYE)
+    assert res.training_equal, (
+        f"training differs from the undisturbed reference by up to {res.max_abs_diff}"
+    )
+    assert all(s["step"] == res.spec["steps"] for s in res.stats_after), (
+        res.stats_after
+    )  # (the workers said BYE)
     for i, (w, e, h) in enumerate(zip(res.rss_warm, res.rss_end, res.hwm_end)):
-        assert e < rss_bound(w) and h < rss_bound(w), f"node {i}: RSS {w >> 20} MiB after warm-up, {e >> 20} MiB at the end, peak {h >> 20} MiB"
+        assert e < rss_bound(w) and h < rss_bound(w), (
+            f"node {i}: RSS {w >> 20} MiB after warm-up, {e >> 20} MiB at the end, peak {h >> 20} MiB"
+        )
     if res.side:  # every peer that PINGs without reading was cut; holders past node.peers_total_bytes were cut
         assert res.side["ping_peers"] > 0 and res.side.get("ping_peers_kept", 0) == 0, res.side
         assert res.side.get("holders_cut", 0) > 0 and not res.side.get("connect_errors"), res.side
-        assert res.side["strangers_refused"] > 0 and not res.side.get("strangers_admitted"), res.side
+        assert res.side["strangers_refused"] > 0 and not res.side.get("strangers_admitted"), (
+            res.side
+        )
 
 
 # -- tests ----------------------------------------------------------------------------------------------
@@ -826,10 +1091,14 @@ def test_fuzzing_live_nodes_during_training_changes_nothing(tmp_path):
     training equal to the undisturbed reference, node RSS bounded all along."""
     n = int(os.environ.get("LUWU_FUZZ_MESSAGES", "8000"))
     curve: list = []
-    res = fuzz_during_training(tmp_path, n, reconnect_every=20, rss_curve=curve, progress_every=1000)
+    res = fuzz_during_training(
+        tmp_path, n, reconnect_every=20, rss_curve=curve, progress_every=1000
+    )
     assert_study(res, n)
     assert res.report.connections >= n // 20, res.report.connections
-    assert len(curve) == n // 1000 and all(r < rss_bound(w) for _, _, rss in curve for r, w in zip(rss, res.rss_warm)), curve
+    assert len(curve) == n // 1000 and all(
+        r < rss_bound(w) for _, _, rss in curve for r, w in zip(rss, res.rss_warm)
+    ), curve
 
 
 @pytest.mark.slow
@@ -864,7 +1133,15 @@ def train_step(model, opt, seed: int) -> None:
 def own_hello(opt, **change) -> dict:
     """The HELLO the live worker sent, as a stranger would replay it."""
     lay = opt.layout
-    h = {"op": Op.HELLO, "world_size": 1, "layout": lay.hash, "node_index": 0, "buckets": [b.to_wire() for b in lay.buckets_of(0)], "optimizer": opt.kind.name, "mode": "sync"}
+    h = {
+        "op": Op.HELLO,
+        "world_size": 1,
+        "layout": lay.hash,
+        "node_index": 0,
+        "buckets": [b.to_wire() for b in lay.buckets_of(0)],
+        "optimizer": opt.kind.name,
+        "mode": "sync",
+    }
     return h | change
 
 
@@ -875,7 +1152,13 @@ def test_templates_are_what_workers_send():
     spec = DEFAULTS | SPEC
     model = make_model(spec)
     with luwu.local_cluster(2) as cluster:
-        opt = luwu.RemoteOptimizer(model, nodes=cluster.addresses, bucket_bytes=spec["bucket_bytes"], lr=0.01, timeout_s=10.0)
+        opt = luwu.RemoteOptimizer(
+            model,
+            nodes=cluster.addresses,
+            bucket_bytes=spec["bucket_bytes"],
+            lr=0.01,
+            timeout_s=10.0,
+        )
         try:
             assert opt.layout.hash == job_layout(SPEC, 2).hash
             for node in range(2):
@@ -922,7 +1205,9 @@ def test_a_heartbeat_claiming_a_live_rank_from_a_stranger_is_refused(live_worker
     train_step(model, opt, 0)
     for w in (0, 5, 2**63 - 1):
         reply = ask(cluster.addresses[0], {"op": Op.HEARTBEAT, "worker": w})
-        assert reply.header["op"] == Op.ERROR, f"HEARTBEAT for worker {w} from a stranger: {reply.header}"
+        assert reply.header["op"] == Op.ERROR, (
+            f"HEARTBEAT for worker {w} from a stranger: {reply.header}"
+        )
 
 
 @pytest.mark.timeout(90)
@@ -948,8 +1233,12 @@ def test_a_stranger_cannot_roll_back_a_live_node(tmp_path):
         try:
             for i in range(3):
                 train_step(model, opt, i)
-            reply = ask(cluster.addresses[0], {"op": Op.ROLLBACK, "step": 1, "detail": {"boot": "stranger"}})
-            assert reply.header["op"] == Op.ERROR, f"a stranger rolled the node back: {reply.header}"
+            reply = ask(
+                cluster.addresses[0], {"op": Op.ROLLBACK, "step": 1, "detail": {"boot": "stranger"}}
+            )
+            assert reply.header["op"] == Op.ERROR, (
+                f"a stranger rolled the node back: {reply.header}"
+            )
             assert stats(cluster.addresses[0])["step"] == 3
             train_step(model, opt, 3)
             assert stats(cluster.addresses[0])["step"] == 4
@@ -958,7 +1247,9 @@ def test_a_stranger_cannot_roll_back_a_live_node(tmp_path):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("op", [Op.PUSH, Op.PULL, Op.INIT, Op.STATE, Op.COMMIT], ids=lambda op: op.name)
+@pytest.mark.parametrize(
+    "op", [Op.PUSH, Op.PULL, Op.INIT, Op.STATE, Op.COMMIT], ids=lambda op: op.name
+)
 def test_ops_claiming_a_live_rank_from_a_stranger_are_refused(live_worker, op):
     cluster, model, opt = live_worker
     train_step(model, opt, 0)
@@ -972,7 +1263,9 @@ def test_ops_claiming_a_live_rank_from_a_stranger_are_refused(live_worker, op):
         reply = wire.decode(s.recv_multipart(), job=JOB)
     finally:
         s.close(0)
-    assert reply.header["op"] == Op.ERROR and "did not say HELLO" in reply.header["message"], reply.header
+    assert reply.header["op"] == Op.ERROR and "did not say HELLO" in reply.header["message"], (
+        reply.header
+    )
     train_step(model, opt, 1)
     assert stats(cluster.addresses[0])["step"] == 2
 
@@ -998,13 +1291,23 @@ def test_a_bad_topk_push_is_refused_to_its_sender_on_receipt(cluster1):
         socks[0].send_multipart(pack(h, p))
         push, _ = t[Op.PUSH]
         k = 4
-        vals, bad, good = torch.ones(k).numpy().tobytes(), torch.tensor([0, 1, 2, b.numel + 7], dtype=torch.int32).numpy().tobytes(), torch.arange(k, dtype=torch.int32).numpy().tobytes()
+        vals, bad, good = (
+            torch.ones(k).numpy().tobytes(),
+            torch.tensor([0, 1, 2, b.numel + 7], dtype=torch.int32).numpy().tobytes(),
+            torch.arange(k, dtype=torch.int32).numpy().tobytes(),
+        )
         topk = {**push, "codec": "topk", "cmeta": {"k": k, "values": "fp32"}}
         socks[0].send_multipart(pack({**topk, "worker": 0}, [vals, bad]))
         err = wire.decode(socks[0].recv_multipart(), job=JOB).header
-        assert err["op"] == Op.ERROR and "index out of range" in err["message"] and err["ref_op"] == Op.PUSH, err
+        assert (
+            err["op"] == Op.ERROR
+            and "index out of range" in err["message"]
+            and err["ref_op"] == Op.PUSH
+        ), err
         socks[1].send_multipart(pack({**topk, "worker": 1}, [vals, good]))
-        socks[0].send_multipart(pack({**topk, "worker": 0}, [vals, good]))  # its retry, valid this time
+        socks[0].send_multipart(
+            pack({**topk, "worker": 0}, [vals, good])
+        )  # its retry, valid this time
         for s in socks:  # both pushes counted: the step is applied and answered to both ranks
             reply = wire.decode(s.recv_multipart(), job=JOB).header
             assert reply["op"] == Op.UPDATE and reply["seq"] == 0, reply
@@ -1022,8 +1325,19 @@ def test_a_worker_that_never_reads_its_replies_is_named_and_does_not_hold_the_no
 
     stuck_s = 15.0
 
-    model = torch.nn.Linear(1024, 1024)  # 4 MB replies: the stuck peer's buffers fill in a step or two
-    opt = luwu.RemoteOptimizer(model.parameters(), nodes=cluster1.addresses, job=JOB, lr=0.01, compression=False, rank=0, world_size=2, timeout_s=40)
+    model = torch.nn.Linear(
+        1024, 1024
+    )  # 4 MB replies: the stuck peer's buffers fill in a step or two
+    opt = luwu.RemoteOptimizer(
+        model.parameters(),
+        nodes=cluster1.addresses,
+        job=JOB,
+        lr=0.01,
+        compression=False,
+        rank=0,
+        world_size=2,
+        timeout_s=40,
+    )
     ctx = zmq.Context.instance()
     stuck = member_socket(ctx.socket(zmq.DEALER))
     stuck.setsockopt(zmq.LINGER, 0)
@@ -1033,21 +1347,50 @@ def test_a_worker_that_never_reads_its_replies_is_named_and_does_not_hold_the_no
     try:
         layout = opt.layout
         mine = layout.buckets_of(0)
-        hello = {"op": Op.HELLO, "job": JOB, "step": 0, "worker": 1, "world_size": 2, "layout": layout.hash, "node_index": 0,
-                 "buckets": [b.to_wire() for b in mine], "optimizer": "adamw", "mode": "sync", "param_names": {s.param: s.name for b in mine for s in b.segments}}
+        hello = {
+            "op": Op.HELLO,
+            "job": JOB,
+            "step": 0,
+            "worker": 1,
+            "world_size": 2,
+            "layout": layout.hash,
+            "node_index": 0,
+            "buckets": [b.to_wire() for b in mine],
+            "optimizer": "adamw",
+            "mode": "sync",
+            "param_names": {s.param: s.name for b in mine for s in b.segments},
+        }
         stuck.send_multipart(pack(hello, []))
         assert wire.decode(stuck.recv_multipart(), job=JOB).header["op"] == Op.WELCOME
         t0 = time.monotonic()
         with pytest.raises(luwu.WorkerLostError, match="worker 1 stopped reading") as err:
             for step in range(20):
                 for b in mine:
-                    h = {"op": Op.PUSH, "job": JOB, "step": step, "worker": 1, "bucket": b.id, "codec": "none", "cmeta": {},
-                         "hyper": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}, "nograd": [], "two_phase": False, "pull": "none"}
+                    h = {
+                        "op": Op.PUSH,
+                        "job": JOB,
+                        "step": step,
+                        "worker": 1,
+                        "bucket": b.id,
+                        "codec": "none",
+                        "cmeta": {},
+                        "hyper": {
+                            "lr": 0.01,
+                            "betas": [0.9, 0.999],
+                            "eps": 1e-8,
+                            "weight_decay": 0.01,
+                        },
+                        "nograd": [],
+                        "two_phase": False,
+                        "pull": "none",
+                    }
                     stuck.send_multipart(pack(h, [bytes(4 * b.numel)]))
                 opt.zero_grad()
                 model(torch.randn(4, 1024)).sum().backward()
                 opt.step()
-        assert time.monotonic() - t0 < 2.5 * stuck_s and "stopped reading" in str(err.value)  # (its own timeout: 40 s)
+        assert time.monotonic() - t0 < 2.5 * stuck_s and "stopped reading" in str(
+            err.value
+        )  # (its own timeout: 40 s)
     finally:
         stuck.close(0)
         opt.close()
@@ -1060,19 +1403,34 @@ def test_a_strangers_hello_cannot_size_the_node(cluster1):
     import torch
 
     pid = cluster1.procs[0].pid
-    rss = lambda: int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:")).split()[1]) * 1024  # noqa: E731
+
+    def rss() -> int:
+        return proc_status(pid)["VmRSS"]
+
     layout = job_layout({}, 1)
     h, _ = templates(layout, 0)[Op.HELLO]
     before = rss()
     reply = ask(cluster1.addresses[0], {**h, "world_size": 30_000_000})
-    assert reply.header["op"] == Op.ERROR and "max_world_size" in reply.header["message"], reply.header
+    assert reply.header["op"] == Op.ERROR and "max_world_size" in reply.header["message"], (
+        reply.header
+    )
     huge = [[0, 0, 2**40, [[0, 0, 0, 2**40]]]]  # one bucket of 4 TiB
     reply = ask(cluster1.addresses[0], {**h, "buckets": huge})
-    assert reply.header["op"] == Op.ERROR and "physical memory" in reply.header["message"], reply.header
+    assert reply.header["op"] == Op.ERROR and "physical memory" in reply.header["message"], (
+        reply.header
+    )
     assert rss() < before + 20 * 2**20
     assert stats(cluster1.addresses[0])["workers"] == 0
     model = torch.nn.Linear(8, 2)
-    opt = luwu.RemoteOptimizer(model.parameters(), nodes=cluster1.addresses, job=JOB, lr=0.1, rank=0, world_size=1, timeout_s=20)
+    opt = luwu.RemoteOptimizer(
+        model.parameters(),
+        nodes=cluster1.addresses,
+        job=JOB,
+        lr=0.1,
+        rank=0,
+        world_size=1,
+        timeout_s=20,
+    )
     try:
         model(torch.randn(2, 8)).sum().backward()
         opt.step()

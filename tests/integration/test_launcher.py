@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from luwu.config import load_config
 from luwu.cli import main as launcher_main
 from luwu.cli import main as status_main
+from luwu.config import load_config
 from luwu.ops.monitor import query_many, query_stats
-from luwu.protocol.errors import NodeTimeoutError
 from luwu.ops.rundir import pid_alive, read_pid
+from luwu.protocol.errors import NodeTimeoutError
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "cluster.example.toml"
@@ -31,7 +31,14 @@ EXAMPLE = ROOT / "deploy" / "cluster.example.toml"
 def luwu(module: str, *args: str, timeout_s: float = 90) -> subprocess.CompletedProcess:
     """`python -m luwu.launcher up ...` is `luwu up ...` (the CLI registers the same parsers)."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 def pids_of(run_dir: Path) -> dict[str, int]:
@@ -64,7 +71,9 @@ def cli(capsys, main, *args: str) -> tuple[int, str, str]:
 
 
 def status_json(capsys, run_dir: Path, timeout: str = "2") -> tuple[int, list[dict]]:
-    rc, out, err = cli(capsys, status_main, "status", "--run-dir", str(run_dir), "--json", "--timeout", timeout)
+    rc, out, err = cli(
+        capsys, status_main, "status", "--run-dir", str(run_dir), "--json", "--timeout", timeout
+    )
     assert rc in (0, 1), err
     return rc, json.loads(out)
 
@@ -76,7 +85,21 @@ def test_up_status_restart_top_down(tmp_path, capsys):
     seen: set[int] = set()
     try:
         # The example cluster file's settings, 2 nodes on any free port instead of its fixed addresses.
-        r = luwu("luwu.launcher", "up", "--config", str(EXAMPLE), "--nodes", "2", "--run-dir", str(run_dir), f"--cluster.job={job}", "--timeout", "60", "--stop-timeout", "10")
+        r = luwu(
+            "luwu.launcher",
+            "up",
+            "--config",
+            str(EXAMPLE),
+            "--nodes",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            f"--cluster.job={job}",
+            "--timeout",
+            "60",
+            "--stop-timeout",
+            "10",
+        )
         assert r.returncode == 0, f"up failed:\n{r.stdout}\n{r.stderr}"
         pids = pids_of(run_dir)
         seen |= set(pids.values())
@@ -86,9 +109,15 @@ def test_up_status_restart_top_down(tmp_path, capsys):
         cfg = load_config(str(run_dir / "cluster.toml"), env={})
         example = load_config(str(EXAMPLE), env={})
         assert cfg.cluster.job == job and len(cfg.cluster.nodes) == 2
-        assert all(a.startswith("tcp://127.0.0.1:") and not a.endswith(":0") for a in cfg.cluster.nodes)
-        assert cfg.compression == example.compression and cfg.node.log_every == example.node.log_every
-        assert cfg.node.bind == "tcp://127.0.0.1:0", "per-node settings must not leak into the shared file"
+        assert all(
+            a.startswith("tcp://127.0.0.1:") and not a.endswith(":0") for a in cfg.cluster.nodes
+        )
+        assert (
+            cfg.compression == example.compression and cfg.node.log_every == example.node.log_every
+        )
+        assert cfg.node.bind == "tcp://127.0.0.1:0", (
+            "per-node settings must not leak into the shared file"
+        )
         for a in cfg.cluster.nodes:
             assert a in r.stdout
         targets = json.loads((run_dir / "targets.json").read_text())
@@ -96,20 +125,39 @@ def test_up_status_restart_top_down(tmp_path, capsys):
 
         rc, rows = status_json(capsys, run_dir)
         assert rc == 0 and [row["up"] for row in rows] == [True, True], rows
-        assert [row["address"] for row in rows] == cfg.cluster.nodes and [row["node"] for row in rows] == [0, 1]
+        assert [row["address"] for row in rows] == cfg.cluster.nodes and [
+            row["node"] for row in rows
+        ] == [0, 1]
         # Loopback nodes ask for the job's join secret, which up made and says how workers get.
         join = run_dir / "keys" / "join.toml"
-        assert f"workers use {join}" in r.stdout.replace("\n", "") and f"--config {join}" in r.stdout, r.stdout
+        assert (
+            f"workers use {join}" in r.stdout.replace("\n", "") and f"--config {join}" in r.stdout
+        ), r.stdout
         secret = load_config(str(join), env={}).transport.join_secret
-        assert len(secret) >= 32 and join.stat().st_mode & 0o777 == 0o600 and secret not in (run_dir / "cluster.toml").read_text()
+        assert (
+            len(secret) >= 32
+            and join.stat().st_mode & 0o777 == 0o600
+            and secret not in (run_dir / "cluster.toml").read_text()
+        )
         with pytest.raises(NodeTimeoutError, match="did not answer STATS"):
             query_stats(cfg.cluster.nodes[1], job, timeout_s=1)
         detail = query_stats(cfg.cluster.nodes[1], job, timeout_s=5, join_secret=secret)
         assert detail["node"] == 1 and detail["address"] == cfg.cluster.nodes[1]
 
         # A second `up` on the same run dir is refused and names the supervisor.
-        rc, _, err = cli(capsys, launcher_main, "up", "--nodes", "2", "--run-dir", str(run_dir), f"--cluster.job={job}")
-        assert rc == 2 and "already up" in err and f"supervisor pid {pids['supervisor']}" in err, err
+        rc, _, err = cli(
+            capsys,
+            launcher_main,
+            "up",
+            "--nodes",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            f"--cluster.job={job}",
+        )
+        assert rc == 2 and "already up" in err and f"supervisor pid {pids['supervisor']}" in err, (
+            err
+        )
 
         # SIGKILL a daemon: the supervisor restarts it on the same address.
         os.kill(pids["node-0"], signal.SIGKILL)
@@ -120,28 +168,48 @@ def test_up_status_restart_top_down(tmp_path, capsys):
                 break
             time.sleep(0.2)
         else:
-            raise AssertionError(f"node 0 not restarted within 60 s: {state(run_dir)}\n{(run_dir / 'supervisor.log').read_text()}")
+            raise AssertionError(
+                f"node 0 not restarted within 60 s: {state(run_dir)}\n{(run_dir / 'supervisor.log').read_text()}"
+            )
         seen.add(node0["pid"])
-        assert node0["restarts"] == 1 and "SIGKILL" in node0["last_exit"] and node0["address"] == cfg.cluster.nodes[0]
+        assert (
+            node0["restarts"] == 1
+            and "SIGKILL" in node0["last_exit"]
+            and node0["address"] == cfg.cluster.nodes[0]
+        )
         assert read_pid(run_dir / "node-0.pid") == node0["pid"]
         assert "restart #1" in (run_dir / "supervisor.log").read_text()
         rc, rows = status_json(capsys, run_dir)
         assert rc == 0 and [row["up"] for row in rows] == [True, True], rows
         assert rows[0]["uptime_s"] < rows[1]["uptime_s"], "node 0 is a new process"
 
-        rc, out, err = cli(capsys, status_main, "top", "--run-dir", str(run_dir), "--iterations", "2", "--interval", "0.3")
+        rc, out, err = cli(
+            capsys,
+            status_main,
+            "top",
+            "--run-dir",
+            str(run_dir),
+            "--iterations",
+            "2",
+            "--interval",
+            "0.3",
+        )
         assert rc == 0, err
         assert out.count("luwu top") == 2 and out.count("2/2 nodes up") == 2
         for a in cfg.cluster.nodes:
             assert out.count(a) == 2
 
-        rc, out, err = cli(capsys, launcher_main, "down", "--run-dir", str(run_dir), "--timeout", "10")
+        rc, out, err = cli(
+            capsys, launcher_main, "down", "--run-dir", str(run_dir), "--timeout", "10"
+        )
         assert rc == 0 and "stopped the supervisor and 2 node(s)" in err, err
         alive = [p for p in seen if pid_alive(p)]
         assert not alive, f"still running after down: {alive}"
         assert not list(run_dir.glob("*.pid"))
         assert {n["state"] for n in state(run_dir)["nodes"]} == {"stopped"}
-        assert "restart #2" not in (run_dir / "supervisor.log").read_text(), "a node stopped by down was restarted"
+        assert "restart #2" not in (run_dir / "supervisor.log").read_text(), (
+            "a node stopped by down was restarted"
+        )
         rc, rows = status_json(capsys, run_dir, timeout="0.5")
         assert rc == 1 and [row["up"] for row in rows] == [False, False]
         assert all("no answer" in row["error"] for row in rows)
@@ -150,7 +218,13 @@ def test_up_status_restart_top_down(tmp_path, capsys):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("busy_port, flag, other", [("--base-port", "--base-port", "--metrics-port"), ("--metrics-port", "--metrics-port", "--base-port")])
+@pytest.mark.parametrize(
+    "busy_port, flag, other",
+    [
+        ("--base-port", "--base-port", "--metrics-port"),
+        ("--metrics-port", "--metrics-port", "--base-port"),
+    ],
+)
 def test_up_names_the_node_that_failed(tmp_path, capsys, busy_port, flag, other):
     """A node that cannot bind (its address, or its metrics endpoint): `up` says which one, shows its
     log, names the flag of `up` that moves that port (not the other one), and leaves nothing running."""
@@ -162,10 +236,25 @@ def test_up_names_the_node_that_failed(tmp_path, capsys, busy_port, flag, other)
         port = busy.getsockname()[1]
         ports = {"--base-port": "0", "--metrics-port": "-1", busy_port: str(port)}
         try:
-            rc, out, err = cli(capsys, launcher_main, "up", "--nodes", "1", "--run-dir", str(run_dir), "--timeout", "60", *(w for kv in ports.items() for w in kv))
+            rc, out, err = cli(
+                capsys,
+                launcher_main,
+                "up",
+                "--nodes",
+                "1",
+                "--run-dir",
+                str(run_dir),
+                "--timeout",
+                "60",
+                *(w for kv in ports.items() for w in kv),
+            )
             seen |= set(pids_of(run_dir).values())
             assert rc == 1, (out, err)
-            assert "node 0 exit code 1" in err and "Address already in use" in err and "node-0.log" in err, err
+            assert (
+                "node 0 exit code 1" in err
+                and "Address already in use" in err
+                and "node-0.log" in err
+            ), err
             (head,) = [line for line in err.splitlines() if line.startswith("luwu up: node 0")]
             assert f"or with luwu up: {flag} P" in head and other not in head, head
             supervisor = state(run_dir)["supervisor_pid"]
@@ -190,7 +279,9 @@ def _wait_for(path: Path, offset: int, text: str, timeout_s: float = 60) -> None
         if text in path.read_text()[offset:]:
             return
         time.sleep(0.2)
-    raise AssertionError(f"{text!r} not in what luwu top printed within {timeout_s:g} s:\n{path.read_text()[offset:][-3000:]}")
+    raise AssertionError(
+        f"{text!r} not in what luwu top printed within {timeout_s:g} s:\n{path.read_text()[offset:][-3000:]}"
+    )
 
 
 @pytest.mark.timeout(240)
@@ -203,7 +294,23 @@ def test_top_follows_the_cluster_through_down_and_up(tmp_path):
     top = None
 
     def up(port: int) -> str:
-        r = luwu("luwu", "up", "--nodes", "1", "--base-port", str(port), "--metrics-port", "-1", "--run-dir", str(run_dir), f"--cluster.job={job}", "--timeout", "60", "--stop-timeout", "10")
+        r = luwu(
+            "luwu",
+            "up",
+            "--nodes",
+            "1",
+            "--base-port",
+            str(port),
+            "--metrics-port",
+            "-1",
+            "--run-dir",
+            str(run_dir),
+            f"--cluster.job={job}",
+            "--timeout",
+            "60",
+            "--stop-timeout",
+            "10",
+        )
         seen.update(pids_of(run_dir).values())
         assert r.returncode == 0, f"up failed:\n{r.stdout}\n{r.stderr}"
         (address,) = load_config(str(run_dir / "cluster.toml"), env={}).cluster.nodes
@@ -212,7 +319,23 @@ def test_top_follows_the_cluster_through_down_and_up(tmp_path):
     try:
         first = up(0)
         with open(log, "w") as out:  # not a terminal: one table per refresh
-            top = subprocess.Popen([sys.executable, "-m", "luwu", "top", "--run-dir", str(run_dir), "--interval", "0.3", "--timeout", "0.5"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+            top = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "luwu",
+                    "top",
+                    "--run-dir",
+                    str(run_dir),
+                    "--interval",
+                    "0.3",
+                    "--timeout",
+                    "0.5",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
         _wait_for(log, 0, "1/1 nodes up")
         assert first in log.read_text()
         r = luwu("luwu", "down", "--run-dir", str(run_dir), "--timeout", "10")
@@ -273,25 +396,57 @@ def test_ssh_launcher_with_a_local_ssh(tmp_path):
     base.write_text('[cluster]\njob = "sshtest"\n\n[node]\nlog_every = 7\n')
     remote = tmp_path / "remote"
     env = dict(
-        os.environ, LUWU_SSH=str(fake_ssh), LUWU_SCP=str(fake_scp), LUWU_PYTHON=sys.executable, LUWU_REMOTE_PYTHON=sys.executable,
-        LUWU_RUN_DIR=str(tmp_path / "here"), LUWU_REMOTE_DIR=str(remote), LUWU_START_TIMEOUT="60", LUWU_STOP_TIMEOUT="10", COLUMNS="200",
+        os.environ,
+        LUWU_SSH=str(fake_ssh),
+        LUWU_SCP=str(fake_scp),
+        LUWU_PYTHON=sys.executable,
+        LUWU_REMOTE_PYTHON=sys.executable,
+        LUWU_RUN_DIR=str(tmp_path / "here"),
+        LUWU_REMOTE_DIR=str(remote),
+        LUWU_START_TIMEOUT="60",
+        LUWU_STOP_TIMEOUT="10",
+        COLUMNS="200",
     )
     script = str(ROOT / "deploy" / "ssh" / "launch.sh")
     pids: list[int] = []
     try:
-        r = subprocess.run([script, "start", str(hosts), str(base)], capture_output=True, text=True, timeout=90, env=env)
+        r = subprocess.run(
+            [script, "start", str(hosts), str(base)],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env=env,
+        )
         pids = [p for p in (read_pid(remote / f"node-{i}.pid") for i in range(2)) if p is not None]
         assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
         cfg = load_config(str(tmp_path / "here" / "cluster.toml"), env={})
-        assert cfg.cluster.nodes == [f"tcp://127.0.0.1:{p}" for p in ports] and cfg.cluster.job == "sshtest" and cfg.node.log_every == 7
-        assert (remote / "cluster.toml").read_text() == (tmp_path / "here" / "cluster.toml").read_text()
+        assert (
+            cfg.cluster.nodes == [f"tcp://127.0.0.1:{p}" for p in ports]
+            and cfg.cluster.job == "sshtest"
+            and cfg.node.log_every == 7
+        )
+        assert (remote / "cluster.toml").read_text() == (
+            tmp_path / "here" / "cluster.toml"
+        ).read_text()
         assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         assert r.stdout.count(" UP ") == 2
-        assert "LUWU_METRICS_READY" in (remote / "node-0.log").read_text()  # metrics port 0 for the first host
-        assert "LUWU_METRICS_READY" not in (remote / "node-1.log").read_text()  # none given for the second
-        st = subprocess.run([script, "status", str(hosts), "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert (
+            "LUWU_METRICS_READY" in (remote / "node-0.log").read_text()
+        )  # metrics port 0 for the first host
+        assert (
+            "LUWU_METRICS_READY" not in (remote / "node-1.log").read_text()
+        )  # none given for the second
+        st = subprocess.run(
+            [script, "status", str(hosts), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert st.returncode == 0 and [row["node"] for row in json.loads(st.stdout)] == [0, 1]
-        stop = subprocess.run([script, "stop", str(hosts)], capture_output=True, text=True, timeout=60, env=env)
+        stop = subprocess.run(
+            [script, "stop", str(hosts)], capture_output=True, text=True, timeout=60, env=env
+        )
         assert stop.returncode == 0, stop.stderr
         assert not [p for p in pids if pid_alive(p)] and not list(remote.glob("*.pid"))
     finally:
@@ -327,46 +482,119 @@ def test_ssh_launcher_insecure_gives_every_node_one_join_secret(tmp_path):
     hosts.write_text(f"me@127.0.0.1 {ports[0]}\n127.0.0.1 {ports[1]}\n")
     (tmp_path / "base.toml").write_text('[cluster]\njob = "sshjoin"\n')
     here, keys = tmp_path / "here", tmp_path / "here" / "keys"
-    remotes = [homes / "me_127.0.0.1" / ".luwu-run" / "ssh", homes / "127.0.0.1" / ".luwu-run" / "ssh"]
+    remotes = [
+        homes / "me_127.0.0.1" / ".luwu-run" / "ssh",
+        homes / "127.0.0.1" / ".luwu-run" / "ssh",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LUWU_")}
     env.update(
-        HOMES=str(homes), LUWU_SSH=str(tmp_path / "ssh"), LUWU_SCP=str(tmp_path / "scp"), LUWU_PYTHON=sys.executable, LUWU_REMOTE_PYTHON=sys.executable,
-        LUWU_RUN_DIR=str(here), LUWU_START_TIMEOUT="30", LUWU_STOP_TIMEOUT="10", LUWU_INSECURE_PUBLIC_BIND="1", COLUMNS="200",
+        HOMES=str(homes),
+        LUWU_SSH=str(tmp_path / "ssh"),
+        LUWU_SCP=str(tmp_path / "scp"),
+        LUWU_PYTHON=sys.executable,
+        LUWU_REMOTE_PYTHON=sys.executable,
+        LUWU_RUN_DIR=str(here),
+        LUWU_START_TIMEOUT="30",
+        LUWU_STOP_TIMEOUT="10",
+        LUWU_INSECURE_PUBLIC_BIND="1",
+        COLUMNS="200",
     )
     script = str(ROOT / "deploy" / "ssh" / "launch.sh")
     pids: list[int] = []
     try:
-        r = subprocess.run([script, "start", str(hosts), str(tmp_path / "base.toml")], capture_output=True, text=True, timeout=120, env=env)
-        pids = [p for p in (read_pid(d / f"node-{i}.pid") for i, d in enumerate(remotes)) if p is not None]
+        r = subprocess.run(
+            [script, "start", str(hosts), str(tmp_path / "base.toml")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        pids = [
+            p
+            for p in (read_pid(d / f"node-{i}.pid") for i, d in enumerate(remotes))
+            if p is not None
+        ]
         logs = "\n".join(f"--- {f}\n{f.read_text()[-1500:]}" for f in homes.rglob("node-*.log"))
         assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n{logs}"
-        assert "WARNING: LUWU_INSECURE_PUBLIC_BIND=1" in r.stderr and r.stdout.count(" UP ") == 2 and len(pids) == 2
+        assert (
+            "WARNING: LUWU_INSECURE_PUBLIC_BIND=1" in r.stderr
+            and r.stdout.count(" UP ") == 2
+            and len(pids) == 2
+        )
         assert sorted(f.name for f in keys.iterdir()) == ["join.toml", "monitor.toml", "node.env"]
-        assert all(f.stat().st_mode & 0o777 == 0o600 for f in keys.iterdir()) and keys.stat().st_mode & 0o777 == 0o700
+        assert (
+            all(f.stat().st_mode & 0o777 == 0o600 for f in keys.iterdir())
+            and keys.stat().st_mode & 0o777 == 0o700
+        )
         join = load_config(str(keys / "join.toml"), env={})
         secret, nodes = join.transport.join_secret, join.cluster.nodes
-        assert len(secret) >= 32 and nodes == [f"tcp://127.0.0.1:{p}" for p in ports] and join.cluster.job == "sshjoin"
+        assert (
+            len(secret) >= 32
+            and nodes == [f"tcp://127.0.0.1:{p}" for p in ports]
+            and join.cluster.job == "sshjoin"
+        )
         assert load_config(str(keys / "monitor.toml"), env={}).transport.join_secret == secret
         assert secret not in (here / "cluster.toml").read_text()
         for pid, remote in zip(pids, remotes):  # one secret, on every host, never on a command line
-            assert (remote / "node.env").read_text() == f"LUWU_NODE__JOIN_SECRET='{secret}'\n" and (remote / "node.env").stat().st_mode & 0o777 == 0o600
+            assert (remote / "node.env").read_text() == f"LUWU_NODE__JOIN_SECRET='{secret}'\n" and (
+                remote / "node.env"
+            ).stat().st_mode & 0o777 == 0o600
             assert secret not in Path(f"/proc/{pid}/cmdline").read_bytes().decode()
             assert not list(remote.rglob("join.toml")), "the node made a secret of its own"
         assert not any(s.up for s in query_many(nodes, "sshjoin", 1.5)), "no secret, no answer"
         assert all(s.up for s in query_many(nodes, "sshjoin", 10, join_secret=secret))
 
         worker_env = dict(env, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", PYTHONUNBUFFERED="1")
-        w = subprocess.run([sys.executable, str(ROOT / "deploy" / "train_example.py"), "--config", str(keys / "join.toml"), "--steps", "5", "--batch", "8",
-                            "--metrics-port", "-1", "--transport.bucket_bytes=16384"], capture_output=True, text=True, timeout=120, env=worker_env)
-        assert w.returncode == 0 and "LUWU_WORKER_DONE rank 0 steps 5" in w.stdout, w.stdout[-2000:] + w.stderr[-3000:]
-        st = subprocess.run([script, "status", str(hosts), "--json"], capture_output=True, text=True, timeout=60, env=env)
+        w = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "deploy" / "train_example.py"),
+                "--config",
+                str(keys / "join.toml"),
+                "--steps",
+                "5",
+                "--batch",
+                "8",
+                "--metrics-port",
+                "-1",
+                "--transport.bucket_bytes=16384",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=worker_env,
+        )
+        assert w.returncode == 0 and "LUWU_WORKER_DONE rank 0 steps 5" in w.stdout, (
+            w.stdout[-2000:] + w.stderr[-3000:]
+        )
+        st = subprocess.run(
+            [script, "status", str(hosts), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert st.returncode == 0, st.stdout + st.stderr
-        assert [(row["node"], row["step"]) for row in json.loads(st.stdout)] == [(0, 5), (1, 5)], st.stdout
+        assert [(row["node"], row["step"]) for row in json.loads(st.stdout)] == [(0, 5), (1, 5)], (
+            st.stdout
+        )
 
-        again = subprocess.run([script, "start", str(hosts), str(tmp_path / "base.toml")], capture_output=True, text=True, timeout=120, env=env)
-        assert again.returncode == 0 and again.stdout.count("already running") == 2, again.stdout + again.stderr
-        assert load_config(str(keys / "join.toml"), env={}).transport.join_secret == secret, "a restart keeps the workers' file valid"
-        stop = subprocess.run([script, "stop", str(hosts)], capture_output=True, text=True, timeout=60, env=env)
+        again = subprocess.run(
+            [script, "start", str(hosts), str(tmp_path / "base.toml")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
+        assert again.returncode == 0 and again.stdout.count("already running") == 2, (
+            again.stdout + again.stderr
+        )
+        assert load_config(str(keys / "join.toml"), env={}).transport.join_secret == secret, (
+            "a restart keeps the workers' file valid"
+        )
+        stop = subprocess.run(
+            [script, "stop", str(hosts)], capture_output=True, text=True, timeout=60, env=env
+        )
         assert stop.returncode == 0, stop.stderr
         assert not [p for p in pids if pid_alive(p)]
     finally:
@@ -383,23 +611,45 @@ def test_plan_from_a_cluster_file_and_the_file_written_back(tmp_path):
     from luwu.ops.daemons import plan_nodes as _plan_nodes
 
     cfg = load_config(str(EXAMPLE), env={}, argv=["--node.mode=async", "--metrics.port=9400"])
-    args = argparse.Namespace(nodes=None, host="127.0.0.1", base_port=0, metrics_port=None, config=str(EXAMPLE))
+    args = argparse.Namespace(
+        nodes=None, host="127.0.0.1", base_port=0, metrics_port=None, config=str(EXAMPLE)
+    )
     plan = _plan_nodes(args, cfg, ["--node.mode=async"])
     assert [n.bind for n in plan] == cfg.cluster.nodes
-    assert [n.metrics_port for n in plan] == [9400, 9401]  # metrics.port set explicitly: port + index
-    assert all(n.args[-4:] == ["--node.index", str(n.index), "--cluster.job", "luwu"] and "--node.mode=async" in n.args for n in plan)
+    assert [n.metrics_port for n in plan] == [
+        9400,
+        9401,
+    ]  # metrics.port set explicitly: port + index
+    assert all(
+        n.args[-4:] == ["--node.index", str(n.index), "--cluster.job", "luwu"]
+        and "--node.mode=async" in n.args
+        for n in plan
+    )
     args.nodes, args.base_port, args.metrics_port = 3, 7000, -1
-    assert [(n.bind, n.metrics_port) for n in _plan_nodes(args, cfg, [])] == [(f"tcp://127.0.0.1:{7000 + i}", -1) for i in range(3)]
+    assert [(n.bind, n.metrics_port) for n in _plan_nodes(args, cfg, [])] == [
+        (f"tcp://127.0.0.1:{7000 + i}", -1) for i in range(3)
+    ]
     args.base_port = 65535
     with pytest.raises(ValueError, match="base-port"):
         _plan_nodes(args, cfg, [])
 
     written = tmp_path / "cluster.toml"
-    written.write_text(cluster_file_text(cfg, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], header="test\nfile"))
+    written.write_text(
+        cluster_file_text(cfg, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], header="test\nfile")
+    )
     back = load_config(str(written), env={})
-    assert back.cluster.nodes == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"] and back.node.mode == "async"
-    assert back.compression == cfg.compression and back.prefetch == cfg.prefetch and back.transport == cfg.transport
-    assert back.metrics.port == -1 and back.node.bind == "tcp://127.0.0.1:0", "per-node settings stay out"
+    assert (
+        back.cluster.nodes == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+        and back.node.mode == "async"
+    )
+    assert (
+        back.compression == cfg.compression
+        and back.prefetch == cfg.prefetch
+        and back.transport == cfg.transport
+    )
+    assert back.metrics.port == -1 and back.node.bind == "tcp://127.0.0.1:0", (
+        "per-node settings stay out"
+    )
 
 
 FAKE_SRUN = r"""#!/bin/bash
@@ -452,26 +702,64 @@ def test_slurm_batch_script_with_local_srun(tmp_path, insecure):
             ports.append(s.getsockname()[1])
     host = socket.gethostname()
     env = dict(
-        os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=f"{host},{host}", SLURM_SUBMIT_DIR=str(tmp_path),
-        LUWU_PYTHON=sys.executable, LUWU_NODES_PER_HOST="2", LUWU_PORT=str(ports[0]), LUWU_METRICS_PORT=str(ports[2]), LUWU_RDZV_PORT=str(ports[4]),
-        LUWU_GPUS_PER_HOST="2", LUWU_START_TIMEOUT="120", LUWU_STOP_TIMEOUT="30", COLUMNS="200", LUWU_INSECURE_PUBLIC_BIND=str(int(insecure)),
+        os.environ,
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NODELIST=f"{host},{host}",
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        LUWU_PYTHON=sys.executable,
+        LUWU_NODES_PER_HOST="2",
+        LUWU_PORT=str(ports[0]),
+        LUWU_METRICS_PORT=str(ports[2]),
+        LUWU_RDZV_PORT=str(ports[4]),
+        LUWU_GPUS_PER_HOST="2",
+        LUWU_START_TIMEOUT="120",
+        LUWU_STOP_TIMEOUT="30",
+        COLUMNS="200",
+        LUWU_INSECURE_PUBLIC_BIND=str(int(insecure)),
     )
     for name in ("LUWU_NODE__JOIN_SECRET", "LUWU_TRANSPORT__JOIN_SECRET"):
         env.pop(name, None)
-    r = subprocess.run(["bash", str(ROOT / "deploy" / "slurm" / "luwu.sbatch"), str(ROOT / "deploy" / "train_example.py"), "--steps", "20", "--transport.bucket_bytes=16384"],
-                       capture_output=True, text=True, timeout=280, env=env, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "deploy" / "slurm" / "luwu.sbatch"),
+            str(ROOT / "deploy" / "train_example.py"),
+            "--steps",
+            "20",
+            "--transport.bucket_bytes=16384",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        cwd=tmp_path,
+    )
     run = tmp_path / ".luwu-run" / "luwu-4242"
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(run.glob("node-*.log")))
+    logs = "\n".join(
+        f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted(run.glob("node-*.log"))
+    )
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}\n{logs}"
     cfg = load_config(str(run / "cluster.toml"), env={})
-    assert cfg.cluster.job == "luwu-4242" and cfg.cluster.nodes == [f"tcp://{host}:{ports[0]}", f"tcp://{host}:{ports[0] + 1}"]
-    assert r.stdout.count("LUWU_WORKER_DONE") == 2 and "workers finished with exit code 0" in r.stdout
+    assert cfg.cluster.job == "luwu-4242" and cfg.cluster.nodes == [
+        f"tcp://{host}:{ports[0]}",
+        f"tcp://{host}:{ports[0] + 1}",
+    ]
+    assert (
+        r.stdout.count("LUWU_WORKER_DONE") == 2 and "workers finished with exit code 0" in r.stdout
+    )
     for i in range(2):  # each node served the job and was stopped by SIGTERM, cleanly
         log = (run / f"node-{i}.log").read_text()
         assert f"node {i} serving job 'luwu-4242'" in log and f"node {i} stopped" in log, log
-        assert ("join secret on: " if insecure else "CURVE keys on") in log and "made in" not in log, "the node made no secret of its own"
+        assert (
+            "join secret on: " if insecure else "CURVE keys on"
+        ) in log and "made in" not in log, "the node made no secret of its own"
     keys = sorted(f.name for f in (run / "keys").iterdir())
-    assert keys == (["join.toml", "monitor.toml", "node.env"] if insecure else ["monitor.toml", "node.env", "node.toml", "worker0.toml", "worker1.toml"])  # 1 worker host x 2
+    assert keys == (
+        ["join.toml", "monitor.toml", "node.env"]
+        if insecure
+        else ["monitor.toml", "node.env", "node.toml", "worker0.toml", "worker1.toml"]
+    )  # 1 worker host x 2
 
 
 def test_cli_registers_the_commands():
@@ -486,9 +774,18 @@ def test_cli_registers_the_commands():
     status = argparse.Namespace(cmd_status=status_command.cmd_status, cmd_top=top_command.cmd_top)
 
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    registered = {name: sub.choices[name] for name in ("up", "down", "status", "top") if name in sub.choices}
+    registered = {
+        name: sub.choices[name] for name in ("up", "down", "status", "top") if name in sub.choices
+    }
     if not registered:
-        pytest.skip("luwu/cli.py does not register up/down/status/top yet: it should call luwu.launcher.add_arguments and luwu.status.add_arguments")
+        pytest.skip(
+            "luwu/cli.py does not register up/down/status/top yet: it should call luwu.launcher.add_arguments and luwu.status.add_arguments"
+        )
     assert set(registered) == {"up", "down", "status", "top"}
     funcs = {name: p.get_default("func") for name, p in registered.items()}
-    assert funcs == {"up": launcher.cmd_up, "down": launcher.cmd_down, "status": status.cmd_status, "top": status.cmd_top}
+    assert funcs == {
+        "up": launcher.cmd_up,
+        "down": launcher.cmd_down,
+        "status": status.cmd_status,
+        "top": status.cmd_top,
+    }

@@ -23,9 +23,18 @@ def test_a_streaming_worker_trains_a_model_larger_than_its_memory_limit():
         if procs is None:
             pytest.skip(read)
         row, out = run(dict(spec, stream=True, compression=True), procs, timeout_s=400)
-        assert row is not None, f"the streaming worker failed (exit {out.returncode}): {out.stderr[-3000:]}"
+        assert row is not None, (
+            f"the streaming worker failed (exit {out.returncode}): {out.stderr[-3000:]}"
+        )
         assert row["weights_mb"] >= RATIO * LIMIT_MB
         assert read().get("oom_kills", 0) == 0
-        local = subprocess.run(_child_cmd(dict(spec, stream=False, compression=False, local=True), procs), capture_output=True, text=True, timeout=300)
-        assert local.returncode == -9, f"local AdamW was not killed by the limit (exit {local.returncode}): {local.stderr[-2000:]}"
+        local = subprocess.run(
+            _child_cmd(dict(spec, stream=False, compression=False, local=True), procs),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert local.returncode == -9, (
+            f"local AdamW was not killed by the limit (exit {local.returncode}): {local.stderr[-2000:]}"
+        )
         assert read().get("oom_kills", 0) >= 1

@@ -42,17 +42,29 @@ def _train(opt, model, steps):
 def test_the_nodes_export_a_dcp_folder_that_plain_torch_loads(tmp_path, stream):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     from workers.stream import make_model
 
     spec = {"seed": 0, "blocks": 3, "width": 16}
     model = make_model(spec)
     with luwu.local_cluster(2, node_args=["--node.export_root", str(tmp_path)]) as c:
         # 700-byte buckets: most parameters are split between buckets and nodes, mid-row
-        opt = luwu.RemoteOptimizer(model if stream else model.named_parameters(), nodes=c.addresses, lr=0.01, compression=False, stream_weights=stream, bucket_bytes=700, rank=0, world_size=1)
+        opt = luwu.RemoteOptimizer(
+            model if stream else model.named_parameters(),
+            nodes=c.addresses,
+            lr=0.01,
+            compression=False,
+            stream_weights=stream,
+            bucket_bytes=700,
+            rank=0,
+            world_size=1,
+        )
         try:
             _train(opt, model, 3)
-            want = opt.model_state_dict() if stream else {n: p.detach().clone() for n, p in model.named_parameters()}
+            want = (
+                opt.model_state_dict()
+                if stream
+                else {n: p.detach().clone() for n, p in model.named_parameters()}
+            )
             folder = luwu.export_dcp(opt, tmp_path / "export")
             with pytest.raises(luwu.LuwuError, match="exists: export into a new folder"):
                 luwu.export_dcp(opt, tmp_path / "export")
@@ -75,7 +87,14 @@ def test_the_nodes_export_a_dcp_folder_that_plain_torch_loads(tmp_path, stream):
 @pytest.mark.timeout(120)
 def test_an_export_needs_an_export_root(cluster1, tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    opt = luwu.RemoteOptimizer(model.parameters(), nodes=cluster1.addresses, lr=0.01, compression=False, rank=0, world_size=1)
+    opt = luwu.RemoteOptimizer(
+        model.parameters(),
+        nodes=cluster1.addresses,
+        lr=0.01,
+        compression=False,
+        rank=0,
+        world_size=1,
+    )
     try:
         with pytest.raises(luwu.LuwuError, match="no export root: set node.export_root"):
             luwu.export_dcp(opt, tmp_path / "x")
@@ -99,7 +118,15 @@ def test_a_meta_model_starts_from_weights_read_unit_by_unit(tmp_path, source):
         torch.save(trained.state_dict(), path)
     else:  # the weights a previous job's nodes exported
         with luwu.local_cluster(2, node_args=["--node.export_root", str(tmp_path)]) as c:
-            opt = luwu.RemoteOptimizer(trained.named_parameters(), nodes=c.addresses, lr=0.01, compression=False, rank=0, world_size=1, bucket_bytes=700)
+            opt = luwu.RemoteOptimizer(
+                trained.named_parameters(),
+                nodes=c.addresses,
+                lr=0.01,
+                compression=False,
+                rank=0,
+                world_size=1,
+                bucket_bytes=700,
+            )
             try:
                 path = luwu.export_dcp(opt, tmp_path / "previous")
             finally:
@@ -107,7 +134,17 @@ def test_a_meta_model_starts_from_weights_read_unit_by_unit(tmp_path, source):
     with luwu.local_cluster(2) as c:
         with torch.device("meta"):
             model = Net(3, 16)
-        opt = luwu.RemoteOptimizer(model, nodes=c.addresses, lr=0.01, compression=False, stream_weights=True, bucket_bytes=1024, rank=0, world_size=1, init_weights=str(path))
+        opt = luwu.RemoteOptimizer(
+            model,
+            nodes=c.addresses,
+            lr=0.01,
+            compression=False,
+            stream_weights=True,
+            bucket_bytes=1024,
+            rank=0,
+            world_size=1,
+            init_weights=str(path),
+        )
         try:
             start = opt.model_state_dict()
             assert all(torch.equal(start[n], p.detach()) for n, p in trained.named_parameters())
@@ -118,7 +155,9 @@ def test_a_meta_model_starts_from_weights_read_unit_by_unit(tmp_path, source):
     local = torch.optim.AdamW(trained.parameters(), lr=0.01)
     _train(local, trained, 3)
     for name, p in trained.named_parameters():
-        torch.testing.assert_close(got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            got[name], p.detach(), rtol=1e-6, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 def test_init_weights_are_checked_before_anything_starts(tmp_path):
@@ -128,9 +167,25 @@ def test_init_weights_are_checked_before_anything_starts(tmp_path):
     with torch.device("meta"):
         model = Net(2, 8)
     with pytest.raises(luwu.ConfigError, match="lacks .* of the model's parameters"):
-        luwu.RemoteOptimizer(model, nodes=["tcp://127.0.0.1:9"], lr=0.01, stream_weights=True, rank=0, world_size=1, init_weights=str(tmp_path / "bad.pt"))
+        luwu.RemoteOptimizer(
+            model,
+            nodes=["tcp://127.0.0.1:9"],
+            lr=0.01,
+            stream_weights=True,
+            rank=0,
+            world_size=1,
+            init_weights=str(tmp_path / "bad.pt"),
+        )
     with pytest.raises(luwu.ConfigError, match="does not exist"):
-        luwu.RemoteOptimizer(model, nodes=["tcp://127.0.0.1:9"], lr=0.01, stream_weights=True, rank=0, world_size=1, init_weights=str(tmp_path / "none.pt"))
+        luwu.RemoteOptimizer(
+            model,
+            nodes=["tcp://127.0.0.1:9"],
+            lr=0.01,
+            stream_weights=True,
+            rank=0,
+            world_size=1,
+            init_weights=str(tmp_path / "none.pt"),
+        )
 
 
 class _TiedLM(torch.nn.Module):
@@ -156,7 +211,9 @@ def test_model_state_dict_has_the_models_keys_with_tied_weights(cluster1):
     try:
         for step in range(2):
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(torch.arange(11)), torch.arange(11).roll(step + 1)).backward()
+            torch.nn.functional.cross_entropy(
+                model(torch.arange(11)), torch.arange(11).roll(step + 1)
+            ).backward()
             opt.step()
         sd = opt.model_state_dict()
         want = model.state_dict()
@@ -173,7 +230,12 @@ def test_model_state_dict_has_the_models_keys_with_tied_weights(cluster1):
 def test_a_misspelt_keyword_is_told_the_closest_name():
     """Refused in the constructor, before any connection (the address is never dialled)."""
     model = torch.nn.Linear(4, 2)
-    with pytest.raises(luwu.ConfigError, match=r"stream_weight=True is not a RemoteOptimizer keyword.*did you mean 'stream_weights' \(a RemoteOptimizer keyword\)"):
+    with pytest.raises(
+        luwu.ConfigError,
+        match=r"stream_weight=True is not a RemoteOptimizer keyword.*did you mean 'stream_weights' \(a RemoteOptimizer keyword\)",
+    ):
         luwu.RemoteOptimizer(model, "adamw", nodes=["tcp://127.0.0.1:9"], stream_weight=True)
-    with pytest.raises(luwu.ConfigError, match=r"did you mean 'weight_decay' \(a hyperparameter of 'adamw'\)"):
+    with pytest.raises(
+        luwu.ConfigError, match=r"did you mean 'weight_decay' \(a hyperparameter of 'adamw'\)"
+    ):
         luwu.RemoteOptimizer(model, "adamw", nodes=["tcp://127.0.0.1:9"], weight_decy=0.1)

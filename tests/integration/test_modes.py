@@ -19,11 +19,17 @@ import pytest
 import torch
 from harness import run_training
 
+import luwu
 from benchmarks import dpu_reference
 
-import luwu
-
-SPEC = {"model": "digits", "optimizer": "adamw", "hyper": {"lr": 2e-3, "weight_decay": 0.01}, "steps": 400, "batch": 64, "bucket_bytes": 64 * 1024}
+SPEC = {
+    "model": "digits",
+    "optimizer": "adamw",
+    "hyper": {"lr": 2e-3, "weight_decay": 0.01},
+    "steps": 400,
+    "batch": 64,
+    "bucket_bytes": 64 * 1024,
+}
 
 ANNEALED = dict(SPEC, scheduler=["CosineAnnealingLR", {"T_max": SPEC["steps"]}])
 
@@ -59,9 +65,15 @@ def test_delayed_update_warmup_runs_the_first_steps_in_sync(tmp_path):
     the delay starts at step 1."""
     spec = dict(SPEC, steps=10)
     runs = {}
-    for name, extra in (("sync", {}), ("warm", {"delayed_update": True, "delayed_update_warmup": 5}), ("dpu", {"delayed_update": True})):
+    for name, extra in (
+        ("sync", {}),
+        ("warm", {"delayed_update": True, "delayed_update_warmup": 5}),
+        ("dpu", {"delayed_update": True}),
+    ):
         with luwu.local_cluster(1) as c:
-            runs[name] = run_training(dict(spec, **extra), c.addresses, tmp_path, timeout_s=120)[0]["losses"]
+            runs[name] = run_training(dict(spec, **extra), c.addresses, tmp_path, timeout_s=120)[0][
+                "losses"
+            ]
     sync, warm, dpu = runs["sync"], runs["warm"], runs["dpu"]
     # equal to rounding: the node sums two pushes in arrival order, which moves the last bit now and then
     assert warm[:6] == pytest.approx(sync[:6], rel=1e-6, abs=0), (warm, sync)
@@ -71,7 +83,9 @@ def test_delayed_update_warmup_runs_the_first_steps_in_sync(tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("staleness", [0, 2])
-def test_async_and_bounded_staleness_within_2_percent_of_sync(staleness, annealed_sync_loss, tmp_path):
+def test_async_and_bounded_staleness_within_2_percent_of_sync(
+    staleness, annealed_sync_loss, tmp_path
+):
     args = ["--node.mode", "async", "--node.staleness", str(staleness)]
     with luwu.local_cluster(2, node_args=args) as c:
         res = run_training(dict(ANNEALED, mode="async"), c.addresses, tmp_path, timeout_s=240)
@@ -85,12 +99,24 @@ def test_plain_torch_dpu_reference_is_sync_until_the_delay_starts():
     cluster.md's delayed rows are read) on a tiny student: a delay that never starts is sync to the
     bit; a delay from step 1 trains differently."""
     ref = dpu_reference
-    s = ref.Settings(dims=(32, 64, 10), batch=16, steps=8, warmup=2, eval_every=4, eval_samples=128, subspace=4, lr=3e-3)
+    s = ref.Settings(
+        dims=(32, 64, 10),
+        batch=16,
+        steps=8,
+        warmup=2,
+        eval_every=4,
+        eval_samples=128,
+        subspace=4,
+        lr=3e-3,
+    )
     sync = ref.train(s, 2, s.lr, None)
     never = ref.train(s, 2, s.lr, s.steps)
     late = ref.train(s, 2, s.lr, 1)
     assert never == sync
-    assert late["eval_loss"] != sync["eval_loss"] and late["train_loss_every_10"][0] == sync["train_loss_every_10"][0]
+    assert (
+        late["eval_loss"] != sync["eval_loss"]
+        and late["train_loss_every_10"][0] == sync["train_loss_every_10"][0]
+    )
     # partial delay: nothing named is sync to the bit; the first layer alone is neither sync nor full delay
     assert ref.train(s, 2, s.lr, 1, only=()) == sync
     first = ref.train(s, 2, s.lr, 1, only=("0.*",))
@@ -105,7 +131,9 @@ def _partial_delay_reference(model, data, lr, delayed_prefix, warmup):
 
     master, net = copy.deepcopy(model), copy.deepcopy(model)
     opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.01)
-    before = [p.detach().clone() for p in master.parameters()]  # the weights before the latest update
+    before = [
+        p.detach().clone() for p in master.parameters()
+    ]  # the weights before the latest update
     losses = []
     for i, (x, y) in enumerate(data):
         with torch.no_grad():
@@ -129,22 +157,34 @@ def test_partial_delay_delays_only_the_named_parameters(warmup):
     """``delayed_params=["0.*"]``: the first layer's weights land a step late (after the warm-up), the
     rest in sync; losses and final weights (after ``synchronize()``) equal torch AdamW fed exactly
     that to rounding, and the layer not delayed holds its new weights as soon as ``step()`` returns."""
-    import copy
 
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.Tanh(), torch.nn.Linear(48, 6))
     g = torch.Generator().manual_seed(4)
-    data = [(torch.randn(16, 24, generator=g), torch.randint(0, 6, (16,), generator=g)) for _ in range(9)]
+    data = [
+        (torch.randn(16, 24, generator=g), torch.randint(0, 6, (16,), generator=g))
+        for _ in range(9)
+    ]
     want_losses, want_final = _partial_delay_reference(model, data, 0.02, "0.", warmup)
     sync_losses, _ = _partial_delay_reference(model, data, 0.02, "-", 0)
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.02, weight_decay=0.01)
     with luwu.local_cluster(2) as c:
-        opt = luwu.RemoteOptimizer(model, "adamw", nodes=c.addresses, lr=0.02, weight_decay=0.01, bucket_bytes=1024,
-                                   delayed_update=True, delayed_update_warmup=warmup, delayed_params=["0.*"], compression=False)
+        opt = luwu.RemoteOptimizer(
+            model,
+            "adamw",
+            nodes=c.addresses,
+            lr=0.02,
+            weight_decay=0.01,
+            bucket_bytes=1024,
+            delayed_update=True,
+            delayed_update_warmup=warmup,
+            delayed_params=["0.*"],
+            compression=False,
+        )
         try:
             delayed = opt.worker.delayed
-            assert delayed and delayed == {b.id for b in opt.layout.buckets if b.segments[0].name.startswith("0.")}
+            assert delayed and delayed == {
+                b.id for b in opt.layout.buckets if b.segments[0].name.startswith("0.")
+            }
             losses = []
             for x, y in data:
                 opt.zero_grad()
@@ -159,7 +199,9 @@ def test_partial_delay_delays_only_the_named_parameters(warmup):
             opt.close()
     assert losses == pytest.approx(want_losses, rel=1e-5, abs=0), (losses, want_losses)
     assert losses[: warmup + 1] == pytest.approx(sync_losses[: warmup + 1], rel=1e-5, abs=0)
-    assert abs(losses[warmup + 1] - sync_losses[warmup + 1]) > 1e-5 * sync_losses[warmup + 1], "the delay never started"
+    assert abs(losses[warmup + 1] - sync_losses[warmup + 1]) > 1e-5 * sync_losses[warmup + 1], (
+        "the delay never started"
+    )
     for got, want in zip(got_final, want_final):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     # before synchronize(): layer 2 (not delayed) was already final, layer 0 was a step behind
@@ -169,7 +211,14 @@ def test_partial_delay_delays_only_the_named_parameters(warmup):
 
 def test_partial_delay_settings_are_checked(cluster1):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    with pytest.raises(luwu.ConfigError, match=r"delayed_params=\['0\.\*'\] needs delayed_update=True"):
+    with pytest.raises(
+        luwu.ConfigError, match=r"delayed_params=\['0\.\*'\] needs delayed_update=True"
+    ):
         luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, delayed_params="0.*")
-    with pytest.raises(luwu.ConfigError, match=r"pattern 'enc\*' matches no parameter \(names: 0.weight, 0.bias, 1.weight, 1.bias\)"):
-        luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, delayed_update=True, delayed_params=["enc*"])
+    with pytest.raises(
+        luwu.ConfigError,
+        match=r"pattern 'enc\*' matches no parameter \(names: 0.weight, 0.bias, 1.weight, 1.bias\)",
+    ):
+        luwu.RemoteOptimizer(
+            model, "adamw", nodes=cluster1.addresses, delayed_update=True, delayed_params=["enc*"]
+        )

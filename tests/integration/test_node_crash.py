@@ -23,7 +23,9 @@ def test_checkpoint_roundtrip_atomic_and_corruption_detected(tmp_path):
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*"))
     ck = store.latest()
     assert ck.meta["step"] == 20 and torch.equal(ck.tensors[0][0], torch.full((10,), 20.0))
-    assert torch.equal(ck.tensors[0][1], torch.arange(10.0)) and torch.equal(ck.tensors[0][-1], torch.full((2,), 20.0))
+    assert torch.equal(ck.tensors[0][1], torch.arange(10.0)) and torch.equal(
+        ck.tensors[0][-1], torch.full((2,), 20.0)
+    )
     # flip one byte of the newest's tensor file: it is detected and the previous one is used
     path = store.list()[-1][1] / DATA
     raw = bytearray(path.read_bytes())
@@ -68,7 +70,14 @@ def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 30, "resilient": True, "step_sleep": 0.03, "timeout_s": 20.0}
+SPEC = {
+    "optimizer": "adamw",
+    "hyper": {"lr": 0.01},
+    "steps": 30,
+    "resilient": True,
+    "step_sleep": 0.03,
+    "timeout_s": 20.0,
+}
 
 
 @pytest.mark.timeout(240)
@@ -122,7 +131,9 @@ def test_a_node_restarted_without_checkpoints_says_its_state_is_lost():
     saying what happened and what to do (it used to be "HEARTBEAT from a peer that did not say HELLO")."""
     with luwu.local_cluster(1) as cluster:
         model = torch.nn.Linear(8, 4)
-        opt = luwu.RemoteOptimizer(model, nodes=cluster.addresses, lr=0.1, timeout_s=10, rank=0, world_size=1)
+        opt = luwu.RemoteOptimizer(
+            model, nodes=cluster.addresses, lr=0.1, timeout_s=10, rank=0, world_size=1
+        )
         try:
             opt.zero_grad()
             model(torch.randn(4, 8)).square().mean().backward()
@@ -132,7 +143,9 @@ def test_a_node_restarted_without_checkpoints_says_its_state_is_lost():
             cluster.restart(0)
             opt.zero_grad()
             model(torch.randn(4, 8)).square().mean().backward()
-            with pytest.raises(luwu.NodeStateLostError, match="restarted without node.checkpoint_dir"):
+            with pytest.raises(
+                luwu.NodeStateLostError, match="restarted without node.checkpoint_dir"
+            ):
                 opt.step()
                 opt.synchronize()  # (per-layer waits: or at the weights' next read)
         finally:
@@ -147,12 +160,29 @@ def test_a_full_checkpoint_disk_does_not_stop_training(tmp_path):
 
     disk = tmp_path / "disk"
     disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a small tmpfs here (root is needed)")
     try:
-        with luwu.local_cluster(1, node_args=["--node.checkpoint_dir", str(disk), "--node.checkpoint_every", "2"]) as cluster:
-            model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))  # 1 MB of state: never fits
-            opt = luwu.RemoteOptimizer(model.parameters(), nodes=cluster.addresses, lr=0.01, compression=False, rank=0, world_size=1, timeout_s=20)
+        with luwu.local_cluster(
+            1, node_args=["--node.checkpoint_dir", str(disk), "--node.checkpoint_every", "2"]
+        ) as cluster:
+            model = torch.nn.Sequential(
+                torch.nn.Linear(256, 256), torch.nn.Linear(256, 4)
+            )  # 1 MB of state: never fits
+            opt = luwu.RemoteOptimizer(
+                model.parameters(),
+                nodes=cluster.addresses,
+                lr=0.01,
+                compression=False,
+                rank=0,
+                world_size=1,
+                timeout_s=20,
+            )
             try:
                 for _ in range(5):
                     opt.zero_grad()

@@ -25,7 +25,21 @@ def dealer(addr):
 
 
 def good_push(job="luwu", **kw):
-    h = {"op": int(Op.PUSH), "v": 1, "job": job, "step": 0, "worker": 0, "bucket": 0, "codec": "none", "cmeta": {}, "hyper": {"lr": 0.1}, "nograd": [], "two_phase": False, "pull": "none", "nbytes": [16]}
+    h = {
+        "op": int(Op.PUSH),
+        "v": 1,
+        "job": job,
+        "step": 0,
+        "worker": 0,
+        "bucket": 0,
+        "codec": "none",
+        "cmeta": {},
+        "hyper": {"lr": 0.1},
+        "nograd": [],
+        "two_phase": False,
+        "pull": "none",
+        "nbytes": [16],
+    }
     h.update(kw)
     return h
 
@@ -82,7 +96,9 @@ def test_worker_with_no_node_gets_timeout_naming_the_address():
     with pytest.raises(luwu.NodeTimeoutError, match=addr.replace(".", r"\.")):
         from luwu.gpu_workers.config import TransportConfig
 
-        luwu.RemoteOptimizer(model, nodes=[addr], transport=TransportConfig(connect_timeout_s=2.0, timeout_s=2.0))
+        luwu.RemoteOptimizer(
+            model, nodes=[addr], transport=TransportConfig(connect_timeout_s=2.0, timeout_s=2.0)
+        )
     assert time.monotonic() - t0 < 10
 
 
@@ -104,7 +120,12 @@ def test_node_dies_mid_training_step_raises_within_deadline():
                 opt.synchronize()  # (per-layer waits: or at the weights' next read)
             assert time.monotonic() - t0 < 8
             msg = str(err.value)
-            assert cluster.addresses[1] in msg and "step 1" in msg and "bucket" in msg and "worker 0" in msg
+            assert (
+                cluster.addresses[1] in msg
+                and "step 1" in msg
+                and "bucket" in msg
+                and "worker 0" in msg
+            )
         finally:
             opt.close()
 
@@ -112,9 +133,17 @@ def test_node_dies_mid_training_step_raises_within_deadline():
 @pytest.mark.timeout(90)
 def test_layout_mismatch_refused_with_clear_error():
     with luwu.local_cluster(1) as cluster:
-        a = luwu.RemoteOptimizer(torch.nn.Linear(8, 4), nodes=cluster.addresses, rank=0, world_size=2, timeout_s=5)
+        a = luwu.RemoteOptimizer(
+            torch.nn.Linear(8, 4), nodes=cluster.addresses, rank=0, world_size=2, timeout_s=5
+        )
         try:
             with pytest.raises(luwu.LayoutMismatchError, match="layout hash mismatch"):
-                luwu.RemoteOptimizer(torch.nn.Linear(8, 5), nodes=cluster.addresses, rank=1, world_size=2, timeout_s=5)
+                luwu.RemoteOptimizer(
+                    torch.nn.Linear(8, 5),
+                    nodes=cluster.addresses,
+                    rank=1,
+                    world_size=2,
+                    timeout_s=5,
+                )
         finally:
             a.close()

@@ -14,9 +14,21 @@ import luwu
 from luwu import ConfigError
 
 CASES = {
-    "rmsprop-centered-momentum": ("rmsprop", torch.optim.RMSprop, {"lr": 0.01, "centered": True, "momentum": 0.5, "weight_decay": 0.01}),
-    "adagrad": ("adagrad", torch.optim.Adagrad, {"lr": 0.05, "lr_decay": 0.01, "initial_accumulator_value": 0.1}),
-    "nadam-decoupled": ("nadam", torch.optim.NAdam, {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True}),
+    "rmsprop-centered-momentum": (
+        "rmsprop",
+        torch.optim.RMSprop,
+        {"lr": 0.01, "centered": True, "momentum": 0.5, "weight_decay": 0.01},
+    ),
+    "adagrad": (
+        "adagrad",
+        torch.optim.Adagrad,
+        {"lr": 0.05, "lr_decay": 0.01, "initial_accumulator_value": 0.1},
+    ),
+    "nadam-decoupled": (
+        "nadam",
+        torch.optim.NAdam,
+        {"lr": 0.01, "weight_decay": 0.1, "decoupled_weight_decay": True},
+    ),
     "rprop": ("rprop", torch.optim.Rprop, {"lr": 0.01, "etas": (0.4, 1.3)}),
     "adamw-amsgrad": ("adamw", torch.optim.AdamW, {"lr": 0.01, "amsgrad": True}),
     "adafactor": ("adafactor", torch.optim.Adafactor, {"lr": 0.01, "weight_decay": 0.1, "d": 1.5}),
@@ -25,10 +37,17 @@ CASES = {
 
 def assert_states_equal(a: dict, b: dict) -> None:
     """The same state keys for every parameter, the same tensors, the same param groups."""
-    assert {i: sorted(s) for i, s in a["state"].items()} == {i: sorted(s) for i, s in b["state"].items()}
+    assert {i: sorted(s) for i, s in a["state"].items()} == {
+        i: sorted(s) for i, s in b["state"].items()
+    }
     for i, s in a["state"].items():
         for k, t in s.items():
-            torch.testing.assert_close(torch.as_tensor(t).float(), torch.as_tensor(b["state"][i][k]).float(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(
+                torch.as_tensor(t).float(),
+                torch.as_tensor(b["state"][i][k]).float(),
+                rtol=1e-6,
+                atol=1e-7,
+            )
     for ga, gb in zip(a["param_groups"], b["param_groups"]):
         assert {k: v for k, v in ga.items() if k in gb} == {k: v for k, v in gb.items() if k in ga}
 
@@ -39,7 +58,9 @@ def test_remote_matches_local_and_its_state_dict_continues_in_torch(case, cluste
     name, cls, hyper = CASES[case]
     model, data = model_and_data()
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, name, nodes=cluster2.addresses, bucket_bytes=512, compression=False, **hyper)
+    ropt = luwu.RemoteOptimizer(
+        model, name, nodes=cluster2.addresses, bucket_bytes=512, compression=False, **hyper
+    )
     lopt = cls(ref.parameters(), **hyper)
     try:
         for g, w in zip(train(model, ropt, data, steps=5), train(ref, lopt, data, steps=5)):
@@ -74,12 +95,17 @@ def test_torch_state_dict_loads_into_remote(name, cluster2):
     lopt = cls(ref.parameters(), **hyper)
     train(ref, lopt, data, steps=4)
     model.load_state_dict(ref.state_dict())
-    ropt = luwu.RemoteOptimizer(model, name, nodes=cluster2.addresses, bucket_bytes=512, compression=False, **hyper)
+    ropt = luwu.RemoteOptimizer(
+        model, name, nodes=cluster2.addresses, bucket_bytes=512, compression=False, **hyper
+    )
     try:
         segs = [s for b in ropt.layout.buckets for s in b.segments]
         assert {s.whole for s in segs} == {name == "adafactor"}
         if name == "adafactor":
-            assert sorted(s.param for s in segs) == list(range(len(list(model.parameters())))) and max(b.nbytes for b in ropt.layout.buckets) > 512
+            assert (
+                sorted(s.param for s in segs) == list(range(len(list(model.parameters()))))
+                and max(b.nbytes for b in ropt.layout.buckets) > 512
+            )
         ropt.load_state_dict(lopt.state_dict())
         for g, w in zip(train(model, ropt, data[4:]), train(ref, lopt, data[4:])):
             assert_params_close(g, w)
@@ -97,8 +123,18 @@ def test_adafactor_state_comes_back_from_a_node_checkpoint(tmp_path):
     model, data = model_and_data()
     ref = clone_model(model)
     lopt = torch.optim.Adafactor(ref.parameters(), **hyper)
-    with luwu.local_cluster(1, node_args=["--node.checkpoint_dir", str(tmp_path / "ckpt")]) as cluster:
-        ropt = luwu.RemoteOptimizer(model, "adafactor", nodes=cluster.addresses, bucket_bytes=512, compression=False, timeout_s=10, **hyper)
+    with luwu.local_cluster(
+        1, node_args=["--node.checkpoint_dir", str(tmp_path / "ckpt")]
+    ) as cluster:
+        ropt = luwu.RemoteOptimizer(
+            model,
+            "adafactor",
+            nodes=cluster.addresses,
+            bucket_bytes=512,
+            compression=False,
+            timeout_s=10,
+            **hyper,
+        )
         try:
             for g, w in zip(train(model, ropt, data, steps=3), train(ref, lopt, data, steps=3)):
                 assert_params_close(g, w)
@@ -121,7 +157,12 @@ def test_adafactor_state_comes_back_from_a_node_checkpoint(tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "name,why",
-    [("lbfgs", "closure"), ("sparseadam", "sparse gradients"), ("asgd", "eta, mu"), ("muon", "orthogonalises")],
+    [
+        ("lbfgs", "closure"),
+        ("sparseadam", "sparse gradients"),
+        ("asgd", "eta, mu"),
+        ("muon", "orthogonalises"),
+    ],
 )
 def test_optimizers_the_nodes_cannot_run_are_refused_in_the_constructor(name, why):
     """No node is contacted (nothing listens at the address): the refusal comes first and says why."""
@@ -133,7 +174,10 @@ def test_optimizers_the_nodes_cannot_run_are_refused_in_the_constructor(name, wh
 @pytest.mark.timeout(60)
 def test_hyperparameters_are_the_optimizers_own():
     model, _ = model_and_data()
-    with pytest.raises(ConfigError, match=r"momentum=0.9 is not a RemoteOptimizer keyword nor a hyperparameter of optimizer 'adagrad' \(its hyperparameters: lr, lr_decay"):
+    with pytest.raises(
+        ConfigError,
+        match=r"momentum=0.9 is not a RemoteOptimizer keyword nor a hyperparameter of optimizer 'adagrad' \(its hyperparameters: lr, lr_decay",
+    ):
         luwu.RemoteOptimizer(model, "adagrad", nodes=["tcp://127.0.0.1:9"], momentum=0.9)
     with pytest.raises(ConfigError, match="param group 0: invalid rho value: 2.0"):
         luwu.RemoteOptimizer(model, "adadelta", nodes=["tcp://127.0.0.1:9"], rho=2.0)
@@ -148,4 +192,9 @@ def test_a_whole_parameter_over_the_message_limit_is_refused_before_any_push():
     from luwu.gpu_workers.config import TransportConfig
 
     with pytest.raises(ConfigError, match="kept whole is over transport.max_message_bytes"):
-        luwu.RemoteOptimizer(torch.nn.Linear(64, 64), "adafactor", nodes=["tcp://127.0.0.1:9"], transport=TransportConfig(bucket_bytes=1024, max_message_bytes=4096))
+        luwu.RemoteOptimizer(
+            torch.nn.Linear(64, 64),
+            "adafactor",
+            nodes=["tcp://127.0.0.1:9"],
+            transport=TransportConfig(bucket_bytes=1024, max_message_bytes=4096),
+        )

@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from harness import assert_params_close, run_training, proc_status
+from harness import assert_params_close, proc_status, run_training
 from workers.train import reference
 
 import luwu
@@ -14,7 +14,14 @@ import luwu
 WORKERS = 16
 # A small model and batch: the point is 16 concurrent pushers of every bucket, not compute. Buckets of
 # 1 KiB give 8 buckets, so each step the node aggregates 128 pushes.
-SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01, "weight_decay": 0.01}, "steps": 10, "batch": 2, "bucket_bytes": 1024, "timeout_s": 60.0}
+SPEC = {
+    "optimizer": "adamw",
+    "hyper": {"lr": 0.01, "weight_decay": 0.01},
+    "steps": 10,
+    "batch": 2,
+    "bucket_bytes": 1024,
+    "timeout_s": 60.0,
+}
 #: What the node may grow by over its size before the workers connect: its accumulators and reply
 #: buffers are per bucket (pooled), so 16 workers must not cost more than a few MiB on this model.
 RSS_MARGIN = 64 << 20
@@ -39,7 +46,9 @@ def test_sixteen_workers_on_one_node_train_exactly(tmp_path):
         th.start()
         t0 = time.monotonic()
         try:
-            results = run_training(SPEC, cluster.addresses, tmp_path, world_size=WORKERS, timeout_s=240)
+            results = run_training(
+                SPEC, cluster.addresses, tmp_path, world_size=WORKERS, timeout_s=240
+            )
         finally:
             done.set()
             th.join(5)

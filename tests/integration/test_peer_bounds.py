@@ -20,7 +20,15 @@ import uvloop
 import zmq
 import zmq.utils.monitor
 from harness import assert_params_close, member_socket, proc_status, run_training
-from integration.test_hostile_input import JOB, ask, job_layout, pack, stats, templates, wait_for_workers
+from integration.test_hostile_input import (
+    JOB,
+    job_layout,
+    pack,
+    stats,
+    templates,
+    wait_for_workers,
+)
+from raw_zmtp import MiB, RawPeer, frame  # noqa: F401  (RawPeer, frame: for the other attack tests too)
 from workers.train import reference
 
 import luwu
@@ -28,7 +36,6 @@ from luwu.protocol import messages as wire
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.zmtp import ZmtpListener
 from luwu.switch_nodes.zmtp_frames import frame_head
-from raw_zmtp import MiB, RawPeer, frame  # noqa: F401  (RawPeer, frame: for the other attack tests too)
 
 # -- the listener in this process ---------------------------------------------------------------------
 
@@ -40,7 +47,15 @@ class Served:
         self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        args = {"max_message_bytes": 4 * MiB, "max_frames": 8, "budget": lambda ident: 6 * MiB, "who": lambda ident: "peer", "max_connections": 16, "sndhwm": 100, **kw}
+        args = {
+            "max_message_bytes": 4 * MiB,
+            "max_frames": 8,
+            "budget": lambda ident: 6 * MiB,
+            "who": lambda ident: "peer",
+            "max_connections": 16,
+            "sndhwm": 100,
+            **kw,
+        }
         self.listener = self.call(self._make(args))
         self.address = self.listener.address
 
@@ -136,7 +151,10 @@ def test_a_libzmq_dealer_speaks_with_the_listener(served):
         assert not mon.poll(0), "libzmq dropped the connection: PING not answered"
         s.send_multipart([b"again"])
         assert [bytes(f) for f in srv.take()[1]] == [b"again"]
-        edge = [b"h", b"y" * (16 * 1024 + 10)]  # just over the staging size: it arrives whole in staging
+        edge = [
+            b"h",
+            b"y" * (16 * 1024 + 10),
+        ]  # just over the staging size: it arrives whole in staging
         s.send_multipart(edge)
         assert [bytes(f) for f in srv.take()[1]] == edge
     finally:
@@ -183,7 +201,9 @@ def test_what_a_peer_holds_is_bounded_and_it_is_read_on_once_served(served):
         ("flags", "not ZMTP 3"),
     ],
 )
-def test_a_peer_past_a_limit_is_disconnected_named_once_and_answered_first(served, caplog, attack, why):
+def test_a_peer_past_a_limit_is_disconnected_named_once_and_answered_first(
+    served, caplog, attack, why
+):
     """Each limit is checked on a frame's header, before its buffer exists: the peer's earlier complete
     message is served and answered, then the connection ends, and the log names the peer once."""
     srv = served(budget=lambda ident: 3 * MiB, max_message_bytes=8 * MiB)
@@ -192,7 +212,13 @@ def test_a_peer_past_a_limit_is_disconnected_named_once_and_answered_first(serve
     try:
         peer.send_message([b"first"])
         attacks = {
-            "unfinished": frame(b"h", True) + frame_head(MiB, True) + bytes(MiB) + frame_head(MiB, True) + bytes(MiB) + frame_head(MiB, True) + bytes(1000),
+            "unfinished": frame(b"h", True)
+            + frame_head(MiB, True)
+            + bytes(MiB)
+            + frame_head(MiB, True)
+            + bytes(MiB)
+            + frame_head(MiB, True)
+            + bytes(1000),
             "too_large": frame(b"h", True) + frame_head(1 << 40, False) + bytes(1000),
             "header": frame_head(wire.MAX_HEADER_BYTES + 1, False) + bytes(1000),
             "empty_frames": b"\x01\x00" * 3_000_000,  # 6 MB of empty frames, all MORE
@@ -237,7 +263,9 @@ def test_a_strangers_payload_past_its_budget_is_dropped_unread_and_its_header_ke
         assert srv.on_loop(srv.listener.held, ident) <= 256 * 1024
         _, got, dropped = srv.take()
         assert [bytes(f) for f in got] == [b"next", b"small"] and not dropped
-        peer.try_send(frame(b"h", True) + b"\x01\x00" * 100)  # frame counts hold for dropped frames too
+        peer.try_send(
+            frame(b"h", True) + b"\x01\x00" * 100
+        )  # frame counts hold for dropped frames too
         srv.serve_on()
         assert peer.closed_by_node(5)
     finally:
@@ -266,7 +294,9 @@ def test_a_peer_that_does_not_read_gets_at_most_sndhwm_replies_queued(served):
             return -1
 
         refused_at = srv.on_loop(flood)
-        assert 50 <= refused_at < 1000, refused_at  # the kernel took a few MiB, the queue 50 messages
+        assert 50 <= refused_at < 1000, (
+            refused_at
+        )  # the kernel took a few MiB, the queue 50 messages
         reader = dealer(srv.address)
         reader.send_multipart([b"ping"])
         rid, _, _ = srv.take()
@@ -303,7 +333,14 @@ def test_silent_connections_and_connections_past_the_limit_are_closed(served):
 
 # -- real nodes, a real job ---------------------------------------------------------------------------
 
-SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 40, "batch": 8, "bucket_bytes": 1024, "timeout_s": 60.0}
+SPEC = {
+    "optimizer": "adamw",
+    "hyper": {"lr": 0.01},
+    "steps": 40,
+    "batch": 8,
+    "bucket_bytes": 1024,
+    "timeout_s": 60.0,
+}
 
 
 def rss(pid: int) -> int:
@@ -326,7 +363,9 @@ def test_floods_against_a_training_node_hold_nothing_and_change_nothing(tmp_path
 
         def train():
             try:
-                out["results"] = run_training(SPEC, cluster.addresses, tmp_path, world_size=2, timeout_s=180)
+                out["results"] = run_training(
+                    SPEC, cluster.addresses, tmp_path, world_size=2, timeout_s=180
+                )
             except BaseException as exc:
                 out["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -340,11 +379,20 @@ def test_floods_against_a_training_node_hold_nothing_and_change_nothing(tmp_path
         for i in range(20):
             kind = ("unfinished", "empty", "header", "hello", "deaf")[i % 5]
             p = RawPeer(cluster.addresses[0], rcvbuf=4096 if kind == "deaf" else 0)
-            if kind == "deaf":  # asks and asks, never reads: cut off once its unsent replies pass node.stranger_reply_bytes
-                ask_stats = b"".join(frame(f) for f in wire.encode({"op": Op.STATS, "job": JOB, "step": 0, "worker": 0}))
+            if (
+                kind == "deaf"
+            ):  # asks and asks, never reads: cut off once its unsent replies pass node.stranger_reply_bytes
+                ask_stats = b"".join(
+                    frame(f)
+                    for f in wire.encode({"op": Op.STATS, "job": JOB, "step": 0, "worker": 0})
+                )
                 threading.Thread(target=p.try_send, args=(ask_stats * 20000,), daemon=True).start()
             elif kind == "unfinished":
-                p.try_send(frame(pack(dict(hello), [])[0], True) + frame_head(100 * MiB, True) + bytes(4 * MiB))
+                p.try_send(
+                    frame(pack(dict(hello), [])[0], True)
+                    + frame_head(100 * MiB, True)
+                    + bytes(4 * MiB)
+                )
             elif kind == "empty":
                 p.try_send(b"\x01\x00" * 3_000_000)
             elif kind == "header":
@@ -362,7 +410,9 @@ def test_floods_against_a_training_node_hold_nothing_and_change_nothing(tmp_path
                 if kind in ("empty", "header"):
                     assert p.closed_by_node(10), f"{kind}: still connected"
                 elif kind == "deaf":
-                    assert p.cut_by_node(20), "a peer that does not read its replies is still connected"
+                    assert p.cut_by_node(20), (
+                        "a peer that does not read its replies is still connected"
+                    )
             grown = rss(pid) - before
             assert grown < 16 * MiB, f"node RSS grew by {grown / MiB:.1f} MiB"
             assert slowest < 5.0, f"a STATS took {slowest:.2f} s during the floods"
@@ -387,7 +437,9 @@ def test_a_worker_rank_is_held_to_its_budget(tmp_path, capfd):
     """A connection that said HELLO as a rank may send messages of up to node.max_message_bytes (here 4
     MiB; it holds at most node.peer_bytes, 5 MiB, while they wait): an unfinished message past it is
     refused before its third 2 MiB frame is allocated, and the node names the rank."""
-    with luwu.local_cluster(1, job=JOB, node_args=["--node.max_message_bytes", str(4 * MiB)]) as cluster:
+    with luwu.local_cluster(
+        1, job=JOB, node_args=["--node.max_message_bytes", str(4 * MiB)]
+    ) as cluster:
         pid = cluster.procs[0].pid
         layout = job_layout(SPEC, 1)
         hello, _ = templates(layout, 0)[Op.HELLO]
@@ -397,14 +449,25 @@ def test_a_worker_rank_is_held_to_its_budget(tmp_path, capfd):
             assert wire.decode(p.recv_message(), job=JOB).header["op"] == Op.WELCOME
             before = rss(pid)
             head = pack({"op": Op.STATS, "job": JOB, "step": 0, "worker": 0}, [])[0]
-            p.try_send(frame(head, True) + (frame_head(2 * MiB, True) + bytes(2 * MiB)) * 2 + frame_head(2 * MiB, True) + bytes(MiB))
+            p.try_send(
+                frame(head, True)
+                + (frame_head(2 * MiB, True) + bytes(2 * MiB)) * 2
+                + frame_head(2 * MiB, True)
+                + bytes(MiB)
+            )
             assert p.closed_by_node(10)
             assert rss(pid) - before < 8 * MiB
-            assert stats(cluster.addresses[0])["workers"] == 1  # the node is fine; the rank waits for a new HELLO
+            assert (
+                stats(cluster.addresses[0])["workers"] == 1
+            )  # the node is fine; the rank waits for a new HELLO
         finally:
             p.close()
     named = [line for line in capfd.readouterr().err.splitlines() if "disconnecting" in line]
-    assert len(named) == 1 and "disconnecting worker rank 0" in named[0] and "a message payload of 6291456 bytes or more (at most 4194304)" in named[0], named
+    assert (
+        len(named) == 1
+        and "disconnecting worker rank 0" in named[0]
+        and "a message payload of 6291456 bytes or more (at most 4194304)" in named[0]
+    ), named
 
 
 SECRET = "s3cr3t-join-0123456789abcdef01234"  # at least 32 characters (node.join_secret)
@@ -462,7 +525,9 @@ def test_a_node_with_a_join_secret_gives_a_stranger_nothing(tmp_path, monkeypatc
     monkeypatch.setenv("LUWU_NODE__JOIN_SECRET", SECRET)
     with luwu.local_cluster(1, job=JOB) as cluster:
         addr = cluster.addresses[0]
-        assert SECRET not in " ".join(open(f"/proc/{cluster.procs[0].pid}/cmdline").read().split("\0"))
+        assert SECRET not in " ".join(
+            open(f"/proc/{cluster.procs[0].pid}/cmdline").read().split("\0")
+        )
         assert closed_at_handshake(addr, None) and closed_at_handshake(addr, "wrong")
         with pytest.raises(ConnectionError):
             RawPeer(addr, secret="")  # no READY back: the handshake is where it ends
@@ -478,7 +543,11 @@ def test_a_node_with_a_join_secret_gives_a_stranger_nothing(tmp_path, monkeypatc
 
     for r in range(2):
         assert_params_close(torch.load(f"{spec['out']}.rank{r}")["params"], want)
-    named = [line for line in capfd.readouterr().err.splitlines() if "join secret" in line and "disconnecting" in line]
+    named = [
+        line
+        for line in capfd.readouterr().err.splitlines()
+        if "join secret" in line and "disconnecting" in line
+    ]
     # libzmq reconnects a refused socket every 100 ms: at most 20 lines a minute say so, whatever the count
     assert 3 <= len(named) <= 20 and any("a wrong join secret" in line for line in named), named
 
@@ -501,6 +570,10 @@ def test_a_big_push_on_a_new_connection_after_a_node_restart_is_told_to_roll_bac
             for _ in range(2):
                 p.send_message(pack({**push, "step": 10}, [bytes(MiB)]))
                 err = wire.decode(p.recv_message(), job=JOB).header
-                assert err["op"] == Op.ERROR and err["code"] == "rollback" and f"roll back to step {err['step']}" in err["message"], err
+                assert (
+                    err["op"] == Op.ERROR
+                    and err["code"] == "rollback"
+                    and f"roll back to step {err['step']}" in err["message"]
+                ), err
         finally:
             p.close()

@@ -24,15 +24,15 @@ from harness import TRAIN, assert_params_close, job_secret, member_socket, run_t
 from integration.test_curve_listener import CurvePeer
 from integration.test_hostile_input import JOB, job_layout, pack, templates
 from integration.test_peer_bounds import SECRET, SPEC, rss, served  # noqa: F401  (served: the fixture)
+from raw_zmtp import PING, MiB, RawPeer, frame
+from workers.train import DEFAULTS, make_model, reference
+
+import luwu
 from luwu.gpu_workers.config import TransportConfig
 from luwu.protocol import messages as wire
 from luwu.protocol.layout import ParamSpec, build_layout
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.zmtp_frames import frame_head
-from raw_zmtp import PING, MiB, RawPeer, frame
-from workers.train import DEFAULTS, make_model, reference
-
-import luwu
 
 
 def node_log(capfd) -> list[str]:

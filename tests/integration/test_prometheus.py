@@ -47,10 +47,32 @@ def hostport(url: str) -> str:
     return url.split("://", 1)[1].rstrip("/")
 
 
-def start_worker(rank: int, world: int, cluster_file: Path, steps: int) -> tuple[subprocess.Popen, queue.Queue]:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, str(TRAIN), "--config", str(cluster_file), "--steps", str(steps), "--batch", "16", "--linger-s", "90", "--transport.bucket_bytes=16384"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def start_worker(
+    rank: int, world: int, cluster_file: Path, steps: int
+) -> tuple[subprocess.Popen, queue.Queue]:
+    env = dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        PYTHONUNBUFFERED="1",
+    )
+    cmd = [
+        sys.executable,
+        str(TRAIN),
+        "--config",
+        str(cluster_file),
+        "--steps",
+        str(steps),
+        "--batch",
+        "16",
+        "--linger-s",
+        "90",
+        "--transport.bucket_bytes=16384",
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     lines: queue.Queue = queue.Queue()
 
     def pump() -> None:
@@ -70,7 +92,9 @@ def wait_line(lines: queue.Queue, prefix: str, timeout_s: float, seen: list[str]
         except queue.Empty:
             line = None
         if line is None:
-            raise AssertionError(f"no {prefix} line within {timeout_s} s; output:\n{''.join(seen)[-3000:]}")
+            raise AssertionError(
+                f"no {prefix} line within {timeout_s} s; output:\n{''.join(seen)[-3000:]}"
+            )
         seen.append(line)
         if line.startswith(prefix):
             return line.split(maxsplit=1)[1].strip()
@@ -103,15 +127,24 @@ def test_prometheus_scrapes_nodes_and_workers(tmp_path):
         with luwu.local_cluster(2, job="promtest", node_args=["--metrics.port", "0"]) as cluster:
             assert len(cluster.metrics_urls) == 2, cluster.metrics_urls
             cluster_file = tmp_path / "cluster.toml"
-            cluster_file.write_text(f'[cluster]\njob = "promtest"\nnodes = {json.dumps(cluster.addresses)}\n')
+            cluster_file.write_text(
+                f'[cluster]\njob = "promtest"\nnodes = {json.dumps(cluster.addresses)}\n'
+            )
             started = [start_worker(r, 2, cluster_file, steps=30) for r in range(2)]
             workers = [p for p, _ in started]
-            worker_urls = [wait_line(lines, "LUWU_WORKER_METRICS", 60, outputs[r]) for r, (_, lines) in enumerate(started)]
+            worker_urls = [
+                wait_line(lines, "LUWU_WORKER_METRICS", 60, outputs[r])
+                for r, (_, lines) in enumerate(started)
+            ]
 
             node_targets = [hostport(u) for u in cluster.metrics_urls]
             worker_targets = [hostport(u) for u in worker_urls]
             config = {
-                "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                "global": {
+                    "scrape_interval": "1s",
+                    "scrape_timeout": "1s",
+                    "evaluation_interval": "1s",
+                },
                 "scrape_configs": [
                     {"job_name": "luwu-nodes", "static_configs": [{"targets": node_targets}]},
                     {"job_name": "luwu-workers", "static_configs": [{"targets": worker_targets}]},
@@ -123,8 +156,15 @@ def test_prometheus_scrapes_nodes_and_workers(tmp_path):
             base = f"http://127.0.0.1:{port}"
             prom_log = open(tmp_path / "prometheus.log", "wb")
             prom = subprocess.Popen(
-                [PROMETHEUS, f"--config.file={config_file}", f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                stdout=prom_log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                [
+                    PROMETHEUS,
+                    f"--config.file={config_file}",
+                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                stdout=prom_log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
 
             for r, (_, lines) in enumerate(started):  # Prometheus starts up meanwhile
@@ -143,18 +183,29 @@ def test_prometheus_scrapes_nodes_and_workers(tmp_path):
             deadline = time.monotonic() + 60
             got: dict[str, dict[str, float]] = {}
             while time.monotonic() < deadline:
-                assert prom.poll() is None, f"prometheus exited with {prom.returncode}:\n{(tmp_path / 'prometheus.log').read_text()[-3000:]}"
+                assert prom.poll() is None, (
+                    f"prometheus exited with {prom.returncode}:\n{(tmp_path / 'prometheus.log').read_text()[-3000:]}"
+                )
                 try:
                     for name, (job, _) in want.items():
-                        got[name] = {r["metric"]["instance"]: float(r["value"][1]) for r in query(base, f'{name}{{job="{job}"}}')}
+                        got[name] = {
+                            r["metric"]["instance"]: float(r["value"][1])
+                            for r in query(base, f'{name}{{job="{job}"}}')
+                        }
                 except (urllib.error.URLError, ConnectionError):
                     time.sleep(0.5)  # not listening yet
                     continue
                 if all(set(got.get(n, {})) == set(targets) for n, (_, targets) in want.items()):
                     break
                 time.sleep(0.5)
-            missing = {n: sorted(set(t) - set(got.get(n, {}))) for n, (_, t) in want.items() if set(got.get(n, {})) != set(t)}
-            assert not missing, f"series not scraped within the deadline: {missing}; prometheus log:\n{(tmp_path / 'prometheus.log').read_text()[-2000:]}"
+            missing = {
+                n: sorted(set(t) - set(got.get(n, {})))
+                for n, (_, t) in want.items()
+                if set(got.get(n, {})) != set(t)
+            }
+            assert not missing, (
+                f"series not scraped within the deadline: {missing}; prometheus log:\n{(tmp_path / 'prometheus.log').read_text()[-2000:]}"
+            )
             # Values, not just names: both nodes own buckets (bucket_bytes 16 KiB), so both took pushes from
             # both workers and applied updates; each worker consumed its 30 batches through the Prefetcher.
             for name in ("luwu_node_pushes_total", "luwu_node_updates_applied_total"):
@@ -162,19 +213,28 @@ def test_prometheus_scrapes_nodes_and_workers(tmp_path):
             assert sorted(got["luwu_node_connected_workers"].values()) == [2.0, 2.0]
             assert sorted(got["luwu_prefetch_batches_consumed_total"].values()) == [30.0, 30.0]
             up = query(base, "up")
-            assert sorted((r["metric"]["job"], r["value"][1]) for r in up) == [("luwu-nodes", "1")] * 2 + [("luwu-workers", "1")] * 2
+            assert (
+                sorted((r["metric"]["job"], r["value"][1]) for r in up)
+                == [("luwu-nodes", "1")] * 2 + [("luwu-workers", "1")] * 2
+            )
 
             # Every query of the Grafana dashboard parses and runs on a real server.
-            dashboard = json.loads((ROOT / "deploy" / "grafana" / "luwu-dashboard.json").read_text())
+            dashboard = json.loads(
+                (ROOT / "deploy" / "grafana" / "luwu-dashboard.json").read_text()
+            )
             exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
             assert len(exprs) > 20
             for expr in exprs:
                 try:
                     query(base, expr.replace("$__rate_interval", "1m"))
                 except urllib.error.HTTPError as exc:  # 400: the query does not parse
-                    raise AssertionError(f"dashboard query {expr!r}: {exc.read().decode()}") from None
+                    raise AssertionError(
+                        f"dashboard query {expr!r}: {exc.read().decode()}"
+                    ) from None
             step = query(base, "min(luwu_node_step)")
-            assert step and float(step[0]["value"][1]) == 30.0  # the dashboard's first stat: both nodes at step 30
+            assert (
+                step and float(step[0]["value"][1]) == 30.0
+            )  # the dashboard's first stat: both nodes at step 30
     finally:
         stop(prom)
         for w in workers:

@@ -16,7 +16,13 @@ STEPS, WARMUP = 14, 4
 
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 8),
+    )
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,9 +36,17 @@ def check_weights(opt, step: int) -> None:
     flats = optim_state.fetch(opt.worker)
     for b in opt.layout.buckets:
         master = flats[b.id][0]
-        want = master if opt.worker._pull_codec_for(b, step) == "none" else master.to(torch.bfloat16).float()
+        want = (
+            master
+            if opt.worker._pull_codec_for(b, step) == "none"
+            else master.to(torch.bfloat16).float()
+        )
         for s in b.segments:
-            held = opt.worker.params[s.param].detach().reshape(-1)[s.param_offset : s.param_offset + s.numel]
+            held = (
+                opt.worker.params[s.param]
+                .detach()
+                .reshape(-1)[s.param_offset : s.param_offset + s.numel]
+            )
             assert torch.equal(held, want[s.offset : s.offset + s.numel]), f"step {step}, {s.name}"
 
 
@@ -42,7 +56,9 @@ def train(pull: str, check: bool = False) -> tuple[list[torch.Tensor], list[floa
     m = model()
     with luwu.local_cluster(2) as c:
         cfg = CompressionConfig(pull_codec=pull, warmup_steps=WARMUP, link_gbps=1.0)
-        opt = luwu.RemoteOptimizer(m, nodes=c.addresses, lr=3e-3, compression=cfg, bucket_bytes=64 << 10, timeout_s=30)
+        opt = luwu.RemoteOptimizer(
+            m, nodes=c.addresses, lr=3e-3, compression=cfg, bucket_bytes=64 << 10, timeout_s=30
+        )
         losses, got = [], []
         try:
             for s in range(STEPS):
@@ -79,7 +95,14 @@ def test_a_node_restarted_from_its_checkpoint_resends_full_weights(tmp_path):
     args = ["--node.checkpoint_dir", str(tmp_path / "ckpt"), "--node.checkpoint_every", "3"]
     m = model()
     with luwu.local_cluster(2, node_args=args) as c:
-        opt = luwu.RemoteOptimizer(m, nodes=c.addresses, lr=3e-3, compression=CompressionConfig(warmup_steps=0, link_gbps=1.0), bucket_bytes=64 << 10, timeout_s=30)
+        opt = luwu.RemoteOptimizer(
+            m,
+            nodes=c.addresses,
+            lr=3e-3,
+            compression=CompressionConfig(warmup_steps=0, link_gbps=1.0),
+            bucket_bytes=64 << 10,
+            timeout_s=30,
+        )
         assert all(opt.worker._pull_codec_for(b, 0) == "bf16_steps" for b in opt.layout.buckets)
         try:
             s, restarted, rollbacks = 0, False, 0
@@ -113,7 +136,14 @@ def test_a_step_reply_from_weights_the_worker_does_not_hold_is_refused_and_write
     and step, the parameters untouched, and training goes on exact."""
     m = model()
     with luwu.local_cluster(2) as c:
-        opt = luwu.RemoteOptimizer(m, nodes=c.addresses, lr=3e-3, compression=CompressionConfig(warmup_steps=0, link_gbps=1.0), bucket_bytes=64 << 10, timeout_s=30)
+        opt = luwu.RemoteOptimizer(
+            m,
+            nodes=c.addresses,
+            lr=3e-3,
+            compression=CompressionConfig(warmup_steps=0, link_gbps=1.0),
+            bucket_bytes=64 << 10,
+            timeout_s=30,
+        )
         seen, write = {}, opt.worker._write
 
         def keep(buf, msg):
@@ -133,7 +163,10 @@ def test_a_step_reply_from_weights_the_worker_does_not_hold_is_refused_and_write
             assert seen, "bf16 steps replies after the first"
             bid, msg = next(iter(seen.items()))
             before = [p.detach().clone() for p in m.parameters()]
-            with pytest.raises(luwu.StepMismatchError, match=f"bucket {bid}'s weights of step {msg.header['step']} as bf16_steps") as err:
+            with pytest.raises(
+                luwu.StepMismatchError,
+                match=f"bucket {bid}'s weights of step {msg.header['step']} as bf16_steps",
+            ) as err:
                 write(opt.worker.bufs[bid], msg)
             assert err.value.bucket == bid and err.value.step == msg.header["step"]
             assert all(torch.equal(a, b.detach()) for a, b in zip(before, m.parameters()))

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from luwu.ops.cluster_file import reachable
 from luwu.config import load_config
+from luwu.ops.cluster_file import reachable
 from luwu.ops.keyset import redact_args, split_secrets
 from luwu.ops.monitor import query_many
 from luwu.ops.rundir import pid_alive, read_pid
@@ -24,9 +24,18 @@ from luwu.ops.rundir import pid_alive, read_pid
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def luwu(*args: str, timeout_s: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+def luwu(
+    *args: str, timeout_s: float = 120, env: dict | None = None
+) -> subprocess.CompletedProcess:
     full = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "luwu", *args], capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=full)
+    return subprocess.run(
+        [sys.executable, "-m", "luwu", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=ROOT,
+        env=full,
+    )
 
 
 def mode(path: Path) -> int:
@@ -55,10 +64,27 @@ def loopback(address: str) -> str:
 
 
 def test_split_and_redact_secret_flags():
-    public, env = split_secrets(["--node.curve_secret_key=S1", "--node.mode", "async", "--transport.curve_secret_key", "S2", "--node.curve_public_key=P"])
+    public, env = split_secrets(
+        [
+            "--node.curve_secret_key=S1",
+            "--node.mode",
+            "async",
+            "--transport.curve_secret_key",
+            "S2",
+            "--node.curve_public_key=P",
+        ]
+    )
     assert public == ["--node.mode", "async", "--node.curve_public_key=P"]
     assert env == {"LUWU_NODE__CURVE_SECRET_KEY": "S1", "LUWU_TRANSPORT__CURVE_SECRET_KEY": "S2"}
-    assert redact_args(["x", "--node.curve_secret_key=S1", "--node.curve_secret_key", "S2", "--node.mode=async"]) == ["x", "--node.curve_secret_key=<hidden>", "--node.curve_secret_key", "<hidden>", "--node.mode=async"]
+    assert redact_args(
+        ["x", "--node.curve_secret_key=S1", "--node.curve_secret_key", "S2", "--node.mode=async"]
+    ) == [
+        "x",
+        "--node.curve_secret_key=<hidden>",
+        "--node.curve_secret_key",
+        "<hidden>",
+        "--node.mode=async",
+    ]
 
 
 def test_a_join_secret_has_at_least_128_bits():
@@ -77,7 +103,9 @@ def test_a_join_secret_has_at_least_128_bits():
 
 def test_keys_files_are_private_and_merge_a_cluster_file(tmp_path):
     cluster = tmp_path / "cluster.toml"
-    cluster.write_text('[cluster]\njob = "k"\nnodes = ["tcp://10.0.0.1:5555"]\n[node]\ncheckpoint_dir = "ck"\n')
+    cluster.write_text(
+        '[cluster]\njob = "k"\nnodes = ["tcp://10.0.0.1:5555"]\n[node]\ncheckpoint_dir = "ck"\n'
+    )
     out = tmp_path / "keys"
     r = luwu("keys", "--out", str(out), "--workers", "2", "--cluster", str(cluster))
     assert r.returncode == 0, r.stderr
@@ -86,13 +114,29 @@ def test_keys_files_are_private_and_merge_a_cluster_file(tmp_path):
     assert names == ["monitor.toml", "node.env", "node.toml", "worker0.toml", "worker1.toml"]
     assert all(mode(out / n) == 0o600 for n in names)
     node = load_config(str(out / "node.toml"), env={}).node
-    from_env = load_config(None, env={k: v for k, v in (line.split("=", 1) for line in (out / "node.env").read_text().splitlines())}).node  # quotes: see read_env_file
+    from_env = load_config(
+        None,
+        env={
+            k: v
+            for k, v in (line.split("=", 1) for line in (out / "node.env").read_text().splitlines())
+        },
+    ).node  # quotes: see read_env_file
     w0, w1 = (load_config(str(out / f"worker{r}.toml"), env={}) for r in range(2))
-    assert w0.cluster.nodes == ["tcp://10.0.0.1:5555"] and w0.node.checkpoint_dir == "ck", "the cluster file's settings are in"
-    assert w0.transport.curve_server_key == node.curve_public_key and w0.transport.curve_public_key != w1.transport.curve_public_key
-    assert node.curve_authorized_keys == [w0.transport.curve_public_key, w1.transport.curve_public_key], "rank order"
+    assert w0.cluster.nodes == ["tcp://10.0.0.1:5555"] and w0.node.checkpoint_dir == "ck", (
+        "the cluster file's settings are in"
+    )
+    assert (
+        w0.transport.curve_server_key == node.curve_public_key
+        and w0.transport.curve_public_key != w1.transport.curve_public_key
+    )
+    assert node.curve_authorized_keys == [
+        w0.transport.curve_public_key,
+        w1.transport.curve_public_key,
+    ], "rank order"
     monitor = load_config(str(out / "monitor.toml"), env={}).transport.curve_public_key
-    assert node.curve_monitor_keys == [monitor] and [k.strip("'") for k in from_env.curve_monitor_keys] == [monitor], "the monitor's key has a role of its own"
+    assert node.curve_monitor_keys == [monitor] and [
+        k.strip("'") for k in from_env.curve_monitor_keys
+    ] == [monitor], "the monitor's key has a role of its own"
     assert from_env.curve_public_key.strip("'") == node.curve_public_key
 
 
@@ -105,18 +149,40 @@ def test_up_with_a_node_key_file_and_secret_flags_leaks_nothing(tmp_path):
     run_a, run_b = tmp_path / "a", tmp_path / "b"
     try:
         # 1. The node's keys from --config: the cluster file for workers gets the public key only.
-        r = luwu("up", "--config", str(keys / "node.toml"), "--nodes", "1", "--run-dir", str(run_a), "--cluster.job=sa", "--timeout", "90")
+        r = luwu(
+            "up",
+            "--config",
+            str(keys / "node.toml"),
+            "--nodes",
+            "1",
+            "--run-dir",
+            str(run_a),
+            "--cluster.job=sa",
+            "--timeout",
+            "90",
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         text = (run_a / "cluster.toml").read_text()
         assert node.curve_secret_key not in text and "secret" not in text
         assert f'curve_server_key = "{node.curve_public_key}"' in text
         assert "checkpoints are off" in r.stderr, "one warning line at start"
         address = json.loads((run_a / "state.json").read_text())["nodes"][0]["address"]
-        (st,) = query_many([address], "sa", 10, curve=(worker.curve_server_key, worker.curve_public_key, worker.curve_secret_key))
+        (st,) = query_many(
+            [address],
+            "sa",
+            10,
+            curve=(worker.curve_server_key, worker.curve_public_key, worker.curve_secret_key),
+        )
         assert st.up, st.error
         # The worker adds its own keys (here from the environment) to the shared file.
-        mine = {"LUWU_TRANSPORT__CURVE_PUBLIC_KEY": worker.curve_public_key, "LUWU_TRANSPORT__CURVE_SECRET_KEY": worker.curve_secret_key}
-        assert load_config(str(run_a / "cluster.toml"), env=mine).transport.curve_server_key == node.curve_public_key
+        mine = {
+            "LUWU_TRANSPORT__CURVE_PUBLIC_KEY": worker.curve_public_key,
+            "LUWU_TRANSPORT__CURVE_SECRET_KEY": worker.curve_secret_key,
+        }
+        assert (
+            load_config(str(run_a / "cluster.toml"), env=mine).transport.curve_server_key
+            == node.curve_public_key
+        )
         # `luwu status --run-dir` uses the monitor key up added to the nodes' authorized keys.
         assert sorted(p.name for p in (run_a / "keys").iterdir()) == ["monitor.toml"]
         s = luwu("status", "--run-dir", str(run_a))
@@ -124,15 +190,33 @@ def test_up_with_a_node_key_file_and_secret_flags_leaks_nothing(tmp_path):
         assert "checkpoints are off" in s.stdout, "status repeats up's warnings"
 
         # 2. The same keys as --flags: not in plan.json, the logs, or any process's argv.
-        flags = [f"--node.curve_public_key={node.curve_public_key}", f"--node.curve_secret_key={node.curve_secret_key}", f"--node.curve_authorized_keys={','.join(node.curve_authorized_keys)}"]
-        r = luwu("up", "--nodes", "1", "--run-dir", str(run_b), "--cluster.job=sb", "--timeout", "90", *flags)
+        flags = [
+            f"--node.curve_public_key={node.curve_public_key}",
+            f"--node.curve_secret_key={node.curve_secret_key}",
+            f"--node.curve_authorized_keys={','.join(node.curve_authorized_keys)}",
+        ]
+        r = luwu(
+            "up",
+            "--nodes",
+            "1",
+            "--run-dir",
+            str(run_b),
+            "--cluster.job=sb",
+            "--timeout",
+            "90",
+            *flags,
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         assert "given on the command line" in r.stderr
         secret = node.curve_secret_key
         for f in run_b.iterdir():
             if f.is_file() and f.name != "node.env":
-                assert secret not in f.read_text(errors="replace"), f"{f.name} holds the node's secret"
-        assert "<hidden>" not in (run_b / "plan.json").read_text(), "secrets never reach the plan, not even redacted"
+                assert secret not in f.read_text(errors="replace"), (
+                    f"{f.name} holds the node's secret"
+                )
+        assert "<hidden>" not in (run_b / "plan.json").read_text(), (
+            "secrets never reach the plan, not even redacted"
+        )
         assert secret in (run_b / "node.env").read_text()
         pid = read_pid(run_b / "node-0.pid")
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
@@ -142,8 +226,15 @@ def test_up_with_a_node_key_file_and_secret_flags_leaks_nothing(tmp_path):
         # CURVE is on: a client with no keys gets no answer, the worker's keys get one.
         address = json.loads((run_b / "state.json").read_text())["nodes"][0]["address"]
         assert not query_many([address], "sb", 1.5)[0].up
-        assert query_many([address], "sb", 10, curve=(worker.curve_server_key, worker.curve_public_key, worker.curve_secret_key))[0].up
-        assert node.curve_authorized_keys[0] not in (run_b / "plan.json").read_text(), "the authorized keys go by node.env too"
+        assert query_many(
+            [address],
+            "sb",
+            10,
+            curve=(worker.curve_server_key, worker.curve_public_key, worker.curve_secret_key),
+        )[0].up
+        assert node.curve_authorized_keys[0] not in (run_b / "plan.json").read_text(), (
+            "the authorized keys go by node.env too"
+        )
         s = luwu("status", "--run-dir", str(run_b), "--json")
         assert s.returncode == 0 and json.loads(s.stdout)[0]["up"], s.stdout + s.stderr
 
@@ -162,35 +253,86 @@ def test_up_with_a_node_key_file_and_secret_flags_leaks_nothing(tmp_path):
 def test_up_on_a_public_address_makes_curve_keys(tmp_path):
     run, plain = tmp_path / "run", tmp_path / "plain"
     try:
-        r = luwu("up", "--nodes", "1", "--host", "0.0.0.0", "--workers", "2", "--run-dir", str(run), "--cluster.job=sc", "--node.checkpoint_dir", str(tmp_path / "ck"), "--timeout", "90")
+        r = luwu(
+            "up",
+            "--nodes",
+            "1",
+            "--host",
+            "0.0.0.0",
+            "--workers",
+            "2",
+            "--run-dir",
+            str(run),
+            "--cluster.job=sc",
+            "--node.checkpoint_dir",
+            str(tmp_path / "ck"),
+            "--timeout",
+            "90",
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         assert "checkpoints are off" not in r.stderr and "WITHOUT encryption" not in r.stderr
-        assert sorted(p.name for p in (run / "keys").iterdir()) == ["monitor.toml", "worker0.toml", "worker1.toml"]
-        assert mode(run / "keys") == 0o700 and all(mode(p) == 0o600 for p in (run / "keys").iterdir())
+        assert sorted(p.name for p in (run / "keys").iterdir()) == [
+            "monitor.toml",
+            "worker0.toml",
+            "worker1.toml",
+        ]
+        assert mode(run / "keys") == 0o700 and all(
+            mode(p) == 0o600 for p in (run / "keys").iterdir()
+        )
         cluster = load_config(str(run / "keys" / "worker1.toml"), env={})
         assert "worker$RANK.toml" in r.stdout, "the hint hands each rank its own file"
         assert "curve_secret_key" not in (run / "cluster.toml").read_text()
-        assert "0.0.0.0" not in (run / "cluster.toml").read_text(), "workers on other hosts get a name they can reach"
-        assert cluster.cluster.nodes[0].startswith(f"tcp://{reachable('tcp://0.0.0.0:1').split('//')[1].rsplit(':', 1)[0]}:")
+        assert "0.0.0.0" not in (run / "cluster.toml").read_text(), (
+            "workers on other hosts get a name they can reach"
+        )
+        assert cluster.cluster.nodes[0].startswith(
+            f"tcp://{reachable('tcp://0.0.0.0:1').split('//')[1].rsplit(':', 1)[0]}:"
+        )
         address = loopback(json.loads((run / "state.json").read_text())["nodes"][0]["address"])
         t = cluster.transport
         assert not query_many([address], "sc", 1.5)[0].up, "no keys, no answer"
-        assert query_many([address], "sc", 10, curve=(t.curve_server_key, t.curve_public_key, t.curve_secret_key))[0].up
+        assert query_many(
+            [address], "sc", 10, curve=(t.curve_server_key, t.curve_public_key, t.curve_secret_key)
+        )[0].up
         node_env = (run / "node.env").read_text()
         assert t.curve_public_key in node_env and "LUWU_NODE__CURVE_SECRET_KEY" in node_env
         # `luwu status --run-dir` uses keys/monitor.toml; on 0.0.0.0 it reaches the node over loopback.
-        s = luwu("status", "--config", str(run / "keys" / "monitor.toml"), f"--cluster.nodes={address}", "--json")
+        s = luwu(
+            "status",
+            "--config",
+            str(run / "keys" / "monitor.toml"),
+            f"--cluster.nodes={address}",
+            "--json",
+        )
         assert s.returncode == 0 and json.loads(s.stdout)[0]["up"], s.stdout + s.stderr
 
         # The explicit opt-out: no encryption, one warning line, and a join secret that only the
         # mode-600 files hold: a client without it gets no answer.
-        r = luwu("up", "--nodes", "1", "--host", "0.0.0.0", "--run-dir", str(plain), "--cluster.job=sd", "--node.insecure_public_bind=true", "--timeout", "90")
+        r = luwu(
+            "up",
+            "--nodes",
+            "1",
+            "--host",
+            "0.0.0.0",
+            "--run-dir",
+            str(plain),
+            "--cluster.job=sd",
+            "--node.insecure_public_bind=true",
+            "--timeout",
+            "90",
+        )
         assert r.returncode == 0, r.stdout + r.stderr
         assert "WITHOUT encryption" in r.stderr and "keys/join.toml" in r.stdout
         assert sorted(p.name for p in (plain / "keys").iterdir()) == ["join.toml", "monitor.toml"]
-        assert all(mode(p) == 0o600 for p in (plain / "keys").iterdir()) and mode(plain / "node.env") == 0o600
+        assert (
+            all(mode(p) == 0o600 for p in (plain / "keys").iterdir())
+            and mode(plain / "node.env") == 0o600
+        )
         secret = load_config(str(plain / "keys" / "join.toml"), env={}).transport.join_secret
-        assert len(secret) >= 24 and f"LUWU_NODE__JOIN_SECRET='{secret}'" in (plain / "node.env").read_text()
+        assert (
+            len(secret) >= 24
+            and f"LUWU_NODE__JOIN_SECRET='{secret}'" in (plain / "node.env").read_text()
+        )
         for public in ("cluster.toml", "plan.json"):
             assert secret not in (plain / public).read_text(), public
         address = loopback(json.loads((plain / "state.json").read_text())["nodes"][0]["address"])
@@ -211,7 +353,10 @@ def test_ssh_launcher_runs_curve_with_keys_off_argv(tmp_path):
     the node's argv free of keys, a client without keys refused, the monitor's keys answered."""
     import socket
 
-    shims = {"ssh": '#!/bin/sh\nshift\nexec sh -c "$*"\n', "scp": '#!/bin/sh\nexec cp "$1" "${2#*:}"\n'}
+    shims = {
+        "ssh": '#!/bin/sh\nshift\nexec sh -c "$*"\n',
+        "scp": '#!/bin/sh\nexec cp "$1" "${2#*:}"\n',
+    }
     for name, text in shims.items():
         (tmp_path / name).write_text(text)
         (tmp_path / name).chmod(0o755)
@@ -222,29 +367,72 @@ def test_ssh_launcher_runs_curve_with_keys_off_argv(tmp_path):
     (tmp_path / "base.toml").write_text('[cluster]\njob = "sshkeys"\n')
     here, remote = tmp_path / "here", tmp_path / "remote"
     env = dict(
-        os.environ, LUWU_SSH=str(tmp_path / "ssh"), LUWU_SCP=str(tmp_path / "scp"), LUWU_PYTHON=sys.executable, LUWU_REMOTE_PYTHON=sys.executable,
-        LUWU_RUN_DIR=str(here), LUWU_REMOTE_DIR=str(remote), LUWU_START_TIMEOUT="60", LUWU_STOP_TIMEOUT="10", LUWU_WORKERS="2", COLUMNS="200",
+        os.environ,
+        LUWU_SSH=str(tmp_path / "ssh"),
+        LUWU_SCP=str(tmp_path / "scp"),
+        LUWU_PYTHON=sys.executable,
+        LUWU_REMOTE_PYTHON=sys.executable,
+        LUWU_RUN_DIR=str(here),
+        LUWU_REMOTE_DIR=str(remote),
+        LUWU_START_TIMEOUT="60",
+        LUWU_STOP_TIMEOUT="10",
+        LUWU_WORKERS="2",
+        COLUMNS="200",
     )
     script = str(ROOT / "deploy" / "ssh" / "launch.sh")
     pid = None
     try:
-        r = subprocess.run([script, "start", str(tmp_path / "hosts"), str(tmp_path / "base.toml")], capture_output=True, text=True, timeout=120, env=env)
+        r = subprocess.run(
+            [script, "start", str(tmp_path / "hosts"), str(tmp_path / "base.toml")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         pid = read_pid(remote / "node-0.pid")
         assert r.returncode == 0, r.stdout + r.stderr
         assert " UP " in r.stdout
-        assert mode(here / "keys") == 0o700 and mode(remote) == 0o700 and mode(remote / "node.env") == 0o600
+        assert (
+            mode(here / "keys") == 0o700
+            and mode(remote) == 0o700
+            and mode(remote / "node.env") == 0o600
+        )
         worker = load_config(str(here / "keys" / "worker1.toml"), env={})
-        node_secret = [line for line in (remote / "node.env").read_text().splitlines() if "SECRET" in line][0].split("=", 1)[1].strip("'")
+        node_secret = (
+            [line for line in (remote / "node.env").read_text().splitlines() if "SECRET" in line][0]
+            .split("=", 1)[1]
+            .strip("'")
+        )
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
         assert node_secret not in cmdline and "insecure" not in cmdline and "curve" not in cmdline
-        assert "secret" not in (here / "cluster.toml").read_text() and "secret" not in (remote / "cluster.toml").read_text()
+        assert (
+            "secret" not in (here / "cluster.toml").read_text()
+            and "secret" not in (remote / "cluster.toml").read_text()
+        )
         address = worker.cluster.nodes[0]
         assert not query_many([address], "sshkeys", 1.5)[0].up, "no keys, no answer"
         t = worker.transport
-        assert query_many([address], "sshkeys", 10, curve=(t.curve_server_key, t.curve_public_key, t.curve_secret_key))[0].up
-        st = subprocess.run([script, "status", str(tmp_path / "hosts"), "--json"], capture_output=True, text=True, timeout=60, env=env)
+        assert query_many(
+            [address],
+            "sshkeys",
+            10,
+            curve=(t.curve_server_key, t.curve_public_key, t.curve_secret_key),
+        )[0].up
+        st = subprocess.run(
+            [script, "status", str(tmp_path / "hosts"), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert st.returncode == 0 and json.loads(st.stdout)[0]["up"], st.stdout + st.stderr
-        stop = subprocess.run([script, "stop", str(tmp_path / "hosts")], capture_output=True, text=True, timeout=60, env=env)
+        stop = subprocess.run(
+            [script, "stop", str(tmp_path / "hosts")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert stop.returncode == 0, stop.stderr
     finally:
         if pid is not None and pid_alive(pid):

@@ -13,7 +13,13 @@ import luwu
 
 def _node(*args: str, env: dict | None = None) -> subprocess.Popen:
     """``luwu node`` with ``args``, its stdout and stderr piped."""
-    return subprocess.Popen([sys.executable, "-m", "luwu", "node", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "luwu", "node", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _stop(*nodes: subprocess.Popen) -> None:
@@ -35,11 +41,20 @@ def _joining_line(node: subprocess.Popen) -> str:
 
 @pytest.mark.timeout(90)
 def test_node_says_which_ranks_it_waits_for(tmp_path, monkeypatch):
-    node = _node("--node.bind", "tcp://127.0.0.1:0", "--node.index", "0", "--run-dir", str(tmp_path))
+    node = _node(
+        "--node.bind", "tcp://127.0.0.1:0", "--node.index", "0", "--run-dir", str(tmp_path)
+    )
     try:
         addr = node.stdout.readline().split()[1]
-        monkeypatch.setenv("LUWU_TRANSPORT__JOIN_SECRET", tomllib.loads((tmp_path / "keys" / "join.toml").read_text())["transport"]["join_secret"])
-        opt = luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=[addr], rank=0, world_size=3, timeout_s=10)
+        monkeypatch.setenv(
+            "LUWU_TRANSPORT__JOIN_SECRET",
+            tomllib.loads((tmp_path / "keys" / "join.toml").read_text())["transport"][
+                "join_secret"
+            ],
+        )
+        opt = luwu.RemoteOptimizer(
+            torch.nn.Linear(4, 2), nodes=[addr], rank=0, world_size=3, timeout_s=10
+        )
         try:
             deadline = time.monotonic() + 30
             line = ""
@@ -63,21 +78,39 @@ def test_a_default_node_asks_every_peer_for_the_jobs_join_secret(tmp_path, monke
     from luwu.protocol import messages as wire
 
     monkeypatch.delenv("LUWU_TRANSPORT__JOIN_SECRET", raising=False)
-    nodes = [_node("--node.index", str(i), "--run-dir", str(tmp_path), "--cluster.job", "gated") for i in range(2)]
+    nodes = [
+        _node("--node.index", str(i), "--run-dir", str(tmp_path), "--cluster.job", "gated")
+        for i in range(2)
+    ]
     try:
         addrs = [n.stdout.readline().split()[1] for n in nodes]
         lines = [_joining_line(n) for n in nodes]
         join = tmp_path / "keys" / "join.toml"
-        assert all("join secret on" in line and str(join) in line and "--config" in line for line in lines), lines
-        assert sorted("made in" in line for line in lines) == [False, True], lines  # one made it, the other read it
-        assert join.stat().st_mode & 0o777 == 0o600 and (tmp_path / "keys").stat().st_mode & 0o777 == 0o700
+        assert all(
+            "join secret on" in line and str(join) in line and "--config" in line for line in lines
+        ), lines
+        assert sorted("made in" in line for line in lines) == [False, True], (
+            lines
+        )  # one made it, the other read it
+        assert (
+            join.stat().st_mode & 0o777 == 0o600
+            and (tmp_path / "keys").stat().st_mode & 0o777 == 0o700
+        )
         secret = tomllib.loads(join.read_text())["transport"]["join_secret"]
         assert len(secret) >= 32
 
         t0 = time.monotonic()
-        with pytest.raises(luwu.NodeTimeoutError, match="closed 3 connections at the ZeroMQ handshake") as e:
-            luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=addrs, rank=0, world_size=1, job="gated")
-        assert time.monotonic() - t0 < 10 and "keys/join.toml" in str(e.value) and "neither a join secret" in str(e.value)
+        with pytest.raises(
+            luwu.NodeTimeoutError, match="closed 3 connections at the ZeroMQ handshake"
+        ) as e:
+            luwu.RemoteOptimizer(
+                torch.nn.Linear(4, 2), nodes=addrs, rank=0, world_size=1, job="gated"
+            )
+        assert (
+            time.monotonic() - t0 < 10
+            and "keys/join.toml" in str(e.value)
+            and "neither a join secret" in str(e.value)
+        )
 
         import zmq
 
@@ -86,7 +119,14 @@ def test_a_default_node_asks_every_peer_for_the_jobs_join_secret(tmp_path, monke
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.connect(addrs[0])
-            hello = {"op": wire.Op.HELLO, "job": "gated", "worker": 0, "world_size": 1, "layout": "ab" * 16, "buckets": []}
+            hello = {
+                "op": wire.Op.HELLO,
+                "job": "gated",
+                "worker": 0,
+                "world_size": 1,
+                "layout": "ab" * 16,
+                "buckets": [],
+            }
             s.send_multipart(wire.encode(hello))
             assert not s.poll(1500)
             s.close(0)
@@ -94,7 +134,9 @@ def test_a_default_node_asks_every_peer_for_the_jobs_join_secret(tmp_path, monke
             ctx.term()
 
         model = torch.nn.Linear(4, 2)
-        opt = luwu.RemoteOptimizer(model, nodes=addrs, rank=0, world_size=1, config=load_config(str(join)), lr=0.1)
+        opt = luwu.RemoteOptimizer(
+            model, nodes=addrs, rank=0, world_size=1, config=load_config(str(join)), lr=0.1
+        )
         try:
             for _ in range(3):
                 opt.zero_grad()
@@ -121,12 +163,23 @@ def test_strangers_hellos_to_a_default_node_beside_a_job_allocate_nothing(tmp_pa
 
     from luwu.protocol import messages as wire
 
-    spec = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 40, "batch": 8, "bucket_bytes": 1024, "timeout_s": 60.0}
+    spec = {
+        "optimizer": "adamw",
+        "hyper": {"lr": 0.01},
+        "steps": 40,
+        "batch": 8,
+        "bucket_bytes": 1024,
+        "timeout_s": 60.0,
+    }
     node = _node("--node.index", "0", "--run-dir", str(tmp_path), "--cluster.job", "luwu")
     try:
         addr = node.stdout.readline().split()[1]
-        secret = tomllib.loads((tmp_path / "keys" / "join.toml").read_text())["transport"]["join_secret"]
-        monkeypatch.setenv("LUWU_TRANSPORT__JOIN_SECRET", secret)  # (the workers: from the node's join file)
+        secret = tomllib.loads((tmp_path / "keys" / "join.toml").read_text())["transport"][
+            "join_secret"
+        ]
+        monkeypatch.setenv(
+            "LUWU_TRANSPORT__JOIN_SECRET", secret
+        )  # (the workers: from the node's join file)
         out: dict = {}
 
         def train() -> None:
@@ -141,7 +194,9 @@ def test_strangers_hellos_to_a_default_node_beside_a_job_allocate_nothing(tmp_pa
 
         deadline = time.monotonic() + 90
         while query_many([addr], "luwu", 5, join_secret=secret)[0].detail.get("workers", 0) < 2:
-            assert th.is_alive() and time.monotonic() < deadline, out.get("error", "the job's workers did not connect")
+            assert th.is_alive() and time.monotonic() < deadline, out.get(
+                "error", "the job's workers did not connect"
+            )
             time.sleep(0.05)
         before = proc_status(node.pid)["VmRSS"]
         ctx = zmq.Context()
@@ -150,9 +205,24 @@ def test_strangers_hellos_to_a_default_node_beside_a_job_allocate_nothing(tmp_pa
                 s = ctx.socket(zmq.DEALER)
                 s.setsockopt(zmq.LINGER, 0)
                 s.connect(addr)
-                bucket = [0, 0, 2**28, [[0, 0, 0, 2**28]]] if i % 2 else [1, 0, 2**28, [[1, 0, 0, 2**28]]]  # 1 GiB of fp32
-                hello = {"op": wire.Op.HELLO, "job": "luwu", "step": 0, "worker": i % 2, "world_size": 2, "layout": "ab" * 16,
-                         "node_index": 0, "buckets": [bucket], "optimizer": "adamw", "mode": "sync", "param_names": {0: "w", 1: "v"}}
+                bucket = (
+                    [0, 0, 2**28, [[0, 0, 0, 2**28]]]
+                    if i % 2
+                    else [1, 0, 2**28, [[1, 0, 0, 2**28]]]
+                )  # 1 GiB of fp32
+                hello = {
+                    "op": wire.Op.HELLO,
+                    "job": "luwu",
+                    "step": 0,
+                    "worker": i % 2,
+                    "world_size": 2,
+                    "layout": "ab" * 16,
+                    "node_index": 0,
+                    "buckets": [bucket],
+                    "optimizer": "adamw",
+                    "mode": "sync",
+                    "param_names": {0: "w", 1: "v"},
+                }
                 s.send_multipart(wire.encode(hello))
                 assert not s.poll(300), "a stranger's HELLO was answered"
                 s.close(0)
@@ -183,8 +253,15 @@ def test_an_open_node_is_only_one_told_so_and_it_warns(tmp_path):
     err = node.stderr.read()
     assert err.count("is OPEN (node.insecure_open)") == 1, err
     assert not (tmp_path / "keys").exists()
-    r = subprocess.run([sys.executable, "-m", "luwu", "node", "--node.listener", "libzmq"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "node.insecure_open = true" in r.stderr and "CURVE keys" in r.stderr, r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "luwu", "node", "--node.listener", "libzmq"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        r.returncode == 2 and "node.insecure_open = true" in r.stderr and "CURVE keys" in r.stderr
+    ), r.stderr
 
 
 @pytest.mark.timeout(90)
@@ -241,11 +318,27 @@ def test_a_busy_port_is_one_line_that_names_the_address():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         address = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
-        r = subprocess.run([sys.executable, "-m", "luwu", "node", "--node.bind", address, "--node.insecure_open", "true"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "luwu",
+                "node",
+                "--node.bind",
+                address,
+                "--node.insecure_open",
+                "true",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert address in lines[0] and "Address already in use" in lines[0] and "--node.bind" in lines[0], lines[0]
+    assert (
+        address in lines[0] and "Address already in use" in lines[0] and "--node.bind" in lines[0]
+    ), lines[0]
 
 
 @pytest.mark.timeout(90)
@@ -261,24 +354,38 @@ def test_a_dead_node_is_named_with_what_to_do(caplog):
     caplog.set_level("INFO", logger="luwu.gpu_workers.client")
     old, client.PROGRESS_EVERY_S = client.PROGRESS_EVERY_S, 1.0
     try:
-        with socket.socket() as s, pytest.raises(luwu.NodeTimeoutError) as e:  # the kernel accepts, nobody speaks
+        with (
+            socket.socket() as s,
+            pytest.raises(luwu.NodeTimeoutError) as e,
+        ):  # the kernel accepts, nobody speaks
             s.bind(("127.0.0.1", 0))
             s.listen()
             addr = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-            luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=[addr], rank=0, world_size=1, transport=TransportConfig(connect_timeout_s=3.0))
+            luwu.RemoteOptimizer(
+                torch.nn.Linear(4, 2),
+                nodes=[addr],
+                rank=0,
+                world_size=1,
+                transport=TransportConfig(connect_timeout_s=3.0),
+            )
     finally:
         client.PROGRESS_EVERY_S = old
     msg = str(e.value)
     assert addr in msg and "None" not in msg and "bucket -1" not in msg, msg
     assert "is a node listening there" in msg and "cluster.nodes" in msg
     assert e.value.node == addr
-    assert any("still waiting for WELCOME" in r.getMessage() and addr in r.getMessage() for r in caplog.records)
+    assert any(
+        "still waiting for WELCOME" in r.getMessage() and addr in r.getMessage()
+        for r in caplog.records
+    )
 
 
 @pytest.mark.timeout(60)
 def test_a_host_that_does_not_resolve_is_named_at_once():
     t0 = time.monotonic()
     with pytest.raises(luwu.NodeTimeoutError, match="does not resolve") as e:
-        luwu.RemoteOptimizer(torch.nn.Linear(4, 2), nodes=["tcp://no-such-host.invalid:5555"], rank=0, world_size=1)
+        luwu.RemoteOptimizer(
+            torch.nn.Linear(4, 2), nodes=["tcp://no-such-host.invalid:5555"], rank=0, world_size=1
+        )
     assert "no-such-host.invalid" in str(e.value) and "cluster.nodes" in str(e.value)
     assert time.monotonic() - t0 < 20  # not after the 30 s connect deadline

@@ -15,22 +15,36 @@ SCHEDULERS = {
     "MultiStepLR": lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[2, 5], gamma=0.3),
     "ExponentialLR": lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.8),
     "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=6),
-    "CosineAnnealingWarmRestarts": lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=3),
+    "CosineAnnealingWarmRestarts": lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
+        o, T_0=3
+    ),
     "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=12),
     "LambdaLR": lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
     "LinearLR": lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.2, total_iters=5),
     "SequentialLR": lambda o: torch.optim.lr_scheduler.SequentialLR(
-        o, [torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=3), torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9)], milestones=[3]
+        o,
+        [
+            torch.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=3),
+            torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9),
+        ],
+        milestones=[3],
     ),
-    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=0.5, patience=0),
+    "ReduceLROnPlateau": lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(
+        o, factor=0.5, patience=0
+    ),
 }
 
 
 def model_and_data(seed=0):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 32), torch.nn.Tanh(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 4)
+    )
     g = torch.Generator().manual_seed(seed + 1)
-    data = [(torch.randn(16, 12, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(12)]
+    data = [
+        (torch.randn(16, 12, generator=g), torch.randint(0, 4, (16,), generator=g))
+        for _ in range(12)
+    ]
     return model, data
 
 
@@ -61,7 +75,15 @@ def train(model, opt, data, sched=None, steps=None, closure=False):
 def test_every_scheduler_matches_local_adamw(name, cluster1):
     model, data = model_and_data()
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=0.02, weight_decay=0.01, bucket_bytes=1024, compression=False)
+    ropt = luwu.RemoteOptimizer(
+        model,
+        "adamw",
+        nodes=cluster1.addresses,
+        lr=0.02,
+        weight_decay=0.01,
+        bucket_bytes=1024,
+        compression=False,
+    )
     lopt = torch.optim.AdamW(ref.parameters(), lr=0.02, weight_decay=0.01)
     try:
         got = train(model, ropt, data, SCHEDULERS[name](ropt))
@@ -77,7 +99,14 @@ def test_every_scheduler_matches_local_adamw(name, cluster1):
 def test_tensor_lr_and_cycled_betas_travel(cluster1):
     model, data = model_and_data()
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=torch.tensor(0.01), bucket_bytes=1024, compression=False)
+    ropt = luwu.RemoteOptimizer(
+        model,
+        "adamw",
+        nodes=cluster1.addresses,
+        lr=torch.tensor(0.01),
+        bucket_bytes=1024,
+        compression=False,
+    )
     lopt = torch.optim.AdamW(ref.parameters(), lr=torch.tensor(0.01))
     try:
         for opt in (ropt, lopt):
@@ -91,7 +120,10 @@ def test_tensor_lr_and_cycled_betas_travel(cluster1):
 def grouped(model):
     decay = [p for n, p in model.named_parameters() if p.ndim == 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.005}]
+    return [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": no_decay, "weight_decay": 0.0, "lr": 0.005},
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -100,7 +132,14 @@ def test_param_groups_and_add_param_group(cluster2):
     ref = clone_model(model)
     extra, extra_ref = torch.nn.Parameter(torch.randn(4)), None
     extra_ref = torch.nn.Parameter(extra.detach().clone())
-    ropt = luwu.RemoteOptimizer(grouped(model), "adamw", nodes=cluster2.addresses, lr=0.02, bucket_bytes=512, compression=False)
+    ropt = luwu.RemoteOptimizer(
+        grouped(model),
+        "adamw",
+        nodes=cluster2.addresses,
+        lr=0.02,
+        bucket_bytes=512,
+        compression=False,
+    )
     lopt = torch.optim.AdamW(grouped(ref), lr=0.02)
     try:
         for g, w in zip(train(model, ropt, data, steps=4), train(ref, lopt, data, steps=4)):
@@ -121,7 +160,10 @@ def named_groups(model):
     """torch.optim's named form: groups of (name, tensor) pairs."""
     decay = [(n, p) for n, p in model.named_parameters() if p.ndim == 2]
     no_decay = [(n, p) for n, p in model.named_parameters() if p.ndim < 2]
-    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.005}]
+    return [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": no_decay, "weight_decay": 0.0, "lr": 0.005},
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -133,12 +175,21 @@ def test_named_param_groups_keep_names_for_compression_rules(cluster1):
     model, data = model_and_data()
     ref = clone_model(model)
     cc = CompressionConfig(rules=[("3.weight", "none"), ("0.*", "fp16")], warmup_steps=0)
-    ropt = luwu.RemoteOptimizer(named_groups(model), "adamw", nodes=cluster1.addresses, lr=0.02, bucket_bytes=1024, compression=cc)
+    ropt = luwu.RemoteOptimizer(
+        named_groups(model),
+        "adamw",
+        nodes=cluster1.addresses,
+        lr=0.02,
+        bucket_bytes=1024,
+        compression=cc,
+    )
     lopt = torch.optim.AdamW(named_groups(ref), lr=0.02)
     try:
         want_names = [n for g in named_groups(model) for n, _ in g["params"]]
         assert [p.name for p in ropt.layout.params] == want_names
-        chosen = {s.name: ropt.worker._codec_for(b, 5)[0] for b in ropt.layout.buckets for s in b.segments}
+        chosen = {
+            s.name: ropt.worker._codec_for(b, 5)[0] for b in ropt.layout.buckets for s in b.segments
+        }
         assert chosen["3.weight"] == "none" and chosen["0.weight"] == "fp16", chosen
         assert ropt.param_groups[0]["param_names"] == ["0.weight", "3.weight"]
         # fp16 is lossy: compare with a loose bound; the uncompressed rule keeps 3.weight close
@@ -156,7 +207,9 @@ def test_variance_freeze_step_travels_in_the_param_groups(cluster1):
     ref = clone_model(model)
     groups = grouped(model)
     groups[0]["variance_freeze_step"] = 2
-    ropt = luwu.RemoteOptimizer(groups, "adamw", nodes=cluster1.addresses, lr=0.02, bucket_bytes=1024, compression=False)
+    ropt = luwu.RemoteOptimizer(
+        groups, "adamw", nodes=cluster1.addresses, lr=0.02, bucket_bytes=1024, compression=False
+    )
     lopt = torch.optim.AdamW(grouped(ref), lr=0.02)
     try:
         train(model, ropt, data, steps=2)
@@ -170,9 +223,16 @@ def test_variance_freeze_step_travels_in_the_param_groups(cluster1):
         for i in later["state"]:
             assert float(later["state"][i]["step"]) == 5
             assert not torch.equal(later["state"][i]["exp_avg"], at_freeze["state"][i]["exp_avg"])
-            same_sq = torch.equal(later["state"][i]["exp_avg_sq"], at_freeze["state"][i]["exp_avg_sq"])
-            assert same_sq == (i < num_frozen), f"parameter {i}: exp_avg_sq {'frozen' if same_sq else 'moved'}"
-        assert later["param_groups"][0]["variance_freeze_step"] == 2 and "variance_freeze_step" not in later["param_groups"][1]
+            same_sq = torch.equal(
+                later["state"][i]["exp_avg_sq"], at_freeze["state"][i]["exp_avg_sq"]
+            )
+            assert same_sq == (i < num_frozen), (
+                f"parameter {i}: exp_avg_sq {'frozen' if same_sq else 'moved'}"
+            )
+        assert (
+            later["param_groups"][0]["variance_freeze_step"] == 2
+            and "variance_freeze_step" not in later["param_groups"][1]
+        )
     finally:
         ropt.close()
 
@@ -194,16 +254,27 @@ def test_bad_hyperparameters_fail_in_the_constructor_naming_the_group(group, mat
     model, _ = model_and_data()
     params = list(model.parameters())
     with pytest.raises(ConfigError, match=match):
-        luwu.RemoteOptimizer([dict(group, params=params)], "adamw", nodes=["tcp://127.0.0.1:9"], lr=0.01)
-    with pytest.raises(ConfigError, match="variance_freeze_step applies to adam and adamw, not to sgd"):
-        luwu.RemoteOptimizer([{"params": params, "variance_freeze_step": 3}], "sgd", nodes=["tcp://127.0.0.1:9"], lr=0.01)
+        luwu.RemoteOptimizer(
+            [dict(group, params=params)], "adamw", nodes=["tcp://127.0.0.1:9"], lr=0.01
+        )
+    with pytest.raises(
+        ConfigError, match="variance_freeze_step applies to adam and adamw, not to sgd"
+    ):
+        luwu.RemoteOptimizer(
+            [{"params": params, "variance_freeze_step": 3}],
+            "sgd",
+            nodes=["tcp://127.0.0.1:9"],
+            lr=0.01,
+        )
 
 
 @pytest.mark.timeout(60)
 def test_add_param_group_with_a_bad_value_leaves_the_optimizer_as_it_was(cluster1):
     model, _ = model_and_data()
     params = list(model.parameters())
-    ropt = luwu.RemoteOptimizer(params[:-1], "adamw", nodes=cluster1.addresses, lr=0.01, compression=False)
+    ropt = luwu.RemoteOptimizer(
+        params[:-1], "adamw", nodes=cluster1.addresses, lr=0.01, compression=False
+    )
     try:
         with pytest.raises(ConfigError, match="param group 1: invalid learning rate: -0.5"):
             ropt.add_param_group({"params": params[-1:], "lr": -0.5})
@@ -216,7 +287,12 @@ def assert_state_close(a: dict, b: dict):
     assert sorted(a["state"]) == sorted(b["state"])
     for i in a["state"]:
         for k in a["state"][i]:
-            torch.testing.assert_close(torch.as_tensor(a["state"][i][k]).float(), torch.as_tensor(b["state"][i][k]).float(), rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(
+                torch.as_tensor(a["state"][i][k]).float(),
+                torch.as_tensor(b["state"][i][k]).float(),
+                rtol=1e-6,
+                atol=1e-7,
+            )
     for ga, gb in zip(a["param_groups"], b["param_groups"]):
         assert ga["params"] == gb["params"]
         for k in ("lr", "betas", "eps", "weight_decay"):
@@ -229,12 +305,23 @@ def test_state_dict_roundtrip_with_torch_and_resharding(tmp_path):
     ref = clone_model(model)
     lopt = torch.optim.AdamW(ref.parameters(), lr=0.02, weight_decay=0.01)
     with luwu.local_cluster(2) as c2:
-        ropt = luwu.RemoteOptimizer(model, "adamw", nodes=c2.addresses, lr=0.02, weight_decay=0.01, bucket_bytes=512, compression=False)
+        ropt = luwu.RemoteOptimizer(
+            model,
+            "adamw",
+            nodes=c2.addresses,
+            lr=0.02,
+            weight_decay=0.01,
+            bucket_bytes=512,
+            compression=False,
+        )
         train(model, ropt, data, steps=5)
         train(ref, lopt, data, steps=5)
         sd = ropt.state_dict()
         assert set(sd) == {"state", "param_groups"}
-        assert set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"} and float(sd["state"][0]["step"]) == 5
+        assert (
+            set(sd["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+            and float(sd["state"][0]["step"]) == 5
+        )
         assert_state_close(sd, lopt.state_dict())
         torch.save({"model": model.state_dict(), "opt": sd}, tmp_path / "ckpt.pt")
         ropt.close()
@@ -245,9 +332,13 @@ def test_state_dict_roundtrip_with_torch_and_resharding(tmp_path):
     t_opt = torch.optim.AdamW(m_torch.parameters(), lr=0.5)
     t_opt.load_state_dict(ckpt["opt"])
     # torch checkpoint -> RemoteOptimizer on 3 nodes (re-sharded) continues identically
-    m_remote, _ = model_and_data(seed=5)  # other weights: load_state_dict must set the nodes' weights
+    m_remote, _ = model_and_data(
+        seed=5
+    )  # other weights: load_state_dict must set the nodes' weights
     with luwu.local_cluster(3) as c3:
-        r3 = luwu.RemoteOptimizer(m_remote, "adamw", nodes=c3.addresses, lr=0.5, bucket_bytes=512, compression=False)
+        r3 = luwu.RemoteOptimizer(
+            m_remote, "adamw", nodes=c3.addresses, lr=0.5, bucket_bytes=512, compression=False
+        )
         try:
             m_remote.load_state_dict(ref.state_dict())
             r3.load_state_dict(lopt.state_dict())
@@ -266,14 +357,27 @@ def test_state_dict_roundtrip_with_torch_and_resharding(tmp_path):
 def test_sgd_momentum_state_dict_matches_torch(cluster1):
     model, data = model_and_data()
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, "sgd", nodes=cluster1.addresses, lr=0.05, momentum=0.9, bucket_bytes=512, compression=False)
+    ropt = luwu.RemoteOptimizer(
+        model,
+        "sgd",
+        nodes=cluster1.addresses,
+        lr=0.05,
+        momentum=0.9,
+        bucket_bytes=512,
+        compression=False,
+    )
     lopt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     try:
         train(model, ropt, data, steps=3)
         train(ref, lopt, data, steps=3)
         a, b = ropt.state_dict(), lopt.state_dict()
         for i in b["state"]:
-            torch.testing.assert_close(a["state"][i]["momentum_buffer"], b["state"][i]["momentum_buffer"], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(
+                a["state"][i]["momentum_buffer"],
+                b["state"][i]["momentum_buffer"],
+                rtol=1e-6,
+                atol=1e-7,
+            )
     finally:
         ropt.close()
 
@@ -284,18 +388,26 @@ def test_grad_none_parameter_is_skipped_like_torch(cluster1):
     trunk, side = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
     model = torch.nn.ModuleDict({"trunk": trunk, "side": side})
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=0.05, bucket_bytes=64, compression=False)
+    ropt = luwu.RemoteOptimizer(
+        model, "adamw", nodes=cluster1.addresses, lr=0.05, bucket_bytes=64, compression=False
+    )
     lopt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     try:
         for step in range(6):
             x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
             for m, opt in ((model, ropt), (ref, lopt)):
                 opt.zero_grad(set_to_none=True)
-                out = m["trunk"](x) + (m["side"](x) if step % 3 == 0 else 0)  # side has grad None 2 steps in 3
+                out = m["trunk"](x) + (
+                    m["side"](x) if step % 3 == 0 else 0
+                )  # side has grad None 2 steps in 3
                 out.square().mean().backward()
                 opt.step()
             assert_params_close(list(model.parameters()), list(ref.parameters()))
-        assert float(ropt.state_dict()["state"][2]["step"]) == float(lopt.state_dict()["state"][2]["step"]) == 2
+        assert (
+            float(ropt.state_dict()["state"][2]["step"])
+            == float(lopt.state_dict()["state"][2]["step"])
+            == 2
+        )
     finally:
         ropt.close()
 
@@ -306,8 +418,19 @@ def test_workers_disagreeing_on_grad_none_get_error_naming_parameter(cluster1):
 
     def run(rank):
         torch.manual_seed(0)
-        model = torch.nn.ModuleDict({"trunk": torch.nn.Linear(6, 3), "head_b": torch.nn.Linear(6, 3)})
-        opt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, rank=rank, world_size=2, lr=0.05, bucket_bytes=1024, timeout_s=4)
+        model = torch.nn.ModuleDict(
+            {"trunk": torch.nn.Linear(6, 3), "head_b": torch.nn.Linear(6, 3)}
+        )
+        opt = luwu.RemoteOptimizer(
+            model,
+            "adamw",
+            nodes=cluster1.addresses,
+            rank=rank,
+            world_size=2,
+            lr=0.05,
+            bucket_bytes=1024,
+            timeout_s=4,
+        )
         try:
             x = torch.randn(4, 6)
             out = model["trunk"](x) + (model["head_b"](x) if rank == 1 else 0)
@@ -363,7 +486,13 @@ def test_global_norm_clipping_equals_local(cluster2, tmp_path):
 
 @pytest.mark.timeout(180)
 def test_grad_scaler_overflow_decision_is_global(cluster2, tmp_path):
-    spec = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 6, "amp": True, "inject_inf": [1, 3]}
+    spec = {
+        "optimizer": "adamw",
+        "hyper": {"lr": 0.01},
+        "steps": 6,
+        "amp": True,
+        "inject_inf": [1, 3],
+    }
     results = run_training(spec, cluster2.addresses, tmp_path)
     want, want_scales = reference(dict(spec, world_size=2))
     assert results[0]["scales"] == results[1]["scales"] == want_scales
@@ -385,7 +514,9 @@ def test_gradient_accumulation_pushes_once_per_step(cluster2, tmp_path):
 def test_bf16_autocast_on_cpu(cluster1):
     model, data = model_and_data()
     ref = clone_model(model)
-    ropt = luwu.RemoteOptimizer(model, "adamw", nodes=cluster1.addresses, lr=0.01, compression=False)
+    ropt = luwu.RemoteOptimizer(
+        model, "adamw", nodes=cluster1.addresses, lr=0.01, compression=False
+    )
     lopt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     try:
         for x, y in data[:4]:

@@ -7,7 +7,10 @@ from workers.train import reference  # noqa: E402
 CASES = {
     "adamw": {"optimizer": "adamw", "hyper": {"lr": 0.01, "weight_decay": 0.05}},
     "adam": {"optimizer": "adam", "hyper": {"lr": 0.01, "weight_decay": 0.01}},
-    "sgd_nesterov": {"optimizer": "sgd", "hyper": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3}},
+    "sgd_nesterov": {
+        "optimizer": "sgd",
+        "hyper": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3},
+    },
     "sgd_plain": {"optimizer": "sgd", "hyper": {"lr": 0.05}},
 }
 
@@ -24,14 +27,15 @@ def test_two_workers_two_nodes_equal_local_torch(name, cluster2, tmp_path):
     assert_params_close(results[0]["params"], results[1]["params"], rtol=0, atol=0)
 
 
-
 def _pushed(**kw) -> tuple[int, object]:
     """Bytes one worker pushes for one step of a 512 x 512 matrix on a fresh node; and its resolved config."""
     import torch
 
     import luwu
 
-    model = torch.nn.Linear(512, 512, bias=False)  # one large matrix: the default policy compresses it
+    model = torch.nn.Linear(
+        512, 512, bias=False
+    )  # one large matrix: the default policy compresses it
     with luwu.local_cluster(1) as c:
         opt = luwu.RemoteOptimizer(model, nodes=c.addresses, lr=0.01, **kw)
         try:
@@ -68,12 +72,20 @@ def test_from_config_builds_everything_from_the_cluster_file(cluster2, tmp_path)
 
     f = tmp_path / "cluster.toml"
     nodes = ", ".join(f'"{a}"' for a in cluster2.addresses)
-    f.write_text(f"[cluster]\nnodes = [{nodes}]\ncapacities = [1.0, 3.0]\n[compression]\nenabled = false\n[transport]\nbucket_bytes = 1024\ntimeout_s = 20.0\n")
+    f.write_text(
+        f"[cluster]\nnodes = [{nodes}]\ncapacities = [1.0, 3.0]\n[compression]\nenabled = false\n[transport]\nbucket_bytes = 1024\ntimeout_s = 20.0\n"
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
     ref.load_state_dict(model.state_dict())
-    opt = luwu.RemoteOptimizer.from_config(model, load_config(str(f), env={"LUWU_TRANSPORT__JOIN_SECRET": cluster2.join_secret}), lr=0.01, rank=0, world_size=1)
+    opt = luwu.RemoteOptimizer.from_config(
+        model,
+        load_config(str(f), env={"LUWU_TRANSPORT__JOIN_SECRET": cluster2.join_secret}),
+        lr=0.01,
+        rank=0,
+        world_size=1,
+    )
     lopt = torch.optim.AdamW(ref.parameters(), lr=0.01)
     try:
         assert opt.nodes == cluster2.addresses and opt.capacities == [1.0, 3.0]
@@ -88,6 +100,11 @@ def test_from_config_builds_everything_from_the_cluster_file(cluster2, tmp_path)
                 o.step()
         assert_params_close(list(model.parameters()), list(ref.parameters()))
         report = opt.last_report  # what the worker's step reported
-        assert (report.step, report.skipped, report.grad_norm, report.delayed) == (2, False, None, False)
+        assert (report.step, report.skipped, report.grad_norm, report.delayed) == (
+            2,
+            False,
+            None,
+            False,
+        )
     finally:
         opt.close()

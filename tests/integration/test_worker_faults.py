@@ -9,7 +9,13 @@ from harness import TRAIN, start_workers, wait_all
 
 import luwu
 
-SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 30, "step_sleep": 0.05, "timeout_s": 20.0}
+SPEC = {
+    "optimizer": "adamw",
+    "hyper": {"lr": 0.01},
+    "steps": 30,
+    "step_sleep": 0.05,
+    "timeout_s": 20.0,
+}
 
 
 def read_until(proc, text, timeout_s=60):
@@ -54,10 +60,21 @@ def test_elastic_mode_drops_a_killed_worker_and_a_new_one_rejoins(tmp_path, pull
     """Uncompressed, and with the delta pulls (each reply a step from what the workers hold): the joiner pulls
     the weights whole, then holds exactly what the worker that never left holds."""
     args = ["--node.worker_policy", "elastic", "--node.worker_timeout_s", "2"]
-    compression = None if pull is None else {"pull_codec": pull, "warmup_steps": 0, "link_gbps": 1.0}
+    compression = (
+        None if pull is None else {"pull_codec": pull, "warmup_steps": 0, "link_gbps": 1.0}
+    )
     with luwu.local_cluster(2, node_args=args) as cluster:
         # slow enough that rank 0 is still training when the new process has started and joins
-        spec = dict(SPEC, nodes=cluster.addresses, world_size=2, out=str(tmp_path / "res"), resilient=True, steps=120, step_sleep=0.1, compression=compression)
+        spec = dict(
+            SPEC,
+            nodes=cluster.addresses,
+            world_size=2,
+            out=str(tmp_path / "res"),
+            resilient=True,
+            steps=120,
+            step_sleep=0.1,
+            compression=compression,
+        )
         procs = start_workers(TRAIN, spec, 2, tmp_path)
         read_until(procs[1], "STEP 5")
         procs[1].kill()
@@ -77,9 +94,20 @@ def test_elastic_mode_drops_a_killed_worker_and_a_new_one_rejoins(tmp_path, pull
 @pytest.mark.parametrize("pull", [None, "bf16_steps"])
 def test_elastic_mode_stalled_worker_is_dropped_then_recovers(tmp_path, pull):
     args = ["--node.worker_policy", "elastic", "--node.worker_timeout_s", "2"]
-    compression = None if pull is None else {"pull_codec": pull, "warmup_steps": 0, "link_gbps": 1.0}
+    compression = (
+        None if pull is None else {"pull_codec": pull, "warmup_steps": 0, "link_gbps": 1.0}
+    )
     with luwu.local_cluster(1, node_args=args) as cluster:
-        spec = dict(SPEC, nodes=cluster.addresses, world_size=2, out=str(tmp_path / "res"), resilient=True, steps=120, step_sleep=0.1, compression=compression)
+        spec = dict(
+            SPEC,
+            nodes=cluster.addresses,
+            world_size=2,
+            out=str(tmp_path / "res"),
+            resilient=True,
+            steps=120,
+            step_sleep=0.1,
+            compression=compression,
+        )
         procs = start_workers(TRAIN, spec, 2, tmp_path)
         read_until(procs[1], "STEP 5")
         procs[1].send_signal(signal.SIGSTOP)

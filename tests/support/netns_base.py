@@ -61,7 +61,9 @@ def parse_rate(value: str | int | float | None) -> int | None:
         if m:
             bps = int(float(m.group(1)) * _RATE_UNITS[(m.group(2) or "bit").lower()])
             return bps or None
-    raise ValueError(f"rate must look like '1gbit', '500mbit', bits/s or 'unlimited', got {value!r}")
+    raise ValueError(
+        f"rate must look like '1gbit', '500mbit', bits/s or 'unlimited', got {value!r}"
+    )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -98,22 +100,32 @@ class ClusterConfig:
         parse_rate(self.rate)
         for host, rate in self.host_rates.items():
             if not isinstance(host, int) or not 0 <= host < self.num_hosts:
-                raise ValueError(f"host_rates key must be a host index in [0, {self.num_hosts}), got {host!r}")
+                raise ValueError(
+                    f"host_rates key must be a host index in [0, {self.num_hosts}), got {host!r}"
+                )
             parse_rate(rate)
         try:
             net = ipaddress.IPv4Network(self.subnet)
         except ValueError as exc:
-            raise ValueError(f"subnet must be an IPv4 network like '10.77.0.0/24', got {self.subnet!r}") from exc
+            raise ValueError(
+                f"subnet must be an IPv4 network like '10.77.0.0/24', got {self.subnet!r}"
+            ) from exc
         if net.num_addresses - 2 < self.num_hosts:
-            raise ValueError(f"subnet {self.subnet!r} has too few addresses for num_hosts={self.num_hosts}")
+            raise ValueError(
+                f"subnet {self.subnet!r} has too few addresses for num_hosts={self.num_hosts}"
+            )
         if not 576 <= self.mtu <= 65535:
             raise ValueError(f"mtu must be in [576, 65535], got {self.mtu!r}")
         if not 0 < self.burst_s <= 1:
             raise ValueError(f"burst_s must be in (0, 1], got {self.burst_s!r}")
         if not 0 < self.queue_s <= 10:
             raise ValueError(f"queue_s must be in (0, 10], got {self.queue_s!r}")
-        if self.congestion_control is not None and not re.fullmatch(r"[a-z0-9_]+", self.congestion_control):
-            raise ValueError(f"congestion_control must be a kernel name like 'cubic', got {self.congestion_control!r}")
+        if self.congestion_control is not None and not re.fullmatch(
+            r"[a-z0-9_]+", self.congestion_control
+        ):
+            raise ValueError(
+                f"congestion_control must be a kernel name like 'cubic', got {self.congestion_control!r}"
+            )
         if self.name is not None and not re.fullmatch(r"[A-Za-z0-9_]{1,32}", self.name):
             raise ValueError(f"name must be 1-32 of [A-Za-z0-9_], got {self.name!r}")
 
@@ -156,8 +168,25 @@ def netns_available() -> tuple[bool, str]:
         try:
             run_cmd(["ip", "-n", ns, "link", "add", "b0", "type", "bridge"])
             run_cmd(["ip", "-n", ns, "link", "add", "v0", "type", "veth", "peer", "name", "v1"])
-            run_cmd(["tc", "-n", ns, "qdisc", "add", "dev", "v0", "root", "tbf",
-                  "rate", "1gbit", "burst", "128kb", "latency", "4ms"])
+            run_cmd(
+                [
+                    "tc",
+                    "-n",
+                    ns,
+                    "qdisc",
+                    "add",
+                    "dev",
+                    "v0",
+                    "root",
+                    "tbf",
+                    "rate",
+                    "1gbit",
+                    "burst",
+                    "128kb",
+                    "latency",
+                    "4ms",
+                ]
+            )
         finally:
             run_cmd(["ip", "netns", "del", ns], check=False)
     except NetnsError as exc:
@@ -167,7 +196,9 @@ def netns_available() -> tuple[bool, str]:
 
 def list_namespaces() -> list[str]:
     """Names of all LuWu cluster namespaces on this machine."""
-    names = (line.split()[0] for line in run_cmd(["ip", "netns", "list"]).splitlines() if line.strip())
+    names = (
+        line.split()[0] for line in run_cmd(["ip", "netns", "list"]).splitlines() if line.strip()
+    )
     return sorted(n for n in names if _NS_RE.match(n))
 
 
@@ -192,7 +223,9 @@ def cleanup(prefix: str) -> list[str]:
     names = [ns for ns in list_namespaces() if ns.startswith(prefix + "-")]
     pids = set()
     for ns in names:
-        pids.update(int(p) for p in run_cmd(["ip", "netns", "pids", ns], check=False).split() if p.isdigit())
+        pids.update(
+            int(p) for p in run_cmd(["ip", "netns", "pids", ns], check=False).split() if p.isdigit()
+        )
     pids.discard(os.getpid())
     _kill_pids(pids)
     for ns in names:

@@ -74,8 +74,19 @@ from support.netns_base import (  # noqa: E402  (re-exported: the one import a u
     run_cmd,
 )
 
-__all__ = ["Cluster", "ClusterConfig", "NetnsError", "cleanup", "cleanup_all", "cleanup_stale", "list_clusters",
-           "list_namespaces", "main", "netns_available", "parse_rate"]
+__all__ = [
+    "Cluster",
+    "ClusterConfig",
+    "NetnsError",
+    "cleanup",
+    "cleanup_all",
+    "cleanup_stale",
+    "list_clusters",
+    "list_namespaces",
+    "main",
+    "netns_available",
+    "parse_rate",
+]
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +116,10 @@ def _install_hooks() -> None:
         return
     _HOOKS_INSTALLED = True
     atexit.register(_teardown_live)
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
         signal.signal(signal.SIGTERM, _on_sigterm)
 
 
@@ -120,7 +134,9 @@ class Cluster:
         if config is not None and kwargs:
             raise ValueError("pass either a ClusterConfig or keyword settings, not both")
         self.config = config if config is not None else ClusterConfig(**kwargs)  # type: ignore[arg-type]
-        owner, tag = ("cli", self.config.name) if self.config.name else (str(os.getpid()), str(next(SEQ)))
+        owner, tag = (
+            ("cli", self.config.name) if self.config.name else (str(os.getpid()), str(next(SEQ)))
+        )
         self.prefix = f"luwu-{owner}-{tag}"
         self.hosts = [f"h{i}" for i in range(self.config.num_hosts)]
         net = ipaddress.IPv4Network(self.config.subnet)
@@ -170,7 +186,9 @@ class Cluster:
             raise NetnsError(f"cannot build a cluster: {reason}")
         cleanup_stale()
         if self.config.name and any(ns.startswith(self.prefix + "-") for ns in list_namespaces()):
-            raise NetnsError(f"cluster {self.prefix} is already up; run 'down --name {self.config.name}' first")
+            raise NetnsError(
+                f"cluster {self.prefix} is already up; run 'down --name {self.config.name}' first"
+            )
         cleanup(self.prefix)  # a dead process with our pid may have left this prefix
         self._owned = True
         t0 = time.monotonic()
@@ -185,32 +203,86 @@ class Cluster:
         except BaseException:
             self.down()
             raise
-        log.info("cluster %s up: %d hosts in %.2f s", self.prefix, len(self.hosts), time.monotonic() - t0)
+        log.info(
+            "cluster %s up: %d hosts in %.2f s", self.prefix, len(self.hosts), time.monotonic() - t0
+        )
         return self
 
     def _build(self) -> None:
         br = self.bridge_ns
         run_cmd(["ip", "netns", "add", br])
-        self._sysctl(br, {"net.bridge.bridge-nf-call-iptables": 0, "net.bridge.bridge-nf-call-ip6tables": 0,
-                          "net.bridge.bridge-nf-call-arptables": 0, "net.ipv6.conf.all.disable_ipv6": 1,
-                          "net.ipv6.conf.default.disable_ipv6": 1})
+        self._sysctl(
+            br,
+            {
+                "net.bridge.bridge-nf-call-iptables": 0,
+                "net.bridge.bridge-nf-call-ip6tables": 0,
+                "net.bridge.bridge-nf-call-arptables": 0,
+                "net.ipv6.conf.all.disable_ipv6": 1,
+                "net.ipv6.conf.default.disable_ipv6": 1,
+            },
+        )
         run_cmd(["ip", "-n", br, "link", "set", "lo", "up"])
-        run_cmd(["ip", "-n", br, "link", "add", BRIDGE_IF, "mtu", str(self.config.mtu), "type", "bridge"])
+        run_cmd(
+            [
+                "ip",
+                "-n",
+                br,
+                "link",
+                "add",
+                BRIDGE_IF,
+                "mtu",
+                str(self.config.mtu),
+                "type",
+                "bridge",
+            ]
+        )
         run_cmd(["ip", "-n", br, "link", "set", BRIDGE_IF, "up"])
         for i, host in enumerate(self.hosts):
             ns = self.ns(i)
             run_cmd(["ip", "netns", "add", ns])
-            settings: dict[str, object] = {"net.ipv6.conf.all.disable_ipv6": 1,
-                                           "net.ipv6.conf.default.disable_ipv6": 1}
+            settings: dict[str, object] = {
+                "net.ipv6.conf.all.disable_ipv6": 1,
+                "net.ipv6.conf.default.disable_ipv6": 1,
+            }
             if self.config.congestion_control:
                 settings["net.ipv4.tcp_congestion_control"] = self.config.congestion_control
             self._sysctl(ns, settings, strict=bool(self.config.congestion_control))
             run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
             mtu = str(self.config.mtu)
             # Both ends are born inside our namespaces: nothing appears in the root one.
-            run_cmd(["ip", "-n", ns, "link", "add", HOST_IF, "mtu", mtu, "type", "veth",
-                  "peer", "name", host, "mtu", mtu, "netns", br])
-            run_cmd(["ip", "-n", ns, "addr", "add", f"{self._addrs[i]}/{self._prefixlen}", "dev", HOST_IF])
+            run_cmd(
+                [
+                    "ip",
+                    "-n",
+                    ns,
+                    "link",
+                    "add",
+                    HOST_IF,
+                    "mtu",
+                    mtu,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    host,
+                    "mtu",
+                    mtu,
+                    "netns",
+                    br,
+                ]
+            )
+            run_cmd(
+                [
+                    "ip",
+                    "-n",
+                    ns,
+                    "addr",
+                    "add",
+                    f"{self._addrs[i]}/{self._prefixlen}",
+                    "dev",
+                    HOST_IF,
+                ]
+            )
             run_cmd(["ip", "-n", br, "link", "set", host, "master", BRIDGE_IF])
             rate = self._rates[i]
             if rate is not None:
@@ -240,8 +312,12 @@ class Cluster:
         try:
             self._watch = subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "_watch", self.prefix, "--fd", str(r)],
-                pass_fds=(r,), start_new_session=True,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                pass_fds=(r,),
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         finally:
             os.close(r)
         self._watch_fd = w
@@ -288,16 +364,24 @@ class Cluster:
         names = list_clusters().get(prefix)
         if not names:
             raise NetnsError(f"no cluster {prefix!r}; up: {sorted(list_clusters())}")
-        hosts = sorted((ns.rsplit("-", 1)[1] for ns in names if not ns.endswith("-br")), key=lambda h: int(h[1:]))
+        hosts = sorted(
+            (ns.rsplit("-", 1)[1] for ns in names if not ns.endswith("-br")),
+            key=lambda h: int(h[1:]),
+        )
         self = cls.__new__(cls)
         self.prefix = prefix
         self.hosts = hosts
         self._addrs, self._rates = [], []
         for h in hosts:
-            info = json.loads(run_cmd(["ip", "-n", f"{prefix}-{h}", "-j", "addr", "show", "dev", HOST_IF]))
+            info = json.loads(
+                run_cmd(["ip", "-n", f"{prefix}-{h}", "-j", "addr", "show", "dev", HOST_IF])
+            )
             inet = [a for a in info[0].get("addr_info", []) if a.get("family") == "inet"]
             self._addrs.append(inet[0]["local"] if inet else "")
-            qd = json.loads(run_cmd(["tc", "-n", f"{prefix}-{h}", "-j", "qdisc", "show", "dev", HOST_IF]) or "[]")
+            qd = json.loads(
+                run_cmd(["tc", "-n", f"{prefix}-{h}", "-j", "qdisc", "show", "dev", HOST_IF])
+                or "[]"
+            )
             tbf = [q for q in qd if q.get("kind") == "tbf"]
             self._rates.append(int(tbf[0]["options"]["rate"]) * 8 if tbf else None)
         self._prefixlen = 0
@@ -319,8 +403,15 @@ class Cluster:
         self._procs = [p for p in self._procs if p.poll() is None] + [proc]
         return proc
 
-    def run(self, host: str | int, argv: Sequence[str], *, timeout_s: float = 60.0, check: bool = True,
-            **kwargs: object) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        host: str | int,
+        argv: Sequence[str],
+        *,
+        timeout_s: float = 60.0,
+        check: bool = True,
+        **kwargs: object,
+    ) -> subprocess.CompletedProcess:
         """Run ``argv`` inside ``host`` to completion (bounded by ``timeout_s``), capturing text output."""
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
@@ -329,8 +420,10 @@ class Cluster:
 
     def describe(self) -> list[dict[str, object]]:
         """One row per host: name, namespace, address, rate."""
-        return [{"host": h, "ns": self.ns(h), "addr": self.addr(h), "rate_bps": self.rate_bps(h)}
-                for h in self.hosts]
+        return [
+            {"host": h, "ns": self.ns(h), "addr": self.addr(h), "rate_bps": self.rate_bps(h)}
+            for h in self.hosts
+        ]
 
 
 # ---------------------------------------------------------------- CLI
@@ -375,12 +468,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="build a persistent cluster (removed only by 'down')")
     up.add_argument("--hosts", type=int, default=3)
-    up.add_argument("--rate", default="1gbit", help="link rate of every host, e.g. 1gbit, 10gbit, unlimited")
-    up.add_argument("--host-rate", type=_host_rate, action="append", default=[], metavar="I=RATE",
-                    help="per-host override, e.g. 5=500mbit (repeatable)")
+    up.add_argument(
+        "--rate", default="1gbit", help="link rate of every host, e.g. 1gbit, 10gbit, unlimited"
+    )
+    up.add_argument(
+        "--host-rate",
+        type=_host_rate,
+        action="append",
+        default=[],
+        metavar="I=RATE",
+        help="per-host override, e.g. 5=500mbit (repeatable)",
+    )
     up.add_argument("--subnet", default="10.77.0.0/24")
     up.add_argument("--mtu", type=int, default=1500)
-    up.add_argument("--cc", default=None, help="TCP congestion control inside the hosts, e.g. cubic")
+    up.add_argument(
+        "--cc", default=None, help="TCP congestion control inside the hosts, e.g. cubic"
+    )
     down = sub.add_parser("down", help="remove the named cluster, or all / stale ones")
     group = down.add_mutually_exclusive_group()
     group.add_argument("--all", action="store_true", help="every luwu-* cluster, live or not")
@@ -394,7 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     watch.add_argument("prefix")
     watch.add_argument("--fd", type=int, required=True)
     for sp in (up, down, ex):
-        sp.add_argument("--name", default="main", help="name of a persistent cluster (default main)")
+        sp.add_argument(
+            "--name", default="main", help="name of a persistent cluster (default main)"
+        )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -413,9 +518,16 @@ def _run_cli(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"netns cluster unavailable: {reason}", file=sys.stderr)
         return 2
     if args.cmd == "up":
-        cfg = ClusterConfig(num_hosts=args.hosts, rate=args.rate, host_rates=dict(args.host_rate),
-                            subnet=args.subnet, mtu=args.mtu, congestion_control=args.cc,
-                            name=args.name, watchdog=False)
+        cfg = ClusterConfig(
+            num_hosts=args.hosts,
+            rate=args.rate,
+            host_rates=dict(args.host_rate),
+            subnet=args.subnet,
+            mtu=args.mtu,
+            congestion_control=args.cc,
+            name=args.name,
+            watchdog=False,
+        )
         cluster = Cluster(cfg).up()
         _print_cluster(cluster)
         return 0
@@ -435,7 +547,9 @@ def _run_cli(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print("no luwu clusters")
         for prefix in clusters:
             owner = prefix.split("-")[1]
-            state = "persistent" if owner == "cli" else ("live" if pid_alive(int(owner)) else "STALE")
+            state = (
+                "persistent" if owner == "cli" else ("live" if pid_alive(int(owner)) else "STALE")
+            )
             print(f"{prefix} ({state})")
             _print_cluster(Cluster.attach(prefix))
         return 0

@@ -21,8 +21,19 @@ pytestmark = pytest.mark.system
 
 # 85k parameters, 2 workers of 32 samples: a few seconds of compute per run; the buckets of 64 KiB
 # make six of them, so a 2:1 capacity split is visible in the bytes of each node's link.
-SETTINGS = cs.Settings(dims=(64, 256, 256, 10), batch=32, steps=24, warmup=12, eval_every=6, eval_samples=512,
-                       subspace=8, lr=3e-3, bucket_bytes=64 * 1024, compression_warmup=4, timeout_s=60.0)
+SETTINGS = cs.Settings(
+    dims=(64, 256, 256, 10),
+    batch=32,
+    steps=24,
+    warmup=12,
+    eval_every=6,
+    eval_samples=512,
+    subspace=8,
+    lr=3e-3,
+    bucket_bytes=64 * 1024,
+    compression_warmup=4,
+    timeout_s=60.0,
+)
 CAPACITIES = (2.0, 1.0)
 
 
@@ -35,9 +46,13 @@ def rows():
     configs = [
         cs.RunConfig("ddp", "fp32", 2, rate="1gbit"),
         cs.RunConfig("luwu", "sync", 2, 2, rate="1gbit", compression=False, capacities=CAPACITIES),
-        cs.RunConfig("luwu", "partial", 2, 1, rate="1gbit", compression=True),  # first layer delayed (cluster file)
+        cs.RunConfig(
+            "luwu", "partial", 2, 1, rate="1gbit", compression=True
+        ),  # first layer delayed (cluster file)
         cs.RunConfig("fsdp", "fp32", 2, rate="1gbit"),  # torch FSDP2 over gloo
-        cs.RunConfig("luwu", "stream", 2, 2, rate="1gbit", compression=False),  # the model in the network
+        cs.RunConfig(
+            "luwu", "stream", 2, 2, rate="1gbit", compression=False
+        ),  # the model in the network
     ]
     out = {r["config"]: r for r in cs.run_many(configs, SETTINGS)}
     # the cluster is gone, and with it every process that ran inside
@@ -47,7 +62,13 @@ def rows():
 
 @pytest.mark.timeout(240)
 def test_ddp_and_luwu_both_train_the_task(rows):
-    assert set(rows) == {"ddp_fp32", "luwu_sync_n2_fp32", "luwu_partial_n1", "fsdp_fp32", "luwu_stream_n2_fp32"}
+    assert set(rows) == {
+        "ddp_fp32",
+        "luwu_sync_n2_fp32",
+        "luwu_partial_n1",
+        "fsdp_fp32",
+        "luwu_stream_n2_fp32",
+    }
     for name, r in rows.items():
         first, last = r["curve"][0]["eval_loss"], r["curve"][-1]["eval_loss"]
         assert [p["step"] for p in r["curve"]] == [0, 6, 12, 18, 24], name
@@ -59,7 +80,11 @@ def test_ddp_and_luwu_both_train_the_task(rows):
 def test_luwu_sync_uncompressed_matches_ddp(rows):
     # the same global batches, initial weights and AdamW on the averaged gradient: the same model
     ddp = rows["ddp_fp32"]
-    for name in ("luwu_sync_n2_fp32", "luwu_stream_n2_fp32", "fsdp_fp32"):  # resident, streaming and FSDP2 alike
+    for name in (
+        "luwu_sync_n2_fp32",
+        "luwu_stream_n2_fp32",
+        "fsdp_fp32",
+    ):  # resident, streaming and FSDP2 alike
         for a, b in zip(ddp["curve"], rows[name]["curve"]):
             assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-4), (name, a, b)
     assert all(r["worker_peak_mb"] > 0 for r in rows.values())
@@ -93,12 +118,17 @@ def test_bytes_per_host_follow_the_layout(rows):
 def test_compression_cuts_the_bytes_on_the_wire(rows):
     fp32, hybrid = rows["luwu_sync_n2_fp32"], rows["luwu_partial_n1"]
     assert hybrid["payload_push_bytes"] < 0.6 * fp32["payload_push_bytes"]
-    assert statistics.fmean(hybrid["worker_tx_bytes"]) < 0.6 * statistics.fmean(fp32["worker_tx_bytes"])
+    assert statistics.fmean(hybrid["worker_tx_bytes"]) < 0.6 * statistics.fmean(
+        fp32["worker_tx_bytes"]
+    )
 
 
 def test_time_to_loss_and_loss_at_interpolate():
-    curve = [{"step": 0, "clock_s": 0.0, "eval_loss": 4.0}, {"step": 5, "clock_s": 2.0, "eval_loss": 2.0},
-             {"step": 10, "clock_s": 4.0, "eval_loss": 1.0}]
+    curve = [
+        {"step": 0, "clock_s": 0.0, "eval_loss": 4.0},
+        {"step": 5, "clock_s": 2.0, "eval_loss": 2.0},
+        {"step": 10, "clock_s": 4.0, "eval_loss": 1.0},
+    ]
     assert cs.time_to_loss(curve, 3.0) == pytest.approx(1.0)
     assert cs.time_to_loss(curve, 1.0) == pytest.approx(4.0)
     assert cs.time_to_loss(curve, 0.5) == math.inf

@@ -69,11 +69,19 @@ def _pattern_sha(total: int) -> str:
 
 
 def _transfer(cluster, src: str, dst: str, total: int) -> dict:
-    server = cluster.popen(dst, [sys.executable, "-c", _SERVER, cluster.addr(dst), str(total)],
-                           stdout=subprocess.PIPE, text=True)
+    server = cluster.popen(
+        dst,
+        [sys.executable, "-c", _SERVER, cluster.addr(dst), str(total)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         port = int(server.stdout.readline())
-        cluster.run(src, [sys.executable, "-c", _CLIENT, cluster.addr(dst), str(port), str(total)], timeout_s=20)
+        cluster.run(
+            src,
+            [sys.executable, "-c", _CLIENT, cluster.addr(dst), str(port), str(total)],
+            timeout_s=20,
+        )
         result = json.loads(server.stdout.readline())
         assert server.wait(timeout=10) == 0
     finally:
@@ -84,7 +92,9 @@ def _transfer(cluster, src: str, dst: str, total: int) -> dict:
 
 
 def _root_links() -> set[str]:
-    return {link["ifname"] for link in json.loads(subprocess.check_output(["ip", "-j", "link", "show"]))}
+    return {
+        link["ifname"] for link in json.loads(subprocess.check_output(["ip", "-j", "link", "show"]))
+    }
 
 
 def _namespaces(prefix: str) -> list[str]:
@@ -131,14 +141,18 @@ def test_config_rejects_bad_values():
 @pytest.mark.timeout(20)
 def test_hosts_get_addresses_and_tbf_both_ways_and_root_is_untouched(cluster):
     assert _root_links() == cluster.root_links_before
-    assert sorted(_namespaces(cluster.prefix)) == sorted([cluster.bridge_ns] + [cluster.ns(h) for h in cluster.hosts])
+    assert sorted(_namespaces(cluster.prefix)) == sorted(
+        [cluster.bridge_ns] + [cluster.ns(h) for h in cluster.hosts]
+    )
     assert [cluster.addr(h) for h in cluster.hosts] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
     for host in cluster.hosts:
         addrs = json.loads(cluster.run(host, ["ip", "-j", "addr", "show", "dev", "eth0"]).stdout)
         assert cluster.addr(host) in [a["local"] for a in addrs[0]["addr_info"]]
     qdisc = json.loads(cluster.run("h2", ["tc", "-j", "qdisc", "show", "dev", "eth0"]).stdout)
     assert [(q["kind"], q["options"]["rate"] * 8) for q in qdisc] == [("tbf", 10**8)]
-    port = json.loads(subprocess.check_output(["tc", "-n", cluster.bridge_ns, "-j", "qdisc", "show", "dev", "h2"]))
+    port = json.loads(
+        subprocess.check_output(["tc", "-n", cluster.bridge_ns, "-j", "qdisc", "show", "dev", "h2"])
+    )
     assert [(q["kind"], q["options"]["rate"] * 8) for q in port] == [("tbf", 10**8)]
     unlimited = json.loads(cluster.run("h0", ["tc", "-j", "qdisc", "show", "dev", "eth0"]).stdout)
     assert "tbf" not in [q["kind"] for q in unlimited]
@@ -182,8 +196,11 @@ def test_failed_build_and_normal_exit_leave_nothing(available):
 
 
 def _start_creator(watchdog: bool) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", _CREATOR, str(_TESTS), "1" if watchdog else "0"],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CREATOR, str(_TESTS), "1" if watchdog else "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     prefix = proc.stdout.readline().strip()
     assert prefix.startswith(f"luwu-{proc.pid}-"), prefix
     assert len(_namespaces(prefix)) == 3
@@ -224,13 +241,17 @@ def test_cli_up_status_exec_down(available):
     cli = [sys.executable, str(_SCRIPT)]
 
     def run(*args: str) -> str:
-        return subprocess.run([*cli, *args], capture_output=True, text=True, timeout=30, check=True).stdout
+        return subprocess.run(
+            [*cli, *args], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
 
     try:
         run("up", "--name", name, "--hosts", "2", "--rate", "1gbit", "--host-rate", "1=500mbit")
         status = run("status")
         assert f"luwu-cli-{name} (persistent)" in status and "500mbit" in status
-        shown = json.loads(run("exec", "--name", name, "h1", "--", "ip", "-j", "addr", "show", "dev", "eth0"))
+        shown = json.loads(
+            run("exec", "--name", name, "h1", "--", "ip", "-j", "addr", "show", "dev", "eth0")
+        )
         assert "10.77.0.2" in [a["local"] for a in shown[0]["addr_info"]]
     finally:
         assert f"luwu-cli-{name}" in run("down", "--name", name)

@@ -18,7 +18,17 @@ JOB = "inbox-test"
 
 
 def update(seq: int, bucket: int, value: float) -> list:
-    h = {"op": Op.UPDATE, "job": JOB, "step": seq + 1, "worker": 0, "bucket": bucket, "codec": "none", "cmeta": {}, "skipped": False, "seq": seq}
+    h = {
+        "op": Op.UPDATE,
+        "job": JOB,
+        "step": seq + 1,
+        "worker": 0,
+        "bucket": bucket,
+        "codec": "none",
+        "cmeta": {},
+        "skipped": False,
+        "seq": seq,
+    }
     return wire.encode(h, [torch.full((4,), value)])
 
 

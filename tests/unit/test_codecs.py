@@ -36,7 +36,11 @@ def wire(enc: Encoded) -> list[torch.Tensor]:
         warnings.simplefilter("ignore", UserWarning)  # frombuffer on read-only bytes
         for f in enc.frames:
             data = f.contiguous().view(torch.uint8).numpy().tobytes()
-            out.append(torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))
+            out.append(
+                torch.frombuffer(data, dtype=torch.uint8)
+                if data
+                else torch.empty(0, dtype=torch.uint8)
+            )
     return out
 
 
@@ -154,7 +158,9 @@ def test_encode_into_out_reuses_it_and_decode_add_scales(name):
     torch.testing.assert_close(acc, expect, rtol=1e-6, atol=1e-6)
     # a second encode into the same buffers gives the same payload
     again = codec.encode(x, out)
-    assert again.meta == enc.meta and all(torch.equal(a.view(torch.uint8), b) for a, b in zip(again.frames, frames))
+    assert again.meta == enc.meta and all(
+        torch.equal(a.view(torch.uint8), b) for a, b in zip(again.frames, frames)
+    )
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -163,7 +169,9 @@ def test_bytes_per_element_matches_wire_bytes(name):
     n = 1 << 20
     assert codec.wire_bytes(n) == pytest.approx(codec.bytes_per_element() * n, rel=1e-3)
     assert codec.wire_bytes(0) == 0
-    assert {"none": 4, "bf16": 2, "fp16": 2}.get(name, codec.bytes_per_element()) == codec.bytes_per_element()
+    assert {"none": 4, "bf16": 2, "fp16": 2}.get(
+        name, codec.bytes_per_element()
+    ) == codec.bytes_per_element()
     assert codec.bytes_per_element() <= 4
 
 
@@ -473,11 +481,15 @@ def test_a_bf16_residual_loses_only_its_rounding(name):
         total_x += x
         enc = ef.encode("b", codec, x)
         codec.decode_add_(total_dec, wire(enc), enc.meta)
-        lost += ef.residual("b").float().abs() * 2.0**-8  # (bound: a round-to-nearest error is at most half an ulp)
+        lost += (
+            ef.residual("b").float().abs() * 2.0**-8
+        )  # (bound: a round-to-nearest error is at most half an ulp)
         enc32 = ef32.encode("b", codec, x)
         codec.decode_add_(dec32, wire(enc32), enc32.meta)
     r = ef.residual("b").clone()
-    assert r.dtype == torch.bfloat16 and ef.nbytes == n * 2 + n * 4  # the residual and the shared fp32 scratch
+    assert (
+        r.dtype == torch.bfloat16 and ef.nbytes == n * 2 + n * 4
+    )  # the residual and the shared fp32 scratch
     err = (total_dec + r.float() - total_x).abs()
     assert bool((err <= lost + 1e-3).all()), float((err - lost).max())
     # it still sends the mean gradient about as well as the fp32 residual
@@ -551,7 +563,9 @@ def test_momentum_correction_needs_a_sparse_codec_and_resets_with_the_residual()
     ef.encode(1, topk, x)  # a step without: the velocity is dropped, plain error feedback goes on
     assert ef.velocity(1) is None and ef.residual(1) is not None
     ef.encode(1, topk, x, momentum=(0.9, 0.1))
-    ef.encode(1, get_codec("none"), x)  # a lossless step flushes the residual and drops the velocity
+    ef.encode(
+        1, get_codec("none"), x
+    )  # a lossless step flushes the residual and drops the velocity
     assert ef.velocity(1) is None
     ef.encode(2, topk, x, momentum=(0.9, 0.1))
     ef.reset(2)
@@ -577,14 +591,19 @@ def test_delta_encoder_tracks_weights_within_codec_error_and_resyncs_exactly(cal
         w.add_(m)
         if caller_buffers:
             p = node.encode("b0", w, step, out=outs[step & 1], full_out=full_outs[step & 1])
-            assert p.encoded.frames[0].data_ptr() == (outs if p.delta else full_outs)[step & 1][0].data_ptr()
+            assert (
+                p.encoded.frames[0].data_ptr()
+                == (outs if p.delta else full_outs)[step & 1][0].data_ptr()
+            )
         else:
             p = node.encode("b0", w, step)
         codec = get_codec(p.codec)
         frames = wire(p.encoded)
         codec.validate(n, lengths(frames), p.encoded.meta)
         apply_pull_(held, p.codec, p.delta, frames, p.encoded.meta)
-        assert torch.equal(held, node.shadow("b0")), "the worker's copy is bit-identical to the shadow"
+        assert torch.equal(held, node.shadow("b0")), (
+            "the worker's copy is bit-identical to the shadow"
+        )
         if not p.delta:
             fulls.append(step)
             assert p.codec == "none" and torch.equal(held, w), "a resync is exact"

@@ -20,16 +20,36 @@ from luwu.protocol.errors import ProtocolError
 from luwu.protocol.messages import COMMON, OPTIONAL, SCHEMA, Op
 
 JOB = "luwu"
-FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 # -- what a valid message of each op looks like --------------------------------------------------
 
 SPEC = [0, 0, 4, [[0, 0, 0, 4]]]
 FIELDS: dict[Op, dict] = {
-    Op.HELLO: {"world_size": 2, "layout": "ab12", "node_index": 0, "buckets": [SPEC], "optimizer": "adamw", "mode": "sync", "param_names": {0: "w"}},
+    Op.HELLO: {
+        "world_size": 2,
+        "layout": "ab12",
+        "node_index": 0,
+        "buckets": [SPEC],
+        "optimizer": "adamw",
+        "mode": "sync",
+        "param_names": {0: "w"},
+    },
     Op.WELCOME: {"layout": "ab12", "versions": {0: 3}, "initialized": [0]},
     Op.INIT: {"bucket": 0, "codec": "none", "cmeta": {}},
-    Op.PUSH: {"bucket": 0, "codec": "none", "cmeta": {}, "hyper": {"lr": 0.01, "betas": [0.9, 0.999]}, "nograd": [], "two_phase": False, "pull": "bf16"},
+    Op.PUSH: {
+        "bucket": 0,
+        "codec": "none",
+        "cmeta": {},
+        "hyper": {"lr": 0.01, "betas": [0.9, 0.999]},
+        "nograd": [],
+        "two_phase": False,
+        "pull": "bf16",
+    },
     Op.UPDATE: {"bucket": 0, "codec": "none", "cmeta": {}, "skipped": False, "seq": 2},
     Op.PULL: {"bucket": 0, "codec": "none"},
     Op.STATE: {"bucket": 0, "action": "set", "names": ["params", "steps"]},
@@ -44,12 +64,27 @@ FIELDS: dict[Op, dict] = {
     Op.BYE: {},
     Op.IMPORT: {"path": "checkpoints/step-3"},
 }
-PAYLOAD: dict[Op, list[bytes]] = {Op.INIT: [b"\0" * 16], Op.PUSH: [b"\0" * 16], Op.UPDATE: [b"\0" * 16], Op.STATE: [b"\0" * 16, b"\0" * 4], Op.EXPORT: [b"\x81\x00\x91\x04"], Op.IMPORT: [b"\x81\xa6params\x80"]}
+PAYLOAD: dict[Op, list[bytes]] = {
+    Op.INIT: [b"\0" * 16],
+    Op.PUSH: [b"\0" * 16],
+    Op.UPDATE: [b"\0" * 16],
+    Op.STATE: [b"\0" * 16, b"\0" * 4],
+    Op.EXPORT: [b"\x81\x00\x91\x04"],
+    Op.IMPORT: [b"\x81\xa6params\x80"],
+}
 
 
 def valid(op: Op) -> tuple[dict, list[bytes]]:
     payload = PAYLOAD.get(op, [])
-    header = {"v": wire.VERSION, "op": int(op), "job": JOB, "step": 3, "worker": 1, **FIELDS[op], "nbytes": [len(p) for p in payload]}
+    header = {
+        "v": wire.VERSION,
+        "op": int(op),
+        "job": JOB,
+        "step": 3,
+        "worker": 1,
+        **FIELDS[op],
+        "nbytes": [len(p) for p in payload],
+    }
     return header, list(payload)
 
 
@@ -68,7 +103,9 @@ def _is(val, types) -> bool:
     return isinstance(val, types) and (not isinstance(val, bool) or bool in types)
 
 
-def check_decode(frames: list, *, job: str | None = JOB, max_message_bytes: int = 1 << 31) -> wire.Message | None:
+def check_decode(
+    frames: list, *, job: str | None = JOB, max_message_bytes: int = 1 << 31
+) -> wire.Message | None:
     """Decode ``frames``: a Message that satisfies the schema, or ProtocolError (returns None then)."""
     try:
         msg = wire.decode(frames, job=job, max_message_bytes=max_message_bytes)
@@ -116,13 +153,23 @@ def memory_bound(frames: list) -> int:
 
 # -- strategies -----------------------------------------------------------------------------------
 
-HUGE_INTS = st.sampled_from([-(2**63), -(2**31), -1, 0, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**64 - 1])
+HUGE_INTS = st.sampled_from(
+    [-(2**63), -(2**31), -1, 0, 1, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**64 - 1]
+)
 INTS = st.one_of(st.integers(-(2**63), 2**64 - 1), HUGE_INTS)
-FLOATS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308]))
-SCALARS = st.one_of(st.none(), st.booleans(), INTS, FLOATS, st.text(max_size=20), st.binary(max_size=20))
+FLOATS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e308]),
+)
+SCALARS = st.one_of(
+    st.none(), st.booleans(), INTS, FLOATS, st.text(max_size=20), st.binary(max_size=20)
+)
 MSGPACK_VALUES = st.recursive(
     SCALARS,
-    lambda inner: st.one_of(st.lists(inner, max_size=6), st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 5)), inner, max_size=6)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=6),
+        st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 5)), inner, max_size=6),
+    ),
     max_leaves=25,
 )
 OPS = st.sampled_from(list(Op))
@@ -171,7 +218,11 @@ def test_random_bytes_decode_or_protocol_error(header, payload):
 
 
 @FAST
-@given(value=MSGPACK_VALUES, payload=st.lists(st.binary(max_size=32), max_size=3), job=st.sampled_from([JOB, None]))
+@given(
+    value=MSGPACK_VALUES,
+    payload=st.lists(st.binary(max_size=32), max_size=3),
+    job=st.sampled_from([JOB, None]),
+)
 def test_random_msgpack_values_decode_or_protocol_error(value, payload, job):
     check_decode([msgpack.packb(value, use_bin_type=True), *payload], job=job)
 
@@ -252,7 +303,15 @@ def test_a_large_payload_is_neither_copied_nor_accepted_over_the_limit():
 # -- codecs -----------------------------------------------------------------------------------------
 
 CODECS = codec_names()
-META_VALUES = st.one_of(INTS, FLOATS, st.booleans(), st.text(max_size=6), st.sampled_from(["fp32", "bf16"]), st.none(), st.lists(st.integers(), max_size=2))
+META_VALUES = st.one_of(
+    INTS,
+    FLOATS,
+    st.booleans(),
+    st.text(max_size=6),
+    st.sampled_from(["fp32", "bf16"]),
+    st.none(),
+    st.lists(st.integers(), max_size=2),
+)
 META_KEYS = st.sampled_from(["scale", "block", "k", "values", "x", ""])
 
 
@@ -287,7 +346,9 @@ def codec_inputs(draw):
 
 @settings(FAST, max_examples=1000)
 @given(args=codec_inputs())
-@example(args=("fp16", 1, {"scale": 2.1894529067278e-121}, [2]))  # 1/scale overflows fp32 inside decode
+@example(
+    args=("fp16", 1, {"scale": 2.1894529067278e-121}, [2])
+)  # 1/scale overflows fp32 inside decode
 def test_codec_validate_raises_only_protocol_error(args):
     name, numel, meta, frames = args
     codec = get_codec(name)
@@ -308,7 +369,9 @@ def test_codec_validate_raises_only_protocol_error(args):
         codec.decode_add_(acc, payload, meta)
     except ProtocolError:
         pass  # top-k's index range is checked against the payload itself
-    assert torch.all(guard[:32] == 7.0) and torch.all(guard[32 + numel :] == 7.0), "decode wrote outside the accumulator"
+    assert torch.all(guard[:32] == 7.0) and torch.all(guard[32 + numel :] == 7.0), (
+        "decode wrote outside the accumulator"
+    )
 
 
 @pytest.mark.parametrize("scale", [1e-39, 2.0**-127, 1e-300], ids=["1e-39", "2**-127", "1e-300"])

@@ -30,14 +30,26 @@ try:
     import yaml
 except ImportError:  # PyYAML is a test dependency; without it the YAML checks skip and say so
     yaml = None
-needs_yaml = pytest.mark.skipif(yaml is None, reason="PyYAML is not installed: pip install pyyaml (it is in luwu-runtime[test])")
+needs_yaml = pytest.mark.skipif(
+    yaml is None, reason="PyYAML is not installed: pip install pyyaml (it is in luwu-runtime[test])"
+)
 
 
 def test_deploy_tree_is_complete():
     expected = [
-        "README.md", "cluster.example.toml", "local.sh", "train_example.py", "ssh/launch.sh", "ssh/hosts.example",
-        "slurm/luwu.sbatch", "systemd/luwu-node@.service", "k8s/luwu-nodes.yaml", "k8s/luwu-train-job.yaml",
-        "docker/Dockerfile", "prometheus/prometheus.yml", "grafana/luwu-dashboard.json",
+        "README.md",
+        "cluster.example.toml",
+        "local.sh",
+        "train_example.py",
+        "ssh/launch.sh",
+        "ssh/hosts.example",
+        "slurm/luwu.sbatch",
+        "systemd/luwu-node@.service",
+        "k8s/luwu-nodes.yaml",
+        "k8s/luwu-train-job.yaml",
+        "docker/Dockerfile",
+        "prometheus/prometheus.yml",
+        "grafana/luwu-dashboard.json",
     ]
     missing = [p for p in expected if not (DEPLOY / p).is_file()]
     assert not missing, f"missing from deploy/: {missing}"
@@ -58,8 +70,15 @@ def test_scripts_parse(script):
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_scripts_pass_shellcheck(script):
     if shutil.which("shellcheck") is None:
-        pytest.skip("shellcheck is not installed: apt-get install shellcheck (scripts/setup.sh does it)")
-    r = subprocess.run(["shellcheck", "--shell=bash", "--severity=style", str(script)], capture_output=True, text=True, timeout=60)
+        pytest.skip(
+            "shellcheck is not installed: apt-get install shellcheck (scripts/setup.sh does it)"
+        )
+    r = subprocess.run(
+        ["shellcheck", "--shell=bash", "--severity=style", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, f"shellcheck {script}:\n{r.stdout}{r.stderr}"
 
 
@@ -68,18 +87,29 @@ def test_scripts_explain_themselves():
     for script in (DEPLOY / "local.sh", DEPLOY / "ssh" / "launch.sh"):
         r = subprocess.run([str(script), "help"], capture_output=True, text=True, timeout=30)
         assert r.returncode == 0 and ("down" in r.stdout or "stop" in r.stdout), (script, r)
-        bad = subprocess.run([str(script), "no-such-command"], capture_output=True, text=True, timeout=30)
+        bad = subprocess.run(
+            [str(script), "no-such-command"], capture_output=True, text=True, timeout=30
+        )
         assert bad.returncode == 2, (script, bad)
 
 
 def test_sbatch_directives_precede_commands():
     """sbatch stops reading #SBATCH lines at the first command: they must all come before it."""
     lines = (DEPLOY / "slurm" / "luwu.sbatch").read_text().splitlines()
-    first_cmd = next(i for i, line in enumerate(lines[1:], 1) if line.strip() and not line.startswith("#"))
+    first_cmd = next(
+        i for i, line in enumerate(lines[1:], 1) if line.strip() and not line.startswith("#")
+    )
     directives = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
     assert directives and max(directives) < first_cmd
     text = "\n".join(lines)
-    for needed in ("srun", "torch.distributed.run", "--rdzv-backend=c10d", "scontrol show hostnames", "luwu.status status", "--node.index"):
+    for needed in (
+        "srun",
+        "torch.distributed.run",
+        "--rdzv-backend=c10d",
+        "scontrol show hostnames",
+        "luwu.status status",
+        "--node.index",
+    ):
         assert needed in text, needed
 
 
@@ -103,13 +133,20 @@ def test_prometheus_config_shape():
     cfg = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
     assert {"luwu-nodes", "luwu-workers"} <= set(jobs)
-    assert "targets.json" in jobs["luwu-nodes"]["file_sd_configs"][0]["files"][0]  # what `luwu up` writes
+    assert (
+        "targets.json" in jobs["luwu-nodes"]["file_sd_configs"][0]["files"][0]
+    )  # what `luwu up` writes
 
 
 def test_prometheus_config_passes_promtool(tmp_path):
     if shutil.which("promtool") is None:
         pytest.skip("promtool is not installed: apt-get install prometheus (it ships promtool)")
-    r = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["promtool", "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -118,7 +155,9 @@ def _k8s_docs() -> dict[tuple[str, str], dict]:
     for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
         for d in yaml.safe_load_all(path.read_text()):
             if d:
-                assert {"apiVersion", "kind", "metadata"} <= set(d), f"{path}: {d.get('kind')} lacks apiVersion/kind/metadata"
+                assert {"apiVersion", "kind", "metadata"} <= set(d), (
+                    f"{path}: {d.get('kind')} lacks apiVersion/kind/metadata"
+                )
                 out[(d["kind"], d["metadata"]["name"])] = d
     return out
 
@@ -130,28 +169,48 @@ def test_k8s_manifests_hang_together(tmp_path):
     assert {"ConfigMap", "Service", "StatefulSet", "Job"} <= kinds, kinds
     sts = next(d for (k, _), d in docs.items() if k == "StatefulSet")
     svc = docs[("Service", sts["spec"]["serviceName"])]
-    assert svc["spec"]["clusterIP"] == "None", "the StatefulSet's service must be headless (per-pod DNS names)"
+    assert svc["spec"]["clusterIP"] == "None", (
+        "the StatefulSet's service must be headless (per-pod DNS names)"
+    )
     labels = sts["spec"]["template"]["metadata"]["labels"]
     assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert svc["spec"]["selector"].items() <= labels.items()
     # The cluster file in the ConfigMap loads, and its nodes are exactly the StatefulSet's pods.
-    cm_name = next(v["configMap"]["name"] for v in sts["spec"]["template"]["spec"]["volumes"] if "configMap" in v)
+    cm_name = next(
+        v["configMap"]["name"]
+        for v in sts["spec"]["template"]["spec"]["volumes"]
+        if "configMap" in v
+    )
     (tmp_path / "cluster.toml").write_text(docs[("ConfigMap", cm_name)]["data"]["cluster.toml"])
     cfg = load_config(str(tmp_path / "cluster.toml"), env={})
-    name, svc_name, replicas = sts["metadata"]["name"], svc["metadata"]["name"], sts["spec"]["replicas"]
-    assert [re.match(r"tcp://([^.:]+)\.([^.:]+)", a).groups() for a in cfg.cluster.nodes] == [(f"{name}-{i}", svc_name) for i in range(replicas)]
+    name, svc_name, replicas = (
+        sts["metadata"]["name"],
+        svc["metadata"]["name"],
+        sts["spec"]["replicas"],
+    )
+    assert [re.match(r"tcp://([^.:]+)\.([^.:]+)", a).groups() for a in cfg.cluster.nodes] == [
+        (f"{name}-{i}", svc_name) for i in range(replicas)
+    ]
     node_args = " ".join(sts["spec"]["template"]["spec"]["containers"][0]["args"])
-    assert "--node.index" in node_args and "--node.bind" in node_args and "terminationGracePeriodSeconds" in sts["spec"]["template"]["spec"]
+    assert (
+        "--node.index" in node_args
+        and "--node.bind" in node_args
+        and "terminationGracePeriodSeconds" in sts["spec"]["template"]["spec"]
+    )
     # Workers: an Indexed Job whose torchrun --nnodes is its completion count, reachable through a headless Service.
     job = next(d for (k, _), d in docs.items() if k == "Job")
     spec = job["spec"]
     assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
     worker_args = " ".join(spec["template"]["spec"]["containers"][0]["args"])
-    assert "torch.distributed.run" in worker_args and f"--nnodes={spec['completions']}" in worker_args
+    assert (
+        "torch.distributed.run" in worker_args and f"--nnodes={spec['completions']}" in worker_args
+    )
     sub = spec["template"]["spec"]["subdomain"]
     assert docs[("Service", sub)]["spec"]["clusterIP"] == "None"
     assert f"--master-addr={job['metadata']['name']}-0.{sub}" in worker_args
-    assert any(v.get("configMap", {}).get("name") == cm_name for v in spec["template"]["spec"]["volumes"])
+    assert any(
+        v.get("configMap", {}).get("name") == cm_name for v in spec["template"]["spec"]["volumes"]
+    )
 
 
 # ----------------------------------------------------------------- Grafana vs the metric factories
@@ -166,11 +225,21 @@ def exposed_series() -> set[str]:
     from luwu.gpu_workers.prefetch import Prefetcher
     from luwu.switch_nodes.metrics import NodeMetrics
 
-    registries = [NodeMetrics(CollectorRegistry()).registry, WorkerMetrics(CollectorRegistry()).registry]
+    registries = [
+        NodeMetrics(CollectorRegistry()).registry,
+        WorkerMetrics(CollectorRegistry()).registry,
+    ]
     reg = CollectorRegistry()
-    Prefetcher([torch.zeros(1)], registry=reg).close()  # the prefetch metrics are made by the Prefetcher
+    Prefetcher(
+        [torch.zeros(1)], registry=reg
+    ).close()  # the prefetch metrics are made by the Prefetcher
     registries.append(reg)
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"), "gauge": ("",), "summary": ("", "_sum", "_count", "_created")}
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "gauge": ("",),
+        "summary": ("", "_sum", "_count", "_created"),
+    }
     out = set()
     for r in registries:
         for family in r.collect():
@@ -196,7 +265,11 @@ def test_dashboard_metrics_exist():
     exposed = exposed_series()
     assert any(n.startswith("luwu_prefetch_") for n in exposed)
     exprs = dashboard_exprs()
-    used = {(name, title) for title, expr in exprs for name in re.findall(r"\bluwu_[a-z0-9_]+\b(?!\s*[=!]~?\s*\")", expr)}
+    used = {
+        (name, title)
+        for title, expr in exprs
+        for name in re.findall(r"\bluwu_[a-z0-9_]+\b(?!\s*[=!]~?\s*\")", expr)
+    }
     assert len({n for n, _ in used}) >= 20
     unknown = sorted({f"{name} (panel {title!r})" for name, title in used if name not in exposed})
     assert not unknown, f"the dashboard queries metrics no factory makes: {unknown}"
@@ -206,10 +279,19 @@ def test_dashboard_covers_what_operators_need():
     dash = json.loads((DEPLOY / "grafana" / "luwu-dashboard.json").read_text())
     exprs = " ".join(e for _, e in dashboard_exprs())
     for needed in (
-        "luwu_node_step", "luwu_worker_bytes_pushed_total", "luwu_worker_bytes_pulled_total", "luwu_worker_raw_bytes_pushed_total",
-        "luwu_node_optimizer_step_seconds_bucket", "luwu_node_aggregation_wait_seconds_bucket", "luwu_worker_compute_seconds_sum",
-        "luwu_worker_push_wait_seconds_sum", "luwu_worker_update_wait_seconds_sum", "luwu_worker_data_wait_seconds_sum",
-        "luwu_node_errors_total", "luwu_node_connected_workers", "luwu_node_checkpoint_age_seconds",
+        "luwu_node_step",
+        "luwu_worker_bytes_pushed_total",
+        "luwu_worker_bytes_pulled_total",
+        "luwu_worker_raw_bytes_pushed_total",
+        "luwu_node_optimizer_step_seconds_bucket",
+        "luwu_node_aggregation_wait_seconds_bucket",
+        "luwu_worker_compute_seconds_sum",
+        "luwu_worker_push_wait_seconds_sum",
+        "luwu_worker_update_wait_seconds_sum",
+        "luwu_worker_data_wait_seconds_sum",
+        "luwu_node_errors_total",
+        "luwu_node_connected_workers",
+        "luwu_node_checkpoint_age_seconds",
     ):
         assert needed in exprs, f"dashboard lacks {needed}"
     assert "histogram_quantile(0.99" in exprs and "histogram_quantile(0.5" in exprs
@@ -219,7 +301,9 @@ def test_dashboard_covers_what_operators_need():
     def walk(panels):
         for p in panels:
             ids.append(p["id"])
-            assert {"h", "w", "x", "y"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"]["w"] <= 24, p["title"]
+            assert {"h", "w", "x", "y"} <= set(p["gridPos"]) and p["gridPos"]["x"] + p["gridPos"][
+                "w"
+            ] <= 24, p["title"]
             if p["type"] != "row":
                 assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
             walk(p.get("panels", []))
@@ -247,8 +331,15 @@ def test_example_cluster_file_loads_and_documents_every_setting():
         if m and section:
             present.setdefault(section, set()).add(m.group(1))
     sections = _sections()
-    assert set(present) == set(sections), f"sections: file has {sorted(present)}, the config tree {sorted(sections)}"
-    missing = [f"{s}.{f.name}" for s, cls in sections.items() for f in dataclasses.fields(cls) if f.name not in present[s]]
+    assert set(present) == set(sections), (
+        f"sections: file has {sorted(present)}, the config tree {sorted(sections)}"
+    )
+    missing = [
+        f"{s}.{f.name}"
+        for s, cls in sections.items()
+        for f in dataclasses.fields(cls)
+        if f.name not in present[s]
+    ]
     assert not missing, f"deploy/cluster.example.toml does not mention {missing}"
 
 
@@ -263,11 +354,17 @@ def test_systemd_unit_keys():
     u = _unit()
     assert u["Unit"]["Description"] and "network-online.target" in u["Unit"]["After"]
     s = u["Service"]
-    assert "-m luwu" in s["ExecStart"] and " node " in s["ExecStart"] and "--node.index %i" in s["ExecStart"]
+    assert (
+        "-m luwu" in s["ExecStart"]
+        and " node " in s["ExecStart"]
+        and "--node.index %i" in s["ExecStart"]
+    )
     assert "--config" in s["ExecStart"] and s["EnvironmentFile"].lstrip("-").endswith("node-%i.env")
     assert s["Restart"] == "on-failure" and float(s["RestartSec"]) > 0
     assert s["KillSignal"] == "SIGTERM"
-    assert int(s["TimeoutStopSec"]) >= 60, "the node writes a checkpoint on SIGTERM: give it time before SIGKILL"
+    assert int(s["TimeoutStopSec"]) >= 60, (
+        "the node writes a checkpoint on SIGTERM: give it time before SIGKILL"
+    )
     assert s["User"] != "root"
     assert u["Install"]["WantedBy"] == "multi-user.target"
 
@@ -277,24 +374,44 @@ def test_systemd_unit_verifies(tmp_path):
         pytest.skip("systemd-analyze is not installed (Debian package systemd)")
     unit = tmp_path / "luwu-node@0.service"
     shutil.copy(DEPLOY / "systemd" / "luwu-node@.service", unit)
-    r = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    r = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     # The only complaint allowed here: the venv of ExecStart is not installed on this machine.
-    problems = [line for line in (r.stdout + r.stderr).splitlines() if line.strip() and "is not executable" not in line]
+    problems = [
+        line
+        for line in (r.stdout + r.stderr).splitlines()
+        if line.strip() and "is not executable" not in line
+    ]
     assert not problems, "\n".join(problems)
 
 
 def test_dockerfile_installs_cpu_torch_first_and_runs_unprivileged():
     text = (DEPLOY / "docker" / "Dockerfile").read_text()
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     assert lines[0] == "FROM python:3.11-slim"
     torch_line = next(i for i, line in enumerate(lines) if "torch==2.13.0" in line)
     assert "--index-url https://download.pytorch.org/whl/cpu" in lines[torch_line]
-    package_line = next(i for i, line in enumerate(lines) if re.search(r"pip install \.(\s|$)", line))
-    assert torch_line < package_line, "torch must be installed before the package (else pip pulls a CUDA build)"
+    package_line = next(
+        i for i, line in enumerate(lines) if re.search(r"pip install \.(\s|$)", line)
+    )
+    assert torch_line < package_line, (
+        "torch must be installed before the package (else pip pulls a CUDA build)"
+    )
     user = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert user and user[-1] not in ("root", "0")
     # A C compiler for the codec kernels, or every node and worker runs the slower torch path.
-    assert re.search(r"apt-get install .*\bgcc\b", text), "the image needs gcc for protocol/blockquant.c"
+    assert re.search(r"apt-get install .*\bgcc\b", text), (
+        "the image needs gcc for protocol/blockquant.c"
+    )
     # Every source folder the package maps (pyproject package-dir) is copied into the image.
     for folder in ("luwu", "protocol", "switch_nodes", "gpu_workers"):
         assert re.search(rf"^COPY {folder} ", text, re.M), folder
@@ -320,16 +437,23 @@ def test_requires_python_is_what_the_code_needs():
 def test_the_wheel_ships_the_example_and_the_typing_marker():
     tool = _pyproject()["tool"]["setuptools"]
     assert "luwu.deploy" in tool["packages"] and tool["package-dir"]["luwu.deploy"] == "deploy"
-    assert (DEPLOY / "__init__.py").is_file() and (DEPLOY / "train_example.py").is_file(), "train_example.py ships as a module of luwu.deploy"
+    assert (DEPLOY / "__init__.py").is_file() and (DEPLOY / "train_example.py").is_file(), (
+        "train_example.py ships as a module of luwu.deploy"
+    )
     data = tool["package-data"]
     assert "cluster.example.toml" in data["luwu.deploy"] and "README.md" in data["luwu.deploy"]
     assert "py.typed" in data["luwu"] and (DEPLOY.parent / "luwu" / "py.typed").is_file()
-    folders = {pkg: DEPLOY.parent / tool["package-dir"].get(pkg, pkg.replace(".", "/")) for pkg in tool["packages"]}
+    folders = {
+        pkg: DEPLOY.parent / tool["package-dir"].get(pkg, pkg.replace(".", "/"))
+        for pkg in tool["packages"]
+    }
     for pkg, folder in folders.items():  # luwu.cli has no package-dir entry: it lives under luwu/
         if pkg not in tool["package-dir"]:
             folder = folders[pkg.rpartition(".")[0]] / pkg.rpartition(".")[2]
         assert (folder / "__init__.py").is_file(), pkg
-    assert any(dep.startswith("tomli-w") for dep in _pyproject()["project"]["dependencies"]), "config show writes TOML with tomli-w"
+    assert any(dep.startswith("tomli-w") for dep in _pyproject()["project"]["dependencies"]), (
+        "config show writes TOML with tomli-w"
+    )
 
 
 def test_systemd_unit_points_only_at_what_is_installed():
@@ -341,10 +465,23 @@ def test_systemd_unit_points_only_at_what_is_installed():
 
 
 def _code_lines(path: Path) -> list[str]:
-    return [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
 
 
-@pytest.mark.parametrize("path", [*SCRIPTS, DEPLOY / "docker" / "Dockerfile", DEPLOY / "systemd" / "luwu-node@.service", DEPLOY / "k8s" / "luwu-nodes.yaml"], ids=lambda p: str(p.relative_to(DEPLOY)))
+@pytest.mark.parametrize(
+    "path",
+    [
+        *SCRIPTS,
+        DEPLOY / "docker" / "Dockerfile",
+        DEPLOY / "systemd" / "luwu-node@.service",
+        DEPLOY / "k8s" / "luwu-nodes.yaml",
+    ],
+    ids=lambda p: str(p.relative_to(DEPLOY)),
+)
 def test_no_recipe_turns_encryption_off_by_itself(path):
     """insecure_public_bind is an opt-out the operator asks for (LUWU_INSECURE_PUBLIC_BIND=1), never the default."""
     for line in _code_lines(path):
@@ -354,28 +491,46 @@ def test_no_recipe_turns_encryption_off_by_itself(path):
 @pytest.mark.parametrize("name", ["slurm/luwu.sbatch", "ssh/launch.sh"])
 def test_network_scripts_make_keys_and_keep_them_off_argv(name):
     code = "\n".join(_code_lines(DEPLOY / name))
-    assert "-m luwu keys --out" in code and "--cluster" in code, "the job's keys are made by luwu keys"
+    assert "-m luwu keys --out" in code and "--cluster" in code, (
+        "the job's keys are made by luwu keys"
+    )
     assert re.search(r"\. \S*node\.env", code), "the node's shell reads the keys from node.env"
-    assert "curve_secret_key" not in code.lower().replace("luwu_node__curve_secret_key", ""), "no key on a command line"
+    assert "curve_secret_key" not in code.lower().replace("luwu_node__curve_secret_key", ""), (
+        "no key on a command line"
+    )
     assert "monitor.toml" in code or "status_file" in code, "status talks CURVE too"
     assert "LUWU_INSECURE_PUBLIC_BIND" in code and "WARNING" in code
 
 
 def test_systemd_unit_reads_the_keys_from_an_environment_file():
     text = (DEPLOY / "systemd" / "luwu-node@.service").read_text()
-    assert "EnvironmentFile=-/etc/luwu/keys.env" in text and "install -m 600 keys/node.env /etc/luwu/keys.env" in text
+    assert (
+        "EnvironmentFile=-/etc/luwu/keys.env" in text
+        and "install -m 600 keys/node.env /etc/luwu/keys.env" in text
+    )
 
 
 @needs_yaml
 def test_k8s_pods_take_their_keys_from_a_secret():
     docs = _k8s_docs()
-    for kind, arg in (("StatefulSet", "/etc/luwu-keys/node.env"), ("Job", "/etc/luwu-keys/worker${RANK}.toml")):
+    for kind, arg in (
+        ("StatefulSet", "/etc/luwu-keys/node.env"),
+        ("Job", "/etc/luwu-keys/worker${RANK}.toml"),
+    ):
         spec = next(d for (k, _), d in docs.items() if k == kind)["spec"]["template"]["spec"]
         volume = next(v for v in spec["volumes"] if "secret" in v)
-        assert volume["secret"]["secretName"] == "luwu-keys" and volume["secret"]["defaultMode"] == 0o440
+        assert (
+            volume["secret"]["secretName"] == "luwu-keys"
+            and volume["secret"]["defaultMode"] == 0o440
+        )
         container = spec["containers"][0]
-        assert any(m["name"] == volume["name"] and m["mountPath"] == "/etc/luwu-keys" for m in container["volumeMounts"])
-        assert arg in " ".join(container["args"]) and "secret_key" not in " ".join(container["args"])
+        assert any(
+            m["name"] == volume["name"] and m["mountPath"] == "/etc/luwu-keys"
+            for m in container["volumeMounts"]
+        )
+        assert arg in " ".join(container["args"]) and "secret_key" not in " ".join(
+            container["args"]
+        )
 
 
 # ----------------------------------------------------------------- one join secret per job (deploy/join.py)
@@ -391,27 +546,50 @@ def test_join_files_give_the_nodes_workers_and_status_one_secret(tmp_path, monke
     for name in ("LUWU_NODE__JOIN_SECRET", "LUWU_TRANSPORT__JOIN_SECRET"):
         monkeypatch.delenv(name, raising=False)
     cluster, keys = tmp_path / "cluster.toml", tmp_path / "run" / "keys"
-    cluster.write_text('[cluster]\njob = "dj"\nnodes = ["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"]\n\n[optimizer]\nname = "sgd"\n')
+    cluster.write_text(
+        '[cluster]\njob = "dj"\nnodes = ["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"]\n\n[optimizer]\nname = "sgd"\n'
+    )
     keys.mkdir(parents=True)
     (keys / "worker0.toml").write_text("keys")  # a folder of CURVE keys is not mixed with a secret
     with pytest.raises(ConfigError, match="holds CURVE keys"):
         write_job_join_files(keys, cluster)
     (keys / "worker0.toml").unlink()
     secret, files = write_job_join_files(keys, cluster)
-    assert sorted(f.name for f in keys.iterdir()) == ["join.toml", "monitor.toml", "node.env"] == sorted(f.name for f in files)
-    assert all(f.stat().st_mode & 0o777 == 0o600 for f in files) and keys.stat().st_mode & 0o777 == 0o700
-    assert len(secret) == 32 and read_env_file(keys / "node.env") == {"LUWU_NODE__JOIN_SECRET": secret}
+    assert (
+        sorted(f.name for f in keys.iterdir())
+        == ["join.toml", "monitor.toml", "node.env"]
+        == sorted(f.name for f in files)
+    )
+    assert (
+        all(f.stat().st_mode & 0o777 == 0o600 for f in files)
+        and keys.stat().st_mode & 0o777 == 0o700
+    )
+    assert len(secret) == 32 and read_env_file(keys / "node.env") == {
+        "LUWU_NODE__JOIN_SECRET": secret
+    }
     for name in ("join.toml", "monitor.toml"):
         cfg = load_config(str(keys / name), env={})
-        assert cfg.transport.join_secret == secret and cfg.cluster.job == "dj" and cfg.optimizer.name == "sgd"
+        assert (
+            cfg.transport.join_secret == secret
+            and cfg.cluster.job == "dj"
+            and cfg.optimizer.name == "sgd"
+        )
         assert cfg.cluster.nodes == ["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"]
     assert secret not in cluster.read_text()
-    assert write_job_join_files(keys, cluster)[0] == secret, "a restart keeps the workers' files valid"
+    assert write_job_join_files(keys, cluster)[0] == secret, (
+        "a restart keeps the workers' files valid"
+    )
     mine = "f" * 32
     monkeypatch.setenv("LUWU_NODE__JOIN_SECRET", mine)
     assert main([str(keys), str(cluster)]) == 0
-    assert load_config(str(keys / "join.toml"), env={}).transport.join_secret == mine == read_env_file(keys / "node.env")["LUWU_NODE__JOIN_SECRET"]
+    assert (
+        load_config(str(keys / "join.toml"), env={}).transport.join_secret
+        == mine
+        == read_env_file(keys / "node.env")["LUWU_NODE__JOIN_SECRET"]
+    )
     monkeypatch.delenv("LUWU_NODE__JOIN_SECRET")
-    (keys / "join.toml").chmod(0o644)  # readable by others: the secret may be known, so it is not reused
+    (keys / "join.toml").chmod(
+        0o644
+    )  # readable by others: the secret may be known, so it is not reused
     assert main([str(keys), str(cluster)]) == 1
     assert main([str(keys)]) == 2

@@ -34,21 +34,53 @@ def _missing() -> list[str]:
 def test_docs_build_strict(tmp_path):
     missing = _missing()
     if missing:
-        pytest.skip(f"docs packages not installed ({', '.join(missing)}): pip install -e '.[test]' installs them")
+        pytest.skip(
+            f"docs packages not installed ({', '.join(missing)}): pip install -e '.[test]' installs them"
+        )
     proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(tmp_path / "site")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=150,  # not the root: paths must not hang on the cwd
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--config-file",
+            str(ROOT / "mkdocs.yml"),
+            "--site-dir",
+            str(tmp_path / "site"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,  # not the root: paths must not hang on the cwd
     )
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"mkdocs build --strict failed (rc {proc.returncode}):\n{log[-6000:]}"
+    assert proc.returncode == 0, (
+        f"mkdocs build --strict failed (rc {proc.returncode}):\n{log[-6000:]}"
+    )
     warnings = [line for line in log.splitlines() if line.startswith(("WARNING", "ERROR"))]
     assert not warnings, "mkdocs printed warnings:\n" + "\n".join(warnings)
     site = tmp_path / "site"
-    for page in ("index.html", "architecture.html", "protocol.html", "configuration.html", "api/optimizer.html"):
+    for page in (
+        "index.html",
+        "architecture.html",
+        "protocol.html",
+        "configuration.html",
+        "api/optimizer.html",
+    ):
         assert (site / page).is_file(), f"{page} missing from the built site"
-    assert "The LuWu wire format" in (site / "protocol.html").read_text(), "protocol/PROTOCOL.md was not included"
+    assert "The LuWu wire format" in (site / "protocol.html").read_text(), (
+        "protocol/PROTOCOL.md was not included"
+    )
     reference = (site / "configuration.html").read_text()
-    for field in ("world_size", "delayed_update", "bucket_bytes", "warmup_steps", "depth", "worker_policy"):
+    for field in (
+        "world_size",
+        "delayed_update",
+        "bucket_bytes",
+        "warmup_steps",
+        "depth",
+        "worker_policy",
+    ):
         assert f"{field}" in reference, f"the configuration reference lacks {field}"
 
 
@@ -64,11 +96,15 @@ def test_the_readme_is_a_users_document():
     set everything up first, and every file it links to exists."""
     text = (ROOT / "README.md").read_text()
     lines = text.count("\n")
-    assert lines <= 250, f"README.md has {lines} lines: move details to docs/ (mkdocs nav) and keep it under 250"
+    assert lines <= 250, (
+        f"README.md has {lines} lines: move details to docs/ (mkdocs nav) and keep it under 250"
+    )
     makefile = (ROOT / "Makefile").read_text()
     for target in ("demo", "test"):
         assert f"make {target}" in text, f"the README no longer shows `make {target}`"
-        assert re.search(rf"^{target}: setup$", makefile, flags=re.M), f"`make {target}` must run setup first"
+        assert re.search(rf"^{target}: setup$", makefile, flags=re.M), (
+            f"`make {target}` must run setup first"
+        )
     missing = []
     for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
         if "://" not in link and not (ROOT / link).exists():

@@ -22,8 +22,14 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 #: the label a LuWu job puts on its targets (file_sd targets written by `luwu up` and train_example.py)
 JOB_LABEL = "luwu_job"
 #: the series one metric family exposes, by type (what a PromQL query can name)
-SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count", "_created"),
-            "summary": ("", "_sum", "_count", "_created"), "info": ("_info",), "unknown": ("",)}
+SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "gauge": ("",),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "info": ("_info",),
+    "unknown": ("",),
+}
 #: a metric name in PromQL, with its label selector when it has one
 METRIC_RE = re.compile(r"\b(luwu_[a-z0-9_]+)(\{[^}]*\})?")
 
@@ -33,7 +39,10 @@ def exposed_series() -> set[str]:
     from luwu.gpu_workers.metrics import PrefetchMetrics, WorkerMetrics
     from luwu.switch_nodes.metrics import NodeMetrics
 
-    registries = [NodeMetrics(CollectorRegistry()).registry, WorkerMetrics(CollectorRegistry()).registry]
+    registries = [
+        NodeMetrics(CollectorRegistry()).registry,
+        WorkerMetrics(CollectorRegistry()).registry,
+    ]
     prefetch = CollectorRegistry()
     PrefetchMetrics(prefetch)
     registries.append(prefetch)
@@ -50,7 +59,10 @@ def node_and_worker_families() -> dict[str, set[str]]:
     from luwu.switch_nodes.metrics import NodeMetrics
 
     out = {}
-    for registry in (NodeMetrics(CollectorRegistry()).registry, WorkerMetrics(CollectorRegistry()).registry):
+    for registry in (
+        NodeMetrics(CollectorRegistry()).registry,
+        WorkerMetrics(CollectorRegistry()).registry,
+    ):
         for family in registry.collect():
             out[family.name] = {family.name + suffix for suffix in SUFFIXES[family.type]}
     return out
@@ -86,7 +98,9 @@ def test_the_collected_names_cover_every_factory_and_suffix():
     for prefix in ("luwu_node_", "luwu_worker_", "luwu_prefetch_"):
         assert any(n.startswith(prefix) for n in names), prefix
     assert "luwu_worker_steps_total" in names and "luwu_node_optimizer_step_seconds_bucket" in names
-    assert "luwu_node_optimizer_step_seconds" not in names  # a histogram is only queried through its series
+    assert (
+        "luwu_node_optimizer_step_seconds" not in names
+    )  # a histogram is only queried through its series
 
 
 def test_job_and_instance_variables_exist():
@@ -96,7 +110,10 @@ def test_job_and_instance_variables_exist():
         var = found[name]
         assert var["type"] == "query" and var["datasource"]["uid"] == "${datasource}", name
         query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
-        assert query.startswith("label_values(") and query.rstrip().endswith(f", {label})"), (name, query)
+        assert query.startswith("label_values(") and query.rstrip().endswith(f", {label})"), (
+            name,
+            query,
+        )
     assert "$job" in str(found["instance"]["query"]), "the instance list must follow the chosen job"
     # one job at a time: "All" would sum two jobs again
     assert not found["job"].get("includeAll") and not found["job"].get("multi")
@@ -126,17 +143,24 @@ def test_every_node_and_worker_metric_the_docs_name_has_a_panel():
     named = {name for doc in DOCS for name in re.findall(r"\bluwu_[a-z0-9_]+", doc.read_text())}
     families = node_and_worker_families()
     advertised = {name for name, series in families.items() if name in named or series & named}
-    assert advertised, f"README.md and docs/ name none of the node and worker metrics: {sorted(named)}"
+    assert advertised, (
+        f"README.md and docs/ name none of the node and worker metrics: {sorted(named)}"
+    )
     used = {name for _, expr in queries(load()) for name, _ in METRIC_RE.findall(expr)}
     missing = sorted(name for name in advertised if not families[name] & used)
-    assert not missing, "metrics README.md or docs/ name that no dashboard panel shows:\n" + "\n".join(missing)
+    assert not missing, (
+        "metrics README.md or docs/ name that no dashboard panel shows:\n" + "\n".join(missing)
+    )
 
 
-@pytest.mark.parametrize("expr, ok", [
-    ('rate(luwu_worker_steps_total{luwu_job=~"$job", instance=~"$instance"}[5m])', True),
-    ("rate(luwu_worker_steps_total[5m])", False),
-    ('luwu_node_step{instance=~"$instance"}', False),
-])
+@pytest.mark.parametrize(
+    "expr, ok",
+    [
+        ('rate(luwu_worker_steps_total{luwu_job=~"$job", instance=~"$instance"}[5m])', True),
+        ("rate(luwu_worker_steps_total[5m])", False),
+        ('luwu_node_step{instance=~"$instance"}', False),
+    ],
+)
 def test_the_scope_check_tells_scoped_from_unscoped(expr, ok):
     found = [(n, s) for n, s in METRIC_RE.findall(expr)]
     assert all(f'{JOB_LABEL}=~"$job"' in s and 'instance=~"$instance"' in s for _, s in found) is ok

@@ -55,10 +55,15 @@ def _run_both(path, fn):
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
 
 
-@pytest.mark.parametrize("name,block", [("int8", 256), ("int8", 64), ("int8", 1), ("int4", 64), ("int4", 2), ("int4", 256)])
+@pytest.mark.parametrize(
+    "name,block",
+    [("int8", 256), ("int8", 64), ("int8", 1), ("int4", 64), ("int4", 2), ("int4", 256)],
+)
 @pytest.mark.parametrize("n", [1, 7, 255, 256, 1000, (1 << 19) + 77])
 def test_same_bits_as_torch(path, name, block, n):
     codec = get_codec(name, block=block)
@@ -85,7 +90,9 @@ def test_same_bits_as_torch(path, name, block, n):
 
     a, b = _run_both(path, run)
     for i, (u, v) in enumerate(zip(a, b)):
-        assert _same(u, v), f"{name} block {block} n {n}: output {i} differs between the kernels and torch"
+        assert _same(u, v), (
+            f"{name} block {block} n {n}: output {i} differs between the kernels and torch"
+        )
 
 
 def test_delta_shadow_matches_a_worker_on_the_other_path(path):
@@ -123,7 +130,9 @@ def test_nonfinite_blocks_decode_nonfinite(path, name):
         enc = codec.encode(x)
         out = torch.zeros(n)
         codec.decode_add_(out, enc.frames, enc.meta)
-        assert not out[: 2 * codec.block].isfinite().any(), f"native={on}: a NaN/inf block must decode non-finite"
+        assert not out[: 2 * codec.block].isfinite().any(), (
+            f"native={on}: a NaN/inf block must decode non-finite"
+        )
         assert out[2 * codec.block :].isfinite().all()
 
 
@@ -168,7 +177,9 @@ def test_builds_once_into_the_cache(monkeypatch, tmp_path):
         stamp = libs[0].stat().st_mtime_ns
         native.reset()
         assert native.kernels() is not None
-        assert list(tmp_path.glob("blockquant-*.so")) == libs and libs[0].stat().st_mtime_ns == stamp
+        assert (
+            list(tmp_path.glob("blockquant-*.so")) == libs and libs[0].stat().st_mtime_ns == stamp
+        )
     finally:
         native.reset()
 
@@ -192,8 +203,21 @@ def test_what_the_kernels_cannot_take_goes_the_torch_way(path):
 def _planted_library(folder, marker, key_name):
     """A library whose constructor writes ``marker``: what another user could plant in a shared cache."""
     src = folder.parent / "planted.c"
-    src.write_text(f'#include <stdio.h>\n__attribute__((constructor)) static void planted(void) {{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
-    subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-shared", "-fPIC", "-o", str(folder / key_name), str(src)], check=True, timeout=60)
+    src.write_text(
+        f'#include <stdio.h>\n__attribute__((constructor)) static void planted(void) {{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n'
+    )
+    subprocess.run(
+        [
+            shutil.which("cc") or shutil.which("gcc"),
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(folder / key_name),
+            str(src),
+        ],
+        check=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("how", ["folder open to others", "library owned by another user"])
@@ -211,7 +235,9 @@ def test_a_planted_library_is_never_loaded(monkeypatch, tmp_path, how):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     native.reset()
     try:
-        assert native.kernels() is not None, native.reason  # learn the library's name, then plant over it
+        assert native.kernels() is not None, (
+            native.reason
+        )  # learn the library's name, then plant over it
         name = next(cache.glob("blockquant-*.so")).name
         for p in cache.glob("blockquant-*.so"):
             p.unlink()

@@ -57,11 +57,32 @@ def test_micro_batch_pushes_add_into_the_step(order):
     g = torch.Generator().manual_seed(7)
     w0 = [_push("none", torch.randn(numel, generator=g)) for _ in range(3)]  # two partial, one last
     w1 = [_push("bf16", torch.randn(numel, generator=g)) for _ in range(2)]  # one partial, one last
-    want = (sum(_decoded(c, f, m, numel) for c, f, m in w0) + sum(_decoded(c, f, m, numel) for c, f, m in w1)) / 2
+    want = (
+        sum(_decoded(c, f, m, numel) for c, f, m in w0)
+        + sum(_decoded(c, f, m, numel) for c, f, m in w1)
+    ) / 2
     seq = {
-        "partial_first": [(0, w0[0], True), (0, w0[1], True), (1, w1[0], True), (1, w1[1], False), (0, w0[2], False)],
-        "held_then_partial": [(1, w1[0], True), (0, w0[0], True), (0, w0[1], True), (0, w0[2], False), (1, w1[1], False)],
-        "partials_between": [(0, w0[0], True), (1, w1[0], True), (0, w0[1], True), (0, w0[2], False), (1, w1[1], False)],
+        "partial_first": [
+            (0, w0[0], True),
+            (0, w0[1], True),
+            (1, w1[0], True),
+            (1, w1[1], False),
+            (0, w0[2], False),
+        ],
+        "held_then_partial": [
+            (1, w1[0], True),
+            (0, w0[0], True),
+            (0, w0[1], True),
+            (0, w0[2], False),
+            (1, w1[1], False),
+        ],
+        "partials_between": [
+            (0, w0[0], True),
+            (1, w1[0], True),
+            (0, w0[1], True),
+            (0, w0[2], False),
+            (1, w1[1], False),
+        ],
     }[order]
     b = _bucket(numel)
     acc = b.accumulator(0, 0)
@@ -110,7 +131,13 @@ def test_a_held_push_is_decoded_when_the_step_goes_on_without_the_others():
     assert acc.held is not None
     acc.hyper = HYPER
     b.apply(acc, 1.0)  # one push, divisor 1: the held push at weight 1/2, rescaled by grad_scale
-    opt = torch.optim.AdamW([p], lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"])
+    opt = torch.optim.AdamW(
+        [p],
+        lr=HYPER["lr"],
+        betas=HYPER["betas"],
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+    )
     p.grad = x.clone()
     opt.step()
     torch.testing.assert_close(b.params, p.detach(), rtol=1e-6, atol=1e-7)
@@ -137,7 +164,14 @@ def test_node_step_equals_torch_adamw_on_the_averaged_gradient(n):
     b = _bucket(numel)
     b.params.copy_(torch.randn(numel, generator=g))
     p = torch.nn.Parameter(b.params.clone())
-    opt = torch.optim.AdamW([p], lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], fused=True)
+    opt = torch.optim.AdamW(
+        [p],
+        lr=HYPER["lr"],
+        betas=HYPER["betas"],
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        fused=True,
+    )
     for step in range(3):
         grads = [torch.randn(numel, generator=g) for _ in range(n)]
         acc = b.accumulator(step, 0)
@@ -152,7 +186,9 @@ def test_node_step_equals_torch_adamw_on_the_averaged_gradient(n):
         p.grad = torch.stack(grads).sum(0) / n
         opt.step()
     torch.testing.assert_close(b.params, p.detach(), rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(b.state["exp_avg_sq"], opt.state[p]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(
+        b.state["exp_avg_sq"], opt.state[p]["exp_avg_sq"], rtol=1e-5, atol=1e-9
+    )
 
 
 def test_pull_codecs_plain_steps_and_int8_delta_share_one_interface():
@@ -181,8 +217,12 @@ def test_pull_codecs_plain_steps_and_int8_delta_share_one_interface():
         b.version += 1
         r = steps.encode(b, buffers)
         assert r.delta == (k not in (0, 2)) and r.codec == ("bf16_steps" if r.delta else "bf16")
-        (get_codec(r.codec).decode_add_ if r.delta else get_codec(r.codec).decode_)(held, r.frames, r.meta)
-        assert torch.equal(held, b.params.to(torch.bfloat16).float()), "the bf16 rounding, bit for bit"
+        (get_codec(r.codec).decode_add_ if r.delta else get_codec(r.codec).decode_)(
+            held, r.frames, r.meta
+        )
+        assert torch.equal(held, b.params.to(torch.bfloat16).float()), (
+            "the bf16 rounding, bit for bit"
+        )
     b.version += 1  # a step whose reply did not go through this codec: full bf16 again
     steps.before_step(b)
     b.version += 1
@@ -210,7 +250,9 @@ def test_accumulators_are_shared_by_the_buckets_and_sized_by_those_in_flight():
     as received until the second comes)."""
     numel, n = 2048, 2
     pool = AccumulatorPool()
-    buckets = [BucketState(i, 0, numel, [SegmentSpec(i, 0, 0, numel)], ADAMW, pool) for i in range(8)]
+    buckets = [
+        BucketState(i, 0, numel, [SegmentSpec(i, 0, 0, numel)], ADAMW, pool) for i in range(8)
+    ]
     g = torch.Generator().manual_seed(3)
     for step in range(2):
         for b in buckets:
@@ -219,7 +261,9 @@ def test_accumulators_are_shared_by_the_buckets_and_sized_by_those_in_flight():
                 b.add_push(acc, *_push("int8", torch.randn(numel, generator=g)), expected=n)
                 acc.workers.add(w)
                 if w == 0:
-                    assert acc.buf is None and pool.taken_bytes == 0, "the held first push takes no accumulator"
+                    assert acc.buf is None and pool.taken_bytes == 0, (
+                        "the held first push takes no accumulator"
+                    )
             acc.hyper = HYPER
             b.apply(acc, float(n))
             b.release(step)

@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from luwu.protocol.errors import (
     ConfigError,
     CorruptCheckpointError,

@@ -16,7 +16,13 @@ import pytest
 import torch
 from torch.testing._internal.common_optimizers import optim_db
 
-from luwu.switch_nodes.optimizers import IMPLEMENTATION_SWITCHES, KINDS, check_hyper, get_kind, torch_scalars
+from luwu.switch_nodes.optimizers import (
+    IMPLEMENTATION_SWITCHES,
+    KINDS,
+    check_hyper,
+    get_kind,
+    torch_scalars,
+)
 from luwu.switch_nodes.store import BucketState, SegmentSpec, SegmentState
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,12 +50,26 @@ def _cases() -> list:
             continue
         for case in info.optim_inputs_func(device="cpu"):
             kwargs = {k: v for k, v in case.kwargs.items() if k not in IMPLEMENTATION_SWITCHES}
-            out.append(pytest.param(info.optim_cls, kwargs, id=f"{info.optim_cls.__name__}-{case.desc}"))
+            out.append(
+                pytest.param(info.optim_cls, kwargs, id=f"{info.optim_cls.__name__}-{case.desc}")
+            )
     return out
 
 
 CASES = _cases()
-SUPPORTED_IN_DB = {"Adadelta", "Adafactor", "Adagrad", "Adam", "Adamax", "AdamW", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD"}
+SUPPORTED_IN_DB = {
+    "Adadelta",
+    "Adafactor",
+    "Adagrad",
+    "Adam",
+    "Adamax",
+    "AdamW",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+    "SGD",
+}
 
 
 def _grads(seed: int = 3) -> list[list[torch.Tensor]]:
@@ -59,7 +79,9 @@ def _grads(seed: int = 3) -> list[list[torch.Tensor]]:
 
 def _node_hyper(kind, kwargs: dict) -> dict:
     """What a worker sends: the group's keys, tensors as floats (RemoteOptimizer's ``_hyper_of``)."""
-    h = dict(kind.defaults) | {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    h = dict(kind.defaults) | {
+        k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()
+    }
     check_hyper(kind, h)
     return h
 
@@ -131,18 +153,38 @@ def test_node_matches_torch_on_optim_db_case(cls, kwargs):
         opt.step()
         _node_step(buckets, grads, hyper, t)
         for i, (got, want) in enumerate(zip(_gather(buckets, lambda b: b.params), ref)):
-            torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7, msg=lambda m, i=i, t=t: f"step {t}, parameter {i}: {m}")
+            torch.testing.assert_close(
+                got,
+                want.detach(),
+                rtol=1e-6,
+                atol=1e-7,
+                msg=lambda m, i=i, t=t: f"step {t}, parameter {i}: {m}",
+            )
     steps = _segment_steps(buckets)
     for i, p in enumerate(ref):
         st = opt.state[p]
         flat_names = [k for k in st if k not in ("step", "mu_product")]
-        assert sorted(flat_names) == sorted(n for n in kind.state_for(hyper) if n in kind.state_shapes(p.shape)), "the node keeps the state torch keeps"
+        assert sorted(flat_names) == sorted(
+            n for n in kind.state_for(hyper) if n in kind.state_shapes(p.shape)
+        ), "the node keeps the state torch keeps"
         if "step" in st:
             assert steps[i] == {float(st["step"])}
         for k, v in torch_scalars(kind, STEPS, hyper).items():
             torch.testing.assert_close(v, st[k].float(), rtol=0, atol=0)
         for k in flat_names:
-            got = _shaped_state(buckets, k)[i] if kind.whole_params else _gather(buckets, lambda b, k=k: b.state.read(k))[i]
-            torch.testing.assert_close(got, st[k], rtol=1e-6, atol=1e-7, msg=lambda m, i=i, k=k: f"parameter {i}, state {k}: {m}")
+            got = (
+                _shaped_state(buckets, k)[i]
+                if kind.whole_params
+                else _gather(buckets, lambda b, k=k: b.state.read(k))[i]
+            )
+            torch.testing.assert_close(
+                got,
+                st[k],
+                rtol=1e-6,
+                atol=1e-7,
+                msg=lambda m, i=i, k=k: f"parameter {i}, state {k}: {m}",
+            )
     unused = {n for n in kind.state_names if n not in kind.state_for(hyper)}
-    assert not unused & set(buckets[0].state.allocated()), "state the update does not use is not allocated"
+    assert not unused & set(buckets[0].state.allocated()), (
+        "state the update does not use is not allocated"
+    )

@@ -16,10 +16,10 @@ from luwu.plan import (
     codec_profile,
     parse_count,
     plan,
-    stream_refetch_share,
     recommend,
     run,
     spec_with_codecs,
+    stream_refetch_share,
 )
 from luwu.protocol.errors import ConfigError
 
@@ -29,8 +29,18 @@ GBIT = 1e9 / 8  # bytes/s of 1 Gbit/s
 
 def spec(**kw) -> PlanSpec:
     """1 Gbit/s everywhere at full line rate, fp32 both ways, no codec cost: numbers by hand."""
-    base = dict(num_params=P, workers=4, nodes=1, worker_gbps=1.0, node_gbps=1.0, push_bytes_per_elem=4.0,
-                pull_bytes_per_elem=4.0, compute_s=0.2, protocol_efficiency=1.0, opt_params_per_s=1e9)
+    base = dict(
+        num_params=P,
+        workers=4,
+        nodes=1,
+        worker_gbps=1.0,
+        node_gbps=1.0,
+        push_bytes_per_elem=4.0,
+        pull_bytes_per_elem=4.0,
+        compute_s=0.2,
+        protocol_efficiency=1.0,
+        opt_params_per_s=1e9,
+    )
     base.update(kw)
     return PlanSpec(**base)
 
@@ -84,16 +94,25 @@ def test_capacities_and_node_bandwidth_weight_the_shards():
     p = plan(spec(nodes=2, capacities=(3.0, 1.0), node_gbps=(3.0, 1.0)))
     assert p.shard_params == pytest.approx((0.75 * P, 0.25 * P))
     assert p.node_down_bytes[0] == pytest.approx(3 * p.node_down_bytes[1])
-    assert p.node_down_s[0] == pytest.approx(p.node_down_s[1])  # weighted like the links: equal times
+    assert p.node_down_s[0] == pytest.approx(
+        p.node_down_s[1]
+    )  # weighted like the links: equal times
 
 
 def test_protocol_efficiency_scales_link_time():
-    assert plan(spec(protocol_efficiency=0.5)).worker_up_s == pytest.approx(2 * plan(spec()).worker_up_s)
+    assert plan(spec(protocol_efficiency=0.5)).worker_up_s == pytest.approx(
+        2 * plan(spec()).worker_up_s
+    )
 
 
 def test_codec_and_optimizer_time_on_the_node():
-    s = spec(push_decode_s_per_elem=2e-9, pull_encode_s_per_elem=1e-9, node_threads=2,
-             push_encode_s_per_elem=3e-9, pull_decode_s_per_elem=4e-9)
+    s = spec(
+        push_decode_s_per_elem=2e-9,
+        pull_encode_s_per_elem=1e-9,
+        node_threads=2,
+        push_encode_s_per_elem=3e-9,
+        pull_decode_s_per_elem=4e-9,
+    )
     p = plan(s)
     # W decodes of the pushes + 1 encode of the reply, over the shard, shared by the threads
     assert p.node_cpu_s[0] == pytest.approx(P * (1 / 1e9 + 4 * 2e-9 + 1e-9) / 2)
@@ -104,15 +123,27 @@ def test_codec_and_optimizer_time_on_the_node():
 def test_encoding_lengthens_backward_and_writing_follows_the_last_reply():
     # worker codec work sits on the training thread: encode inside backward, decode after the wait
     base = spec(worker_gbps=100.0, node_gbps=100.0)
-    p = plan(spec(worker_gbps=100.0, node_gbps=100.0, push_encode_s_per_elem=3e-9, pull_decode_s_per_elem=1e-9))
+    p = plan(
+        spec(
+            worker_gbps=100.0,
+            node_gbps=100.0,
+            push_encode_s_per_elem=3e-9,
+            pull_decode_s_per_elem=1e-9,
+        )
+    )
     q = plan(base)
     assert p.compute_eff_s == pytest.approx(0.2 + P * 3e-9)
     assert p.write_s == pytest.approx(P * 1e-9)
-    assert p.sync_step_s == pytest.approx(p.compute_eff_s + max(q.path_s - p.overlap_fraction * p.compute_eff_s,
-                                                                q.tail_s) + p.write_s)
-    assert p.delayed_step_s == pytest.approx(max(p.compute_eff_s + p.write_s, max(q.push_s, q.node_s, q.pull_s),
-                                                 ((1 - p.overlap_fraction) * p.compute_eff_s + q.path_s
-                                                  + p.write_s) / 2))
+    assert p.sync_step_s == pytest.approx(
+        p.compute_eff_s + max(q.path_s - p.overlap_fraction * p.compute_eff_s, q.tail_s) + p.write_s
+    )
+    assert p.delayed_step_s == pytest.approx(
+        max(
+            p.compute_eff_s + p.write_s,
+            max(q.push_s, q.node_s, q.pull_s),
+            ((1 - p.overlap_fraction) * p.compute_eff_s + q.path_s + p.write_s) / 2,
+        )
+    )
 
 
 def test_one_bucket_cannot_overlap_backward():
@@ -129,7 +160,8 @@ def test_compute_bound_when_links_are_fast():
     assert p.sync_step_s == pytest.approx(1.0 + p.tail_s)  # only the last bucket is exposed
     assert p.samples_per_s == pytest.approx(4 * 64 / p.sync_step_s)
     assert plan(spec(delayed_update=True, batch_per_worker=64)).samples_per_s == pytest.approx(
-        4 * 64 / plan(spec()).delayed_step_s)
+        4 * 64 / plan(spec()).delayed_step_s
+    )
 
 
 @settings(max_examples=200, deadline=None)
@@ -146,13 +178,38 @@ def test_compute_bound_when_links_are_fast():
     bucket_bytes=st.integers(1, 1 << 30),
     decode=st.floats(0, 1e-8),
 )
-def test_delayed_update_never_slower_than_sync(num_params, workers, nodes, worker_gbps, node_gbps, push, pull,
-                                               compute_s, overlap, bucket_bytes, decode):
-    p = plan(PlanSpec(num_params=num_params, workers=workers, nodes=nodes, worker_gbps=worker_gbps,
-                      node_gbps=node_gbps, push_bytes_per_elem=push, pull_bytes_per_elem=pull, compute_s=compute_s,
-                      overlap_fraction=overlap, bucket_bytes=bucket_bytes, push_decode_s_per_elem=decode))
+def test_delayed_update_never_slower_than_sync(
+    num_params,
+    workers,
+    nodes,
+    worker_gbps,
+    node_gbps,
+    push,
+    pull,
+    compute_s,
+    overlap,
+    bucket_bytes,
+    decode,
+):
+    p = plan(
+        PlanSpec(
+            num_params=num_params,
+            workers=workers,
+            nodes=nodes,
+            worker_gbps=worker_gbps,
+            node_gbps=node_gbps,
+            push_bytes_per_elem=push,
+            pull_bytes_per_elem=pull,
+            compute_s=compute_s,
+            overlap_fraction=overlap,
+            bucket_bytes=bucket_bytes,
+            push_decode_s_per_elem=decode,
+        )
+    )
     assert p.delayed_step_s <= p.sync_step_s * (1 + 1e-9)
-    assert p.sync_step_s >= max(p.resources.values()) * (1 - 1e-9)  # no step beats its busiest resource
+    assert p.sync_step_s >= max(p.resources.values()) * (
+        1 - 1e-9
+    )  # no step beats its busiest resource
     assert p.delayed_step_s >= max(p.resources.values()) * (1 - 1e-9)
 
 
@@ -190,14 +247,25 @@ def test_codec_table():
     assert 1.0 < codec_profile("int8").bytes_per_elem < 1.1  # one int8 + a share of a block scale
     assert 0.5 < codec_profile("int4").bytes_per_elem < 0.6
     assert codec_profile("topk").bytes_per_elem < 0.2
-    assert codec_profile("topk:0.05").bytes_per_elem == pytest.approx(0.4)  # fp32 value + int32 index
+    assert codec_profile("topk:0.05").bytes_per_elem == pytest.approx(
+        0.4
+    )  # fp32 value + int32 index
     for bad in ("zstd", "topk:0", "topk:2"):
         with pytest.raises(ConfigError, match="codec|density"):
             codec_profile(bad)
 
 
-@pytest.mark.parametrize("text,value", [("16.7M", 16_700_000), ("1.5B", 1_500_000_000), ("7e9", 7_000_000_000),
-                                        ("350k", 350_000), ("16_700_000", 16_700_000), ("2G", 2_000_000_000)])
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("16.7M", 16_700_000),
+        ("1.5B", 1_500_000_000),
+        ("7e9", 7_000_000_000),
+        ("350k", 350_000),
+        ("16_700_000", 16_700_000),
+        ("2G", 2_000_000_000),
+    ],
+)
 def test_parse_count(text, value):
     assert parse_count(text) == value
 
@@ -208,26 +276,47 @@ def test_parse_count_refuses(text):
         parse_count(text)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("num_params", 0), ("num_params", 1.5), ("workers", 0), ("workers", True), ("nodes", -1),
-    ("worker_gbps", 0.0), ("node_gbps", float("nan")), ("push_bytes_per_elem", -1.0),
-    ("pull_bytes_per_elem", float("inf")), ("opt_params_per_s", 0), ("compute_s", -0.1),
-    ("push_decode_s_per_elem", -1e-9), ("overlap_fraction", 1.5), ("protocol_efficiency", 0.0),
-    ("protocol_efficiency", 1.2), ("bucket_bytes", 0), ("batch_per_worker", 0), ("node_threads", 0),
-    ("shared_cores", 0.0), ("shared_cores", float("inf")), ("net_cpu_s_per_byte", -1e-9),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_params", 0),
+        ("num_params", 1.5),
+        ("workers", 0),
+        ("workers", True),
+        ("nodes", -1),
+        ("worker_gbps", 0.0),
+        ("node_gbps", float("nan")),
+        ("push_bytes_per_elem", -1.0),
+        ("pull_bytes_per_elem", float("inf")),
+        ("opt_params_per_s", 0),
+        ("compute_s", -0.1),
+        ("push_decode_s_per_elem", -1e-9),
+        ("overlap_fraction", 1.5),
+        ("protocol_efficiency", 0.0),
+        ("protocol_efficiency", 1.2),
+        ("bucket_bytes", 0),
+        ("batch_per_worker", 0),
+        ("node_threads", 0),
+        ("shared_cores", 0.0),
+        ("shared_cores", float("inf")),
+        ("net_cpu_s_per_byte", -1e-9),
+    ],
+)
 def test_bad_values_are_refused_by_name(field, value):
     with pytest.raises(ConfigError, match=field) as info:
         spec(**{field: value})
     assert repr(value) in str(info.value) or str(value) in str(info.value)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(nodes=2, capacities=(1.0,)), "capacities"),
-    (dict(nodes=2, capacities=(1.0, -1.0)), r"capacities\[1\]"),
-    (dict(nodes=2, node_gbps=(1.0, 1.0, 1.0)), "node_gbps"),
-    (dict(nodes=2, node_gbps=(1.0, 0.0)), r"node_gbps\[1\]"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(nodes=2, capacities=(1.0,)), "capacities"),
+        (dict(nodes=2, capacities=(1.0, -1.0)), r"capacities\[1\]"),
+        (dict(nodes=2, node_gbps=(1.0, 1.0, 1.0)), "node_gbps"),
+        (dict(nodes=2, node_gbps=(1.0, 0.0)), r"node_gbps\[1\]"),
+    ],
+)
 def test_per_node_lists_are_checked(kw, match):
     with pytest.raises(ConfigError, match=match):
         spec(**kw)
@@ -240,8 +329,26 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def test_cli_prints_table_and_returns_zero(capsys):
-    args = parse("--params", "16.7M", "--workers", "4", "--nodes", "1", "--worker-gbps", "1", "--node-gbps", "1",
-                 "--push-codec", "none", "--pull-codec", "none", "--compute-ms", "200", "--batch", "64")
+    args = parse(
+        "--params",
+        "16.7M",
+        "--workers",
+        "4",
+        "--nodes",
+        "1",
+        "--worker-gbps",
+        "1",
+        "--node-gbps",
+        "1",
+        "--push-codec",
+        "none",
+        "--pull-codec",
+        "none",
+        "--compute-ms",
+        "200",
+        "--batch",
+        "64",
+    )
     assert run(args) == 0
     out = capsys.readouterr().out
     assert "node 0 downlink" in out and "267.2 MB" in out
@@ -250,14 +357,45 @@ def test_cli_prints_table_and_returns_zero(capsys):
 
 
 def test_cli_json_matches_plan(capsys):
-    args = parse("--params", "1.5B", "--workers", "8", "--nodes", "2", "--worker-gbps", "10", "--node-gbps", "25,25",
-                 "--push-codec", "int8", "--pull-codec", "bf16", "--compute-ms", "500", "--delayed-update",
-                 "--no-codec-cost", "--json")
+    args = parse(
+        "--params",
+        "1.5B",
+        "--workers",
+        "8",
+        "--nodes",
+        "2",
+        "--worker-gbps",
+        "10",
+        "--node-gbps",
+        "25,25",
+        "--push-codec",
+        "int8",
+        "--pull-codec",
+        "bf16",
+        "--compute-ms",
+        "500",
+        "--delayed-update",
+        "--no-codec-cost",
+        "--json",
+    )
     assert run(args) == 0
     data = json.loads(capsys.readouterr().out)
-    expected = plan(spec_with_codecs(PlanSpec(num_params=1_500_000_000, workers=8, nodes=2, worker_gbps=10.0,
-                                              node_gbps=(25.0, 25.0), compute_s=0.5, delayed_update=True),
-                                     "int8", "bf16", codec_costs=False))
+    expected = plan(
+        spec_with_codecs(
+            PlanSpec(
+                num_params=1_500_000_000,
+                workers=8,
+                nodes=2,
+                worker_gbps=10.0,
+                node_gbps=(25.0, 25.0),
+                compute_s=0.5,
+                delayed_update=True,
+            ),
+            "int8",
+            "bf16",
+            codec_costs=False,
+        )
+    )
     assert data["plan"]["step_s"] == pytest.approx(expected.delayed_step_s)
     assert data["plan"]["bottleneck"] == expected.bottleneck
     assert data["plan"]["node_down_bytes"] == pytest.approx(list(expected.node_down_bytes))
@@ -274,11 +412,28 @@ def test_cli_bad_setting_returns_two(capsys):
 def test_shared_cores_add_a_cpu_floor_and_slow_compute():
     # 4 workers and 1 node on 2 shared cores: compute runs 2x slower, and the step can never beat all
     # the step's CPU work (compute, codecs, node, network stack) spread over the cores
-    s = spec(worker_gbps=100.0, node_gbps=100.0, shared_cores=2.0, net_cpu_s_per_byte=1e-9,
-             push_decode_s_per_elem=1e-9, push_encode_s_per_elem=2e-9)
-    p, alone = plan(s), plan(spec(worker_gbps=100.0, node_gbps=100.0, push_decode_s_per_elem=1e-9,
-                                  push_encode_s_per_elem=2e-9))
-    assert p.compute_eff_s == pytest.approx((0.2 + P * 2e-9) * 4 / 2)  # the hooks encode on the training thread
+    s = spec(
+        worker_gbps=100.0,
+        node_gbps=100.0,
+        shared_cores=2.0,
+        net_cpu_s_per_byte=1e-9,
+        push_decode_s_per_elem=1e-9,
+        push_encode_s_per_elem=2e-9,
+    )
+    p, alone = (
+        plan(s),
+        plan(
+            spec(
+                worker_gbps=100.0,
+                node_gbps=100.0,
+                push_decode_s_per_elem=1e-9,
+                push_encode_s_per_elem=2e-9,
+            )
+        ),
+    )
+    assert p.compute_eff_s == pytest.approx(
+        (0.2 + P * 2e-9) * 4 / 2
+    )  # the hooks encode on the training thread
     assert p.net_cpu_s == pytest.approx(1e-9 * 4 * (P * 4.0 + P * 4.0))
     work = 4 * (0.2 + p.worker_codec_s) + p.node_cpu_s[0] + p.net_cpu_s
     assert p.shared_cpu_s == pytest.approx(work / 2)
@@ -293,22 +448,47 @@ def test_shared_cores_add_a_cpu_floor_and_slow_compute():
 def test_shared_cores_do_not_slow_compute_when_each_worker_has_a_core():
     p = plan(spec(workers=2, shared_cores=4.0))
     assert p.compute_eff_s == pytest.approx(0.2)
-    assert p.overlap_fraction == pytest.approx(2 / 3 * (1 - 1 / p.num_buckets))  # a core is left for the pushes
+    assert p.overlap_fraction == pytest.approx(
+        2 / 3 * (1 - 1 / p.num_buckets)
+    )  # a core is left for the pushes
 
 
 def test_no_streaming_overlap_when_workers_take_every_shared_core():
     p = plan(spec(shared_cores=2.0))
     assert p.overlap_fraction == 0.0
-    assert plan(spec(shared_cores=2.0, overlap_fraction=0.5)).overlap_fraction == 0.5  # an explicit value stands
-    assert p.sync_step_s == pytest.approx(max(p.compute_eff_s + max(p.path_s, p.tail_s) + p.write_s, p.shared_cpu_s))
+    assert (
+        plan(spec(shared_cores=2.0, overlap_fraction=0.5)).overlap_fraction == 0.5
+    )  # an explicit value stands
+    assert p.sync_step_s == pytest.approx(
+        max(p.compute_eff_s + max(p.path_s, p.tail_s) + p.write_s, p.shared_cpu_s)
+    )
 
 
 def test_int8_delta_pull_codec_and_cli_shared_cores(capsys):
     q = codec_profile("int8_delta")
     assert q.bytes_per_elem == pytest.approx(codec_profile("int8").bytes_per_elem)
-    assert q.encode_s_per_elem > codec_profile("int8").encode_s_per_elem  # the shadow and the feedback
-    args = parse("--params", "16.7M", "--workers", "4", "--nodes", "2", "--worker-gbps", "1", "--compute-ms", "100",
-                 "--pull-codec", "int8_delta", "--shared-cores", "2", "--net-cpu-ns", "0.8", "--json")
+    assert (
+        q.encode_s_per_elem > codec_profile("int8").encode_s_per_elem
+    )  # the shadow and the feedback
+    args = parse(
+        "--params",
+        "16.7M",
+        "--workers",
+        "4",
+        "--nodes",
+        "2",
+        "--worker-gbps",
+        "1",
+        "--compute-ms",
+        "100",
+        "--pull-codec",
+        "int8_delta",
+        "--shared-cores",
+        "2",
+        "--net-cpu-ns",
+        "0.8",
+        "--json",
+    )
     assert run(args) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["spec"]["shared_cores"] == 2.0
@@ -318,8 +498,17 @@ def test_int8_delta_pull_codec_and_cli_shared_cores(capsys):
 
 
 def test_streaming_fetches_every_weight_twice_and_overlaps_it_with_compute():
-    base = dict(num_params=16_700_000, workers=4, nodes=2, compute_s=0.12, worker_gbps=1.0, node_gbps=1.0,
-                push_bytes_per_elem=2.0, pull_bytes_per_elem=2.0, bucket_bytes=4 << 20)
+    base = dict(
+        num_params=16_700_000,
+        workers=4,
+        nodes=2,
+        compute_s=0.12,
+        worker_gbps=1.0,
+        node_gbps=1.0,
+        push_bytes_per_elem=2.0,
+        pull_bytes_per_elem=2.0,
+        bucket_bytes=4 << 20,
+    )
     resident, stream = plan(PlanSpec(**base)), plan(PlanSpec(**base, stream_weights=True))
     assert stream.worker_down_bytes == 2 * resident.worker_down_bytes
     assert stream.node_up_bytes == tuple(2 * b for b in resident.node_up_bytes)
@@ -327,18 +516,28 @@ def test_streaming_fetches_every_weight_twice_and_overlaps_it_with_compute():
     # each resource busy once per step, side by side: the busiest (a node's uplink) plus one bucket's tail
     busiest = max(stream.push_s, stream.node_s, stream.pull_s)
     assert stream.bottleneck == "node 0 uplink"
-    assert stream.step_s == pytest.approx(max(stream.compute_eff_s + stream.write_s, busiest) + stream.tail_s)
+    assert stream.step_s == pytest.approx(
+        max(stream.compute_eff_s + stream.write_s, busiest) + stream.tail_s
+    )
     # a unit is waited for whole: with 5 units the exposed tail is a fifth of the stages, not a bucket's share
     five = plan(PlanSpec(**base, stream_weights=True, stream_units=5))
-    assert five.tail_s == pytest.approx((five.push_s + five.node_s + five.pull_s) / 5) and five.tail_s > stream.tail_s
-    assert plan(PlanSpec(**base, stream_weights=True, stream_units=10**6)).tail_s == pytest.approx(stream.tail_s)  # at most one per bucket
+    assert (
+        five.tail_s == pytest.approx((five.push_s + five.node_s + five.pull_s) / 5)
+        and five.tail_s > stream.tail_s
+    )
+    assert plan(PlanSpec(**base, stream_weights=True, stream_units=10**6)).tail_s == pytest.approx(
+        stream.tail_s
+    )  # at most one per bucket
     with pytest.raises(ConfigError, match="stream_units"):
         PlanSpec(**base, stream_weights=True, stream_units=0)
     with pytest.raises(ConfigError, match="stream_weights and delayed_update"):
         PlanSpec(**base, stream_weights=True, delayed_update=True)
     # the share kept for backward is not fetched again (the writes stay two)
     kept = plan(PlanSpec(**base, stream_weights=True, stream_refetch=0.25))
-    assert kept.worker_down_bytes == pytest.approx(1.25 * resident.worker_down_bytes) and kept.write_s == stream.write_s
+    assert (
+        kept.worker_down_bytes == pytest.approx(1.25 * resident.worker_down_bytes)
+        and kept.write_s == stream.write_s
+    )
     with pytest.raises(ConfigError, match="stream_refetch"):
         PlanSpec(**base, stream_weights=True, stream_refetch=1.5)
 
@@ -346,9 +545,13 @@ def test_streaming_fetches_every_weight_twice_and_overlaps_it_with_compute():
 def test_stream_refetch_share_counts_the_turn_and_the_kept_replies():
     """The last max(1, prefetch) units stay for their backward; the units before them are kept while their
     replies fit max(1, prefetch) units of fp32 (the default stream_hold_bytes)."""
-    assert stream_refetch_share(10, 2, 4.0) == pytest.approx(6 / 10)  # fp32 replies: 2 kept + the 2 of the turn
+    assert stream_refetch_share(10, 2, 4.0) == pytest.approx(
+        6 / 10
+    )  # fp32 replies: 2 kept + the 2 of the turn
     assert stream_refetch_share(10, 2, 2.0) == pytest.approx(4 / 10)  # bf16: 4 kept
-    assert stream_refetch_share(48, 2, 1.0 + 4 / 256) == pytest.approx(39 / 48)  # int8 with scales: 7 kept
+    assert stream_refetch_share(48, 2, 1.0 + 4 / 256) == pytest.approx(
+        39 / 48
+    )  # int8 with scales: 7 kept
     assert stream_refetch_share(5, 2, 1.0) == 0.0  # every unit before the turn fits
     assert stream_refetch_share(1, 0, 4.0) == 0.0
 
@@ -356,7 +559,22 @@ def test_stream_refetch_share_counts_the_turn_and_the_kept_replies():
 def test_plan_cli_models_streaming(capsys):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--params", "16.7M", "--compute-ms", "120", "--worker-gbps", "1", "--node-gbps", "1", "--nodes", "2", "--stream", "--json"])
+    args = parser.parse_args(
+        [
+            "--params",
+            "16.7M",
+            "--compute-ms",
+            "120",
+            "--worker-gbps",
+            "1",
+            "--node-gbps",
+            "1",
+            "--nodes",
+            "2",
+            "--stream",
+            "--json",
+        ]
+    )
     assert run(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["spec"]["stream_weights"] is True
@@ -375,7 +593,11 @@ def test_cli_models_the_default_weight_codec_of_the_link_and_mode():
     assert default_pull_codec(parse(*common, "--worker-gbps", "10")) == "bf16"
     assert default_pull_codec(parse(*common, "--worker-gbps", "400")) == "none"
     assert default_pull_codec(parse(*common, "--worker-gbps", "1", "--stream")) == "int8"
-    assert default_pull_codec(parse(*common, "--worker-gbps", "1", "--pull-codec", "none")) == "none"
+    assert (
+        default_pull_codec(parse(*common, "--worker-gbps", "1", "--pull-codec", "none")) == "none"
+    )
     args = parse(*common, "--worker-gbps", "1", "--stream", "--json")
     assert run(args) == 0
-    assert spec_from_args(args).pull_bytes_per_elem == pytest.approx(codec_profile("int8").bytes_per_elem)
+    assert spec_from_args(args).pull_bytes_per_elem == pytest.approx(
+        codec_profile("int8").bytes_per_elem
+    )

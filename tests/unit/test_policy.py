@@ -47,8 +47,19 @@ TINY = bucket_of(("norm.weight", (64,)))
 def test_defaults_are_the_documented_ones():
     cfg = CompressionConfig()
     assert cfg.enabled and cfg.error_feedback
-    assert (cfg.warmup_steps, cfg.warmup_codec, cfg.small_numel, cfg.large_codec) == (10, "bf16", 65536, "int8")
-    assert (cfg.link_gbps, cfg.pull_codec, cfg.resync_every, cfg.topk_density, cfg.stream_codec) == ("auto", "auto", 50, 0.01, "int8")
+    assert (cfg.warmup_steps, cfg.warmup_codec, cfg.small_numel, cfg.large_codec) == (
+        10,
+        "bf16",
+        65536,
+        "int8",
+    )
+    assert (
+        cfg.link_gbps,
+        cfg.pull_codec,
+        cfg.resync_every,
+        cfg.topk_density,
+        cfg.stream_codec,
+    ) == ("auto", "auto", 50, 0.01, "int8")
     assert cfg.rules == []
 
 
@@ -99,9 +110,18 @@ def test_a_streamed_units_push_keeps_no_residual():
     held between uses): ``stream_codec`` (int8) without it; small tensors as usual, bf16 in the warm-up."""
     cfg = CompressionConfig()
     assert choose_codec(LARGE, STEP, cfg, residual=False) == ("int8", False)
-    assert choose_codec(LARGE, STEP, CompressionConfig(stream_codec="bf16"), residual=False) == ("bf16", False)
-    assert choose_codec(LARGE, STEP, CompressionConfig(stream_codec="none"), residual=False) == ("none", False)
-    assert choose_codec(LARGE, STEP, CompressionConfig(error_feedback=False), residual=False) == ("int8", False)
+    assert choose_codec(LARGE, STEP, CompressionConfig(stream_codec="bf16"), residual=False) == (
+        "bf16",
+        False,
+    )
+    assert choose_codec(LARGE, STEP, CompressionConfig(stream_codec="none"), residual=False) == (
+        "none",
+        False,
+    )
+    assert choose_codec(LARGE, STEP, CompressionConfig(error_feedback=False), residual=False) == (
+        "int8",
+        False,
+    )
     assert choose_codec(TINY, STEP, cfg, residual=False) == choose_codec(TINY, STEP, cfg)
     assert choose_codec(LARGE, 0, cfg, residual=False) == ("bf16", False)
 
@@ -124,7 +144,9 @@ def test_streamed_weights_are_fetched_in_the_stream_codec():
 def test_small_and_1d_tensors_get_bf16_without_feedback():
     cfg = CompressionConfig()
     assert choose_codec(SMALLS, STEP, cfg) == ("bf16", False)
-    assert choose_codec(LONG_1D, STEP, cfg) == ("bf16", False), "a 1-D tensor is never int8, however long"
+    assert choose_codec(LONG_1D, STEP, cfg) == ("bf16", False), (
+        "a 1-D tensor is never int8, however long"
+    )
     # a bucket mixing a large matrix with a bias: never int8
     assert choose_codec(MIXED, STEP, cfg) == ("bf16", False)
     # small_numel moves the line
@@ -134,8 +156,13 @@ def test_small_and_1d_tensors_get_bf16_without_feedback():
 
 def test_other_large_codecs():
     assert choose_codec(LARGE, STEP, CompressionConfig(large_codec="int4")) == ("int4", True)
-    assert choose_codec(LARGE, STEP, CompressionConfig(large_codec="topk", link_gbps=1.0)) == ("topk", True)
-    name, ef = choose_codec(LARGE, STEP, CompressionConfig(large_codec="topk", topk_density=0.05, link_gbps=1.0))
+    assert choose_codec(LARGE, STEP, CompressionConfig(large_codec="topk", link_gbps=1.0)) == (
+        "topk",
+        True,
+    )
+    name, ef = choose_codec(
+        LARGE, STEP, CompressionConfig(large_codec="topk", topk_density=0.05, link_gbps=1.0)
+    )
     assert (name, ef) == ("topk:0.05", True)
     assert get_codec(name).density == 0.05
     assert choose_codec(LARGE, STEP, CompressionConfig(large_codec="bf16")) == ("bf16", False)
@@ -143,7 +170,9 @@ def test_other_large_codecs():
 
 
 def test_rules_override_first_match_wins_on_the_largest_segment():
-    cfg = CompressionConfig(rules=[("layers.0.weight", "int4"), ("layers.*", "none"), ("*.bias", "fp16")])
+    cfg = CompressionConfig(
+        rules=[("layers.0.weight", "int4"), ("layers.*", "none"), ("*.bias", "fp16")]
+    )
     # the largest segment of MIXED is the weight: the rule forces int4 despite the bias
     assert choose_codec(MIXED, STEP, cfg) == ("int4", True)
     assert choose_codec(LARGE, STEP, cfg) == ("int4", True)
@@ -217,11 +246,15 @@ def test_pull_codec():
     cfg = CompressionConfig()
     assert choose_pull_codec(LARGE, STEP, cfg) == "bf16"  # auto at the default 10 Gbit/s
     slow = CompressionConfig(link_gbps=1.0)
-    assert choose_pull_codec(SMALLS, 0, slow) == "bf16_steps", "bf16's very bits: any tensor, from the first step"
+    assert choose_pull_codec(SMALLS, 0, slow) == "bf16_steps", (
+        "bf16's very bits: any tensor, from the first step"
+    )
     assert choose_pull_codec(LARGE, 2, CompressionConfig(pull_codec="bf16_steps")) == "bf16_steps"
     delta = CompressionConfig(pull_codec="int8_delta")
     assert choose_pull_codec(LARGE, STEP, delta) == "int8_delta"
-    assert choose_pull_codec(MIXED, STEP, delta) == "bf16", "never int8 deltas for small or 1-D tensors"
+    assert choose_pull_codec(MIXED, STEP, delta) == "bf16", (
+        "never int8 deltas for small or 1-D tensors"
+    )
     assert choose_pull_codec(SMALLS, STEP, delta) == "bf16"
     assert choose_pull_codec(LARGE, 2, delta) == "bf16", "int8 deltas start after the warm-up"
     assert choose_pull_codec(LARGE, STEP, CompressionConfig(pull_codec="none")) == "none"
@@ -233,12 +266,29 @@ def test_auto_pull_codec_follows_the_cost_rule_of_the_link():
     on slow links (below ~5 Gbit/s), bf16 at the default 10 Gbit/s, fp32 on links faster than the codecs;
     the same for small and 1-D tensors (bf16 steps are bf16's bits) and in the warm-up (no error
     feedback to warm up). int8 deltas only when asked for."""
-    picks = {g: choose_pull_codec(LARGE, STEP, CompressionConfig(link_gbps=g)) for g in (0.1, 1.0, 10.0, 40.0, 1000.0)}
-    assert picks == {0.1: "bf16_steps", 1.0: "bf16_steps", 10.0: "bf16", 40.0: "bf16", 1000.0: "none"}
+    picks = {
+        g: choose_pull_codec(LARGE, STEP, CompressionConfig(link_gbps=g))
+        for g in (0.1, 1.0, 10.0, 40.0, 1000.0)
+    }
+    assert picks == {
+        0.1: "bf16_steps",
+        1.0: "bf16_steps",
+        10.0: "bf16",
+        40.0: "bf16",
+        1000.0: "none",
+    }
     slow = CompressionConfig(link_gbps=1.0)
-    assert choose_pull_codec(MIXED, STEP, slow) == choose_pull_codec(SMALLS, STEP, slow) == choose_pull_codec(LARGE, 2, slow) == "bf16_steps"
+    assert (
+        choose_pull_codec(MIXED, STEP, slow)
+        == choose_pull_codec(SMALLS, STEP, slow)
+        == choose_pull_codec(LARGE, 2, slow)
+        == "bf16_steps"
+    )
     fp32_warmup = CompressionConfig(link_gbps=1.0, warmup_codec="none")
-    assert choose_pull_codec(LARGE, 2, fp32_warmup) == "none" and choose_pull_codec(LARGE, STEP, fp32_warmup) == "bf16_steps"
+    assert (
+        choose_pull_codec(LARGE, 2, fp32_warmup) == "none"
+        and choose_pull_codec(LARGE, STEP, fp32_warmup) == "bf16_steps"
+    )
     for g, name in picks.items():  # the pick is the cheapest modelled
         costs = {n: codec_seconds(n, LARGE.numel, g) for n in ("bf16_steps", "bf16", "none")}
         assert costs[name] == min(costs.values())
@@ -250,16 +300,20 @@ def test_choice_is_the_same_in_another_process():
     """Workers decide alone: the choice may depend only on bucket, step and config."""
     cases = [(LARGE, 10), (SMALLS, 50), (MIXED, 11), (TINY, 99), (LONG_1D, 12)]
     links = [0.5, 10.0, 25.0, 40.0, 1000.0]
-    here = [[choose_codec(b, s, CompressionConfig(link_gbps=g))[0] for b, s in cases] for g in links]
+    here = [
+        [choose_codec(b, s, CompressionConfig(link_gbps=g))[0] for b, s in cases] for g in links
+    ]
     code = f"""
 import json, sys
-sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
 from test_policy import LARGE, SMALLS, MIXED, TINY, LONG_1D
 from luwu.protocol.policy import CompressionConfig, choose_codec
 cases = [(LARGE, 10), (SMALLS, 50), (MIXED, 11), (TINY, 99), (LONG_1D, 12)]
 print(json.dumps([[choose_codec(b, s, CompressionConfig(link_gbps=g))[0] for b, s in cases] for g in {links!r}]))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == here
 
 
@@ -272,7 +326,10 @@ def transformer_lm_specs(vocab: int = 100, d: int = 256, layers: int = 2) -> lis
         {
             "emb": torch.nn.Embedding(vocab, d),
             "pos": torch.nn.Embedding(64, d),
-            "blocks": torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(d, 4, 2 * d, batch_first=True, norm_first=True) for _ in range(layers)),
+            "blocks": torch.nn.ModuleList(
+                torch.nn.TransformerEncoderLayer(d, 4, 2 * d, batch_first=True, norm_first=True)
+                for _ in range(layers)
+            ),
             "norm": torch.nn.LayerNorm(d),
             "head": torch.nn.Linear(d, vocab),
         }
@@ -280,7 +337,11 @@ def transformer_lm_specs(vocab: int = 100, d: int = 256, layers: int = 2) -> lis
     return [ParamSpec(n, tuple(p.shape)) for n, p in model.named_parameters()]
 
 
-MLP16M = [ParamSpec(f"{i * 2}.{k}", s) for i, (a, b) in enumerate(zip([1024, 2048, 2048, 2048, 2048], [2048, 2048, 2048, 2048, 1000])) for k, s in (("weight", (b, a)), ("bias", (b,)))]
+MLP16M = [
+    ParamSpec(f"{i * 2}.{k}", s)
+    for i, (a, b) in enumerate(zip([1024, 2048, 2048, 2048, 2048], [2048, 2048, 2048, 2048, 1000]))
+    for k, s in (("weight", (b, a)), ("bias", (b,)))
+]
 
 
 @pytest.mark.parametrize("model", ["mlp16m", "charlm"])
@@ -295,9 +356,13 @@ def test_every_bucket_of_a_real_model_gets_its_codec(model, bucket_bytes):
     wire = 0
     for b in layout.buckets:
         name, ef = choose_codec(b, STEP, cfg)
-        small = [s.name for s in b.segments if len(s.shape) <= 1 or math.prod(s.shape) < SMALL_NUMEL]
+        small = [
+            s.name for s in b.segments if len(s.shape) <= 1 or math.prod(s.shape) < SMALL_NUMEL
+        ]
         if small:
-            assert len(small) == len(b.segments), f"bucket {b.id} mixes small {small} with large matrices"
+            assert len(small) == len(b.segments), (
+                f"bucket {b.id} mixes small {small} with large matrices"
+            )
             assert (name, ef) in (("bf16", False), ("none", False)), (b.id, small, name)
         elif pays_off("int8", b.numel, cfg):
             assert (name, ef) == ("int8", True), (b.id, [s.name for s in b.segments], name)
@@ -311,15 +376,33 @@ def test_every_bucket_of_a_real_model_gets_its_codec(model, bucket_bytes):
 def test_small_numel_off_the_layout_line_still_holds_per_tensor():
     """The layout buckets apart at SMALL_NUMEL; another small_numel still keeps every small or 1-D
     tensor at bf16: below the line, mid-size matrices share a bucket with biases (bf16 for all)."""
-    specs = [ParamSpec("a.weight", (100, 100)), ParamSpec("a.bias", (100,)), ParamSpec("b.weight", (300, 300))]
+    specs = [
+        ParamSpec("a.weight", (100, 100)),
+        ParamSpec("a.bias", (100,)),
+        ParamSpec("b.weight", (300, 300)),
+    ]
     layout = build_layout(specs, 1 << 30, [1.0])
-    assert [[s.name for s in b.segments] for b in layout.buckets] == [["b.weight"], ["a.bias", "a.weight"]]
+    assert [[s.name for s in b.segments] for b in layout.buckets] == [
+        ["b.weight"],
+        ["a.bias", "a.weight"],
+    ]
     slow = dict(link_gbps=0.1)
-    assert [choose_codec(b, STEP, CompressionConfig(**slow)) for b in layout.buckets] == [("int8", True), ("bf16", False)]
-    lower = CompressionConfig(small_numel=1000, **slow)  # a.weight is large now, but shares its bucket with a.bias
-    assert [choose_codec(b, STEP, lower) for b in layout.buckets] == [("int8", True), ("bf16", False)]
+    assert [choose_codec(b, STEP, CompressionConfig(**slow)) for b in layout.buckets] == [
+        ("int8", True),
+        ("bf16", False),
+    ]
+    lower = CompressionConfig(
+        small_numel=1000, **slow
+    )  # a.weight is large now, but shares its bucket with a.bias
+    assert [choose_codec(b, STEP, lower) for b in layout.buckets] == [
+        ("int8", True),
+        ("bf16", False),
+    ]
     higher = CompressionConfig(small_numel=100_000, **slow)  # b.weight is small now
-    assert [choose_codec(b, STEP, higher) for b in layout.buckets] == [("bf16", False), ("bf16", False)]
+    assert [choose_codec(b, STEP, higher) for b in layout.buckets] == [
+        ("bf16", False),
+        ("bf16", False),
+    ]
 
 
 # -- the codec facts table ---------------------------------------------------------
@@ -331,10 +414,18 @@ def test_codec_facts_cover_every_codec_and_take_sizes_from_the_codecs():
 
     assert set(codec_facts.BUILTIN_CODECS) == set(codec_names())
     assert set(codec_facts.MEASURED) == {*codec_facts.BUILTIN_CODECS, "int8_delta"}
-    assert {n for n in codec_names() if get_codec(n).pull_only} == {"bf16_steps"} <= set(codec_facts.PULL_CODECS)
+    assert (
+        {n for n in codec_names() if get_codec(n).pull_only}
+        == {"bf16_steps"}
+        <= set(codec_facts.PULL_CODECS)
+    )
     for name, block in codec_facts.BLOCK.items():
         assert get_codec(name).block == block
-    assert codec_facts.bytes_per_element("int8") == get_codec("int8").bytes_per_element() == 1.0 + 4.0 / 256
+    assert (
+        codec_facts.bytes_per_element("int8")
+        == get_codec("int8").bytes_per_element()
+        == 1.0 + 4.0 / 256
+    )
     assert codec_facts.bytes_per_element("int8_delta") == get_codec("int8").bytes_per_element()
     for name in codec_facts.MEASURED:
         cost = codec_facts.throughput(name)
@@ -355,10 +446,17 @@ def test_compression_config_modules_import_no_torch():
     import ast
     import importlib
 
-    for mod in ("luwu.protocol.compression", "luwu.protocol.codec_facts", "luwu.protocol.layout", "luwu.protocol.errors"):
+    for mod in (
+        "luwu.protocol.compression",
+        "luwu.protocol.codec_facts",
+        "luwu.protocol.layout",
+        "luwu.protocol.errors",
+    ):
         tree = ast.parse(open(importlib.import_module(mod).__file__).read())
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-        names = {a.name for n in top for a in n.names} | {n.module for n in top if isinstance(n, ast.ImportFrom)}
+        names = {a.name for n in top for a in n.names} | {
+            n.module for n in top if isinstance(n, ast.ImportFrom)
+        }
         assert not any(n and n.split(".")[0] == "torch" for n in names), mod
         assert not any(n and n.startswith("luwu.protocol.codecs") for n in names), mod
     assert CompressionConfig.__module__ == "luwu.protocol.compression"

@@ -48,7 +48,9 @@ def no_leaked_threads():
     before = set(threading.enumerate())
     yield
     # A DataLoader's queue feeder threads exit shortly after its workers stop: allow a moment.
-    assert wait_until(lambda: set(threading.enumerate()) <= before, 5.0), set(threading.enumerate()) - before
+    assert wait_until(lambda: set(threading.enumerate()) <= before, 5.0), (
+        set(threading.enumerate()) - before
+    )
 
 
 class Counting:
@@ -130,7 +132,10 @@ def test_order_is_the_source_order(num_threads):
 def test_nested_batches_pass_unchanged_and_are_sized():
     batch = {
         "image": torch.zeros(2, 3, dtype=torch.float32),  # 24 bytes
-        "parts": [torch.zeros(5, dtype=torch.int64), (torch.zeros(3, dtype=torch.uint8), "tag")],  # 40 + 3
+        "parts": [
+            torch.zeros(5, dtype=torch.int64),
+            (torch.zeros(3, dtype=torch.uint8), "tag"),
+        ],  # 40 + 3
         "pair": Pair(torch.zeros(1, dtype=torch.float16), np.zeros(4, dtype=np.int32)),  # 2 + 16
         "meta": {"id": 7, "name": "x"},
     }
@@ -146,7 +151,9 @@ def test_device_copy_rebuilds_containers_with_their_types():
     out = _map_tensors(batch, lambda t: t * 2)
     assert type(out) is tuple and type(out[0]) is defaultdict and out[0].default_factory is list
     assert type(out[1]) is Pair and out[1].y[1] == "s" and out[2] == 3
-    assert torch.equal(out[0]["a"], torch.full((2,), 2.0)) and torch.equal(out[1].x, torch.full((1,), 2.0))
+    assert torch.equal(out[0]["a"], torch.full((2,), 2.0)) and torch.equal(
+        out[1].x, torch.full((1,), 2.0)
+    )
     assert torch.equal(batch[0]["a"], torch.ones(2))  # the input is untouched
 
 
@@ -282,7 +289,9 @@ print("exiting", flush=True)
 
 @pytest.mark.timeout(60)
 def test_the_interpreter_exits_cleanly_with_passes_still_running():
-    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=45)
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=45
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "exiting\n"
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
@@ -334,7 +343,9 @@ def test_resume_continues_with_the_next_unseen_batch():
     pf = Prefetcher(source, depth=4)
     it = iter(pf)
     consumed = [next(it) for _ in range(7)]
-    assert wait_until(lambda: source.pulled == 7 + 4)  # fetched ahead, not consumed: not in the state
+    assert wait_until(
+        lambda: source.pulled == 7 + 4
+    )  # fetched ahead, not consumed: not in the state
     state = pf.state_dict()
     assert state == {"epoch": 0, "batches_consumed": 7}
     pf.close()
@@ -430,7 +441,7 @@ def test_depth_bounds_how_far_ahead_the_producer_gets():
     assert source.pulled == 2
     for consumed in range(1, 6):
         next(it)
-        assert wait_until(lambda: source.pulled == consumed + 2)
+        assert wait_until(lambda consumed=consumed: source.pulled == consumed + 2)
     pf.close()
 
 
@@ -445,7 +456,9 @@ def test_len_and_epochs_follow_the_wrapped_iterable():
     assert pf.epoch == 2
     with pytest.raises(TypeError):
         len(Prefetcher(iter([1, 2])))
-    once = Prefetcher(x for x in [torch.tensor(1), torch.tensor(2)])  # a one-shot iterator: one epoch only
+    once = Prefetcher(
+        x for x in [torch.tensor(1), torch.tensor(2)]
+    )  # a one-shot iterator: one epoch only
     assert values(once) == [1, 2] and list(once) == []
 
 
@@ -470,9 +483,11 @@ def test_dataloader_with_two_workers():
     assert len(pf) == 10
     out = list(pf)
     assert len(out) == 10
-    assert all(torch.equal(o["x"], e["x"]) and torch.equal(o["i"], e["i"]) for o, e in zip(out, expected))
+    assert all(
+        torch.equal(o["x"], e["x"]) and torch.equal(o["i"], e["i"]) for o, e in zip(out, expected)
+    )
 
-    for batch in pf:  # leaving early shuts the loader's worker processes down too
+    for _batch in pf:  # leaving early shuts the loader's worker processes down too
         break
     assert not prefetch_threads()
     assert wait_until(lambda: not multiprocessing.active_children())
@@ -495,7 +510,7 @@ def test_dataloader_worker_error_reaches_the_loop():
 def test_dataloader_with_persistent_workers_keeps_them_across_passes():
     loader = DataLoader(Squares(16), batch_size=4, num_workers=2, persistent_workers=True)
     pf = Prefetcher(loader)
-    for batch in pf:
+    for _batch in pf:
         break
     workers = multiprocessing.active_children()
     assert len(workers) == 2
@@ -521,14 +536,18 @@ def test_metrics_count_batches_and_waits():
 
     other = Prefetcher(Counting(4), registry=registry, name="train")  # two loaders, one registry
     list(other)
-    assert registry.get_sample_value("luwu_prefetch_batches_consumed_total", {"loader": "train"}) == 4
+    assert (
+        registry.get_sample_value("luwu_prefetch_batches_consumed_total", {"loader": "train"}) == 4
+    )
     assert registry.get_sample_value("luwu_prefetch_batches_consumed_total", labels) == 10
 
 
 def test_stall_fraction_separates_a_slow_loader_from_a_slow_step():
     slow_loader = Prefetcher(Counting(12, delay_s=0.02), depth=2)
     list(slow_loader)
-    stall = slow_loader.registry.get_sample_value("luwu_prefetch_stall_fraction", {"loader": "train"})
+    stall = slow_loader.registry.get_sample_value(
+        "luwu_prefetch_stall_fraction", {"loader": "train"}
+    )
     assert stall == pytest.approx(slow_loader.stall_fraction) and stall > 0.5
     assert slow_loader.last_wait_s > 0.005
 
@@ -566,11 +585,15 @@ def test_from_config_builds_the_same_prefetcher():
     cfg = PrefetchConfig(depth=3, max_bytes=1 << 20, num_threads=2, name="val")
     pf = Prefetcher.from_config(Counting(5), cfg)
     assert pf.config == cfg
-    assert Prefetcher(Counting(5), depth=3, max_bytes=1 << 20, num_threads=2, name="val").config == cfg
+    assert (
+        Prefetcher(Counting(5), depth=3, max_bytes=1 << 20, num_threads=2, name="val").config == cfg
+    )
     assert values(pf) == list(range(5))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA"
+)
 def test_cuda_settings_without_cuda_are_refused():
     with pytest.raises(ConfigError, match="prefetch.device='cuda' needs CUDA"):
         Prefetcher([1], device="cuda")

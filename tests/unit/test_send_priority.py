@@ -19,7 +19,12 @@ def _drain(entries):
 
 
 def test_pushes_go_out_lowest_priority_first():
-    assert _drain([(5, "last layer"), (3, "middle"), (0, "first layer"), (3, "middle 2")]) == ["first layer", "middle", "middle 2", "last layer"]
+    assert _drain([(5, "last layer"), (3, "middle"), (0, "first layer"), (3, "middle 2")]) == [
+        "first layer",
+        "middle",
+        "middle 2",
+        "last layer",
+    ]
 
 
 def test_a_message_without_priority_is_never_overtaken_nor_overtakes():

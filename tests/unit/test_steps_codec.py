@@ -44,7 +44,10 @@ def pair(n: int, move: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
     old = torch.randn(n, generator=g) * 0.02
     new = old + torch.randn(n, generator=g) * move
     k = min(n, len(EDGES))
-    old[:k], new[:k] = torch.tensor(EDGES[:k]), torch.tensor(EDGES[::-1][:k])  # sign flips, zeros, extremes
+    old[:k], new[:k] = (
+        torch.tensor(EDGES[:k]),
+        torch.tensor(EDGES[::-1][:k]),
+    )  # sign flips, zeros, extremes
     return old, new
 
 
@@ -64,10 +67,15 @@ def test_a_stepped_copy_is_the_bf16_rounding_bit_for_bit(path, n, move):
     for half in (False, True):
         held, enc = step(old, new, half)
         want = bf16_of(new) if half else bf16_of(new).float()
-        assert torch.equal(held.view(torch.int16 if half else torch.int32), want.view(torch.int16 if half else torch.int32))
+        assert torch.equal(
+            held.view(torch.int16 if half else torch.int32),
+            want.view(torch.int16 if half else torch.int32),
+        )
     codes = enc.frames[0]
     assert enc.meta["escapes"] == int((codes == -128).sum()) == enc.frames[1].numel()
-    if move == 1e-5 and n >= 1000:  # less than a bf16 ulp: mostly zero; the edges and weights near 0 escape
+    if (
+        move == 1e-5 and n >= 1000
+    ):  # less than a bf16 ulp: mostly zero; the edges and weights near 0 escape
         assert enc.meta["escapes"] <= len(EDGES) + n // 1000 and (codes == 0).float().mean() > 0.5
     if move == 1.0:
         assert enc.meta["escapes"] > n // 2
@@ -87,8 +95,16 @@ def test_native_and_torch_paths_send_the_same_bytes(monkeypatch):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.floats(width=32, allow_nan=False, allow_infinity=False),
-                          st.floats(width=32, allow_nan=False, allow_infinity=False)), min_size=1, max_size=200))
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(width=32, allow_nan=False, allow_infinity=False),
+            st.floats(width=32, allow_nan=False, allow_infinity=False),
+        ),
+        min_size=1,
+        max_size=200,
+    )
+)
 def test_any_finite_weights_step_exactly(values):
     old = torch.tensor([a for a, _ in values], dtype=torch.float32)
     new = torch.tensor([b for _, b in values], dtype=torch.float32)
@@ -101,7 +117,9 @@ def test_non_finite_weights_go_as_escapes(path):
     new = torch.tensor([float("inf"), -float("inf"), 3.0, 3.0])
     held, enc = step(old, new)
     assert enc.meta["escapes"] == 3  # (inf -> 3.0 is a large step)
-    assert held[0] == float("inf") and held[1] == -float("inf") and held[2] == 3.0 and held[3] == 3.0
+    assert (
+        held[0] == float("inf") and held[1] == -float("inf") and held[2] == 3.0 and held[3] == 3.0
+    )
 
 
 def test_a_reply_that_does_not_add_up_is_refused_before_anything_is_written(path):
@@ -114,10 +132,16 @@ def test_a_reply_that_does_not_add_up_is_refused_before_anything_is_written(path
     codes = enc.frames[0].clone()
     codes[codes == -128] = 0  # the codes name no escape, the meta names k
     with pytest.raises(ProtocolError, match="escapes"):
-        CODEC.decode_add_(held, [codes.view(torch.uint8), enc.frames[1].view(torch.uint8)], enc.meta)
+        CODEC.decode_add_(
+            held, [codes.view(torch.uint8), enc.frames[1].view(torch.uint8)], enc.meta
+        )
     assert torch.equal(held, before)
     with pytest.raises(ProtocolError, match="escapes"):
-        CODEC.decode_add_(held, [enc.frames[0].view(torch.uint8), enc.frames[1][1:].contiguous().view(torch.uint8)], enc.meta)
+        CODEC.decode_add_(
+            held,
+            [enc.frames[0].view(torch.uint8), enc.frames[1][1:].contiguous().view(torch.uint8)],
+            enc.meta,
+        )
     assert torch.equal(held, before)
 
 
@@ -133,5 +157,10 @@ def test_validation_and_misuse_name_what_is_wrong():
     with pytest.raises(ProtocolError, match="needs the weights it steps from"):
         CODEC.decode_(torch.zeros(4), [], {"escapes": 0})
     with pytest.raises(ValueError, match="not scaled"):
-        CODEC.decode_add_(torch.zeros(4), [torch.zeros(4, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8)], {"escapes": 0}, alpha=0.5)
+        CODEC.decode_add_(
+            torch.zeros(4),
+            [torch.zeros(4, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8)],
+            {"escapes": 0},
+            alpha=0.5,
+        )
     assert CODEC.pull_only and not get_codec("bf16").pull_only

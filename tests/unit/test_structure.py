@@ -14,15 +14,21 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 #: folder -> the package name it is installed as (pyproject's package-dir)
-FOLDERS = {"luwu": "luwu", "protocol": "luwu.protocol", "switch_nodes": "luwu.switch_nodes",
-           "gpu_workers": "luwu.gpu_workers"}
+FOLDERS = {
+    "luwu": "luwu",
+    "protocol": "luwu.protocol",
+    "switch_nodes": "luwu.switch_nodes",
+    "gpu_workers": "luwu.gpu_workers",
+}
 #: layer -> the layers it may import (its own always allowed)
-ALLOWED = {"protocol": set(), "switch_nodes": {"protocol"}, "gpu_workers": {"protocol"},
-           "luwu": {"protocol", "switch_nodes", "gpu_workers"}}
+ALLOWED = {
+    "protocol": set(),
+    "switch_nodes": {"protocol"},
+    "gpu_workers": {"protocol"},
+    "luwu": {"protocol", "switch_nodes", "gpu_workers"},
+}
 TOP_LEVEL_FORBIDDEN = {"protocol", "switch_nodes", "gpu_workers"}
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
@@ -67,7 +73,8 @@ def layer(module: str) -> str | None:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _resolve_relative(module: str, is_package: bool, level: int, name: str | None) -> str:
@@ -111,9 +118,15 @@ def imports_of(module: str, path: Path) -> list[Import]:
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         else:
-            base = _resolve_relative(module, is_package, node.level, node.module) if node.level else node.module or ""
+            base = (
+                _resolve_relative(module, is_package, node.level, node.module)
+                if node.level
+                else node.module or ""
+            )
             # `from pkg import sub` imports the submodule pkg.sub when there is one, else pkg itself
-            targets = [base if alias.name == "*" else f"{base}.{alias.name}" for alias in node.names]
+            targets = [
+                base if alias.name == "*" else f"{base}.{alias.name}" for alias in node.names
+            ]
         for target in dict.fromkeys(_most_specific(t) for t in targets):
             out.append(Import(module, target, node.lineno, lazy, path))
     return out
@@ -124,22 +137,39 @@ ALL_IMPORTS = [imp for module, path in MODULES.items() for imp in imports_of(mod
 
 def test_the_walk_sees_every_folder_and_kind_of_import():
     assert {layer(m) for m in MODULES} == set(ALLOWED)
-    assert any(imp.lazy for imp in ALL_IMPORTS), "no import inside a function found: the walk is broken"
-    assert any(layer(imp.target) == "protocol" and layer(imp.source) == "switch_nodes" for imp in ALL_IMPORTS)
+    assert any(imp.lazy for imp in ALL_IMPORTS), (
+        "no import inside a function found: the walk is broken"
+    )
+    assert any(
+        layer(imp.target) == "protocol" and layer(imp.source) == "switch_nodes"
+        for imp in ALL_IMPORTS
+    )
 
 
 def test_resolution_of_relative_and_from_imports():
-    assert _resolve_relative("luwu.switch_nodes.server", False, 1, "store") == "luwu.switch_nodes.store"
+    assert (
+        _resolve_relative("luwu.switch_nodes.server", False, 1, "store")
+        == "luwu.switch_nodes.store"
+    )
     assert _resolve_relative("luwu.switch_nodes", True, 1, "store") == "luwu.switch_nodes.store"
     assert _resolve_relative("luwu.switch_nodes.server", False, 2, "protocol") == "luwu.protocol"
-    assert layer("luwu.protocol.codecs") == "protocol" and layer("luwu.cli") == "luwu" and layer("torch") is None
+    assert (
+        layer("luwu.protocol.codecs") == "protocol"
+        and layer("luwu.cli") == "luwu"
+        and layer("torch") is None
+    )
     assert _most_specific("luwu.protocol.errors.LuwuError") == "luwu.protocol.errors"
 
 
 def test_our_code_is_imported_only_as_luwu_dot_something():
-    wrong = [f"{imp.where()}: {imp.target}" for imp in ALL_IMPORTS
-             if imp.target.split(".")[0] in TOP_LEVEL_FORBIDDEN]
-    assert not wrong, "top-level imports of our folders (write luwu.<folder>...):\n" + "\n".join(wrong)
+    wrong = [
+        f"{imp.where()}: {imp.target}"
+        for imp in ALL_IMPORTS
+        if imp.target.split(".")[0] in TOP_LEVEL_FORBIDDEN
+    ]
+    assert not wrong, "top-level imports of our folders (write luwu.<folder>...):\n" + "\n".join(
+        wrong
+    )
 
 
 def test_imports_follow_the_layers():
@@ -149,8 +179,10 @@ def test_imports_follow_the_layers():
         if dst is None or dst == src:
             continue
         if dst not in ALLOWED[src]:
-            wrong.append(f"{imp.where()}: {src} -> {dst} ({imp.source} imports {imp.target}"
-                         f"{', inside a function' if imp.lazy else ''})")
+            wrong.append(
+                f"{imp.where()}: {src} -> {dst} ({imp.source} imports {imp.target}"
+                f"{', inside a function' if imp.lazy else ''})"
+            )
     assert not wrong, "imports against DESIGN.md's direction:\n" + "\n".join(wrong)
 
 
@@ -209,8 +241,14 @@ def test_no_import_cycle_at_module_level():
     detail = []
     for scc in cycles:
         members = set(scc)
-        arrows = [f"  {imp.where()}: {imp.source} -> {imp.target}" for imp in ALL_IMPORTS
-                  if not imp.lazy and imp.source in members and imp.target in members and imp.source != imp.target]
+        arrows = [
+            f"  {imp.where()}: {imp.source} -> {imp.target}"
+            for imp in ALL_IMPORTS
+            if not imp.lazy
+            and imp.source in members
+            and imp.target in members
+            and imp.source != imp.target
+        ]
         detail.append(" <-> ".join(scc) + "\n" + "\n".join(sorted(set(arrows))))
     assert not cycles, "module-level import cycles:\n" + "\n".join(detail)
 
@@ -236,14 +274,20 @@ def _long_functions(path: Path) -> list[tuple[str, int]]:
 
 
 def test_no_module_over_500_lines():
-    long = sorted(((len(p.read_text().splitlines()), p.relative_to(ROOT)) for p in MODULES.values()), reverse=True)
+    long = sorted(
+        ((len(p.read_text().splitlines()), p.relative_to(ROOT)) for p in MODULES.values()),
+        reverse=True,
+    )
     offenders = [f"{path}: {n} lines" for n, path in long if n > MAX_MODULE_LINES]
     assert not offenders, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(offenders)
 
 
 def test_no_function_over_80_lines():
-    offenders = [f"{path.relative_to(ROOT)}: {name} {n} lines"
-                 for path in MODULES.values() for name, n in _long_functions(path)]
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name} {n} lines"
+        for path in MODULES.values()
+        for name, n in _long_functions(path)
+    ]
     assert not offenders, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(offenders)
 
 
@@ -265,9 +309,13 @@ def test_operations_live_under_luwu_ops_and_only_the_command_line_imports_them()
     assert not stray, f"operations modules outside luwu/ops/: {stray}"
     cli = [imp for imp in ALL_IMPORTS if _is_ops(imp.target) and imp.source.startswith("luwu.cli")]
     assert cli, "no import of luwu.ops by luwu.cli found: the rule below would see nothing"
-    wrong = [f"{imp.where()}: {imp.source} imports {imp.target}" for imp in ALL_IMPORTS
-             if _is_ops(imp.target) and not _is_ops(imp.source)
-             and not imp.source.startswith("luwu.cli.")]
+    wrong = [
+        f"{imp.where()}: {imp.source} imports {imp.target}"
+        for imp in ALL_IMPORTS
+        if _is_ops(imp.target)
+        and not _is_ops(imp.source)
+        and not imp.source.startswith("luwu.cli.")
+    ]
     assert not wrong, "luwu.ops imported outside the command line:\n" + "\n".join(wrong)
 
 

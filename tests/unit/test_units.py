@@ -7,8 +7,7 @@ import torch
 
 from luwu.gpu_workers.pool import BufferPool
 from luwu.gpu_workers.streaming import patterns_of, pool_budget_bytes
-from luwu.gpu_workers.units import alloc_storage, free_storage
-from luwu.gpu_workers.units import select_units, unit_of_params
+from luwu.gpu_workers.units import alloc_storage, free_storage, select_units, unit_of_params
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import ParamSpec, build_layout
 
@@ -27,7 +26,9 @@ class Net(torch.nn.Module):
     def __init__(self, n=3, d=8):
         super().__init__()
         self.embed = torch.nn.Linear(4, d)
-        self.small = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Linear(d, d))  # fewer parameters
+        self.small = torch.nn.Sequential(
+            torch.nn.Linear(d, d), torch.nn.Linear(d, d)
+        )  # fewer parameters
         self.layers = torch.nn.ModuleList(Block(d) for _ in range(n))
         self.head = torch.nn.Linear(d, 2)
 
@@ -41,8 +42,16 @@ def test_default_units_are_the_blocks_of_the_largest_list():
 def test_units_by_class_and_by_pattern_take_the_outermost_match():
     net = Net()
     assert [u.name for u in select_units(net, [Block])] == ["layers.0", "layers.1", "layers.2"]
-    assert [u.name for u in select_units(net, ["layers.*"])] == ["layers.0", "layers.1", "layers.2"]  # not layers.0.fc
-    assert [u.name for u in select_units(net, "Block")] == ["layers.0", "layers.1", "layers.2"]  # a class name
+    assert [u.name for u in select_units(net, ["layers.*"])] == [
+        "layers.0",
+        "layers.1",
+        "layers.2",
+    ]  # not layers.0.fc
+    assert [u.name for u in select_units(net, "Block")] == [
+        "layers.0",
+        "layers.1",
+        "layers.2",
+    ]  # a class name
     assert [u.name for u in select_units(net, ["small", "head"])] == ["small", "head"]
 
 
@@ -101,7 +110,9 @@ def test_pool_reuses_buffers_and_reclaims_over_budget():
         return False
 
     freed = lent[-1]
-    again = pool.take(10, reclaim)  # over the budget: one reclaim gives a buffer back, which is lent again
+    again = pool.take(
+        10, reclaim
+    )  # over the budget: one reclaim gives a buffer back, which is lent again
     assert calls == [1] and again is freed
     assert pool.lent_bytes == 3 * 40 and pool.peak_bytes == 3 * 40
 
@@ -132,12 +143,16 @@ def test_a_unit_over_the_budget_is_refused_naming_it_and_its_size():
     net = Net(n=2, d=8)
     units = select_units(net)
     of = unit_of_params(units)
-    specs = [ParamSpec(n, tuple(p.shape), unit=of.get(id(p), -1)) for n, p in net.named_parameters()]
+    specs = [
+        ParamSpec(n, tuple(p.shape), unit=of.get(id(p), -1)) for n, p in net.named_parameters()
+    ]
     layout = build_layout(specs, 1 << 20, [1.0])
     per_unit = 8 * 8 + 8 + 8 + 8  # fc weight and bias, norm weight and bias
     check_budget(layout, units, 8 * per_unit)  # fits exactly
     check_budget(layout, units, 0)  # no limit
-    with pytest.raises(ConfigError, match=r"unit 'layers.0' \(Block\) has 88 parameters.*stream_budget_bytes"):
+    with pytest.raises(
+        ConfigError, match=r"unit 'layers.0' \(Block\) has 88 parameters.*stream_budget_bytes"
+    ):
         check_budget(layout, units, 8 * per_unit - 1)
 
 
@@ -155,9 +170,11 @@ def _vm_flags(addr: int) -> list[str]:
     return []
 
 
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
-                    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
-                    reason="no transparent huge pages in this kernel")
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
+    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+    reason="no transparent huge pages in this kernel",
+)
 def test_a_large_unit_storage_comes_back_under_huge_page_advice():
     """The storage a streamed parameter gets back before its unit runs is advised for 2 MiB pages (its first
     write faults 512x fewer pages)."""

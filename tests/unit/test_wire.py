@@ -9,11 +9,32 @@ from luwu.protocol.codecs import get_codec
 from luwu.protocol.errors import JobMismatchError, ProtocolError
 from luwu.protocol.messages import Op
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int32, torch.int64]
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+]
 
 
 def push_header(**kw):
-    h = {"op": Op.PUSH, "job": "j", "step": 3, "worker": 1, "bucket": 2, "codec": "none", "cmeta": {}, "hyper": {"lr": 0.1}, "nograd": [], "two_phase": False, "pull": "none"}
+    h = {
+        "op": Op.PUSH,
+        "job": "j",
+        "step": 3,
+        "worker": 1,
+        "bucket": 2,
+        "codec": "none",
+        "cmeta": {},
+        "hyper": {"lr": 0.1},
+        "nograd": [],
+        "two_phase": False,
+        "pull": "none",
+    }
     h.update(kw)
     return h
 
@@ -63,16 +84,60 @@ BAD = [
     ("garbage msgpack", lambda: [b"\xc1\xff\x00garbage"], "msgpack"),
     ("not a map", lambda: [msgpack.packb([1, 2, 3])], "must be a map"),
     ("wrong version", lambda: [msgpack.packb(dict(push_header(), v=99, nbytes=[]))], "version 99"),
-    ("unknown op", lambda: [msgpack.packb(dict(push_header(), v=1, op=77, nbytes=[]))], "unknown op 77"),
-    ("missing field", lambda: [msgpack.packb({k: v for k, v in dict(push_header(), v=1, nbytes=[]).items() if k != "hyper"})], "lacks field 'hyper'"),
-    ("wrong type", lambda: [msgpack.packb(dict(push_header(step="3"), v=1, nbytes=[]))], "'step' has type str"),
-    ("bool for int", lambda: [msgpack.packb(dict(push_header(bucket=True), v=1, nbytes=[]))], "'bucket' has type bool"),
-    ("bool for optional int", lambda: [msgpack.packb(dict(push_header(seq=False), v=1, nbytes=[]))], "'seq' has type bool"),
-    ("unknown field", lambda: [msgpack.packb(dict(push_header(evil=1), v=1, nbytes=[]))], "unknown fields"),
-    ("negative step", lambda: [msgpack.packb(dict(push_header(step=-1), v=1, nbytes=[]))], "negative"),
-    ("truncated payload", lambda: [msgpack.packb(dict(push_header(), v=1, nbytes=[400])), b"\0" * 399], "has 399 bytes, header says 400"),
-    ("missing frame", lambda: [msgpack.packb(dict(push_header(), v=1, nbytes=[4, 4])), b"\0" * 4], "announces 2 payload frames"),
-    ("extra frame", lambda: [msgpack.packb(dict(push_header(), v=1, nbytes=[])), b"\0" * 4], "announces 0 payload frames"),
+    (
+        "unknown op",
+        lambda: [msgpack.packb(dict(push_header(), v=1, op=77, nbytes=[]))],
+        "unknown op 77",
+    ),
+    (
+        "missing field",
+        lambda: [
+            msgpack.packb(
+                {k: v for k, v in dict(push_header(), v=1, nbytes=[]).items() if k != "hyper"}
+            )
+        ],
+        "lacks field 'hyper'",
+    ),
+    (
+        "wrong type",
+        lambda: [msgpack.packb(dict(push_header(step="3"), v=1, nbytes=[]))],
+        "'step' has type str",
+    ),
+    (
+        "bool for int",
+        lambda: [msgpack.packb(dict(push_header(bucket=True), v=1, nbytes=[]))],
+        "'bucket' has type bool",
+    ),
+    (
+        "bool for optional int",
+        lambda: [msgpack.packb(dict(push_header(seq=False), v=1, nbytes=[]))],
+        "'seq' has type bool",
+    ),
+    (
+        "unknown field",
+        lambda: [msgpack.packb(dict(push_header(evil=1), v=1, nbytes=[]))],
+        "unknown fields",
+    ),
+    (
+        "negative step",
+        lambda: [msgpack.packb(dict(push_header(step=-1), v=1, nbytes=[]))],
+        "negative",
+    ),
+    (
+        "truncated payload",
+        lambda: [msgpack.packb(dict(push_header(), v=1, nbytes=[400])), b"\0" * 399],
+        "has 399 bytes, header says 400",
+    ),
+    (
+        "missing frame",
+        lambda: [msgpack.packb(dict(push_header(), v=1, nbytes=[4, 4])), b"\0" * 4],
+        "announces 2 payload frames",
+    ),
+    (
+        "extra frame",
+        lambda: [msgpack.packb(dict(push_header(), v=1, nbytes=[])), b"\0" * 4],
+        "announces 0 payload frames",
+    ),
     ("bad nbytes", lambda: [msgpack.packb(dict(push_header(), v=1, nbytes=[-4])), b""], "nbytes"),
     ("huge header", lambda: [b"\x00" * (wire.MAX_HEADER_BYTES + 1)], "exceeds"),
     ("empty", lambda: [], "empty message"),
@@ -105,20 +170,51 @@ def test_no_top_level_protocol_module_loaded():
     import luwu.switch_nodes.server  # noqa: F401
 
     for name in ("protocol", "switch_nodes", "gpu_workers"):
-        assert name not in sys.modules, f"{name} was imported as a top-level module: import it as luwu.{name}"
+        assert name not in sys.modules, (
+            f"{name} was imported as a top-level module: import it as luwu.{name}"
+        )
 
 
 def test_an_error_takes_its_facts_in_the_constructor():
-    from luwu.protocol.errors import CorruptCheckpointError, LuwuError, RemoteError, RollbackError, error_for_code
+    from luwu.protocol.errors import (
+        CorruptCheckpointError,
+        LuwuError,
+        RemoteError,
+        RollbackError,
+        error_for_code,
+    )
     from luwu.switch_nodes.checkpoint import CorruptCheckpointError as FromCheckpoint
 
-    err = error_for_code("rollback", "roll back", node="tcp://n:1", step=4, bucket=2, detail={"boot": "b"}, ref_op=int(Op.PUSH))
+    err = error_for_code(
+        "rollback",
+        "roll back",
+        node="tcp://n:1",
+        step=4,
+        bucket=2,
+        detail={"boot": "b"},
+        ref_op=int(Op.PUSH),
+    )
     assert type(err) is RollbackError and str(err) == "node tcp://n:1: roll back"
-    assert (err.node, err.step, err.bucket, err.detail, err.ref_op, err.worker, err.boot) == ("tcp://n:1", 4, 2, {"boot": "b"}, int(Op.PUSH), None, None)
+    assert (err.node, err.step, err.bucket, err.detail, err.ref_op, err.worker, err.boot) == (
+        "tcp://n:1",
+        4,
+        2,
+        {"boot": "b"},
+        int(Op.PUSH),
+        None,
+        None,
+    )
     other = error_for_code("no_such_code", "what", step=1)
-    assert type(other) is RemoteError and other.code == "no_such_code" and other.step == 1 and other.node is None
+    assert (
+        type(other) is RemoteError
+        and other.code == "no_such_code"
+        and other.step == 1
+        and other.node is None
+    )
     assert RollbackError("x", step=3, boot="abc").boot == "abc"
-    assert FromCheckpoint is CorruptCheckpointError and issubclass(CorruptCheckpointError, LuwuError)
+    assert FromCheckpoint is CorruptCheckpointError and issubclass(
+        CorruptCheckpointError, LuwuError
+    )
     assert type(error_for_code(CorruptCheckpointError.code, "bad")) is CorruptCheckpointError
 
 
@@ -134,13 +230,34 @@ def test_the_kinds_and_the_node_lines_load_without_torch():
         tree = ast.parse(path.read_text())
         imported = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
         imported += [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module]
-        assert not [m for m in imported if m.split(".")[0] in ("torch", "zmq") or m.startswith("luwu.protocol.") and m != "luwu.protocol.errors"], (path, imported)
+        assert not [
+            m
+            for m in imported
+            if m.split(".")[0] in ("torch", "zmq")
+            or m.startswith("luwu.protocol.")
+            and m != "luwu.protocol.errors"
+        ], (path, imported)
 
 
 def test_a_header_whose_payload_was_dropped_is_checked_alone():
     """header_only (the node's listener dropped a stranger's payload unread): the header is validated as
     ever, the missing payload frames are not held against it."""
-    frames = wire.encode({"op": Op.PUSH, "job": "j", "step": 3, "worker": 0, "bucket": 1, "codec": "none", "cmeta": {}, "hyper": {}, "nograd": [], "two_phase": False, "pull": "none"}, [torch.zeros(4)])
+    frames = wire.encode(
+        {
+            "op": Op.PUSH,
+            "job": "j",
+            "step": 3,
+            "worker": 0,
+            "bucket": 1,
+            "codec": "none",
+            "cmeta": {},
+            "hyper": {},
+            "nograd": [],
+            "two_phase": False,
+            "pull": "none",
+        },
+        [torch.zeros(4)],
+    )
     with pytest.raises(ProtocolError, match="announces 1 payload frames"):
         wire.decode(frames[:1], job="j")
     msg = wire.decode(frames[:1], job="j", header_only=True)

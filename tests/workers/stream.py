@@ -20,10 +20,29 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train.py, also when imported by a test
+sys.path.insert(
+    0, os.path.dirname(os.path.abspath(__file__))
+)  # train.py, also when imported by a test
 from train import batch, loss_fn, make_scheduler  # noqa: E402
 
-DEFAULTS = {"hyper": {"lr": 0.01, "weight_decay": 0.05}, "steps": 10, "batch": 8, "seed": 0, "blocks": 4, "width": 32, "bucket_bytes": 2048, "timeout_s": 30.0, "scheduler": None, "max_grad_norm": None, "prefetch": 2, "model": "mlp", "resilient": False, "step_sleep": 0.0, "accumulate": 1, "meta": False}
+DEFAULTS = {
+    "hyper": {"lr": 0.01, "weight_decay": 0.05},
+    "steps": 10,
+    "batch": 8,
+    "seed": 0,
+    "blocks": 4,
+    "width": 32,
+    "bucket_bytes": 2048,
+    "timeout_s": 30.0,
+    "scheduler": None,
+    "max_grad_norm": None,
+    "prefetch": 2,
+    "model": "mlp",
+    "resilient": False,
+    "step_sleep": 0.0,
+    "accumulate": 1,
+    "meta": False,
+}
 
 
 class Block(torch.nn.Module):
@@ -108,7 +127,9 @@ def main(path: str) -> None:
     with open(path) as fh:
         spec = DEFAULTS | json.load(fh)
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if spec["meta"]:  # never built whole: the optimizer initializes it unit by unit (rank 1 with another seed)
+    if spec[
+        "meta"
+    ]:  # never built whole: the optimizer initializes it unit by unit (rank 1 with another seed)
         torch.manual_seed(spec["seed"] + rank)
         with torch.device("meta"):
             model = Net(spec["blocks"], spec["width"])
@@ -119,12 +140,17 @@ def main(path: str) -> None:
                 for p in model.parameters():
                     p.add_(1.0)
     peak = [0]
-    if spec["meta"]:  # the storage all blocks hold together each time one of their modules is initialized
+    if spec[
+        "meta"
+    ]:  # the storage all blocks hold together each time one of their modules is initialized
 
         def measured(reset):
             def run():
                 reset()
-                peak[0] = max(peak[0], sum(p.untyped_storage().nbytes() for b in model.blocks for p in b.parameters()))
+                peak[0] = max(
+                    peak[0],
+                    sum(p.untyped_storage().nbytes() for b in model.blocks for p in b.parameters()),
+                )
 
             return run
 
@@ -132,8 +158,16 @@ def main(path: str) -> None:
             if hasattr(mod, "reset_parameters"):
                 mod.reset_parameters = measured(mod.reset_parameters)
     opt = luwu.RemoteOptimizer(
-        model, "adamw", nodes=spec["nodes"], bucket_bytes=spec["bucket_bytes"], timeout_s=spec["timeout_s"], compression=False,
-        max_grad_norm=spec["max_grad_norm"], stream_weights=True, prefetch=spec["prefetch"], **spec["hyper"],
+        model,
+        "adamw",
+        nodes=spec["nodes"],
+        bucket_bytes=spec["bucket_bytes"],
+        timeout_s=spec["timeout_s"],
+        compression=False,
+        max_grad_norm=spec["max_grad_norm"],
+        stream_weights=True,
+        prefetch=spec["prefetch"],
+        **spec["hyper"],
     )
     counts = count_ops(opt.client)
     forward_pulls: dict[int, list[int]] = {}  # step -> buckets asked for outside backward
@@ -149,7 +183,9 @@ def main(path: str) -> None:
     if spec["meta"]:
         eager = make_model(spec)
         got = opt.model_state_dict()
-        initial_equals_eager = all(torch.equal(got[n], p.detach()) for n, p in eager.named_parameters())
+        initial_equals_eager = all(
+            torch.equal(got[n], p.detach()) for n, p in eager.named_parameters()
+        )
     streamed = [p for u in opt.streamer.units for p in u.params]
     sched = make_scheduler(spec, opt)
     b = spec["batch"]
@@ -159,15 +195,22 @@ def main(path: str) -> None:
 
     def one_step(step: int) -> None:
         opt.zero_grad()
-        for micro in range(k):  # gradient accumulation: the micro-batches' sum is added up on the nodes
+        for micro in range(
+            k
+        ):  # gradient accumulation: the micro-batches' sum is added up on the nodes
             x, y = batch(spec, step * k + micro, ws)
             with opt.no_sync() if micro < k - 1 else contextlib.nullcontext():
-                (loss_fn(model, x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]) / k).backward()
+                (
+                    loss_fn(model, x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]) / k
+                ).backward()
         opt.step()
         if sched is not None:
             sched.step()
         held_after_step[step] = sum(p.untyped_storage().nbytes() for p in streamed)
-        if step in (0, spec["steps"] - 1):  # the module still works, as a resident copy of its weights does
+        if step in (
+            0,
+            spec["steps"] - 1,
+        ):  # the module still works, as a resident copy of its weights does
             resident = make_model(spec)
             resident.load_state_dict(opt.model_state_dict())
             with torch.no_grad():
@@ -177,7 +220,10 @@ def main(path: str) -> None:
     while step < spec["steps"]:
         try:
             one_step(step)
-        except (luwu.RollbackError, luwu.WorkerLostError) as exc:  # raised by step() or, streaming, by forward / backward
+        except (
+            luwu.RollbackError,
+            luwu.WorkerLostError,
+        ) as exc:  # raised by step() or, streaming, by forward / backward
             if not spec["resilient"] or recoveries > 5:
                 raise
             recoveries += 1
@@ -197,11 +243,22 @@ def main(path: str) -> None:
         "held_after": sum(p.untyped_storage().nbytes() for p in streamed),
     }
     result = {
-        "params": opt.model_state_dict(), "eval_loss": ev, "held_after_step": [held_after_step[s] for s in sorted(held_after_step)], "recoveries": recoveries, "same_as_resident": same_as_resident,
-        "evaluation": evaluation, "num_units": len(opt.streamer.units), "num_streamed": len(streamed),
-        "lrs": [g["lr"] for g in opt.param_groups], "partial_pushes": counts.get("partial", 0), "forward_pulls": forward_pulls,
-        "first_units": sorted(b for u in opt.streamer.units[: spec["prefetch"]] for b in u.buckets), "initial_equals_eager": initial_equals_eager, "peak_unit_bytes": peak[0],
-        "largest_unit_bytes": max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks), "streamed_buckets": len(opt.worker.streamed),
+        "params": opt.model_state_dict(),
+        "eval_loss": ev,
+        "held_after_step": [held_after_step[s] for s in sorted(held_after_step)],
+        "recoveries": recoveries,
+        "same_as_resident": same_as_resident,
+        "evaluation": evaluation,
+        "num_units": len(opt.streamer.units),
+        "num_streamed": len(streamed),
+        "lrs": [g["lr"] for g in opt.param_groups],
+        "partial_pushes": counts.get("partial", 0),
+        "forward_pulls": forward_pulls,
+        "first_units": sorted(b for u in opt.streamer.units[: spec["prefetch"]] for b in u.buckets),
+        "initial_equals_eager": initial_equals_eager,
+        "peak_unit_bytes": peak[0],
+        "largest_unit_bytes": max(sum(p.numel() * 4 for p in b.parameters()) for b in model.blocks),
+        "streamed_buckets": len(opt.worker.streamed),
     }
     torch.save(result, f"{spec['out']}.rank{rank}")
     opt.close()

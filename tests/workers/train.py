@@ -46,7 +46,9 @@ DEFAULTS = {
 def make_model(spec) -> torch.nn.Module:
     torch.manual_seed(spec["seed"])
     if spec["model"] == "mlp":
-        return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 5))
+        return torch.nn.Sequential(
+            torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 5)
+        )
     if spec["model"] == "digits":  # real data: scikit-learn's handwritten digits
         from luwu.demo import make_model as digits_model
 
@@ -97,7 +99,9 @@ def reference(spec, norms: list | None = None) -> tuple[list[torch.Tensor], list
     spec = DEFAULTS | spec
     ws = spec["world_size"]
     model = make_model(spec)
-    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[spec["optimizer"]]
+    cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[
+        spec["optimizer"]
+    ]
     opt = cls(model.parameters(), **spec["hyper"])
     sched = make_scheduler(spec, opt)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if spec["amp"] else None
@@ -128,7 +132,9 @@ def reference(spec, norms: list | None = None) -> tuple[list[torch.Tensor], list
         if sched is not None:
             sched.step()
         losses.append(float(loss.detach()))
-    return [p.detach().clone() for p in model.parameters()], (scales if scaler is not None else losses)
+    return [p.detach().clone() for p in model.parameters()], (
+        scales if scaler is not None else losses
+    )
 
 
 def _poison(grad: torch.Tensor) -> torch.Tensor:
@@ -149,7 +155,9 @@ def main(path: str) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-    compression = False  # no compression in the spec: fp32 both ways, bit-exact against the reference
+    compression = (
+        False  # no compression in the spec: fp32 both ways, bit-exact against the reference
+    )
     if spec["compression"] is not None:
         from luwu.protocol.policy import CompressionConfig
 
@@ -183,7 +191,9 @@ def main(path: str) -> None:
             ctx = opt.no_sync() if micro < k - 1 else contextlib.nullcontext()
             hook = None
             if spec["inject_inf"] == [rank, step] and micro == k - 1:
-                hook = next(model.parameters()).register_hook(_poison)  # before the gradient hooks push
+                hook = next(model.parameters()).register_hook(
+                    _poison
+                )  # before the gradient hooks push
             with ctx:
                 (scaler.scale(loss) if scaler else loss).backward()
             if hook is not None:
@@ -220,7 +230,15 @@ def main(path: str) -> None:
         if spec["step_sleep"]:
             time.sleep(spec["step_sleep"])
     opt.synchronize()
-    result = {"recoveries": recoveries, "params": [p.detach().clone() for p in model.parameters()], "losses": losses, "scales": scales, "norms": norms, "eval_loss": statistics.median(evals) if evals else None, "evals": evals}
+    result = {
+        "recoveries": recoveries,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "losses": losses,
+        "scales": scales,
+        "norms": norms,
+        "eval_loss": statistics.median(evals) if evals else None,
+        "evals": evals,
+    }
     torch.save(result, f"{spec['out']}.rank{rank}")
     opt.close()
 
