@@ -128,63 +128,46 @@ def _local(steps: int, world: int) -> tuple[float, float, float]:
     return loss, acc, time.perf_counter() - t0
 
 
-def run_demo(steps: int = 150, workers: int = 2, nodes: int = 2, argv=None) -> int:
-    from rich.console import Console
+def _collect(console, procs, q, workers: int, steps: int) -> dict[int, tuple] | None:
+    """The workers' results by rank, drawing their steps as a progress bar (None: one failed)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    results: dict[int, tuple] = {}
+    with Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("training on LuWu", total=steps)
+        deadline = time.monotonic() + 600
+        while len(results) < workers:
+            try:
+                kind, *rest = q.get(timeout=1.0)
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    console.print("[red]a worker failed[/]")
+                    return None
+                continue
+            if kind == "step":
+                progress.update(
+                    task,
+                    completed=rest[0] + 1,
+                    description=f"training on LuWu (loss {rest[1]:.3f})",
+                )
+            elif kind == "error":
+                console.print(f"[red]worker {rest[0]} failed: {rest[1]}[/]")
+                return None
+            else:
+                results[rest[0]] = tuple(rest[1:])
+    return results
+
+
+def _report(console, results: dict[int, tuple], wall: float, steps: int, workers: int, nodes: int):
+    """LuWu's results beside torch.optim.AdamW's on the same global batches."""
     from rich.table import Table
 
-    import luwu
-
-    console = Console()
-    console.print(
-        f"[bold]LuWu demo[/]: MLP on scikit-learn digits, {workers} workers x {nodes} nodes on loopback, {steps} steps, global batch {BATCH_PER_WORKER * workers}"
-    )
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    results: dict[int, tuple] = {}
-    with luwu.local_cluster(nodes, job="demo") as cluster:
-        console.print(f"nodes: {', '.join(cluster.addresses)}")
-        procs = [
-            ctx.Process(target=_worker, args=(r, workers, cluster.addresses, steps, q), daemon=True)
-            for r in range(workers)
-        ]
-        t0 = time.perf_counter()
-        for p in procs:
-            p.start()
-        with Progress(
-            TextColumn("[progress.description]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-        ) as progress:
-            task = progress.add_task("training on LuWu", total=steps)
-            deadline = time.monotonic() + 600
-            while len(results) < workers:
-                try:
-                    kind, *rest = q.get(timeout=1.0)
-                except Exception:
-                    if (
-                        any(p.exitcode not in (None, 0) for p in procs)
-                        or time.monotonic() > deadline
-                    ):
-                        console.print("[red]a worker failed[/]")
-                        return 1
-                    continue
-                if kind == "step":
-                    progress.update(
-                        task,
-                        completed=rest[0] + 1,
-                        description=f"training on LuWu (loss {rest[1]:.3f})",
-                    )
-                elif kind == "error":
-                    console.print(f"[red]worker {rest[0]} failed: {rest[1]}[/]")
-                    return 1
-                else:
-                    results[rest[0]] = tuple(rest[1:])
-        wall = time.perf_counter() - t0
-        for p in procs:
-            p.join(30)
     (loss, acc), sent, recv = (
         results[0][0],
         sum(r[1] for r in results.values()),
@@ -217,4 +200,33 @@ def run_demo(steps: int = 150, workers: int = 2, nodes: int = 2, argv=None) -> i
     else:
         why = "fp32 both ways: float rounding only"
     console.print(f"difference in eval loss: {abs(loss - l_loss):.2e} ({why})")
+
+
+def run_demo(steps: int = 150, workers: int = 2, nodes: int = 2, argv=None) -> int:
+    from rich.console import Console
+
+    import luwu
+
+    console = Console()
+    console.print(
+        f"[bold]LuWu demo[/]: MLP on scikit-learn digits, {workers} workers x {nodes} nodes on loopback, {steps} steps, global batch {BATCH_PER_WORKER * workers}"
+    )
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with luwu.local_cluster(nodes, job="demo") as cluster:
+        console.print(f"nodes: {', '.join(cluster.addresses)}")
+        procs = [
+            ctx.Process(target=_worker, args=(r, workers, cluster.addresses, steps, q), daemon=True)
+            for r in range(workers)
+        ]
+        t0 = time.perf_counter()
+        for p in procs:
+            p.start()
+        results = _collect(console, procs, q, workers, steps)
+        if results is None:
+            return 1
+        wall = time.perf_counter() - t0
+        for p in procs:
+            p.join(30)
+    _report(console, results, wall, steps, workers, nodes)
     return 0

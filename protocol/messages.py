@@ -171,7 +171,21 @@ def decode(
     payload was dropped unread by the receiver; only the header is checked, and the message has none."""
     if not frames:
         raise ProtocolError("empty message")
-    raw = frames[0]
+    header = _header(frames[0])
+    _check_fields(header)
+    if job is not None and header["job"] != job:
+        raise JobMismatchError(
+            f"message of job {header['job']!r} refused: this node serves job {job!r} ({_where(header)})"
+        )
+    if header_only:
+        return Message(header, [])
+    payload = list(frames[1:])
+    _check_payload(header, payload, max_message_bytes)
+    return Message(header, payload)
+
+
+def _header(raw) -> dict:
+    """The header frame as a map of our protocol version, its op an :class:`Op`."""
     raw = getattr(raw, "bytes", raw)
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}")
@@ -192,6 +206,12 @@ def decode(
     except (ValueError, TypeError):
         raise ProtocolError(f"unknown op {header.get('op')!r}") from None
     header["op"] = op
+    return header
+
+
+def _check_fields(header: dict) -> None:
+    """Every field the op needs, of its type; optional ones typed; nothing unknown."""
+    op = header["op"]
     for name, types in (*COMMON.items(), *SCHEMA[op].items()):
         if name not in header:
             raise ProtocolError(f"{op.name} header lacks field {name!r} ({_where(header)})")
@@ -215,13 +235,10 @@ def decode(
         )
     if header["step"] < 0 or header["worker"] < 0:
         raise ProtocolError(f"negative step or worker ({_where(header)})")
-    if job is not None and header["job"] != job:
-        raise JobMismatchError(
-            f"message of job {header['job']!r} refused: this node serves job {job!r} ({_where(header)})"
-        )
-    if header_only:
-        return Message(header, [])
-    payload = list(frames[1:])
+
+
+def _check_payload(header: dict, payload: list, max_message_bytes: int) -> None:
+    """The payload frames are the ones the header's ``nbytes`` announces, within the maximum."""
     nbytes = header.get("nbytes", [])
     if not isinstance(nbytes, list) or not all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in nbytes
@@ -243,7 +260,6 @@ def decode(
         raise ProtocolError(
             f"payload of {total} bytes exceeds the maximum of {max_message_bytes} ({_where(header)})"
         )
-    return Message(header, payload)
 
 
 def error_message(

@@ -179,21 +179,13 @@ class NodeConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"node.{name} must be >= 1, got {getattr(self, name)}")
-        if self.listener not in LISTENERS:
-            raise ConfigError(f"node.listener must be one of {LISTENERS}, got {self.listener!r}")
-        if self.listener == "zmtp" and self.bind.startswith("inproc://"):
-            raise ConfigError(
-                "node.listener = 'zmtp' binds tcp:// or ipc:// addresses, not inproc://"
-            )
-        if self.join_secret and (not self.uses_zmtp or self.curve_secret_key):
-            raise ConfigError(
-                "node.join_secret is checked by the zmtp listener without CURVE: with CURVE keys, the authorized keys do this (leave it empty)"
-            )
-        if self.join_secret and len(self.join_secret) < MIN_JOIN_SECRET:
-            raise ConfigError(
-                f"node.join_secret has {len(self.join_secret)} characters, at least {MIN_JOIN_SECRET} are needed (128 bits as hex): "
-                "make one with `python -c 'import secrets; print(secrets.token_hex(16))'` (`luwu up` makes one by itself)"
-            )
+        if not self.worker_timeout_s > 0:
+            raise ConfigError(f"node.worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+        self._check_budgets()
+        self._check_gate()
+
+    def _check_budgets(self) -> None:
+        """Each byte budget holds at least the one message it must let through."""
         for name in ("stranger_bytes", "control_reply_bytes", "stranger_reply_bytes"):
             if getattr(self, name) < 65 * 1024:
                 raise ConfigError(
@@ -209,6 +201,24 @@ class NodeConfig:
         ):
             raise ConfigError(
                 f"node.peer_bytes = {self.peer_bytes} cannot hold one message of node.max_message_bytes = {self.max_message_bytes}: raise it or set 0"
+            )
+
+    def _check_gate(self) -> None:
+        """The listener, the keys or secret, and the bind address agree on who may talk."""
+        if self.listener not in LISTENERS:
+            raise ConfigError(f"node.listener must be one of {LISTENERS}, got {self.listener!r}")
+        if self.listener == "zmtp" and self.bind.startswith("inproc://"):
+            raise ConfigError(
+                "node.listener = 'zmtp' binds tcp:// or ipc:// addresses, not inproc://"
+            )
+        if self.join_secret and (not self.uses_zmtp or self.curve_secret_key):
+            raise ConfigError(
+                "node.join_secret is checked by the zmtp listener without CURVE: with CURVE keys, the authorized keys do this (leave it empty)"
+            )
+        if self.join_secret and len(self.join_secret) < MIN_JOIN_SECRET:
+            raise ConfigError(
+                f"node.join_secret has {len(self.join_secret)} characters, at least {MIN_JOIN_SECRET} are needed (128 bits as hex): "
+                "make one with `python -c 'import secrets; print(secrets.token_hex(16))'` (`luwu up` makes one by itself)"
             )
         if bool(self.curve_public_key) != bool(self.curve_secret_key):
             raise ConfigError(
@@ -237,5 +247,3 @@ class NodeConfig:
                 f"node.listener = 'libzmq' cannot ask for a join secret, and no CURVE keys are set: configure CURVE keys "
                 f"(luwu keys), use listener = 'zmtp' with a join secret, or set node.insecure_open = true to serve anyone who reaches {self.bind}"
             )
-        if not self.worker_timeout_s > 0:
-            raise ConfigError(f"node.worker_timeout_s must be > 0, got {self.worker_timeout_s}")

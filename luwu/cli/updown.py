@@ -163,6 +163,11 @@ def cmd_down(args) -> int:
 
 
 def register(subparsers) -> None:
+    _register_up(subparsers)
+    _register_down(subparsers)
+
+
+def _register_up(subparsers) -> None:
     s = add_command(
         subparsers,
         "up",
@@ -240,6 +245,8 @@ def register(subparsers) -> None:
         help="SIGTERM to SIGKILL when stopping a node, leaving time for its checkpoint (default 30)",
     )
 
+
+def _register_down(subparsers) -> None:
     d = add_command(
         subparsers,
         "down",
