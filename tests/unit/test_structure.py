@@ -11,6 +11,8 @@ And the sizes: no module over 500 lines, no function over 80.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,6 +273,24 @@ def _long_functions(path: Path) -> list[tuple[str, int]]:
 
     visit(tree, "")
     return out
+
+
+def test_the_sizes_are_measured_on_formatted_code():
+    """Module and function sizes count lines as ``ruff format`` (pyproject's [tool.ruff], 100 columns)
+    writes them: dense code that would grow past a limit once formatted fails here, not later."""
+    files = [str(p) for p in MODULES.values()]
+    done = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", *files],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, (
+        "not formatted (run `ruff format .`, or `make lint` to see it as CI does):\n"
+        + done.stdout[-3000:]
+        + done.stderr[-2000:]
+    )
 
 
 def test_no_module_over_500_lines():
