@@ -98,6 +98,11 @@ for and waited for whole; ``U`` = ``stream_units``, default one unit per bucket)
 
     stream step  = max(C' + write, push, node, pull, shared cpu) + (push + node + pull) / min(U, buckets)
 
+Out-of-core nodes (``state_memory_bytes`` smaller than a node's state, which then lives on its
+``disks``): the node's stage becomes ``max(cpu_j, disk time not hidden behind the gradients'
+arrival)`` and every formula above takes ``max(step, D_j)``, the disk's seconds per step; the terms
+and the overlap they assume are in :mod:`.disk`.
+
 Not modelled: link latency and per-message overheads (frames are 1-4 MiB),
 unfair incast sharing, CPU contention between compute, codecs and the I/O
 thread on one host (except through ``shared_cores``), the bf16 warm-up
@@ -111,8 +116,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from luwu.plan.checks import check_spec
+from luwu.plan.disk import node_disk_terms
 from luwu.plan.profiles import codec_profile
-from luwu.protocol.errors import ConfigError
 
 ADAMW_PARAMS_PER_S_PER_THREAD = 1.3e9
 """torch fused AdamW on CPU, one thread (benchmarks/bench_node_step.py); a core with more memory
@@ -121,21 +127,6 @@ bandwidth does more: pass ``--opt-rate``."""
 DEFAULT_BUCKET_BYTES = 4 << 20
 BACKWARD_FRACTION = 2.0 / 3.0
 """Share of forward+backward spent in backward, for fwd:bwd = 1:2."""
-
-
-def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
-
-
-def _non_negative(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-        raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
-def _positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,76 +187,23 @@ class PlanSpec:
     net_cpu_s_per_byte: float = 0.0
     """CPU seconds the network stack spends per byte moved, sender and receiver together (kernel +
     ZeroMQ); counts only against ``shared_cores``."""
+    state_bytes_per_param: float = 12.0
+    """fp32 master + optimizer state a node keeps per parameter (AdamW 12; :func:`.disk.state_bytes_per_param`)."""
+    state_memory_bytes: float | None = None
+    """RAM a node gives its state (``node.state_memory_bytes``); None = every node's state stays in RAM."""
+    disks: int = 0
+    """Disks per node that hold the state when it is larger than ``state_memory_bytes``."""
+    disk_read_gb_s: float = 3.0
+    """Read rate of one disk, GB/s (``O_DIRECT``, the node's request size and queue depth)."""
+    disk_write_gb_s: float = 2.0
+    """Write rate of one disk, GB/s (sustained, synced)."""
+    disk_mixed_gb_s: float | None = None
+    """Rate of one disk under a 50/50 mix of reads and writes, GB/s; None = reads and writes take turns."""
+    disk_bytes: float | None = None
+    """Capacity of one disk, bytes; None = not checked (the state files hold two slots of the state)."""
 
     def __post_init__(self) -> None:
-        _positive_int("num_params", self.num_params)
-        _positive_int("workers", self.workers)
-        _positive_int("nodes", self.nodes)
-        _positive_int("node_threads", self.node_threads)
-        _positive_int("bucket_bytes", self.bucket_bytes)
-        if self.batch_per_worker is not None:
-            _positive_int("batch_per_worker", self.batch_per_worker)
-        if self.stream_units is not None:
-            _positive_int("stream_units", self.stream_units)
-        if not 0.0 <= self.stream_refetch <= 1.0:
-            raise ConfigError(
-                f"stream_refetch must be in [0, 1] (the share of the weights fetched again for backward), got {self.stream_refetch!r}"
-            )
-        for name in (
-            "worker_gbps",
-            "push_bytes_per_elem",
-            "pull_bytes_per_elem",
-            "opt_params_per_s",
-        ):
-            _positive(name, getattr(self, name))
-        for name in (
-            "compute_s",
-            "push_encode_s_per_elem",
-            "push_decode_s_per_elem",
-            "pull_encode_s_per_elem",
-            "pull_decode_s_per_elem",
-            "net_cpu_s_per_byte",
-        ):
-            _non_negative(name, getattr(self, name))
-        if self.capacities is not None:
-            self.capacities = tuple(self.capacities)
-            if len(self.capacities) != self.nodes:
-                raise ConfigError(
-                    f"capacities has {len(self.capacities)} entries for nodes={self.nodes}: "
-                    f"{self.capacities!r}"
-                )
-            for i, c in enumerate(self.capacities):
-                _positive(f"capacities[{i}]", c)
-        if isinstance(self.node_gbps, (list, tuple)):
-            self.node_gbps = tuple(self.node_gbps)
-            if len(self.node_gbps) != self.nodes:
-                raise ConfigError(
-                    f"node_gbps has {len(self.node_gbps)} entries for nodes={self.nodes}: "
-                    f"{self.node_gbps!r}"
-                )
-            for i, g in enumerate(self.node_gbps):
-                _positive(f"node_gbps[{i}]", g)
-        else:
-            _positive("node_gbps", self.node_gbps)
-        if self.shared_cores is not None:
-            _positive("shared_cores", self.shared_cores)
-        if self.overlap_fraction is not None and not (
-            isinstance(self.overlap_fraction, (int, float)) and 0.0 <= self.overlap_fraction <= 1.0
-        ):
-            raise ConfigError(
-                f"overlap_fraction must be in [0, 1] or None, got {self.overlap_fraction!r}"
-            )
-        if self.stream_weights and self.delayed_update:
-            raise ConfigError(
-                "stream_weights and delayed_update cannot be combined (a streaming worker holds no weights to update late)"
-            )
-        if not (
-            isinstance(self.protocol_efficiency, (int, float))
-            and 0.0 < self.protocol_efficiency <= 1.0
-        ):
-            raise ConfigError(
-                f"protocol_efficiency must be in (0, 1], got {self.protocol_efficiency!r}"
-            )
+        check_spec(self)
 
     def node_gbps_list(self) -> tuple[float, ...]:
         if isinstance(self.node_gbps, tuple):
@@ -273,17 +211,21 @@ class PlanSpec:
         return (float(self.node_gbps),) * self.nodes
 
 
-def spec_with_codecs(spec: PlanSpec, push: str, pull: str, *, codec_costs: bool = True) -> PlanSpec:
-    """``spec`` with the bytes (and, with ``codec_costs``, the encode/decode times) of two named codecs."""
+def spec_with_codecs(
+    spec: PlanSpec, push: str, pull: str, *, codec_costs: bool = True, worker_costs: bool = True
+) -> PlanSpec:
+    """``spec`` with the bytes (and, with ``codec_costs``, the encode/decode times) of two named codecs;
+    ``worker_costs=False``: the workers' side costs nothing (they encode and decode on an accelerator)."""
     p, q = codec_profile(push), codec_profile(pull)
+    node, worker = codec_costs, codec_costs and worker_costs
     return dataclasses.replace(
         spec,
         push_bytes_per_elem=p.bytes_per_elem,
         pull_bytes_per_elem=q.bytes_per_elem,
-        push_encode_s_per_elem=p.encode_s_per_elem if codec_costs else 0.0,
-        push_decode_s_per_elem=p.decode_s_per_elem if codec_costs else 0.0,
-        pull_encode_s_per_elem=q.encode_s_per_elem if codec_costs else 0.0,
-        pull_decode_s_per_elem=q.decode_s_per_elem if codec_costs else 0.0,
+        push_encode_s_per_elem=p.encode_s_per_elem if worker else 0.0,
+        push_decode_s_per_elem=p.decode_s_per_elem if node else 0.0,
+        pull_encode_s_per_elem=q.encode_s_per_elem if node else 0.0,
+        pull_decode_s_per_elem=q.decode_s_per_elem if worker else 0.0,
     )
 
 
@@ -305,6 +247,17 @@ class Plan:
     """Optimizer part of each node's CPU time."""
     node_cpu_s: tuple[float, ...]
     """Optimizer + decoding pushes + encoding the reply, per node."""
+    node_state_bytes: tuple[float, ...]
+    """Each node's state: its shard times ``state_bytes_per_param``."""
+    node_out_of_core: tuple[bool, ...]
+    """Whether a node's state is larger than ``state_memory_bytes`` (so it lives on its disks)."""
+    node_fits: tuple[bool, ...]
+    """Whether a node can hold its state: in RAM, or out of core with disks, a window of a bucket at
+    least and (``disk_bytes`` given) room for two slots."""
+    node_disk_s: tuple[float, ...]
+    """Disk seconds per step of each node (0 in RAM)."""
+    node_disk_ahead_s: tuple[float, ...]
+    """The part of them read ahead into the window while forward runs."""
     worker_codec_s: float
     compute_eff_s: float
     """C': forward + backward with the hooks' encoding, slowed by sharing ``shared_cores``."""
@@ -338,6 +291,11 @@ class Plan:
         return self.spec.workers * self.spec.batch_per_worker / self.step_s
 
     @property
+    def fits(self) -> bool:
+        """Whether every node can hold its state (see :attr:`node_fits`)."""
+        return all(self.node_fits)
+
+    @property
     def node_link_binds(self) -> bool:
         return self.bottleneck.startswith("node") and "link" in self.bottleneck
 
@@ -346,6 +304,7 @@ class Plan:
         out["spec"] = dataclasses.asdict(self.spec)
         out["step_s"] = self.step_s
         out["samples_per_s"] = self.samples_per_s
+        out["fits"] = self.fits
         return out
 
 
@@ -358,26 +317,30 @@ def stream_refetch_share(units: int, prefetch: int = 2, pull_bytes_per_elem: flo
     return (units - turn - kept) / units
 
 
-def plan(spec: PlanSpec) -> Plan:
-    """Predict one step of ``spec`` (formulas in the module docstring)."""
-    P, W, N = spec.num_params, spec.workers, spec.nodes
-    caps = spec.capacities or (1.0,) * N
-    total = sum(caps)
-    shards = tuple(P * c / total for c in caps)
+def _wire_terms(spec: PlanSpec, shards: tuple[float, ...]) -> dict[str, Any]:
+    """Bytes and seconds on every link (the docstring's worker up/down and node j down/up)."""
+    P, W = spec.num_params, spec.workers
     bw_worker = spec.worker_gbps * 1e9 / 8 * spec.protocol_efficiency
     bw_nodes = [g * 1e9 / 8 * spec.protocol_efficiency for g in spec.node_gbps_list()]
+    # streaming: fetched for forward, and the share not kept fetched again for backward
+    fetches = 1 + spec.stream_refetch if spec.stream_weights else 1
+    t: dict[str, Any] = {
+        "worker_up_bytes": P * spec.push_bytes_per_elem,
+        "worker_down_bytes": fetches * P * spec.pull_bytes_per_elem,
+        "node_down_bytes": tuple(W * s * spec.push_bytes_per_elem for s in shards),
+        "node_up_bytes": tuple(fetches * W * s * spec.pull_bytes_per_elem for s in shards),
+    }
+    t["worker_up_s"] = t["worker_up_bytes"] / bw_worker
+    t["worker_down_s"] = t["worker_down_bytes"] / bw_worker
+    t["node_down_s"] = tuple(b / bw for b, bw in zip(t["node_down_bytes"], bw_nodes))
+    t["node_up_s"] = tuple(b / bw for b, bw in zip(t["node_up_bytes"], bw_nodes))
+    return t
 
-    fetches = (
-        1 + spec.stream_refetch if spec.stream_weights else 1
-    )  # streaming: for forward, and the share not kept for backward
-    worker_up_bytes = P * spec.push_bytes_per_elem
-    worker_down_bytes = fetches * P * spec.pull_bytes_per_elem
-    worker_up_s = worker_up_bytes / bw_worker
-    worker_down_s = worker_down_bytes / bw_worker
-    node_down_bytes = tuple(W * s * spec.push_bytes_per_elem for s in shards)
-    node_up_bytes = tuple(fetches * W * s * spec.pull_bytes_per_elem for s in shards)
-    node_down_s = tuple(b / bw for b, bw in zip(node_down_bytes, bw_nodes))
-    node_up_s = tuple(b / bw for b, bw in zip(node_up_bytes, bw_nodes))
+
+def _cpu_terms(spec: PlanSpec, shards: tuple[float, ...], wire: dict[str, Any]) -> dict[str, Any]:
+    """Each node's CPU, the worker's codecs, compute with the hooks' encoding, and shared cores."""
+    P, W = spec.num_params, spec.workers
+    fetches = 1 + spec.stream_refetch if spec.stream_weights else 1
     node_opt_s = tuple(s / spec.opt_params_per_s / spec.node_threads for s in shards)
     # a reply is encoded once for every worker; a streaming fetch once per worker and fetch
     per_elem_codec = (
@@ -387,78 +350,99 @@ def plan(spec: PlanSpec) -> Plan:
     node_cpu_s = tuple(
         o + s * per_elem_codec / spec.node_threads for o, s in zip(node_opt_s, shards)
     )
-    write_s = (
-        (2 if spec.stream_weights else 1) * P * spec.pull_decode_s_per_elem
-    )  # after the last reply (streaming: as each unit arrives)
+    # after the last reply (streaming: as each unit arrives)
+    write_s = (2 if spec.stream_weights else 1) * P * spec.pull_decode_s_per_elem
     worker_codec_s = P * spec.push_encode_s_per_elem + write_s
-
     C = spec.compute_s + P * spec.push_encode_s_per_elem  # the hooks encode on the training thread
-    net_cpu_s = spec.net_cpu_s_per_byte * W * (worker_up_bytes + worker_down_bytes)
+    net_cpu_s = spec.net_cpu_s_per_byte * W * (wire["worker_up_bytes"] + wire["worker_down_bytes"])
     shared_cpu_s = 0.0
     if spec.shared_cores is not None:
         shared_cpu_s = (W * (C + write_s) + sum(node_cpu_s) + net_cpu_s) / spec.shared_cores
         slow = max(1.0, W / spec.shared_cores)
         C, write_s = C * slow, write_s * slow
+    return {
+        "node_opt_s": node_opt_s,
+        "node_cpu_s": node_cpu_s,
+        "worker_codec_s": worker_codec_s,
+        "compute_eff_s": C,
+        "write_s": write_s,
+        "net_cpu_s": net_cpu_s,
+        "shared_cpu_s": shared_cpu_s,
+    }
 
-    num_buckets = max(1, math.ceil(4 * P / spec.bucket_bytes))
+
+def _overlap(spec: PlanSpec, num_buckets: int) -> float:
     f = spec.overlap_fraction
     if f is None:
         f = BACKWARD_FRACTION * (1.0 - 1.0 / num_buckets)
-        if spec.shared_cores is not None and W >= spec.shared_cores:
+        if spec.shared_cores is not None and spec.workers >= spec.shared_cores:
             f = 0.0  # no core left over while the workers compute: the pushes move after backward
-    push_s = max(worker_up_s, *node_down_s)
-    node_s = max(node_cpu_s)
-    pull_s = max(worker_down_s, *node_up_s)
+    return f
+
+
+def _step_terms(spec: PlanSpec, t: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline of stages, and the sync, delayed and streaming steps (floored by the disks)."""
+    C, write_s, f, K = t["compute_eff_s"], t["write_s"], t["overlap_fraction"], t["num_buckets"]
+    floor = max(t["shared_cpu_s"], *t["node_disk_s"])  # resources busy once per step, all the step
+    push_s = max(t["worker_up_s"], *t["node_down_s"])
+    # the node's stage: its CPU, or the disk time not read ahead during forward
+    node_s = max(
+        max(cpu, disk - ahead)
+        for cpu, disk, ahead in zip(t["node_cpu_s"], t["node_disk_s"], t["node_disk_ahead_s"])
+    )
+    pull_s = max(t["worker_down_s"], *t["node_up_s"])
     stages = (push_s, node_s, pull_s)
     longest = max(stages)
-    path_s = longest + (sum(stages) - longest) / num_buckets
-    tail_s = sum(stages) / num_buckets
-    sync_step_s = max(C + max(path_s - f * C, tail_s) + write_s, shared_cpu_s)
-    delayed_step_s = max(
-        C + write_s, longest, ((1.0 - f) * C + path_s + write_s) / 2.0, shared_cpu_s
-    )
+    path_s = longest + (sum(stages) - longest) / K
+    tail_s = sum(stages) / K
+    sync_step_s = max(C + max(path_s - f * C, tail_s) + write_s, floor)
+    delayed_step_s = max(C + write_s, longest, ((1.0 - f) * C + path_s + write_s) / 2.0, floor)
     if spec.stream_weights:  # every resource busy once per step, side by side; the first unit's fetch and last push exposed
-        tail_s = sum(stages) / min(num_buckets, spec.stream_units or num_buckets)
-        sync_step_s = delayed_step_s = max(C + write_s, longest, shared_cpu_s) + tail_s
+        tail_s = sum(stages) / min(K, spec.stream_units or K)
+        sync_step_s = delayed_step_s = max(C + write_s, longest, floor) + tail_s
     assert delayed_step_s <= sync_step_s * (1 + 1e-12), (delayed_step_s, sync_step_s)
+    return {
+        "push_s": push_s,
+        "node_s": node_s,
+        "pull_s": pull_s,
+        "path_s": path_s,
+        "tail_s": tail_s,
+        "sync_step_s": sync_step_s,
+        "delayed_step_s": delayed_step_s,
+    }
 
-    resources = {"compute": C, "worker uplink": worker_up_s, "worker downlink": worker_down_s}
-    for j in range(N):
-        resources[f"node {j} downlink"] = node_down_s[j]
-        resources[f"node {j} uplink"] = node_up_s[j]
-        resources[f"node {j} cpu"] = node_cpu_s[j]
-    resources["worker codec"] = worker_codec_s
+
+def _resources(spec: PlanSpec, t: dict[str, Any]) -> dict[str, float]:
+    """Busy seconds per step of every resource, in the order that breaks ties (compute first)."""
+    resources = {
+        "compute": t["compute_eff_s"],
+        "worker uplink": t["worker_up_s"],
+        "worker downlink": t["worker_down_s"],
+    }
+    for j in range(spec.nodes):
+        resources[f"node {j} downlink"] = t["node_down_s"][j]
+        resources[f"node {j} uplink"] = t["node_up_s"][j]
+        resources[f"node {j} cpu"] = t["node_cpu_s"][j]
+        if t["node_out_of_core"][j]:
+            resources[f"node {j} disk"] = t["node_disk_s"][j]
+    resources["worker codec"] = t["worker_codec_s"]
     if spec.shared_cores is not None:
-        resources["shared cores"] = shared_cpu_s
-    bottleneck = max(resources, key=resources.__getitem__)  # first of equals: compute wins ties
+        resources["shared cores"] = t["shared_cpu_s"]
+    return resources
 
-    return Plan(
-        spec=spec,
-        shard_params=shards,
-        worker_up_bytes=worker_up_bytes,
-        worker_down_bytes=worker_down_bytes,
-        worker_up_s=worker_up_s,
-        worker_down_s=worker_down_s,
-        node_down_bytes=node_down_bytes,
-        node_up_bytes=node_up_bytes,
-        node_down_s=node_down_s,
-        node_up_s=node_up_s,
-        node_opt_s=node_opt_s,
-        node_cpu_s=node_cpu_s,
-        worker_codec_s=worker_codec_s,
-        compute_eff_s=C,
-        write_s=write_s,
-        net_cpu_s=net_cpu_s,
-        shared_cpu_s=shared_cpu_s,
-        num_buckets=num_buckets,
-        overlap_fraction=f,
-        push_s=push_s,
-        node_s=node_s,
-        pull_s=pull_s,
-        path_s=path_s,
-        tail_s=tail_s,
-        sync_step_s=sync_step_s,
-        delayed_step_s=delayed_step_s,
-        bottleneck=bottleneck,
-        resources=resources,
-    )
+
+def plan(spec: PlanSpec) -> Plan:
+    """Predict one step of ``spec`` (formulas in the module docstring and :mod:`.disk`)."""
+    caps = spec.capacities or (1.0,) * spec.nodes
+    shards = tuple(spec.num_params * c / sum(caps) for c in caps)
+    t = _wire_terms(spec, shards)
+    t |= _cpu_terms(spec, shards, t)
+    t["num_buckets"] = max(1, math.ceil(4 * spec.num_params / spec.bucket_bytes))
+    t["overlap_fraction"] = _overlap(spec, t["num_buckets"])
+    disk = node_disk_terms(spec, shards, t["compute_eff_s"], t["overlap_fraction"])
+    t |= {f"node_{k}": v for k, v in disk.items()}
+    t["node_disk_ahead_s"] = t.pop("node_ahead_s")
+    t |= _step_terms(spec, t)
+    resources = _resources(spec, t)
+    bottleneck = max(resources, key=resources.__getitem__)  # first of equals: compute wins ties
+    return Plan(spec=spec, shard_params=shards, bottleneck=bottleneck, resources=resources, **t)

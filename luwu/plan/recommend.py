@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from luwu.plan.model import Plan, PlanSpec, _non_negative, _positive_int, plan, spec_with_codecs
+from luwu.plan.checks import _non_negative, _positive_int
+from luwu.plan.model import Plan, PlanSpec, plan, spec_with_codecs
 from luwu.plan.profiles import PULL_CODECS, PUSH_CODECS, codec_profile
 from luwu.protocol.errors import ConfigError
 
@@ -29,7 +30,8 @@ class Recommendation:
     """What to change, with the options it was chosen from."""
 
     nodes: int
-    """Fewest nodes whose step is within tolerance of the best over 1..max_nodes."""
+    """Fewest nodes whose step is within tolerance of the best over 1..max_nodes (among the counts whose
+    nodes hold their state, where any do)."""
     nodes_unbind_links: int | None
     """Fewest nodes at which no node link is the bottleneck; None if none up to max_nodes."""
     push_codec: str
@@ -74,6 +76,7 @@ def recommend(
     pull_codecs: tuple[str, ...] = PULL_CODECS,
     tolerance: float = 0.05,
     codec_costs: bool = True,
+    worker_codec_costs: bool = True,
 ) -> Recommendation:
     """Explore 1..max_nodes nodes with the spec's codecs, then codec pairs at the chosen count.
 
@@ -91,15 +94,18 @@ def recommend(
     node_options = tuple(
         Option(n, None, None, p.sync_step_s, p.delayed_step_s, p.bottleneck) for n, p in node_plans
     )
-    best = min(_step(p, delayed) for _, p in node_plans)
-    nodes = next(n for n, p in node_plans if _step(p, delayed) <= best * (1 + tolerance))
+    # counts whose nodes cannot hold their state (out of core without disks) are not candidates
+    held = [(n, p) for n, p in node_plans if p.fits] or node_plans
+    best = min(_step(p, delayed) for _, p in held)
+    nodes = next(n for n, p in held if _step(p, delayed) <= best * (1 + tolerance))
     unbind = next((n for n, p in node_plans if not p.node_link_binds), None)
 
     base = _with_nodes(spec, nodes)
     pairs = []
     for push in push_codecs:
         for pull in pull_codecs:
-            p = plan(spec_with_codecs(base, push, pull, codec_costs=codec_costs))
+            codecs = {"codec_costs": codec_costs, "worker_costs": worker_codec_costs}
+            p = plan(spec_with_codecs(base, push, pull, **codecs))
             rank = codec_profile(push).lossiness + codec_profile(pull).lossiness
             pairs.append((rank, push, pull, p))
     codec_options = tuple(

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import statistics
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -14,11 +17,16 @@ from luwu.plan import (
     PlanSpec,
     add_arguments,
     codec_profile,
+    disk_stream_s,
     parse_count,
+    parse_size,
     plan,
     recommend,
     run,
+    size_cluster,
+    spec_from_args,
     spec_with_codecs,
+    state_bytes_per_param,
     stream_refetch_share,
 )
 from luwu.protocol.errors import ConfigError
@@ -300,6 +308,14 @@ def test_parse_count_refuses(text):
         ("shared_cores", 0.0),
         ("shared_cores", float("inf")),
         ("net_cpu_s_per_byte", -1e-9),
+        ("disks", -1),
+        ("disks", 1.5),
+        ("disk_read_gb_s", 0.0),
+        ("disk_write_gb_s", float("inf")),
+        ("disk_mixed_gb_s", float("nan")),
+        ("state_memory_bytes", 0),
+        ("disk_bytes", -1.0),
+        ("state_bytes_per_param", -12.0),
     ],
 )
 def test_bad_values_are_refused_by_name(field, value):
@@ -601,3 +617,230 @@ def test_cli_models_the_default_weight_codec_of_the_link_and_mode():
     assert spec_from_args(args).pull_bytes_per_elem == pytest.approx(
         codec_profile("int8").bytes_per_elem
     )
+
+
+# ----------------------------------------------------------------- out-of-core nodes (issue 34)
+
+BENCH_OOC = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "bench_ooc.json"
+
+
+def ooc_spec(**kw) -> PlanSpec:
+    """1e9 params of AdamW state (12 GB) on one node with 1 GB of RAM for it: out of core."""
+    base = dict(
+        num_params=1_000_000_000,
+        workers=2,
+        worker_gbps=1000.0,
+        node_gbps=1000.0,
+        push_bytes_per_elem=2.0,
+        pull_bytes_per_elem=2.0,
+        compute_s=1.0,
+        protocol_efficiency=1.0,
+        opt_params_per_s=1e12,
+        overlap_fraction=2 / 3,
+        state_memory_bytes=1e9,
+        disks=2,
+        disk_read_gb_s=3.0,
+        disk_write_gb_s=2.0,
+    )
+    base.update(kw)
+    return PlanSpec(**base)
+
+
+def test_state_bytes_per_param_come_from_the_nodes_optimizers():
+    assert state_bytes_per_param("adamw") == 12.0  # fp32 master + exp_avg + exp_avg_sq
+    assert state_bytes_per_param("Adam") == 12.0
+    assert state_bytes_per_param("sgd") == 4.0  # torch's default SGD keeps no momentum
+    assert state_bytes_per_param("adagrad") == 8.0
+    assert state_bytes_per_param("rmsprop") == 8.0  # square_avg; momentum and centered are off
+    # factored: row and column statistics of a 4096 x 16384 matrix, next to nothing per parameter
+    assert state_bytes_per_param("adafactor") == pytest.approx(4 + 4 * (1 / 16384 + 1 / 4096))
+    with pytest.raises(ConfigError, match="lbfgs"):
+        state_bytes_per_param("lbfgs")
+
+
+def test_disk_streams_the_state_read_and_written_once_a_step():
+    p = plan(ooc_spec())
+    assert p.node_state_bytes == pytest.approx((12e9,)) and p.node_out_of_core == (True,)
+    # 12 GB read over 2 disks at 3 GB/s, then written at 2 GB/s: they take turns
+    assert p.node_disk_s[0] == pytest.approx(12e9 / 6e9 + 12e9 / 4e9)  # 5 s
+    # a 50/50 mix measured at 2.2 GB/s per disk: 24 GB at 4.4 GB/s, never faster than writing alone
+    mixed = plan(ooc_spec(disk_mixed_gb_s=2.2))
+    assert mixed.node_disk_s[0] == pytest.approx(24e9 / 4.4e9)
+    assert plan(ooc_spec(disk_mixed_gb_s=50.0)).node_disk_s[0] == pytest.approx(12e9 / 4e9)
+    assert disk_stream_s(0, 0, 0, 1.0, 1.0) == 0.0
+    # the window (1 GB) is read ahead during forward (1/3 of the 1 s compute): 1 GB at 6 GB/s
+    assert p.node_disk_ahead_s[0] == pytest.approx(1e9 / 6e9)
+    # the rest streams while the gradients arrive: the node's stage, pipelined with the pushes
+    assert p.node_s == pytest.approx(5.0 - 1e9 / 6e9)
+    assert p.bottleneck == "node 0 disk" and p.resources["node 0 disk"] == pytest.approx(5.0)
+    C, f = p.compute_eff_s, p.overlap_fraction
+    assert p.sync_step_s == pytest.approx(max(C + p.path_s - f * C + p.write_s, 5.0))
+    assert p.sync_step_s >= 5.0 and p.delayed_step_s >= 5.0  # the disk is busy 5 s every step
+    # the read-ahead is bounded by forward's time too, and by the disk time itself
+    short = plan(ooc_spec(state_memory_bytes=11e9))
+    assert short.node_disk_ahead_s[0] == pytest.approx(1 / 3)
+    # more disks: proportionally less time
+    assert plan(ooc_spec(disks=4)).node_disk_s[0] == pytest.approx(2.5)
+
+
+def test_a_state_that_fits_its_ram_stays_off_the_disks():
+    for kw in (
+        dict(state_memory_bytes=12e9),
+        dict(state_memory_bytes=None),
+        dict(disks=0, state_memory_bytes=None),
+    ):
+        p = plan(ooc_spec(**kw))
+        assert p.node_out_of_core == (False,) and p.node_disk_s == (0.0,) and p.fits
+        assert "node 0 disk" not in p.resources
+    # two nodes halve the state: 6 GB each fits 6 GB of RAM
+    two = plan(ooc_spec(nodes=2, state_memory_bytes=6e9))
+    assert two.node_state_bytes == pytest.approx((6e9, 6e9)) and not any(two.node_out_of_core)
+    # Adafactor's state (~4 B/param) fits where AdamW's does not
+    ada = ooc_spec(state_memory_bytes=5e9, state_bytes_per_param=state_bytes_per_param("adafactor"))
+    assert (
+        not plan(ada).node_out_of_core[0]
+        and plan(ooc_spec(state_memory_bytes=5e9)).node_out_of_core[0]
+    )
+
+
+def test_a_node_that_cannot_hold_its_state_does_not_fit():
+    assert not plan(ooc_spec(disks=0)).fits  # out of core without disks
+    assert not plan(
+        ooc_spec(state_memory_bytes=1e6)
+    ).fits  # a window smaller than a 4 MiB bucket's 12 MiB
+    # the state files hold two slots: 24 GB over 2 disks
+    assert not plan(ooc_spec(disk_bytes=11.9e9)).fits
+    assert plan(ooc_spec(disk_bytes=12e9)).fits
+
+
+def test_disk_model_within_25_percent_of_bench_ooc():
+    """bench_ooc's measured read, write and mixed bandwidth (O_DIRECT, the engine's request size and
+    depth) and its state, fed to the plan model: the predicted time to stream the state once (read and
+    written, the disk part of a node's step) is within 25% of the engine's measured pass over the same
+    state on the same disk. (The node-step out-of-core benchmark comes later: it will check the whole
+    node stage the same way.)"""
+    r = json.loads(BENCH_OOC.read_text())
+    cfg, mb_s = r["config"], r["mb_s"]
+    assert cfg["state_bytes"] > 3 * cfg["budget_bytes"]  # out of core (about 4x), as a node runs it
+    s = PlanSpec(
+        num_params=cfg["buckets"] * cfg["bucket_params"],
+        workers=1,
+        compute_s=0.0,  # a pass with nothing to hide behind: the disk alone
+        bucket_bytes=cfg["bucket_params"] * 4,
+        state_memory_bytes=cfg["budget_bytes"],
+        disks=1,
+        disk_read_gb_s=statistics.median(mb_s["read"]) / 1e3,
+        disk_write_gb_s=statistics.median(mb_s["write"]) / 1e3,
+        disk_mixed_gb_s=statistics.median(mb_s["mixed"]) / 1e3,
+    )
+    p = plan(s)
+    # the model's state is the bench's, less one aligned block per bucket (the step counters)
+    assert p.node_state_bytes[0] == pytest.approx(cfg["state_bytes"], rel=1e-3)
+    assert p.node_out_of_core == (True,) and p.bottleneck == "node 0 disk"
+    measured = r["engine"]["pass_s"]
+    assert p.node_disk_s[0] == pytest.approx(measured, rel=0.25), (p.node_disk_s[0], measured)
+    assert p.step_s == pytest.approx(measured, rel=0.25)
+
+
+def test_sizing_prefers_the_fewest_nodes_then_disks_that_meet_the_target():
+    # 12 GB of state, 5 GB of RAM a node, slow disks (1 GB/s): one node needs more than 16 disks for
+    # a 1.2 s step, two nodes (6 GB each, still out of core) need some, three hold it in RAM
+    s = ooc_spec(disk_read_gb_s=1.0, disk_write_gb_s=1.0, state_memory_bytes=5e9, compute_s=0.1)
+    sized = size_cluster(s, target_step_s=1.2, max_nodes=4, max_disks=16)
+    assert sized.nodes == 2 and sized.rows[0].meets is False
+    k = sized.disks
+    at = lambda n, d: plan(dataclasses.replace(s, nodes=n, disks=d)).step_s  # noqa: E731
+    assert at(2, k) <= 1.2 < at(2, k - 1) and at(1, 16) > 1.2
+    assert sized.step_s == pytest.approx(at(2, k))
+    assert [r.out_of_core for r in sized.rows] == [True, True, False, False]
+    assert [r.disks_to_fit for r in sized.rows] == [1, 1, 0, 0]
+    # without a target: the fewest nodes that hold the state, with the disks past which more do not pay
+    free = size_cluster(s, max_nodes=4, max_disks=16)
+    assert free.nodes == 1 and free.rows[0].meets
+    best = min(o.step_s for o in free.options if o.nodes == 1 and o.fits)
+    assert free.step_s <= best * 1.05 < at(1, free.disks - 1)
+    # no disks at all: the fewest nodes whose state fits their RAM
+    ram = size_cluster(s, max_nodes=4, max_disks=0)
+    assert ram.nodes == 3 and ram.disks == 0
+    assert size_cluster(s, max_nodes=2, max_disks=0).nodes is None
+    with pytest.raises(ConfigError, match="max_disks"):
+        size_cluster(s, max_disks=-1)
+
+
+def test_recommend_skips_node_counts_that_cannot_hold_their_state():
+    s = ooc_spec(disks=0, state_memory_bytes=5e9, compute_s=10.0)  # compute binds everywhere
+    rec = recommend(s, max_nodes=4)
+    assert rec.nodes == 3  # 1 and 2 nodes cannot hold 12 GB in 5 GB of RAM without disks
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("256GiB", 256 * 2**30),
+        ("1.5TB", 1_500_000_000_000),
+        ("512G", 512e9),
+        ("4e9", 4e9),
+        ("64 MiB", 64 * 2**20),
+    ],
+)
+def test_parse_size(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "12 parsecs", "0", "-5GB"])
+def test_parse_size_refuses(text):
+    with pytest.raises(ConfigError):
+        parse_size(text)
+
+
+def test_cli_takes_disks_and_node_ram_and_sizes_nodes_and_disks(capsys):
+    common = ("--params", "70B", "--workers", "8", "--disks", "4", "--disk-read-gb-s", "3")
+    common += ("--disk-write-gb-s", "2", "--node-ram", "256GiB", "--compute-ms", "20000")
+    assert run(parse(*common, "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    spec_out = out["plan"]["spec"]
+    assert spec_out["state_memory_bytes"] == 256 * 2**30 and spec_out["disks"] == 4
+    assert spec_out["state_bytes_per_param"] == 12.0
+    assert out["plan"]["node_state_bytes"] == [pytest.approx(840e9)]
+    assert out["plan"]["node_disk_s"] == [pytest.approx(840e9 / 12e9 + 840e9 / 8e9)]
+    rows = out["sizing"]["rows"]
+    assert [r["out_of_core"] for r in rows[:4]] == [True, True, True, False]  # 210 GB < 256 GiB
+    assert out["sizing"]["nodes"] == 1
+    assert run(parse(*common, "--target-ms", "25000")) == 0
+    text = capsys.readouterr().out
+    assert "node 0 state: 840.0 GB (12 B/param) on 4 disk(s)" in text
+    assert "nodes and disks (disks per node to meet 25.0 s)" in text and "sized:" in text
+    # the optimizer sets the state per parameter; an explicit --state-bytes wins
+    assert spec_from_args(parse(*common, "--optimizer", "adafactor")).state_bytes_per_param < 4.01
+    assert spec_from_args(parse(*common, "--state-bytes", "8")).state_bytes_per_param == 8.0
+    # compute from tokens and achieved FLOP/s: 6 * P * tokens / flops
+    derived = spec_from_args(parse("--params", "70B", "--tokens", "4096", "--worker-tflops", "100"))
+    assert derived.compute_s == pytest.approx(6 * 70e9 * 4096 / 100e12)
+    assert run(parse("--params", "70B")) == 2 and "--compute-ms" in capsys.readouterr().err
+    assert run(parse("--compute-ms", "10")) == 2 and "--params" in capsys.readouterr().err
+
+
+def test_luwu_paper_preset_predicts_a_step_and_states_its_assumptions(capsys):
+    assert run(parse("--preset", "luwu-paper", "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    s = out["plan"]["spec"]
+    # the paper's testbed: 175B parameters, 8 workers, 100 Gbit/s, one node with 12 SSDs
+    assert (s["num_params"], s["workers"], s["nodes"], s["disks"]) == (175_000_000_000, 8, 1, 12)
+    assert (s["worker_gbps"], s["node_gbps"]) == (100.0, 100.0)
+    assert s["stream_weights"] and s["state_memory_bytes"] == 512 * 2**30
+    expected = plan(spec_from_args(parse("--preset", "luwu-paper")))
+    assert out["plan"]["step_s"] == pytest.approx(expected.step_s)
+    assert expected.node_out_of_core == (True,)
+    assert expected.node_disk_s[0] == pytest.approx(2.1e12 / 36e9 + 2.1e12 / 24e9)
+    sources = {a["what"]: a["source"] for a in out["preset"]["assumptions"]}
+    assert sources["disks"] == "paper" and sources["SSD read"] == "assumed"
+    assert {"compute", "node optimizer", "node RAM for state", "codecs", "layout"} <= set(sources)
+    assert run(parse("--preset", "luwu-paper")) == 0
+    text = capsys.readouterr().out
+    assert "step (streaming):" in text and "assumptions:" in text
+    assert "SSD read: 3.0 GB/s per SSD (assumed" in text and "[overridden" not in text
+    # an option given on the command line wins, and the assumption it replaces says so
+    assert run(parse("--preset", "luwu-paper", "--disks", "6", "--json")) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["spec"]["disks"] == 6
+    assert run(parse("--preset", "luwu-paper", "--disks", "6")) == 0
+    assert "12 SSDs in the node (paper: the paper's node) [overridden" in capsys.readouterr().out
