@@ -12,7 +12,7 @@ demo: setup
 # The default run: unit, integration and the short system tests. pytest exits non-zero
 # when a test fails and with 5 when no test ran; both fail this target.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Formatting and lint, as CI runs them (ruff, pinned in pyproject's test extra; settings in
 # pyproject's [tool.ruff]). `ruff format .` fixes the first.
