@@ -86,6 +86,53 @@ void luwu_block_encode(const float *x, float *residual, void *q, float *scales, 
     }
 }
 
+/* bf16 <-> fp32 as torch converts them: widening is exact; narrowing rounds to nearest even, NaN to
+ * the quiet NaN 0x7fc0 (c10::BFloat16's round_to_nearest_even). */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    if (f != f) return 0x7fc0;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* luwu_block_encode with a bf16 residual (compression.residual_dtype = "bfloat16"), in one pass:
+ * the same bits as widening the residual to fp32, encoding with it, and rounding it back, which is
+ * what protocol/feedback.py does without the kernels. `scratch` holds 2 * `block` floats. */
+void luwu_block_encode_bf16res(const float *x, uint16_t *residual, void *q, float *scales, int64_t n,
+                               int64_t block, int32_t bits, float levels, float floor_, float *scratch) {
+    int8_t *q8 = (int8_t *)q;
+    uint8_t *q4 = (uint8_t *)q;
+    float *y = scratch + block;
+    for (int64_t start = 0, b = 0; start < n; start += block, b++) {
+        const int64_t m = n - start < block ? n - start : block;
+        uint16_t *r = residual + start;
+        for (int64_t i = 0; i < m; i++) y[i] = bf16_to_f32(r[i]) + x[start + i];
+        const float sc = quantize(y, scratch, m, levels, floor_);
+        scales[b] = sc;
+        if (finite(sc))
+            for (int64_t i = 0; i < m; i++) r[i] = f32_to_bf16(y[i] - scratch[i] * sc);
+        else
+            for (int64_t i = 0; i < m; i++) r[i] = f32_to_bf16(y[i]);
+        if (bits == 8) {
+            int8_t *o = q8 + start;
+            for (int64_t i = 0; i < m; i++) o[i] = (int8_t)(int32_t)scratch[i];
+        } else {
+            uint8_t *o = q4 + start / 2;
+            const int64_t pairs = m / 2;
+            for (int64_t j = 0; j < pairs; j++)
+                o[j] = (uint8_t)(((int32_t)scratch[2 * j] + 8) | (((int32_t)scratch[2 * j + 1] + 8) << 4));
+            if (m & 1) o[pairs] = (uint8_t)(((int32_t)scratch[m - 1] + 8) | (8 << 4));
+        }
+    }
+}
+
 /* out[i] = code_i * (scale_block * alpha), added to out[i] when `add` */
 void luwu_block_decode(float *out, const void *q, const float *scales, int64_t n, int64_t block, int32_t bits,
                        float alpha, int32_t add) {

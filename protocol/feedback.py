@@ -62,9 +62,10 @@ class ErrorFeedback:
     """Residuals per key (e.g. bucket id), allocated once and reused; velocities too, with momentum correction.
 
     ``dtype``: the residuals' storage. fp32, or bf16 at half the memory (``compression.residual_dtype``):
-    each bf16 residual is widened into one fp32 scratch buffer shared by all keys for the encode and
-    rounded back after it, so the codecs always see fp32; what the rounding drops (2^-9 of the residual)
-    is lost, not fed back."""
+    the int8 and int4 kernels read a bf16 residual and round it back in the same pass as the encode
+    (:meth:`Codec.takes_bf16_residual`); for the other codecs, or without the kernels, it is widened
+    into one fp32 scratch buffer shared by all keys and rounded back after. The bits are the same
+    either way; what the rounding drops (2^-9 of the residual) is lost, not fed back."""
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         if dtype not in (torch.float32, torch.bfloat16):
@@ -148,6 +149,8 @@ class ErrorFeedback:
         self._dirty.add(key)
         if momentum is None:
             self._vel.pop(key, None)
+            if r.dtype == torch.bfloat16 and codec.takes_bf16_residual(x):  # one fused pass
+                return codec.encode_feedback_(x, r, out, num_summands=num_summands)
             return self._with_fp32(
                 r, lambda r32: codec.encode_feedback_(x, r32, out, num_summands=num_summands)
             )

@@ -221,6 +221,11 @@ class Codec:
         self.decode_add_(residual, enc.frames, enc.meta, alpha=-1.0)
         return enc
 
+    def takes_bf16_residual(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`encode_feedback_` takes a bf16 ``residual`` for this ``x`` in one fused pass
+        (else the caller widens it to fp32 around the call)."""
+        return False
+
     def clear_sent_(self, t: torch.Tensor, enc: Encoded) -> None:
         """Zero the elements of ``t`` that ``enc`` (this codec's own encode) carried: sparse codecs only."""
         raise ConfigError(

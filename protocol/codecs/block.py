@@ -158,12 +158,34 @@ class _BlockCodec(Codec):
 
     def encode_feedback_(self, x, residual, out=None, *, num_summands: int = 1) -> Encoded:
         out = self._prepare(x, out, num_summands)
-        if residual.shape != x.shape or residual.dtype != torch.float32:
+        bf16 = residual.dtype == torch.bfloat16 and self.takes_bf16_residual(x)
+        if residual.shape != x.shape or not (residual.dtype == torch.float32 or bf16):
             raise ValueError(
-                f"residual must be fp32 of shape {tuple(x.shape)}, got {residual.dtype} {tuple(residual.shape)}"
+                f"residual must be fp32 (or bf16, with the kernels) of shape {tuple(x.shape)}, got {residual.dtype} {tuple(residual.shape)}"
             )
-        self._run(x, out[0], out[1], residual)
+        if bf16 and residual.is_contiguous() and _flat((out[1],), (out[0],)):
+            native.kernels().luwu_block_encode_bf16res(
+                x.data_ptr(),
+                residual.data_ptr(),
+                out[0].data_ptr(),
+                out[1].data_ptr(),
+                x.numel(),
+                self.block,
+                self.bits,
+                float(self.levels),
+                SCALE_FLOOR,
+                self._scratch("native", 2 * self.block).data_ptr(),
+            )
+        elif bf16:  # frames the kernel cannot take by address: widen, encode, round back
+            wide = residual.float()
+            self._run(x, out[0], out[1], wide)
+            residual.copy_(wide)
+        else:
+            self._run(x, out[0], out[1], residual)
         return Encoded({"block": self.block}, list(out))
+
+    def takes_bf16_residual(self, x: torch.Tensor) -> bool:
+        return native.kernels() is not None and _flat((x,), ())
 
     # -- decode ------------------------------------------------------------
     def validate(self, numel: int, frames: list[int], meta: dict) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from luwu.protocol import native
 from luwu.protocol.codecs import get_codec
-from luwu.protocol.feedback import DeltaEncoder
+from luwu.protocol.feedback import DeltaEncoder, ErrorFeedback
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -259,3 +259,32 @@ def test_a_planted_library_is_never_loaded(monkeypatch, tmp_path, how):
         assert (out - x).abs().max() <= x.abs().max() / 254 * 1.01
     finally:
         native.reset()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_bf16_residual_in_one_pass_gives_the_widened_paths_bits(path, name):
+    """compression.residual_dtype = "bfloat16": the kernel reads and rounds the bf16 residual itself
+    (no fp32 scratch, one pass); the frames and the residual equal, bit for bit, the torch path that
+    widens the residual, encodes with it and rounds it back. Odd tails, huge and tiny values, zeros."""
+    g = torch.Generator().manual_seed(5)
+    n = 3 * 1024 + 7
+    xs = [torch.randn(n, generator=g) * 10.0 ** (k % 5 - 2) for k in range(6)]
+    xs[2][:100] = 0.0
+    xs[3][7] = 3e38  # near fp32's largest: the rest of its block quantizes to zero codes
+    runs = {}
+    for on in (True, False):
+        path(on)
+        codec = get_codec(name)
+        ef = ErrorFeedback(torch.bfloat16)
+        assert codec.takes_bf16_residual(xs[0]) is on
+        frames = []
+        for x in xs:
+            enc = ef.encode("b", codec, x)
+            frames.append([f.clone() for f in enc.frames])
+        runs[on] = frames, ef.residual("b").clone(), ef.nbytes
+    (fused, r_fused, nbytes_fused), (torch_path, r_torch, nbytes_torch) = runs[True], runs[False]
+    for a, b in zip(fused, torch_path, strict=True):
+        for fa, fb in zip(a, b, strict=True):
+            assert torch.equal(fa.view(torch.uint8), fb.view(torch.uint8))
+    assert torch.equal(r_fused.view(torch.int16), r_torch.view(torch.int16))
+    assert nbytes_fused == 2 * n and nbytes_torch == 2 * n + 4 * n  # no fp32 scratch
