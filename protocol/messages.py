@@ -156,8 +156,18 @@ def encode(header: dict[str, Any], payload: Sequence[torch.Tensor] = ()) -> list
 
 
 def _where(h: dict) -> str:
-    parts = [f"{k}={h[k]!r}" for k in ("op", "job", "worker", "step", "bucket") if k in h]
+    """Which message, for an error: its op, job, worker, step and bucket as received. A value that is
+    not a scalar is named by its type (a peer's nested list would otherwise recurse in ``repr`` and
+    fill the log line), a long one cut."""
+    parts = [f"{k}={_short(h[k])}" for k in ("op", "job", "worker", "step", "bucket") if k in h]
     return ", ".join(parts)
+
+
+def _short(value, limit: int = 80) -> str:
+    if not isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return f"<{type(value).__name__}>"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
 
 
 def decode(

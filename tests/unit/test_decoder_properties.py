@@ -395,3 +395,20 @@ def test_codec_validate_refuses_bad_numel(name, numel):
     meta, frames = valid_meta(name, 4)
     with pytest.raises(ProtocolError):
         get_codec(name).validate(numel, frames, meta)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("depth", [10, 1000, 1020])
+def test_a_deeply_nested_field_is_refused_in_a_short_line(depth):
+    """A header field nested as deep as msgpack allows (about 1,000 lists) is a ProtocolError that names
+    the field by its type: before, building the message's repr recursed past Python's limit (a
+    RecursionError from decode) and would have put up to 64 KiB of brackets in the node's log."""
+    job: object = "j"
+    for _ in range(depth):
+        job = [job]
+    raw = msgpack.packb(
+        {"v": wire.VERSION, "op": int(Op.HELLO), "job": job, "worker": 0, "step": 0}
+    )
+    with pytest.raises(ProtocolError, match=r"field 'job' has type list.*job=<list>") as info:
+        wire.decode([raw])
+    assert len(str(info.value)) < 300
