@@ -11,8 +11,8 @@
    into the accumulator times 1/2 (``decode_``) and adds the second times 1/2
    (``decode_add_``), applies AdamW, and encodes the reply from the new weights
    into its reused reply buffer (fp32 replies are the weights themselves,
-   zero-copy), exactly the calls of ``Aggregation.on_push`` / ``_apply`` (switch_nodes/aggregation.py)
-   (``BucketState.add_push``, ``BucketState.apply``, ``ReplyBuffers.encode``)
+   zero-copy), exactly the calls of the node's ``Aggregator`` and ``Shard.apply``
+   (``BucketState.add_push``, ``BucketState.apply``, ``replies.encode_reply``)
    without the socket. Against the same work as plain torch calls in the
    allocate-and-convert style (``frombuffer -> .float() -> add -> /2 ->
    optimizer.step() -> .to(bfloat16)``), per bucket with fused AdamW (same
@@ -52,7 +52,7 @@ from common import (
 
 from luwu.protocol.codecs import get_codec
 from luwu.switch_nodes.optimizers import ADAMW, apply_
-from luwu.switch_nodes.server import ReplyBuffers
+from luwu.switch_nodes.replies import PullCodecs, ReplyBuffers, encode_reply
 from luwu.switch_nodes.store import BucketState, SegmentSpec
 
 HYPER = dict(ADAMW.defaults) | {"lr": 1e-3, "weight_decay": 0.01}
@@ -94,7 +94,7 @@ def check_same_update(bucket_numel: int, num_buckets: int = 4, steps: int = 3) -
     for _ in range(steps):
         for b, (s, e) in zip(buckets, slices(numel, bucket_numel)):
             acc = b.accumulator(b.version, 0)
-            acc.buf.copy_(grad[s:e])  # the pushes decoded times 1/n (BucketState.add_push)
+            b.buffer(acc).copy_(grad[s:e])  # the pushes decoded times 1/n (BucketState.add_push)
             acc.prescale = float(NUM_WORKERS)
             acc.hyper = HYPER
             b.apply(acc, float(NUM_WORKERS))
@@ -119,7 +119,7 @@ def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> d
         accs = []
         for b, (s, e) in zip(buckets, slices(numel, bucket_numel)):
             acc = b.accumulator(0, 0)
-            acc.buf.copy_(
+            b.buffer(acc).copy_(
                 grad[s:e]
             )  # the workers' pushes, decoded times 1/n (BucketState.add_push)
             acc.prescale = float(NUM_WORKERS)
@@ -141,7 +141,7 @@ def bench_optimizer(numel: int, bucket_numel: int, threads: int, reps: int) -> d
     views = []
     for b, (s, e) in zip(bn, slices(numel, bucket_numel)):
         acc = b.accumulator(0, 0)
-        acc.buf.copy_(grad[s:e]).mul_(NUM_WORKERS)
+        b.buffer(acc).copy_(grad[s:e]).mul_(NUM_WORKERS)
         views.append(b.grad_views(acc))
     n_workers = torch.tensor(float(NUM_WORKERS))
 
@@ -268,7 +268,7 @@ def bench_whole_step(
     init = torch.randn(numel, generator=g) * 0.02
     grads = [torch.randn(numel, generator=g) for _ in range(NUM_WORKERS)]
     sl = slices(numel, bucket_numel)
-    pc, rc = get_codec(push), get_codec(pull)
+    pc = get_codec(push)
     wire = torch.float32 if push == "none" else torch.bfloat16
     # Every worker's pushes, encoded once (as the workers would), kept as received byte frames.
     pushes = []  # [worker][bucket] -> (frames, meta)
@@ -279,9 +279,10 @@ def bench_whole_step(
             per.append((received([f.clone() for f in enc.frames]), enc.meta))
         pushes.append(per)
 
-    # -- the node's way: the calls of Aggregation.on_push and _apply
+    # -- the node's way: the calls of its Aggregator and Shard.apply
     buckets = make_shard(numel, bucket_numel, 1, init)
     replies = [ReplyBuffers() for _ in buckets]
+    reply_codec = PullCodecs().get(pull)
 
     phases: dict[str, list[float]] = {"decode_": [], "decode_add_": [], "apply": [], "encode": []}
 
@@ -304,7 +305,7 @@ def bench_whole_step(
             b.apply(acc, float(len(acc.workers)))
             t1 = clock()
             b.version = step + 1
-            replies[i].encode(rc, b.params, b.version)  # fp32: zero-copy, nothing to do
+            encode_reply(b, reply_codec, replies[i])  # fp32: zero-copy, nothing to do
             acc_t["apply"] += t1 - t0
             acc_t["encode"] += clock() - t1
             b.release(step)

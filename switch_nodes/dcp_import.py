@@ -27,57 +27,58 @@ from luwu.protocol import messages as wire
 from luwu.protocol.dcp_files import DcpFolder
 from luwu.protocol.errors import ConfigError, LuwuError, ProtocolError, StepMismatchError
 from luwu.protocol.messages import Op
+from luwu.switch_nodes.context import NodeContext
+from luwu.switch_nodes.effects import Effect, Reply, Seeded
 from luwu.switch_nodes.export import MODEL, OPTIM_STATE, Request, box_views, boxes
+from luwu.switch_nodes.replies import PullCodecs
+from luwu.switch_nodes.shard import Shard
 from luwu.switch_nodes.torch_state import slot, step_of
 
 if TYPE_CHECKING:
     from luwu.switch_nodes.export import Exports
-    from luwu.switch_nodes.server import NodeServer
     from luwu.switch_nodes.store import BucketState
 
 log = logging.getLogger(__name__)
 
 
 class Imports:
-    def __init__(self, node: NodeServer, exports: Exports):
-        self.node, self.exports = node, exports
+    """IMPORT rounds: which ranks of the job asked for which folder."""
+
+    def __init__(self, ctx: NodeContext, shard: Shard, codecs: PullCodecs, exports: Exports):
+        self.ctx, self.shard, self.codecs, self.exports = ctx, shard, codecs, exports
         # folder -> (step, the ranks that asked this round)
         self._rounds: dict[Path, tuple[int, set[int]]] = {}
 
-    async def on_import(self, ident: bytes, msg: wire.Message) -> None:
-        node, h = self.node, msg.header
+    async def on_import(self, ident: bytes, msg: wire.Message) -> list[Effect]:
+        ctx, h = self.ctx, msg.header
         folder = self.exports.target(h["path"])
         request = Request.parse(Op.IMPORT, msg.tensors())
         step, w = h["step"], h["worker"]
         current = self._rounds.get(folder)
+        out: list[Effect] = []
         if current is None or current[0] != step or w in current[1]:
             self._rounds.pop(folder, None)
-            was = {b.id for b in node.buckets.values() if b.initialized}
-            await node.run(self.load, folder, request, step)
-            for b in node.buckets.values():
-                if b.id not in was:
-                    node.replies.initialized(b)  # PULLs that waited for a seed
-            node.metrics.step.set(node.step)
+            was = {b.id for b in self.shard.buckets.values() if b.initialized}
+            await ctx.queue.run(self.load, folder, request, step)
+            # PULLs that waited for a seed
+            out += [Seeded(b) for b in self.shard.buckets.values() if b.id not in was]
+            ctx.metrics.step.set(self.shard.step)
             current = self._rounds[folder] = (step, set())
         current[1].add(w)
-        if current[1] >= node.members:
+        if current[1] >= ctx.members:
             del self._rounds[folder]
-        node.send(
-            ident,
-            wire.encode(
-                {"op": Op.IMPORT, "job": node.job, "step": step, "worker": w, "path": str(folder)}
-            ),
-        )
+        header = {"op": Op.IMPORT, "job": ctx.job, "step": step, "worker": w, "path": str(folder)}
+        return [*out, Reply(ident, wire.encode(header))]
 
     def load(self, folder: Path, request: Request, step: int) -> None:
         """On the optimizer thread: check the folder against every bucket, then read and install each."""
-        node = self.node
-        what = f"node {node.index}: checkpoint {folder}"
+        ctx = self.ctx
+        what = f"node {ctx.index}: checkpoint {folder}"
         try:
             source = DcpFolder(folder, what)
         except LuwuError as exc:
-            raise type(exc)(f"node {node.index}: {exc}") from None
-        buckets = sorted(node.buckets.values(), key=lambda b: b.id)
+            raise type(exc)(f"node {ctx.index}: {exc}") from None
+        buckets = sorted(self.shard.buckets.values(), key=lambda b: b.id)
         for b in buckets:
             if b.accs:
                 raise StepMismatchError(
@@ -96,14 +97,14 @@ class Imports:
                     f"{exc} (bucket {b.id}; the buckets before it are loaded already: load again)",
                     bucket=b.id,
                 ) from None
-            node.replies.wait_sent(b.id)
+            self.shard.before_write(b.id)
             b.load(tensors)
             b.initialized, b.version, b.held = True, step, []
             # async mode: every worker has pushed up to the step before the loaded one
-            b.worker_steps = {r: step - 1 for r in range(node.world_size or 0)}
-            node.replies.resync(b.id)
+            b.worker_steps = {r: step - 1 for r in range(ctx.world_size or 0)}
+            self.codecs.resync(b.id)
         log.info(
-            "node %s loaded %d buckets of step %d from %s", node.index, len(buckets), step, folder
+            "node %s loaded %d buckets of step %d from %s", ctx.index, len(buckets), step, folder
         )
 
     def _keys(self, source: DcpFolder, b: BucketState, request: Request):

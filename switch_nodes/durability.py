@@ -17,7 +17,6 @@ runs on the optimizer thread.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,23 +31,24 @@ from luwu.protocol.errors import (
 from luwu.protocol.layout import Bucket
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.checkpoint import Checkpoint
+from luwu.switch_nodes.context import NodeContext
+from luwu.switch_nodes.effects import Answer, Effect, GetState, Ready, Reply, Reset
 from luwu.switch_nodes.optimizers import get_kind
+from luwu.switch_nodes.replies import PullCodecs
+from luwu.switch_nodes.shard import Shard
 from luwu.switch_nodes.store import BucketState
-
-if TYPE_CHECKING:
-    from luwu.switch_nodes.server import NodeServer
 
 log = logging.getLogger(__name__)
 
 
 class Durability:
-    def __init__(self, node: NodeServer):
-        self.node = node
-        self.restored_step: int | None = None
+    """Checkpoints of the shard, restore and rollback, STATE. ``codecs``: what the workers hold of
+    each bucket, forgotten when its weights change outside a step."""
+
+    def __init__(self, ctx: NodeContext, shard: Shard, codecs: PullCodecs) -> None:
+        self.ctx, self.shard, self.codecs = ctx, shard, codecs
         self._rollbacks_done: set[tuple[int, str]] = set()
-        self._parked: list[
-            tuple[BucketState, int]
-        ] = []  # completions held for a periodic checkpoint
+        self._parked: list[Ready] = []  # steps held for a periodic checkpoint
         self._failed_step = (
             0  # the last periodic checkpoint that could not be written (not tried again)
         )
@@ -58,28 +58,28 @@ class Durability:
         """At start: restore the newest checkpoint that reads and restores whole; one that does not (any
         exception but another job's checkpoint, which is the operator's to fix) is skipped, logged, and the
         next older one tried."""
-        node = self.node
-        if node.ckpt is None:
+        ctx = self.ctx
+        if ctx.ckpt is None:
             return
-        for ckpt in node.ckpt.candidates():
+        for ckpt in ctx.ckpt.candidates():
             try:
                 self.restore(ckpt)
             except ConfigError:
                 raise
             except Exception as exc:
-                node.metrics.errors.labels("checkpoint_corrupt").inc()
+                ctx.metrics.errors.labels("checkpoint_corrupt").inc()
                 log.error(
                     "node %s: skipping checkpoint %s: it cannot be restored (%s: %s); trying the next older one",
-                    node.index,
+                    ctx.index,
                     ckpt.path,
                     type(exc).__name__,
                     str(exc)[:300],
                 )
                 continue
-            node.ckpt.used(ckpt)
-            self.restored_step = node.step
+            ctx.ckpt.used(ckpt)
+            self.ctx.restored_step = self.shard.step
             log.warning(
-                "node %s restored step %d from %s", node.index, self.restored_step, ckpt.path
+                "node %s restored step %d from %s", ctx.index, self.ctx.restored_step, ckpt.path
             )
             if ckpt.legacy:
                 self._convert(ckpt)
@@ -93,7 +93,7 @@ class Durability:
         except OSError as exc:
             log.error(
                 "node %s could not convert checkpoint %s to a checkpoint folder: %s (it stays, and is read again at the next start)",
-                self.node.index,
+                self.ctx.index,
                 ckpt.path,
                 exc,
             )
@@ -101,34 +101,34 @@ class Durability:
         ckpt.path.unlink(missing_ok=True)
         log.warning(
             "node %s converted checkpoint %s into a checkpoint folder of step %d",
-            self.node.index,
+            self.ctx.index,
             ckpt.path,
-            self.node.step,
+            self.shard.step,
         )
 
     def write_checkpoint(self) -> None:
         """Runs on the optimizer thread (nothing else touches the shard meanwhile)."""
-        node = self.node
-        kind = node.kind
+        ctx = self.ctx
+        kind = ctx.kind
         meta = {
-            "job": node.job,
-            "node": node.index,
-            "layout": node.layout_hash,
-            "world_size": node.world_size,
+            "job": ctx.job,
+            "node": ctx.index,
+            "layout": ctx.layout_hash,
+            "world_size": ctx.world_size,
             "optimizer": kind.name if kind else None,
-            "step": node.step,
+            "step": self.shard.step,
             "step_in_state": kind.step_in_state if kind else True,
             "state_names": list(kind.state_names) if kind else [],
-            "param_names": {str(k): v for k, v in node.param_names.items()},
-            "buckets": [self._saved(b) for b in node.buckets.values()],
+            "param_names": {str(k): v for k, v in ctx.param_names.items()},
+            "buckets": [self._saved(b) for b in self.shard.buckets.values()],
         }
         tensors = {
             b.id: {"params": b.params, **{n: b.state.read(n) for n in self._states(b)}}
-            for b in node.buckets.values()
+            for b in self.shard.buckets.values()
         }
-        path = node.ckpt.save(meta, tensors)
-        node.metrics.checkpoint_step.set(meta["step"])
-        log.info("node %s wrote checkpoint of step %d: %s", node.index, meta["step"], path)
+        path = ctx.ckpt.save(meta, tensors)
+        ctx.metrics.checkpoint_step.set(meta["step"])
+        log.info("node %s wrote checkpoint of step %d: %s", ctx.index, meta["step"], path)
 
     @staticmethod
     def _states(b: BucketState) -> list[str]:
@@ -151,14 +151,14 @@ class Durability:
         """Replace the job's buckets by the checkpoint's (on the optimizer thread, or before serving). Every
         field is checked and the buckets are built before the node changes: a checkpoint that does not
         describe a job this node can hold raises and leaves the node as it was."""
-        node, m = self.node, ckpt.meta
+        ctx, m = self.ctx, ckpt.meta
         if not isinstance(m, dict):
             raise ProtocolError(
                 f"checkpoint {ckpt.path}: its header is a {type(m).__name__}, not a table"
             )
-        if m["job"] != node.job:
+        if m["job"] != ctx.job:
             raise ConfigError(
-                f"checkpoint {ckpt.path} belongs to job {m['job']!r}, this node serves {node.job!r}"
+                f"checkpoint {ckpt.path} belongs to job {m['job']!r}, this node serves {ctx.job!r}"
             )
         try:
             kind = get_kind(m["optimizer"])
@@ -167,7 +167,7 @@ class Durability:
         world, layout = m["world_size"], m["layout"]
         if (
             type(world) is not int
-            or not 1 <= world <= node.cfg.max_world_size
+            or not 1 <= world <= ctx.cfg.max_world_size
             or not isinstance(layout, str)
         ):
             raise ProtocolError(
@@ -182,14 +182,11 @@ class Durability:
             if b.id in buckets:
                 raise ProtocolError(f"checkpoint {ckpt.path}: bucket {b.id} twice")
             buckets[b.id] = b
-        node.kind, node.layout_hash, node.world_size, node.param_names = kind, layout, world, names
-        node.members = set(range(world))
-        node.buckets = buckets
-        node.replies.reset()
-        for bid in buckets:
-            node.replies.add(bid)
-        node.metrics.step.set(node.step)
-        node.metrics.checkpoint_step.set(node.step)
+        ctx.kind, ctx.layout_hash, ctx.world_size, ctx.param_names = kind, layout, world, names
+        ctx.members = set(range(world))
+        self.shard.replace(buckets)
+        ctx.metrics.step.set(self.shard.step)
+        ctx.metrics.checkpoint_step.set(self.shard.step)
 
     def _bucket(self, ckpt: Checkpoint, saved: dict, kind) -> BucketState:
         """One saved bucket, checked against its tensors before anything of its size is allocated."""
@@ -209,99 +206,108 @@ class Durability:
             raise ProtocolError(
                 f"checkpoint {ckpt.path}: bucket {spec.id} has version {str(version)[:40]}, initialized {str(initialized)[:40]}"
             )
-        b = BucketState(
-            spec.id, spec.group, spec.numel, list(spec.segments), kind, self.node.accumulators
-        )
+        b = self.shard.make(spec, kind)
         b.load(ts)
         b.version, b.initialized = version, initialized
         return b
 
-    async def park_for_checkpoint(self, b: BucketState, step: int) -> bool:
-        """A periodic checkpoint is due at ``step``: hold this bucket's step (True) until every bucket
-        has reached it, then write the checkpoint and let the held steps go on."""
-        node, every = self.node, self.node.cfg.checkpoint_every
+    async def hold(self, ready: Ready) -> list[Effect] | None:
+        """A periodic checkpoint is due at the ready step: hold it (not None) until every bucket has
+        reached that step, then write the checkpoint and let the held steps go on (the effects
+        returned). None: not held, it goes on now."""
+        ctx, every, step = self.ctx, self.ctx.cfg.checkpoint_every, ready.step
         if (
-            node.ckpt is None
+            ctx.ckpt is None
             or not every
             or step % every != 0
             or step <= 0
-            or max(node.ckpt.last_step or 0, self._failed_step) >= step
+            or max(ctx.ckpt.last_step or 0, self._failed_step) >= step
         ):
-            return False
-        self._parked.append((b, step))
-        if all(x.version >= step for x in node.buckets.values()):
-            try:
-                await node.run(self.write_checkpoint)
-            except OSError as exc:  # a full or broken disk: training goes on, from the last checkpoint that was written
-                self._failed_step = step
-                node.metrics.errors.labels("checkpoint_failed").inc()
-                log.error(
-                    "node %s could not write the checkpoint of step %d into %s: %s; training goes on, a restart would "
-                    "roll back to step %s (free space or fix node.checkpoint_dir)",
-                    node.index,
-                    step,
-                    node.cfg.checkpoint_dir,
-                    exc,
-                    node.ckpt.last_step,
-                )
-            parked, self._parked = self._parked, []
-            for pb, pstep in parked:
-                pacc = pb.accs.get(pstep)
-                if pacc is not None and pacc.workers >= node.members:
-                    await node.aggregation.complete(pb, pstep, pacc)
-        return True
+            return None
+        self._parked.append(ready)
+        if not all(x.version >= step for x in self.shard.buckets.values()):
+            return []
+        await self._write_periodic(step)
+        parked, self._parked = self._parked, []
+        out: list[Effect] = []
+        for p in parked:
+            if p.then.acc.workers >= ctx.members:
+                out.append(p.then)
+            else:  # a rank rejoined meanwhile: the step waits for its push (it completes it again)
+                p.then.acc.started = p.then.acc.norm_sent = False
+        return out
 
-    async def on_checkpoint(self, ident: bytes, msg: wire.Message) -> None:
-        if self.node.ckpt is None:
+    async def _write_periodic(self, step: int) -> None:
+        """The periodic checkpoint of ``step``; one that cannot be written is logged, not retried."""
+        ctx = self.ctx
+        try:
+            await ctx.queue.run(self.write_checkpoint)
+        except OSError as exc:  # a full or broken disk: training goes on from the last one written
+            self._failed_step = step
+            ctx.metrics.errors.labels("checkpoint_failed").inc()
+            log.error(
+                "node %s could not write the checkpoint of step %d into %s: %s; training goes on, a restart would "
+                "roll back to step %s (free space or fix node.checkpoint_dir)",
+                ctx.index,
+                step,
+                ctx.cfg.checkpoint_dir,
+                exc,
+                ctx.ckpt.last_step,
+            )
+
+    async def on_checkpoint(self, ident: bytes, msg: wire.Message) -> list[Effect]:
+        if self.ctx.ckpt is None:
             raise ConfigError(
-                f"node {self.node.index} has no checkpoint_dir (and a node index) configured"
+                f"node {self.ctx.index} has no checkpoint_dir (and a node index) configured"
             )
         try:
-            await self.node.run(self.write_checkpoint)
+            await self.ctx.queue.run(self.write_checkpoint)
         except OSError as exc:
             raise LuwuError(
-                f"node {self.node.index} could not write its checkpoint into {self.node.cfg.checkpoint_dir}: {exc} (free space or fix node.checkpoint_dir)"
+                f"node {self.ctx.index} could not write its checkpoint into {self.ctx.cfg.checkpoint_dir}: {exc} (free space or fix node.checkpoint_dir)"
             ) from None
-        self.node.answer(ident, Op.CHECKPOINT, msg.header["worker"])
+        return [Answer(ident, Op.CHECKPOINT, msg.header["worker"])]
 
-    async def on_rollback(self, ident: bytes, msg: wire.Message) -> None:
+    async def on_rollback(self, ident: bytes, msg: wire.Message) -> list[Effect]:
         """Roll this node back to its checkpoint of ``step`` (once per (step, boot of the restarted node))."""
-        node, h = self.node, msg.header
+        ctx, h = self.ctx, msg.header
         step = h["step"]
         boot = str((h.get("detail") or {}).get("boot", ""))
+        out: list[Effect] = []
         if (step, boot) not in self._rollbacks_done and not (
-            self.restored_step == step and boot == node.boot
+            self.ctx.restored_step == step and boot == ctx.boot
         ):
-            node.gen += 1  # queued steps and replies of the abandoned timeline are dropped
-            if node.ckpt is None:
+            ctx.queue.gen += 1  # queued steps and replies of the abandoned timeline are dropped
+            if ctx.ckpt is None:
                 raise ConfigError(
-                    f"node {node.index} cannot roll back: no checkpoint_dir configured"
+                    f"node {ctx.index} cannot roll back: no checkpoint_dir configured"
                 )
-            ckpt = await node.run(node.ckpt.latest, step)
+            ckpt = await ctx.queue.run(ctx.ckpt.latest, step)
             if ckpt is None:
                 raise RollbackError(
-                    f"node {node.index} has no valid checkpoint of step {step} to roll back to",
+                    f"node {ctx.index} has no valid checkpoint of step {step} to roll back to",
                     step=step,
                 )
-            peers = dict(node.peers)
-            await node.run(self.restore, ckpt)
-            node.peers = peers
+            peers = dict(ctx.peers)
+            await ctx.queue.run(self.restore, ckpt)
+            ctx.peers = peers
             self._parked = []
             log.warning(
-                "node %s rolled back to step %d (restart of boot %s)", node.index, step, boot
+                "node %s rolled back to step %d (restart of boot %s)", ctx.index, step, boot
             )
+            out.append(Reset())
         self._rollbacks_done.add((step, boot))
-        node.answer(ident, Op.ROLLBACK, h["worker"])
+        return [*out, Answer(ident, Op.ROLLBACK, h["worker"])]
 
     # ----------------------------------------------------------------- STATE
-    async def on_state(self, ident: bytes, msg: wire.Message) -> None:
+    async def on_state(self, ident: bytes, msg: wire.Message) -> list[Effect]:
         """Get or set a bucket's weights and optimizer state (``state_dict`` / ``load_state_dict``)."""
-        node, h = self.node, msg.header
-        b = node.bucket(h)
+        ctx, h = self.ctx, msg.header
+        b = self.shard.bucket(h["bucket"])
         names = ["params", *b.kind.state_names, "steps"]
         reply = {
             "op": Op.STATE,
-            "job": node.job,
+            "job": ctx.job,
             "step": b.version,
             "worker": h["worker"],
             "bucket": b.id,
@@ -309,27 +315,19 @@ class Durability:
             "names": names,
         }
         if h["action"] == "get":
-
-            def snapshot():
-                reply["step"] = b.version  # as of the snapshot, behind the steps queued before it
-                return [t.clone() for t in b.tensors()]
-
-            async def get():
-                node.send(ident, wire.encode(reply, await node.run(snapshot)))
-
-            node.submit(get)
-        elif h["action"] == "set":
+            return [GetState(ident, b, reply)]  # behind the steps queued before it
+        if h["action"] == "set":
             self._check_state_set(b, h, names)
             frames = [t.view(torch.float32) for t in msg.tensors()]
 
             def work():
-                node.replies.wait_sent(b.id)
+                self.shard.before_write(b.id)
                 b.load(frames)
                 b.initialized = True
-                node.replies.resync(b.id)
+                self.codecs.resync(b.id)
 
-            await node.run(work)
-            node.send(ident, wire.encode(reply))
+            await ctx.queue.run(work)
+            return [Reply(ident, wire.encode(reply))]
         else:
             raise ProtocolError(f"STATE action must be 'get' or 'set', got {h['action']!r}")
 

@@ -26,7 +26,6 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import msgpack
 import torch
@@ -35,11 +34,12 @@ from luwu.protocol import messages as wire
 from luwu.protocol.dcp_files import save_tensor
 from luwu.protocol.errors import ConfigError, ProtocolError
 from luwu.protocol.messages import Op
+from luwu.switch_nodes.context import NodeContext
+from luwu.switch_nodes.effects import Effect, Reply
+from luwu.switch_nodes.replies import PullCodecs
+from luwu.switch_nodes.shard import Shard
+from luwu.switch_nodes.store import BucketState
 from luwu.switch_nodes.torch_state import slot, torch_param_state
-
-if TYPE_CHECKING:
-    from luwu.switch_nodes.server import NodeServer
-    from luwu.switch_nodes.store import BucketState
 
 #: The key prefixes of a training checkpoint (torch's ``get_state_dict`` as DCP flattens it).
 MODEL, OPTIM_STATE = "model.", "optim.state."
@@ -154,16 +154,18 @@ class Request:
 
 
 class Exports:
-    def __init__(self, node: NodeServer):
-        self.node = node
+    """EXPORT and IMPORT. ``codecs``: what the workers hold of each bucket, forgotten on IMPORT."""
+
+    def __init__(self, ctx: NodeContext, shard: Shard, codecs: PullCodecs) -> None:
+        self.ctx, self.shard, self.codecs = ctx, shard, codecs
         self._imports = None
 
     def root(self) -> Path:
-        cfg = self.node.cfg
+        cfg = self.ctx.cfg
         root = cfg.export_root or cfg.checkpoint_dir
         if not root:
             raise ConfigError(
-                f"node {self.node.index} has no export root: set node.export_root (or node.checkpoint_dir)"
+                f"node {self.ctx.index} has no export root: set node.export_root (or node.checkpoint_dir)"
             )
         return Path(root).resolve()
 
@@ -174,49 +176,44 @@ class Exports:
         folder = folder.resolve()
         if folder != root and root not in folder.parents:
             raise ProtocolError(
-                f"export path {path!r} is outside node {self.node.index}'s export root {root}"
+                f"export path {path!r} is outside node {self.ctx.index}'s export root {root}"
             )
         return folder
 
-    async def on_export(self, ident: bytes, msg: wire.Message) -> None:
+    async def on_export(self, ident: bytes, msg: wire.Message) -> list[Effect]:
         """Write this node's pieces into the folder the header names; answer with what was written (a
         msgpack frame)."""
-        node, h = self.node, msg.header
+        ctx, h = self.ctx, msg.header
         folder = self.target(h["path"])
         request = Request.parse(Op.EXPORT, msg.tensors())
         try:
-            entries = await node.run(self.write, folder, request)
+            entries = await ctx.queue.run(self.write, folder, request)
         except OSError as exc:
             raise ConfigError(
-                f"node {node.index} could not write its shard into {folder}: {exc}"
+                f"node {ctx.index} could not write its shard into {folder}: {exc}"
             ) from None
         body = torch.frombuffer(bytearray(msgpack.packb(entries)), dtype=torch.uint8)
-        node.send(
-            ident,
-            wire.encode(
-                {
-                    "op": Op.EXPORT,
-                    "job": node.job,
-                    "step": node.step,
-                    "worker": h["worker"],
-                    "path": str(folder),
-                },
-                [body],
-            ),
-        )
+        header = {
+            "op": Op.EXPORT,
+            "job": ctx.job,
+            "step": self.shard.step,
+            "worker": h["worker"],
+            "path": str(folder),
+        }
+        return [Reply(ident, wire.encode(header, [body]))]
 
-    async def on_import(self, ident: bytes, msg: wire.Message) -> None:
+    async def on_import(self, ident: bytes, msg: wire.Message) -> list[Effect]:
         """Read this node's shard from the training checkpoint the header names (:mod:`.dcp_import`)."""
         if self._imports is None:
             from luwu.switch_nodes.dcp_import import Imports
 
-            self._imports = Imports(self.node, self)
-        await self._imports.on_import(ident, msg)
+            self._imports = Imports(self.ctx, self.shard, self.codecs, self)
+        return await self._imports.on_import(ident, msg)
 
     def write(self, folder: Path, request: Request) -> list[list]:
         """On the optimizer thread: every piece of this node's shard into ``__<index>_0.distcp``."""
-        node = self.node
-        name = f"__{node.index}_0.distcp"
+        index = self.ctx.index
+        name = f"__{index}_0.distcp"
         final, tmp = folder / name, folder / f".{name}.tmp"
         folder.mkdir(parents=True, exist_ok=True)
         if final.exists():
@@ -224,12 +221,12 @@ class Exports:
         entries = []
         try:
             with open(tmp, "xb") as f:
-                for b in sorted(node.buckets.values(), key=lambda b: b.id):
+                for b in sorted(self.shard.buckets.values(), key=lambda b: b.id):
                     try:
                         entries += self._bucket(f, b, request)
                     except ProtocolError as exc:
                         raise ProtocolError(
-                            f"EXPORT to node {node.index}, bucket {b.id}: {exc}"
+                            f"EXPORT to node {index}, bucket {b.id}: {exc}"
                         ) from None
                 f.flush()
                 os.fsync(f.fileno())

@@ -14,11 +14,9 @@ the step naming them (strict) or drops them and goes on (elastic).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
 
 from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
@@ -31,11 +29,10 @@ from luwu.protocol.errors import (
 )
 from luwu.protocol.layout import Bucket
 from luwu.protocol.messages import Op
+from luwu.switch_nodes.context import NodeContext
+from luwu.switch_nodes.effects import Answer, Drop, Effect, Recheck, Release, Seeded, Tell
 from luwu.switch_nodes.optimizers import OptimizerKind, get_kind
-from luwu.switch_nodes.store import BucketState
-
-if TYPE_CHECKING:
-    from luwu.switch_nodes.server import NodeServer
+from luwu.switch_nodes.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +70,11 @@ def physical_memory() -> int:
 
 
 class Membership:
-    def __init__(self, node: NodeServer):
-        self.node = node
+    """Who is in the job (the context's peers and members) and what they agreed on; the watchdog."""
+
+    def __init__(self, ctx: NodeContext, shard: Shard) -> None:
+        self.ctx, self.shard = ctx, shard
+        self._last_said = 0.0  # when the watchdog last named the ranks waited for
         self._lost_reported: set[tuple[int, int]] = set()
         self._not_reading: set[int] = (
             set()
@@ -85,23 +85,23 @@ class Membership:
         self._left: set[int] = set()  # ranks that said BYE (until they say HELLO again)
 
     # ----------------------------------------------------------------- HELLO
-    def on_hello(self, ident: bytes, msg: wire.Message) -> None:
-        h, node = msg.header, self.node
+    def on_hello(self, ident: bytes, msg: wire.Message) -> list[Effect]:
+        h, ctx = msg.header, self.ctx
         w = h["worker"]
         if h["world_size"] < 1 or w >= h["world_size"]:
             raise ProtocolError(f"worker rank {w} is outside world size {h['world_size']}")
-        if h["world_size"] > node.cfg.max_world_size:  # before anything is sized by it
+        if h["world_size"] > ctx.cfg.max_world_size:  # before anything is sized by it
             raise ConfigError(
-                f"HELLO of worker {w} names world size {h['world_size']}, over this node's node.max_world_size = {node.cfg.max_world_size}"
+                f"HELLO of worker {w} names world size {h['world_size']}, over this node's node.max_world_size = {ctx.cfg.max_world_size}"
             )
-        if node.index >= 0 and h["node_index"] != node.index:
+        if ctx.index >= 0 and h["node_index"] != ctx.index:
             raise LayoutMismatchError(
-                f"this is node {node.index}, worker {w} addressed it as node {h['node_index']}"
+                f"this is node {ctx.index}, worker {w} addressed it as node {h['node_index']}"
             )
         kind = get_kind(h["optimizer"])
-        if h["mode"] != node.cfg.mode:
+        if h["mode"] != ctx.cfg.mode:
             raise ConfigError(
-                f"worker {w} runs mode {h['mode']!r}, this node runs {node.cfg.mode!r}"
+                f"worker {w} runs mode {h['mode']!r}, this node runs {ctx.cfg.mode!r}"
             )
         buckets = [Bucket.from_wire(s) for s in h["buckets"]]
         names = h.get("param_names", {})
@@ -112,29 +112,29 @@ class Membership:
                 "param_names must map parameter indices (ints) to names (short strings)"
             )
         self._check_key(ident, w)
-        bound = node.peers.get(w)
+        bound = ctx.peers.get(w)
         self._check_rank_free(ident, w, bound)
         if bound != ident and not h.get("resume", False):
             self._check_fresh(w)
         self._check_capacity(w, kind, buckets)
-        if node.layout_hash is not None and h["layout"] != node.layout_hash and bound != ident:
+        if ctx.layout_hash is not None and h["layout"] != ctx.layout_hash and bound != ident:
             raise LayoutMismatchError(
-                f"layout hash mismatch: worker {w} has layout {h['layout']}, the job has {node.layout_hash} (only a connected "
+                f"layout hash mismatch: worker {w} has layout {h['layout']}, the job has {ctx.layout_hash} (only a connected "
                 "worker can extend the layout with add_param_group)"
             )
-        if node.layout_hash is None:
-            node.index, node.world_size, node.kind = h["node_index"], h["world_size"], kind
+        if ctx.layout_hash is None:
+            ctx.index, ctx.world_size, ctx.kind = h["node_index"], h["world_size"], kind
         else:
             self._check_same_job(h, kind, buckets)
-        self._admit(ident, h, kind, buckets, names)
+        return self._admit(ident, h, kind, buckets, names)
 
     def _check_rank_free(self, ident: bytes, w: int, bound: bytes | None) -> None:
         """A rank is one connection: another peer claiming a live rank is refused. A worker that closed said
         BYE and freed it; a crashed one's rank frees once its connection has been silent for worker_timeout_s."""
-        node = self.node
+        ctx = self.ctx
         if bound is None or bound == ident:
             return
-        ago, timeout = time.monotonic() - node.last_seen.get(w, 0.0), node.cfg.worker_timeout_s
+        ago, timeout = time.monotonic() - ctx.last_seen.get(w, 0.0), ctx.cfg.worker_timeout_s
         if ago < timeout:
             raise ProtocolError(
                 f"worker rank {w} is held by a live connection (heard from {ago:.1f} s ago): it frees in {timeout - ago:.1f} s "
@@ -144,35 +144,35 @@ class Membership:
     def live_ranks(self, but: int | None = None) -> list[int]:
         """Ranks (other than ``but``) whose connection is open and was heard from within worker_timeout_s: a
         job with one of them is being trained right now."""
-        node, now = self.node, time.monotonic()
+        ctx, now = self.ctx, time.monotonic()
         return sorted(
             r
-            for r in node.peers
+            for r in ctx.peers
             if r != but
-            and now - node.last_seen.get(r, 0.0) < node.cfg.worker_timeout_s
-            and node.connected(r)
+            and now - ctx.last_seen.get(r, 0.0) < ctx.cfg.worker_timeout_s
+            and ctx.connected(r)
         )
 
     def _check_fresh(self, w: int) -> None:
         """A worker that did not ask to resume, arriving while nobody trains the job: refused when this node holds
         the job at a step past 0 (restored from a checkpoint, or left by an earlier run), before anything
         changes; at step 0 it is a fresh start. Every worker of the new run gets the same answer."""
-        node = self.node
-        step = node.step
+        ctx = self.ctx
+        step = self.shard.step
         if step == 0 or self.live_ranks(but=w):
             return
         how = (
             "restored from its checkpoint"
-            if node.restored_step == step
+            if ctx.restored_step == step
             else "left by an earlier run"
         )
         ckpt = (
-            f" whose node.checkpoint_dir holds no checkpoint of it (this node's, {node.cfg.checkpoint_dir}, does)"
-            if node.ckpt
+            f" whose node.checkpoint_dir holds no checkpoint of it (this node's, {ctx.cfg.checkpoint_dir}, does)"
+            if ctx.ckpt
             else ""
         )
         raise JobExistsError(
-            f"job {node.job!r}: node {node.index} holds its weights and optimizer state at step {step} ({how}) and no worker "
+            f"job {ctx.job!r}: node {ctx.index} holds its weights and optimizer state at step {step} ({how}) and no worker "
             f"is training it; worker {w} did not ask to resume. Continue from step {step}: RemoteOptimizer(..., resume=True) "
             f"(or optimizer.resume = true). Or start a fresh job: new nodes (`luwu down && luwu up`, a new local_cluster){ckpt}, "
             "or another job= name (cluster.job) served by nodes of its own",
@@ -183,10 +183,10 @@ class Membership:
     def _check_key(self, ident: bytes, w: int) -> None:
         """With CURVE and node.curve_keys_by_rank, rank w may only say HELLO with the w-th authorized key
         (the order `luwu keys` writes: the workers by rank, then the monitor's, which never says HELLO)."""
-        cfg = self.node.cfg
+        cfg = self.ctx.cfg
         if not cfg.curve_secret_key or not cfg.curve_keys_by_rank:
             return
-        key, keys = self.node.listener.peer_key(ident), cfg.curve_authorized_keys
+        key, keys = self.ctx.peer_key(ident), cfg.curve_authorized_keys
         if w < len(keys) and key == keys[w]:
             return
         owner = keys.index(key) if key in keys else None
@@ -197,10 +197,10 @@ class Membership:
         )
 
     def _check_capacity(self, w: int, kind: OptimizerKind, buckets: list[Bucket]) -> None:
-        held = sum(b.numel for b in self.node.buckets.values())
-        new = sum(b.numel for b in buckets if b.id not in self.node.buckets)
+        held = sum(b.numel for b in self.shard.buckets.values())
+        new = sum(b.numel for b in buckets if b.id not in self.shard.buckets)
         nbytes = (held + new) * 4 * (1 + len(kind.state_for({})))  # the state every step keeps
-        cap = min(self.node.cfg.max_shard_bytes, physical_memory())
+        cap = min(self.ctx.cfg.max_shard_bytes, physical_memory())
         if nbytes > cap:
             raise ConfigError(
                 f"HELLO of worker {w} would make this node hold {nbytes / 2**30:.1f} GiB, over {cap / 2**30:.1f} GiB "
@@ -210,166 +210,161 @@ class Membership:
     def _check_same_job(self, h: dict, kind: OptimizerKind, buckets: list[Bucket]) -> None:
         """A worker joining a running job: same world size and optimizer, and a layout that is the job's
         or extends it (add_param_group: every known bucket unchanged)."""
-        node, w = self.node, h["worker"]
-        if h["world_size"] != node.world_size:
+        ctx, w = self.ctx, h["worker"]
+        if h["world_size"] != ctx.world_size:
             raise LayoutMismatchError(
-                f"worker {w} says world size {h['world_size']}, the job has {node.world_size}"
+                f"worker {w} says world size {h['world_size']}, the job has {ctx.world_size}"
             )
-        if kind is not node.kind:
+        if kind is not ctx.kind:
             raise LayoutMismatchError(
-                f"worker {w} uses optimizer {kind.name!r}, the job uses {node.kind.name!r}"
+                f"worker {w} uses optimizer {kind.name!r}, the job uses {ctx.kind.name!r}"
             )
         new = {b.id: b.to_wire() for b in buckets}
-        if h["layout"] == node.layout_hash and new.keys() != node.buckets.keys():
+        if h["layout"] == ctx.layout_hash and new.keys() != self.shard.buckets.keys():
             # the job's layout names exactly the job's buckets: a HELLO with its hash and other bucket ids would
             # make the node allocate what a stranger names
             raise LayoutMismatchError(
-                f"worker {w} says layout {h['layout']} (the job's) with buckets {_ids(new)}, the job's are {_ids(node.buckets)}: "
+                f"worker {w} says layout {h['layout']} (the job's) with buckets {_ids(new)}, the job's are {_ids(self.shard.buckets)}: "
                 f"nothing allocated"
             )
-        for b in node.buckets.values():
+        for b in self.shard.buckets.values():
             if new.get(b.id) != b.to_wire():
                 raise LayoutMismatchError(
-                    f"layout hash mismatch: worker {w} has layout {h['layout']}, the job has {node.layout_hash} "
+                    f"layout hash mismatch: worker {w} has layout {h['layout']}, the job has {ctx.layout_hash} "
                     f"(bucket {b.id} differs: a different model or bucket_bytes)"
                 )
 
     def _admit(
         self, ident: bytes, h: dict, kind: OptimizerKind, buckets: list[Bucket], names: dict
-    ) -> None:
-        node, w = self.node, h["worker"]
+    ) -> list[Effect]:
+        ctx, w = self.ctx, h["worker"]
         for spec in buckets:
-            if spec.id not in node.buckets:
-                b = node.buckets[spec.id] = BucketState(
-                    spec.id, spec.group, spec.numel, list(spec.segments), kind, node.accumulators
-                )
-                b.version = h["step"]  # a group added mid-training starts at the job's step
-                node.replies.add(spec.id)
-        node.param_names.update(names)
-        node.layout_hash = h["layout"]
-        node.peers[w] = ident
-        node.replies.held.forget(w)  # a new connection: nothing held for the old one goes to it
-        if not node.members:
-            node.members = set(range(node.world_size))
-        node.members.add(w)
+            if spec.id not in self.shard.buckets:
+                self.shard.add(spec, kind, h["step"])  # a group added mid-training: the job's step
+        ctx.param_names.update(names)
+        ctx.layout_hash = h["layout"]
+        ctx.peers[w] = ident
+        if not ctx.members:
+            ctx.members = set(range(ctx.world_size))
+        ctx.members.add(w)
         self._not_reading.discard(w)
         self._left.discard(w)
-        node.last_seen[w] = time.monotonic()
-        node.metrics.workers.set(len(node.peers))
-        versions = {b.id: b.version for b in node.buckets.values()}
-        initialized = [b.id for b in node.buckets.values() if b.initialized]
-        node.answer(
-            ident,
-            Op.WELCOME,
-            w,
-            layout=node.layout_hash,
-            versions=versions,
-            initialized=initialized,
-        )
+        ctx.last_seen[w] = time.monotonic()
+        ctx.metrics.workers.set(len(ctx.peers))
+        versions = {b.id: b.version for b in self.shard.buckets.values()}
+        initialized = [b.id for b in self.shard.buckets.values() if b.initialized]
+        fields = {"layout": ctx.layout_hash, "versions": versions, "initialized": initialized}
+        # a new connection: nothing held for the old one goes to it
+        return [Drop(w), Answer(ident, Op.WELCOME, w, fields)]
 
     # ----------------------------------------------------------------- INIT, HEARTBEAT, rank checks
-    def on_init(self, ident: bytes, msg: wire.Message) -> None:
+    def on_init(self, ident: bytes, msg: wire.Message) -> list[Effect]:
         h = msg.header
-        b = self.node.bucket(h)
+        b = self.shard.bucket(h["bucket"])
         if b.initialized:
-            return  # idempotent: the first seed wins (a restarted rank 0 must not reset the weights)
+            return []  # idempotent: the first seed wins (a restarted rank 0 must not reset the weights)
         codec = get_codec(h["codec"])
         codec.validate(b.numel, h["nbytes"], h["cmeta"])
         codec.decode_(b.params, msg.tensors(), h["cmeta"])
         b.initialized = True
-        self.node.replies.initialized(b)
+        return [Seeded(b)]
 
-    async def on_bye(self, ident: bytes, msg: wire.Message) -> None:
+    def on_bye(self, ident: bytes, msg: wire.Message) -> list[Effect]:
         """A worker leaves (its connection said HELLO as this rank: :meth:`check_worker` saw to it): the rank is
         free at once for another run or a restarted worker. In elastic mode the others go on without it; in
         strict mode the steps keep waiting for the rank (a worker that resumes takes its place)."""
-        node, w = self.node, msg.header["worker"]
-        del node.peers[w]
-        node.last_seen.pop(w, None)
-        node.replies.held.forget(w)
+        ctx, w = self.ctx, msg.header["worker"]
+        del ctx.peers[w]
+        ctx.last_seen.pop(w, None)
         self._not_reading.discard(w)
         self._left.add(w)
-        node.metrics.workers.set(len(node.peers))
+        ctx.metrics.workers.set(len(ctx.peers))
         log.info(
             "node %s: worker %d left the job at step %d (BYE); %d workers connected",
-            node.index,
+            ctx.index,
             w,
-            node.step,
-            len(node.peers),
+            self.shard.step,
+            len(ctx.peers),
         )
-        node.answer(ident, Op.BYE, w)
-        if node.cfg.worker_policy == "elastic" and node.members - {w}:
-            node.members.discard(w)
-            await node.aggregation.complete_ready()
+        out = [Drop(w), Answer(ident, Op.BYE, w)]
+        if ctx.cfg.worker_policy == "elastic" and ctx.members - {w}:
+            ctx.members.discard(w)
+            out.append(Recheck())
+        return out
 
-    def on_heartbeat(self, ident: bytes, msg: wire.Message) -> None:
+    def on_heartbeat(self, ident: bytes, msg: wire.Message) -> list[Effect]:
         w = msg.header["worker"]
-        self.node.last_seen[w] = time.monotonic()
-        if (
-            "seq" in msg.header and self.node.peers.get(w) == ident
-        ):  # it reached step() of seq (optimizer.hold_replies)
-            self.node.replies.held.release(w, msg.header["seq"])
-        self.node.answer(ident, Op.HEARTBEAT, w)
+        self.ctx.last_seen[w] = self.ctx.clock()
+        out: list[Effect] = []
+        if "seq" in msg.header and self.ctx.peers.get(w) == ident:
+            out.append(Release(w, msg.header["seq"]))  # it reached step() of seq (hold_replies)
+        out.append(Answer(ident, Op.HEARTBEAT, w))
+        return out
 
     def check_worker(self, ident: bytes, h: dict) -> None:
         """The sender of a ranked op is the connection that said HELLO as that rank, and still a member."""
-        node, w = self.node, h["worker"]
-        if node.world_size is None or w >= node.world_size:
-            raise ProtocolError(f"worker rank {w} is outside world size {node.world_size}")
-        if node.peers.get(w) != ident:
+        ctx, w = self.ctx, h["worker"]
+        if ctx.world_size is None or w >= ctx.world_size:
+            raise ProtocolError(f"worker rank {w} is outside world size {ctx.world_size}")
+        if ctx.peers.get(w) != ident:
             raise ProtocolError(
                 f"worker {w}: message from a peer that did not say HELLO as this rank"
             )
-        if w not in node.members and h["op"] == Op.PUSH:
+        if w not in ctx.members and h["op"] == Op.PUSH:
             raise WorkerLostError(
-                f"worker {w} was dropped from the job after {node.cfg.worker_timeout_s:.0f} s without pushes (elastic mode): call optimizer.recover() to rejoin"
+                f"worker {w} was dropped from the job after {ctx.cfg.worker_timeout_s:.0f} s without pushes (elastic mode): call optimizer.recover() to rejoin"
             )
-        node.last_seen[w] = time.monotonic()
+        ctx.last_seen[w] = time.monotonic()
 
     # ----------------------------------------------------------------- watchdog
-    async def watchdog(self) -> None:
-        """Missing workers: strict mode fails the step naming them; elastic mode drops them and goes on."""
-        node, last_said = self.node, 0.0
-        while True:
-            await asyncio.sleep(min(1.0, node.cfg.worker_timeout_s / 4))
-            now = time.monotonic()
-            if node.world_size and self._say_waiting(now, due=now - last_said >= 5.0):
-                last_said = now
-            if node.ckpt is not None and node.ckpt.last_time is not None:
-                node.metrics.checkpoint_age.set(time.time() - node.ckpt.last_time)
-            for b in list(node.buckets.values()):
-                for step, acc in list(b.accs.items()):
-                    missing = node.members - acc.workers
-                    if (
-                        not missing
-                        or not acc.workers
-                        or now - acc.first_at < node.cfg.worker_timeout_s
-                    ):
-                        continue
-                    if node.cfg.worker_policy == "elastic":
-                        await self._drop(missing, step, b.id)
-                    elif (step, b.id) not in self._lost_reported:
-                        self._lost_reported.add((step, b.id))
-                        text = f"workers {sorted(missing)} sent nothing for step {step}, bucket {b.id} within {node.cfg.worker_timeout_s:.0f} s (strict mode)"
-                        for w in acc.workers:
-                            node.tell(w, WorkerLostError.code, text, step=step, bucket=b.id)
+    @property
+    def watch_every_s(self) -> float:
+        """How often the server calls :meth:`watch`."""
+        return min(1.0, self.ctx.cfg.worker_timeout_s / 4)
+
+    def watch(self) -> list[Effect]:
+        """The watchdog's round: missing workers fail the step naming them (strict) or are dropped
+        and the others go on (elastic)."""
+        ctx = self.ctx
+        now = time.monotonic()
+        if ctx.world_size and self._say_waiting(now, due=now - self._last_said >= 5.0):
+            self._last_said = now
+        if ctx.ckpt is not None and ctx.ckpt.last_time is not None:
+            ctx.metrics.checkpoint_age.set(time.time() - ctx.ckpt.last_time)
+        out: list[Effect] = []
+        timeout_s = ctx.cfg.worker_timeout_s
+        for b in list(self.shard.buckets.values()):
+            for step, acc in list(b.accs.items()):
+                missing = ctx.members - acc.workers
+                if not missing or not acc.workers or now - acc.first_at < timeout_s:
+                    continue
+                if ctx.cfg.worker_policy == "elastic":
+                    out += self._drop(missing, step, b.id)
+                elif (step, b.id) not in self._lost_reported:
+                    self._lost_reported.add((step, b.id))
+                    text = (
+                        f"workers {sorted(missing)} sent nothing for step {step}, bucket {b.id} "
+                        f"within {timeout_s:.0f} s (strict mode)"
+                    )
+                    out += [Tell(w, WorkerLostError.code, text, step, b.id) for w in acc.workers]
+        return out
 
     def _say_waiting(self, now: float, due: bool) -> bool:
         """Start-up without silent hangs: when ``due``, log which ranks the connected workers wait for (True if
         said). A wait shorter than WAIT_GRACE_S is the normal start of a job (INFO); a longer one is a WARNING.
         With no worker connected nobody waits; a rank that left (BYE) is not waited for unless a step needs it."""
-        node = self.node
-        absent = sorted(set(range(node.world_size)) - set(node.peers) - self._left)
+        ctx = self.ctx
+        absent = sorted(set(range(ctx.world_size)) - set(ctx.peers) - self._left)
         waiting = sorted(
             {
                 w
-                for b in node.buckets.values()
+                for b in self.shard.buckets.values()
                 for acc in b.accs.values()
                 if now - acc.first_at > 5.0
-                for w in node.members - acc.workers
+                for w in ctx.members - acc.workers
             }
         )
-        if not node.peers or not (absent or waiting):
+        if not ctx.peers or not (absent or waiting):
             self._waiting_since = None
             return False
         if self._waiting_since is None:
@@ -380,49 +375,50 @@ class Membership:
         log.log(
             level,
             "node %s at %s: waiting for worker ranks %s (not connected: %s)",
-            node.index,
-            node.address,
+            ctx.index,
+            ctx.address,
             ranks_text(waiting or absent),
             ranks_text(absent),
         )
         return True
 
-    async def not_reading(self, ranks: set[int]) -> None:
+    def not_reading(self, ranks: set[int]) -> list[Effect]:
         """Workers that leave their replies unread are lost: named in the log once; strict mode tells the
         others (their step fails with WorkerLostError naming them), elastic mode drops them."""
-        node = self.node
-        new = (ranks & node.members) - self._not_reading
+        ctx = self.ctx
+        new = (ranks & ctx.members) - self._not_reading
         if not new:
-            return
+            return []
         self._not_reading |= new
         who = ", ".join(f"worker {w}" for w in sorted(new))
-        node.metrics.errors.labels("not_reading").inc(len(new))
-        stuck_s = node.cfg.worker_timeout_s / 4
+        ctx.metrics.errors.labels("not_reading").inc(len(new))
+        stuck_s = ctx.cfg.worker_timeout_s / 4
         log.error(
             "node %s: %s left its replies unread for %.0f s: %s",
-            node.index,
+            ctx.index,
             who,
             stuck_s,
-            "dropped (elastic)" if node.cfg.worker_policy == "elastic" else "lost (strict mode)",
+            "dropped (elastic)" if ctx.cfg.worker_policy == "elastic" else "lost (strict mode)",
         )
-        if node.cfg.worker_policy == "elastic":
-            await self._drop(new, node.step, -1)
-            return
-        text = f"{who} stopped reading the node's replies (nothing taken for {stuck_s:.0f} s): lost (strict mode)"
-        for w in node.members - new:
-            node.tell(w, WorkerLostError.code, text, step=node.step, bucket=-1)
+        if ctx.cfg.worker_policy == "elastic":
+            return self._drop(new, self.shard.step, -1)
+        text = (
+            f"{who} stopped reading the node's replies (nothing taken for {stuck_s:.0f} s): lost "
+            "(strict mode)"
+        )
+        step = self.shard.step
+        return [Tell(w, WorkerLostError.code, text, step, -1) for w in ctx.members - new]
 
-    async def _drop(self, missing: set[int], step: int, bid: int) -> None:
+    def _drop(self, missing: set[int], step: int, bid: int) -> list[Effect]:
         """Elastic mode: the missing ranks leave the job; the steps waiting only for them go on."""
-        node = self.node
-        node.members -= missing
-        for w in missing:
-            node.replies.held.forget(w)
-        node.metrics.dropped_workers.inc(len(missing))
+        ctx = self.ctx
+        ctx.members -= missing
+        out: list[Effect] = [Drop(w) for w in missing]
+        ctx.metrics.dropped_workers.inc(len(missing))
         log.warning(
-            "node %s: dropped workers %s from step %d (elastic)", node.index, sorted(missing), step
+            "node %s: dropped workers %s from step %d (elastic)", ctx.index, sorted(missing), step
         )
-        text = f"dropped from step {step} after {node.cfg.worker_timeout_s:.0f} s without a push (elastic mode): call optimizer.recover() to rejoin"
-        for w in missing:  # a stalled worker learns it when it wakes up
-            node.tell(w, WorkerLostError.code, f"worker {w} {text}", step=step, bucket=bid)
-        await node.aggregation.complete_ready()
+        text = f"dropped from step {step} after {ctx.cfg.worker_timeout_s:.0f} s without a push (elastic mode): call optimizer.recover() to rejoin"
+        # a stalled worker learns it when it wakes up
+        out += [Tell(w, WorkerLostError.code, f"worker {w} {text}", step, bid) for w in missing]
+        return [*out, Recheck()]

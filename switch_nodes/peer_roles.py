@@ -9,17 +9,18 @@
   monitor's key in): it asks STATS, holds what a stranger does, and its HELLO is refused.
 - A **stranger**: any other connection (NULL, with or without the join secret) that has not said HELLO:
   ``node.stranger_bytes`` and ``node.stranger_reply_bytes``.
+
+:meth:`PeerRoles.listener` builds the listener the config names with these callbacks.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from luwu.protocol.errors import ProtocolError
-
-if TYPE_CHECKING:
-    from luwu.switch_nodes.server import NodeServer
+from luwu.switch_nodes.context import NodeContext
+from luwu.switch_nodes.listener import LibzmqListener, Listener
 
 __all__ = ["PeerRoles"]
 
@@ -29,26 +30,25 @@ log = logging.getLogger(__name__)
 class PeerRoles:
     """The listener's callbacks about connections, read from the node's config and its members."""
 
-    def __init__(self, node: NodeServer) -> None:
-        self.node, self.cfg = node, node.cfg
-        self._monitors = set(node.cfg.curve_monitor_keys)
-        self._rank_of_key = {k: i for i, k in enumerate(node.cfg.curve_authorized_keys)}
+    def __init__(self, ctx: NodeContext, on_stuck: Callable[[set[int]], None]) -> None:
+        self.ctx, self.cfg, self._on_stuck = ctx, ctx.cfg, on_stuck
+        self._monitors = set(ctx.cfg.curve_monitor_keys)
+        self._rank_of_key = {k: i for i, k in enumerate(ctx.cfg.curve_authorized_keys)}
         self._told: set[str] = set()  # monitor keys named in the log for saying HELLO
 
     def key(self, ident: bytes) -> str | None:
-        listener = self.node.listener
-        return listener.peer_key(ident) if listener is not None else None
+        return self.ctx.peer_key(ident)
 
     def rank(self, ident: bytes) -> int | None:
         """The worker rank ``ident`` said HELLO as (None: it did not)."""
-        return next((r for r, i in self.node.peers.items() if i == ident), None)
+        return self.ctx.rank_of(ident)
 
     def is_monitor(self, key: str | None) -> bool:
         if key is None:
             return False
         if key in self._monitors:
             return True
-        index, world = self._rank_of_key.get(key), self.node.world_size
+        index, world = self._rank_of_key.get(key), self.ctx.world_size
         return (
             self.cfg.curve_keys_by_rank
             and index is not None
@@ -58,7 +58,7 @@ class PeerRoles:
 
     def member(self, ident: bytes) -> bool:
         """Said HELLO, or holds a worker's CURVE key (it proved it belongs to the job)."""
-        if ident in self.node.peers.values():
+        if ident in self.ctx.peers.values():
             return True
         key = self.key(ident)
         return key is not None and not self.is_monitor(key)
@@ -79,10 +79,10 @@ class PeerRoles:
         """A worker key's newer connection replaced ``old``: the rank ``old`` said HELLO as goes on with it."""
         rank = self.rank(old)
         if rank is not None:
-            self.node.peers[rank] = new
+            self.ctx.peers[rank] = new
             log.info(
                 "node %s: worker rank %d goes on with its key's new connection",
-                self.node.index,
+                self.ctx.index,
                 rank,
             )
 
@@ -95,7 +95,7 @@ class PeerRoles:
             self._told.add(key)
             log.warning(
                 "node %s: refusing HELLO from the monitor key %s (it may ask STATS, never train); said once per key",
-                self.node.index,
+                self.ctx.index,
                 key,
             )
         raise ProtocolError(
@@ -105,7 +105,57 @@ class PeerRoles:
 
     def stuck(self, ident: bytes) -> None:
         """``ident``'s replies stayed unsent for worker_timeout_s / 4: a worker that does not read (its
-        other ranks are told, or it is dropped: :meth:`Membership.not_reading`)."""
+        other ranks are told, or it is dropped: :meth:`.Membership.not_reading`)."""
         rank = self.rank(ident)
         if rank is not None:
-            self.node.not_reading({rank})
+            self._on_stuck({rank})
+
+    def listener(self) -> Listener:
+        """The listener the config names (not started), with these callbacks."""
+        cfg = self.cfg
+        if cfg.uses_zmtp:
+            from luwu.switch_nodes.curve import CurveKeys
+            from luwu.switch_nodes.zmtp import ZmtpListener
+
+            keys = (
+                CurveKeys(
+                    cfg.curve_public_key,
+                    cfg.curve_secret_key,
+                    cfg.curve_authorized_keys,
+                    cfg.curve_monitor_keys,
+                )
+                if cfg.curve_secret_key
+                else None
+            )
+            roles = self
+            return ZmtpListener(
+                cfg.bind,
+                max_message_bytes=cfg.max_message_bytes,
+                max_frames=cfg.max_message_frames,
+                budget=roles.budget,
+                who=self.ctx.who,
+                max_connections=cfg.max_connections,
+                sndhwm=cfg.rcvhwm,
+                join_secret=cfg.join_secret,
+                member=roles.member,
+                curve=keys,
+                reply_budget=roles.reply_budget,
+                total_bytes=cfg.peers_total_budget,
+                exclusive=roles.exclusive,
+                replaced=roles.replaced,
+                stuck_s=cfg.worker_timeout_s / 4,
+                on_stuck=roles.stuck,
+            )
+        else:
+            curve = (
+                (
+                    cfg.curve_public_key,
+                    cfg.curve_secret_key,
+                    [*cfg.curve_authorized_keys, *cfg.curve_monitor_keys],
+                )
+                if cfg.curve_secret_key
+                else None
+            )
+            return LibzmqListener(
+                cfg.bind, max_message_bytes=cfg.max_message_bytes, hwm=cfg.rcvhwm, curve=curve
+            )

@@ -1,4 +1,4 @@
-"""What a node sends back: a bucket's weights, encoded for the pull direction.
+"""The reply encoder: a bucket's weights, encoded for the pull direction.
 
 A reply is the bucket's weights after a step (to every worker that pushed
 it), after INIT (to the workers that asked before the seed came) or on PULL
@@ -12,6 +12,10 @@ A streaming worker holds no weights between uses: it names ``ack`` as the pull
 codec of its streamed buckets' pushes, and the reply is an UPDATE without
 payload that says the step was applied (or skipped); it fetches the weights
 with PULL just before it needs them.
+
+:func:`encode_reply` turns a bucket and what the workers hold of it (the state of its pull codec:
+the version whose bf16 rounding they hold, int8_delta's shadow) into a payload, and
+:func:`update_message` into the UPDATE's frames; sending them is the outbox's (:mod:`.outbox`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import zmq
 
@@ -29,11 +33,7 @@ from luwu.protocol.codecs import get_codec
 from luwu.protocol.feedback import DeltaEncoder
 from luwu.protocol.messages import PULL_ACK as ACK
 from luwu.protocol.messages import Op
-from luwu.switch_nodes.held_replies import HeldReplies
 from luwu.switch_nodes.store import BucketState
-
-if TYPE_CHECKING:
-    from luwu.switch_nodes.server import NodeServer
 
 log = logging.getLogger(__name__)
 
@@ -187,133 +187,72 @@ class DeltaPullCodec(PullCodec):
         self._encoder.force_resync(bucket)
 
 
-class Replies:
-    """The reply room: pull codecs, per-bucket trackers of replies sent from borrowed frames, PULL, and sending
-    weights to workers."""
+def full_codec(name: str) -> PullCodec:
+    """The codec of a full resend for the pull codec ``name`` (a PULL, a retried push): the weights
+    whole, through a codec that keeps no state. Raises on an unknown name (it validates a push's
+    pull codec)."""
+    if name == ACK:
+        return AckPullCodec()
+    if name == STEPS:
+        return PullCodec("bf16")
+    if name == INT8_DELTA:
+        return PullCodec("none")
+    return PullCodec(name)
 
-    def __init__(self, node: NodeServer):
-        self.node = node
-        self.buffers: dict[int, ReplyBuffers] = {}
-        self._delta: DeltaPullCodec | None = None  # made on first use: it holds a shadow per bucket
-        self._steps: StepsPullCodec | None = (
-            None  # made on first use: it knows which versions the workers hold
-        )
-        self._pending: dict[
-            int, list[tuple[int, str]]
-        ] = {}  # PULLs that came before the bucket's INIT
-        self.held = HeldReplies(
-            node.send_to, node.cfg.mode == "sync", node.cfg.rcvhwm // 2, node.connected
-        )  # until the worker's step()
 
-    def codec(self, name: str) -> PullCodec:
+class PullCodecs:
+    """The pull codecs the workers name, made on first use. The stateful ones are one per node:
+    ``int8_delta`` holds a shadow per bucket, ``bf16_steps`` knows which version's rounding the
+    workers hold."""
+
+    def __init__(self) -> None:
+        self._delta: DeltaPullCodec | None = None
+        self._steps: StepsPullCodec | None = None
+
+    def get(self, name: str) -> PullCodec:
         """The pull codec named by a worker (raises on an unknown name)."""
-        if name == ACK:
-            return AckPullCodec()
         if name == STEPS:
             if self._steps is None:
                 self._steps = StepsPullCodec()
             return self._steps
-        if name != INT8_DELTA:
-            return PullCodec(name)
-        if self._delta is None:
-            self._delta = DeltaPullCodec()
-        return self._delta
-
-    def add(self, bid: int) -> None:
-        self.buffers[bid] = ReplyBuffers(self.node.not_reading, self.node.cfg.worker_timeout_s / 4)
-
-    def reset(self) -> None:
-        """Forget every bucket's buffers and pending PULLs (a restore replaced the buckets)."""
-        self.buffers, self._pending = {}, {}
-        self.held.forget()
-        self.resync()
+        if name == INT8_DELTA:
+            if self._delta is None:
+                self._delta = DeltaPullCodec()
+            return self._delta
+        return full_codec(name)
 
     def resync(self, bid: int | None = None) -> None:
-        """The next delta reply of ``bid`` (or of every bucket) is full weights."""
+        """The next reply of ``bid`` (or of every bucket) is full weights: they changed outside a step,
+        or some workers got them whole."""
         for codec in (self._delta, self._steps):
             if codec is not None:
                 codec.resync(bid)
 
-    def wait_sent(self, bid: int) -> None:
-        """Wait until the replies leaving from the bucket's weights are out (before changing them)."""
-        self.buffers[bid].wait_all()
 
-    def encode(self, b: BucketState, codec: PullCodec) -> Payload:
-        """On the optimizer thread."""
-        return codec.encode(b, self.buffers[b.id])
+def encode_reply(b: BucketState, codec: PullCodec, lent: ReplyBuffers) -> Payload:
+    """The reply payload of bucket ``b``'s weights now, for workers that hold what ``codec`` last sent
+    of it (on the optimizer thread: it reads the weights). ``lent``: the replies borrowing the
+    bucket's frames (an encoder that reuses its buffers waits for them)."""
+    return codec.encode(b, lent)
 
-    def on_pull(self, ident: bytes, msg: wire.Message) -> None:
-        """Full weights to one worker, behind the queued steps (or once rank 0 has seeded the bucket)."""
-        h = msg.header
-        b = self.node.bucket(h)
-        codec = self.codec(h["codec"]).full
-        if not b.initialized:
-            self._pending.setdefault(b.id, []).append((h["worker"], codec.name))
-            return
-        self.node.submit(lambda: self.send_current(b, [h["worker"]], codec))
 
-    def initialized(self, b: BucketState) -> None:
-        """Answer the PULLs that waited for the bucket's INIT."""
-        for w, name in self._pending.pop(b.id, []):
-            self.send(b, [w], self.encode(b, PullCodec(name)))
-
-    async def send_current(
-        self, b: BucketState, workers: list[int], codec: PullCodec, seq: int | None = None
-    ) -> None:
-        """Encode the bucket's weights on the optimizer thread (behind the queued steps) and send them."""
-        gen = self.node.gen
-        payload = await self.node.run(self._encode_for_some, b, codec)
-        if gen == self.node.gen:
-            self.send(b, workers, payload, seq=seq)
-
-    def _encode_for_some(self, b: BucketState, codec: PullCodec) -> Payload:
-        """The weights whole, for some workers (a PULL, a retried push): they will hold them as sent, the
-        others what the last replies gave them (the bf16 rounding, int8_delta's shadow), so the next reply
-        of the bucket goes whole to everyone (a step from either would be one from weights someone lacks)."""
-        payload = self.encode(b, codec)
-        self.resync(b.id)
-        return payload
-
-    def send(
-        self,
-        b: BucketState,
-        workers: list[int],
-        payload: Payload,
-        *,
-        skipped: bool = False,
-        seq: int | None = None,
-    ) -> None:
-        """Send an UPDATE with ``payload`` to ``workers``. ``seq``: the step it answers (absent for a PULL)."""
-        header = {
-            "op": Op.UPDATE,
-            "job": self.node.job,
-            "step": b.version,
-            "worker": 0,
-            "bucket": b.id,
-            "codec": payload.codec,
-            "cmeta": payload.meta,
-            "skipped": skipped,
-        }
-        if payload.delta:
-            header["delta"] = True
-        if seq is not None:
-            header["seq"] = seq
-        data = wire.encode(header, payload.frames)
-        nbytes = sum(f.nbytes for f in data[1:])
-        metrics, trackers = self.node.metrics, []
-        # a step's weights: the next forward reads the buckets from the highest id down, so a worker's queued
-        # replies go in that order (a PULL's answer, a streaming fetch, keeps its place)
-        priority = (b.version, -b.id) if payload.frames and seq is not None else None
-        for w in workers:
-            if w in self.node.peers:
-                later = (
-                    self.held.hold(w, seq, b.id, data, priority)
-                    if seq is not None and payload.frames
-                    else None
-                )
-                trackers.append((w, later or self.node.send_to(w, data, True, priority)))
-                metrics.bytes_out.labels("update").inc(nbytes)
-                if payload.frames:  # (an ack carries no weights)
-                    metrics.raw_out.labels("update").inc(b.numel * 4)
-        if payload.borrowed:
-            self.buffers[b.id].sent(trackers)
+def update_message(
+    job: str, b: BucketState, payload: Payload, *, skipped: bool = False, seq: int | None = None
+) -> list:
+    """The UPDATE frames that carry ``payload`` of bucket ``b``. ``seq``: the step it answers (absent
+    for a PULL)."""
+    header = {
+        "op": Op.UPDATE,
+        "job": job,
+        "step": b.version,
+        "worker": 0,
+        "bucket": b.id,
+        "codec": payload.codec,
+        "cmeta": payload.meta,
+        "skipped": skipped,
+    }
+    if payload.delta:
+        header["delta"] = True
+    if seq is not None:
+        header["seq"] = seq
+    return wire.encode(header, payload.frames)
