@@ -84,6 +84,12 @@ class NodeConfig:
     neither set: exports are refused)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (0 = only on SIGTERM and on request)."""
+    state_dir: str = ""
+    """Folder for the shard's state files (fp32 master weights and optimizer state, meant for NVMe):
+    a shard larger than state_memory_bytes lives there, RAM being a window over it ('' = in RAM)."""
+    state_memory_bytes: int = 0
+    """RAM the shard's weights and optimizer state may use with state_dir (0 = no bound: the shard stays
+    in RAM); gradient accumulators and replies in flight come on top of it."""
     log_every: int = 100
     """One summary log line every this many steps."""
     rcvhwm: int = 1000
@@ -181,8 +187,32 @@ class NodeConfig:
                 raise ConfigError(f"node.{name} must be >= 1, got {getattr(self, name)}")
         if not self.worker_timeout_s > 0:
             raise ConfigError(f"node.worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+        self._check_state()
         self._check_budgets()
         self._check_gate()
+
+    def _check_state(self) -> None:
+        """state_dir and state_memory_bytes: a bound needs a folder, and the folder is the checkpoint."""
+        if self.state_memory_bytes < 0:
+            raise ConfigError(
+                f"node.state_memory_bytes must be >= 0 (0 = no bound), got {self.state_memory_bytes}"
+            )
+        if self.state_memory_bytes and not self.state_dir:
+            raise ConfigError(
+                f"node.state_memory_bytes = {self.state_memory_bytes} needs node.state_dir (a folder on "
+                "NVMe for the state that does not fit): set it, or set state_memory_bytes = 0"
+            )
+        if self.state_dir and self.checkpoint_dir:
+            raise ConfigError(
+                f"node.state_dir = {self.state_dir!r} and node.checkpoint_dir = {self.checkpoint_dir!r} "
+                "do not combine: the state files are the checkpoint, and restarting from them is not "
+                "built yet; leave node.checkpoint_dir empty (no restart after a crash) or leave "
+                "node.state_dir empty (the shard in RAM, checkpointed)"
+            )
+        if self.state_dir and os.path.exists(self.state_dir) and not os.path.isdir(self.state_dir):
+            raise ConfigError(
+                f"node.state_dir = {self.state_dir!r} is not a folder: name a folder (made if missing)"
+            )
 
     def _check_budgets(self) -> None:
         """Each byte budget holds at least the one message it must let through."""

@@ -97,9 +97,10 @@ class Imports:
                     f"{exc} (bucket {b.id}; the buckets before it are loaded already: load again)",
                     bucket=b.id,
                 ) from None
-            self.shard.before_write(b.id)
-            b.load(tensors)
-            b.initialized, b.version, b.held = True, step, []
+            with self.shard.loaded(b.id, write=True):
+                self.shard.before_write(b.id)
+                b.load(tensors)
+                b.initialized, b.version, b.held = True, step, []
             # async mode: every worker has pushed up to the step before the loaded one
             b.worker_steps = {r: step - 1 for r in range(ctx.world_size or 0)}
             self.codecs.resync(b.id)

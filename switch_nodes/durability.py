@@ -321,8 +321,9 @@ class Durability:
             frames = [t.view(torch.float32) for t in msg.tensors()]
 
             def work():
-                self.shard.before_write(b.id)
-                b.load(frames)
+                with self.shard.loaded(b.id, write=True):
+                    self.shard.before_write(b.id)
+                    b.load(frames)
                 b.initialized = True
                 self.codecs.resync(b.id)
 

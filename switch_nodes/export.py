@@ -223,7 +223,8 @@ class Exports:
             with open(tmp, "xb") as f:
                 for b in sorted(self.shard.buckets.values(), key=lambda b: b.id):
                     try:
-                        entries += self._bucket(f, b, request)
+                        with self.shard.loaded(b.id):
+                            entries += self._bucket(f, b, request)
                     except ProtocolError as exc:
                         raise ProtocolError(
                             f"EXPORT to node {index}, bucket {b.id}: {exc}"

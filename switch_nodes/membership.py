@@ -265,7 +265,9 @@ class Membership:
             return []  # idempotent: the first seed wins (a restarted rank 0 must not reset the weights)
         codec = get_codec(h["codec"])
         codec.validate(b.numel, h["nbytes"], h["cmeta"])
-        codec.decode_(b.params, msg.tensors(), h["cmeta"])
+        # (out of core: a slot never read, zeros; its write-back goes on behind)
+        with self.shard.loaded(b.id, write=True):
+            codec.decode_(b.params, msg.tensors(), h["cmeta"])
         b.initialized = True
         return [Seeded(b)]
 

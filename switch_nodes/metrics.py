@@ -49,4 +49,21 @@ class NodeMetrics:
         self.dropped_workers = f.counter(
             "dropped_workers_total", "Workers dropped from a step (elastic mode)"
         )
+        # out-of-core state (node.state_dir): what the window moved, waited for and holds
+        self.state_read = f.counter(
+            "state_bytes_read_total", "Bytes of the shard's state read from node.state_dir"
+        )
+        self.state_written = f.counter(
+            "state_bytes_written_total", "Bytes of the shard's state written to node.state_dir"
+        )
+        self.state_stall = f.counter(
+            "state_io_wait_seconds_total",
+            "Seconds the optimizer thread waited for a bucket's state to be read (or for memory)",
+        )
+        self.state_resident = f.gauge(
+            "state_buffer_bytes", "Bytes of the state window's buffers holding buckets' state"
+        )
+        self.state_budget = f.gauge(
+            "state_memory_bytes", "The state window's budget (node.state_memory_bytes; 0: in RAM)"
+        )
         self.names = list(f.names)

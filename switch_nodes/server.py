@@ -71,10 +71,11 @@ from luwu.switch_nodes.export import Exports
 from luwu.switch_nodes.lines import READY_LINE
 from luwu.switch_nodes.membership import Membership
 from luwu.switch_nodes.metrics import NodeMetrics
+from luwu.switch_nodes.ooc.shard import OocShard
 from luwu.switch_nodes.outbox import Outbox
 from luwu.switch_nodes.peer_roles import PeerRoles
 from luwu.switch_nodes.pulls import Pulls
-from luwu.switch_nodes.replies import Payload, PullCodecs, ReplyBuffers, encode_reply
+from luwu.switch_nodes.replies import Payload, PullCodecs, ReplyBuffers
 from luwu.switch_nodes.shard import ResidentShard
 from luwu.switch_nodes.store import BucketState
 
@@ -113,7 +114,8 @@ class NodeServer:
             ckpt = CheckpointStore(cfg.checkpoint_dir, cfg.index)
         queue = OptimizerQueue(metrics)
         self.ctx = ctx = NodeContext(cfg, job, metrics, queue, cfg.index, ckpt=ckpt)
-        self.shard = ResidentShard(ctx, self._not_reading)
+        # out of core when node.state_dir is set (in RAM all the same while the state fits its budget)
+        self.shard = (OocShard if cfg.state_dir else ResidentShard)(ctx, self._not_reading)
         self.codecs = PullCodecs()
         self.outbox = Outbox(ctx)
         # who a connection is: what it may hold and leave unread, who may say HELLO
@@ -220,6 +222,10 @@ class NodeServer:
                 except Exception:
                     log.exception("checkpoint on shutdown failed")
             ctx.queue.shutdown()
+            try:
+                self.shard.close()
+            except Exception:
+                log.exception("closing the shard's state files failed")
             ctx.listener.close()
             ctx.listener = None
 
@@ -332,9 +338,7 @@ class NodeServer:
         codec = self.codecs.get(acc.pull)
 
         def work() -> Payload:
-            codec.before_step(b)  # (bf16 steps: the weights' bits before the step)
-            self.shard.apply(b, step, acc, e.divisor, e.skip)
-            return encode_reply(b, codec, self.shard.lent(b.id))
+            return self.shard.step_bucket(b, step, acc, e.divisor, e.skip, codec)
 
         try:
             payload = await ctx.queue.run(work)
@@ -377,7 +381,14 @@ class NodeServer:
         await self._do(self.aggregator.release_held(b))
 
     def _send_weights(self, e: SendWeights) -> None:
-        payload = encode_reply(e.bucket, e.codec, self.shard.lent(e.bucket.id))
+        if not self.shard.in_ram:  # out of core: the weights are read on the optimizer thread
+            self.ctx.queue.submit(lambda: self._send_loaded(e))
+            return
+        payload = self.shard.encode(e.bucket, e.codec)
+        self._send(e.bucket, e.workers, payload, False, e.seq)
+
+    async def _send_loaded(self, e: SendWeights) -> None:
+        payload = await self.ctx.queue.run(self.shard.encode, e.bucket, e.codec)
         self._send(e.bucket, e.workers, payload, False, e.seq)
 
     async def _send_current(self, e: SendCurrent) -> None:
@@ -388,7 +399,7 @@ class NodeServer:
         gen = queue.gen
 
         def encode() -> Payload:
-            payload = encode_reply(b, e.codec, self.shard.lent(b.id))
+            payload = self.shard.encode(b, e.codec)
             self.codecs.resync(b.id)
             return payload
 
@@ -406,8 +417,9 @@ class NodeServer:
         b = e.bucket
 
         def snapshot():
-            e.header["step"] = b.version
-            return [t.clone() for t in b.tensors()]
+            with self.shard.loaded(b.id):
+                e.header["step"] = b.version
+                return [t.clone() for t in b.tensors()]
 
         self.outbox.send(e.ident, wire.encode(e.header, await self.ctx.queue.run(snapshot)))
 

@@ -16,13 +16,14 @@ thread for no longer than ``worker_timeout_s / 4``: ``on_stuck`` is told its ran
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 from luwu.protocol.errors import ProtocolError
 from luwu.protocol.layout import Bucket
 from luwu.switch_nodes.context import NodeContext
 from luwu.switch_nodes.optimizers import OptimizerKind
-from luwu.switch_nodes.replies import ReplyBuffers
+from luwu.switch_nodes.replies import Payload, PullCodec, ReplyBuffers, encode_reply
 from luwu.switch_nodes.store import Accumulator, AccumulatorPool, BucketState
 
 __all__ = ["ResidentShard", "Shard"]
@@ -31,6 +32,9 @@ __all__ = ["ResidentShard", "Shard"]
 class Shard:
     """A node's buckets (see the module's doc). Everything that reads or writes their tensors runs
     on the optimizer thread."""
+
+    #: whether every bucket's tensors are in RAM for good (a reply may be encoded anywhere)
+    in_ram = True
 
     def __init__(self, ctx: NodeContext, on_stuck: Callable[[set[int]], None]) -> None:
         self.ctx = ctx
@@ -92,14 +96,33 @@ class Shard:
         """Bucket ``bid`` with its tensors in RAM, until :meth:`store`."""
         raise NotImplementedError
 
-    def store(self, bid: int, version: int | None = None) -> None:
+    def store(self, bid: int, version: int | None = None, *, changed: bool = False) -> None:
         """Give bucket ``bid``'s tensors back; with ``version`` they were stepped and are kept as that
-        version."""
+        version; ``changed``: they were changed outside a step (a seed, STATE set, IMPORT) and are kept."""
         raise NotImplementedError
+
+    def discard(self, bid: int) -> None:
+        """Give bucket ``bid``'s tensors back after a change that failed half-way."""
+        self.store(bid)
 
     def commit(self) -> None:
         """Make every stored version durable."""
         raise NotImplementedError
+
+    def close(self) -> None:
+        """The node stops: commit and let go of what the shard holds open."""
+
+    @contextmanager
+    def loaded(self, bid: int, *, write: bool = False) -> Iterator[BucketState]:
+        """Bucket ``bid`` with its tensors in RAM for the block; ``write``: the block changes them (kept
+        when it completes, given up when it raises)."""
+        b = self.load(bid)
+        try:
+            yield b
+        except BaseException:
+            self.discard(bid) if write else self.store(bid)
+            raise
+        self.store(bid, changed=write)
 
     def apply(
         self, b: BucketState, step: int, acc: Accumulator, divisor: float, skip: bool
@@ -111,6 +134,25 @@ class Shard:
             self.before_write(b.id)  # the last fp32 reply may still be leaving from the shard
             b.apply(acc, divisor)
         self.store(b.id, step + 1)
+
+    def step_bucket(
+        self,
+        b: BucketState,
+        step: int,
+        acc: Accumulator,
+        divisor: float,
+        skip: bool,
+        codec: PullCodec,
+    ) -> Payload:
+        """:meth:`apply`, then the reply of the new weights for workers that hold what ``codec`` last
+        sent (the optimizer thread)."""
+        codec.before_step(b)  # (bf16 steps: the weights' bits before the step)
+        self.apply(b, step, acc, divisor, skip)
+        return encode_reply(b, codec, self.lent(b.id))
+
+    def encode(self, b: BucketState, codec: PullCodec) -> Payload:
+        """The reply of bucket ``b``'s weights now, through ``codec`` (a PULL, a seed's waiting PULLs)."""
+        return encode_reply(b, codec, self.lent(b.id))
 
     # ----------------------------------------------------------------- lent to replies
     def lent(self, bid: int) -> ReplyBuffers:
@@ -133,7 +175,7 @@ class ResidentShard(Shard):
     def load(self, bid: int) -> BucketState:
         return self.buckets[bid]
 
-    def store(self, bid: int, version: int | None = None) -> None:
+    def store(self, bid: int, version: int | None = None, *, changed: bool = False) -> None:
         if version is not None:
             self.buckets[bid].version = version
 

@@ -106,6 +106,11 @@ class BufferPool:
         self.used_bytes = 0
         self.peak_bytes = 0
 
+    @property
+    def storage_ptr(self) -> int:
+        """The address of the arena's storage: a tensor whose storage starts there is a view of the pool."""
+        return self._arena.untyped_storage().data_ptr()
+
     def alloc(self, nbytes: int) -> Extent | None:
         """An extent of ``nbytes`` rounded up to 4096, or None when no free run is that long."""
         size = align_up(max(nbytes, 1))

@@ -96,8 +96,9 @@ class StateWindow:
     ``verify``: check a slot's data against its checksum when it is read for the first time since the
     state was opened (``"first"``: a restart verifies what it loads), on every read (``"always"``), or
     never. ``timeout_s`` bounds every wait on the disk; ``commit_interval_s`` spaces the commits
-    (group commit, see :data:`DEFAULT_COMMIT_INTERVAL_S`). Called from one thread (the node's optimizer
-    thread); the I/O and commit threads report back through a lock of its own."""
+    (group commit, see :data:`DEFAULT_COMMIT_INTERVAL_S`). Called from the node's optimizer thread (and
+    the event loop's seeds, never of the same bucket); the I/O and commit threads report back through a
+    lock of its own."""
 
     def __init__(
         self,
@@ -138,7 +139,7 @@ class StateWindow:
         self._order: list[int] = []
         self._pos: dict[int, int] = {}
         self._cursor = -1
-        self._wanted: int | None = None  # the bucket an acquire waits for: never evicted
+        self._wanted: dict[int, int] = {}  # buckets acquires wait for (how many): never evicted
         self._commits: queue.SimpleQueue = queue.SimpleQueue()
         self._commit_now = threading.Event()  # flush and close: commit without waiting the interval
         self._committer = threading.Thread(
@@ -193,11 +194,14 @@ class StateWindow:
                 self.stats.misses += 1
             else:
                 self.stats.hits += 1
-            self._wanted = bucket
+            self._wanted[bucket] = self._wanted.get(bucket, 0) + 1
             try:
                 e = self._wait_ready(bucket, t0 + self.timeout_s)
             finally:
-                self._wanted = None
+                if self._wanted[bucket] == 1:
+                    del self._wanted[bucket]
+                else:
+                    self._wanted[bucket] -= 1
             e.state = HELD
             self._pump()
             self.stats.stall_s += time.monotonic() - t0
@@ -234,6 +238,20 @@ class StateWindow:
                     self._start_write(e)
             self._cond.notify_all()
             self._pump()
+
+    def discard(self, bucket: int) -> None:
+        """Give bucket ``bucket`` back without keeping its tensors in RAM: they may be half changed (a step
+        that failed); the next acquire reads its newest written version again."""
+        with self._cond:
+            e = self._entries.pop(bucket)
+            assert e.state == HELD, f"out-of-core state: bucket {bucket} discarded, not acquired"
+            self._pool.free(e.extent)
+            self._cond.notify_all()
+            self._pump()
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether tensor ``t`` lies in the window's memory (it changes once its bucket is released)."""
+        return t.untyped_storage().data_ptr() == self._pool.storage_ptr
 
     def flush(self) -> None:
         """Wait until every write-back is committed (durable)."""
@@ -314,7 +332,7 @@ class StateWindow:
             e
             for e in self._entries.values()
             if e.state == READY
-            and e.bucket != self._wanted
+            and e.bucket not in self._wanted
             and self._distance(e.bucket) > evict_beyond
         ]
         if not self._pool.fits_after_freeing(nbytes, [e.extent for e in clean]):
@@ -350,17 +368,14 @@ class StateWindow:
         return e
 
     def _pump(self) -> None:
-        """Start reading the bucket an acquire waits for, then the next buckets of the order that are not
-        in RAM, while memory allows (read-ahead never takes memory the waiting acquire needs)."""
+        """Start reading the buckets acquires wait for (the event loop may seed one while the optimizer
+        thread steps another), then the next buckets of the order that are not in RAM, while memory
+        allows (read-ahead never takes memory a waiting acquire needs)."""
         if self._failure is not None:
             return
-        w = self._wanted
-        if (
-            w is not None
-            and w not in self._entries
-            and self._start_read(w, evict_beyond=-1) is None
-        ):
-            return
+        for w in list(self._wanted):
+            if w not in self._entries and self._start_read(w, evict_beyond=-1) is None:
+                return
         n = len(self._order)
         if not n:
             return

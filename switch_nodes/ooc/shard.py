@@ -1,0 +1,342 @@
+"""The out-of-core shard: a node's buckets whose weights and optimizer state live in state files.
+
+:class:`OocShard` is the second :class:`~luwu.switch_nodes.shard.Shard` (the node builds it when
+``node.state_dir`` is set). Its buckets (:class:`OocBucket`) carry no tensors of their size: between
+:meth:`~OocShard.load` and :meth:`~OocShard.store` their weights, optimizer state and step counters
+are views into a :class:`~.window.StateWindow` of ``node.state_memory_bytes`` over the files
+(:class:`~.state_file.StateFile` in ``<state_dir>/<job>-node<index>``), which reads the next
+buckets of the step order ahead and writes stepped ones back behind. Gradient accumulators and
+replies stay in RAM: they are in flight anyway.
+
+The shard's size is known once the first worker said HELLO, so the files are opened at the first
+load (a seed or a step). When the whole state fits the budget (or the budget is 0), the buckets
+are allocated in RAM for good and nothing goes to ``state_dir``: the node then runs as an in-RAM
+one (the same code path, zero-copy replies included), with no durability of its own.
+
+Out of core, a reply is encoded before its bucket is stored, and its fp32 frames that are views
+of the window are copied (the window reuses that memory once the bucket is released). A bucket
+whose load failed half-way is discarded from the window, so the disk's version stays.
+
+The journal version of a write is ``step << 20`` for a step, and one past the bucket's last write
+for a change outside a step (a seed, STATE set, IMPORT), so the versions only grow.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from luwu.protocol.errors import ConfigError
+from luwu.protocol.layout import Bucket
+from luwu.switch_nodes.context import NodeContext
+from luwu.switch_nodes.ooc.io import IOEngine
+from luwu.switch_nodes.ooc.layout import StateLayout
+from luwu.switch_nodes.ooc.state_file import HEADER_FILE, StateFile
+from luwu.switch_nodes.ooc.window import StateWindow
+from luwu.switch_nodes.optimizers import OptimizerKind
+from luwu.switch_nodes.replies import Payload, PullCodec, encode_reply
+from luwu.switch_nodes.shard import Shard
+from luwu.switch_nodes.store import Accumulator, AccumulatorPool, BucketState, SegmentSpec
+
+__all__ = ["OocBucket", "OocShard", "WindowState"]
+
+log = logging.getLogger(__name__)
+
+STEP_SHIFT = 20  # journal version of step s: s << STEP_SHIFT; changes between steps count below it
+
+
+class WindowState(Mapping):
+    """A bucket's flat optimizer state as views of its slot in the window: every name of the kind is on
+    disk (zeros while unused), so every name is allocated."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def allocated(self) -> tuple[str, ...]:
+        return tuple(self._tensors)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        self._tensors[name].copy_(value)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for t in self._tensors.values())
+
+
+class OocBucket(BucketState):
+    """A bucket of an :class:`OocShard`: its tensors are views into the window while it is loaded
+    (:meth:`attach`), absent otherwise (``params`` is None; the gradient's norm needs none of them),
+    or RAM of its own when the shard fits its budget (:meth:`make_resident`)."""
+
+    def __init__(
+        self,
+        bid: int,
+        group: int,
+        numel: int,
+        segments: list[SegmentSpec],
+        kind: OptimizerKind,
+        pool: AccumulatorPool | None = None,
+    ):
+        super().__init__(bid, group, 0, [], kind, pool)  # nothing of the bucket's size in RAM
+        self.numel, self.segments = numel, segments
+        self.detach()
+
+    def attach(self, ts: dict[str, torch.Tensor]) -> None:
+        """Take the window's views of the bucket's slot as its tensors (until :meth:`detach`)."""
+        self.params = ts["params"]
+        self.state = WindowState({n: ts[n] for n in self.kind.state_names})
+        self.steps = list(ts["steps"].unbind(0))
+        self.pviews, self._sviews = self._views(self.params), {}
+
+    def detach(self) -> None:
+        """Forget the views (the window may reuse their memory)."""
+        nsegs = len(self.segments)
+        self.params, self.state, self._sviews = None, WindowState({}), {}
+        self.pviews, self.steps = [None] * nsegs, [None] * nsegs
+
+    def make_resident(self) -> None:
+        """Tensors of its own in RAM, for good (the shard fits its budget)."""
+        own = BucketState(self.id, self.group, self.numel, self.segments, self.kind, self._pool)
+        self.params, self.state, self.steps = own.params, own.state, own.steps
+        self.pviews, self._sviews = own.pviews, {}
+
+    def state_views(self, name: str) -> list[torch.Tensor]:
+        if self.params is None:  # not loaded: a gradient's norm reads the accumulator only
+            return [None] * len(self.segments)
+        return super().state_views(name)
+
+
+class OocShard(Shard):
+    """The shard on disk, RAM a window over it (see the module's doc)."""
+
+    def __init__(self, ctx: NodeContext, on_stuck: Callable[[set[int]], None]) -> None:
+        super().__init__(ctx, on_stuck)
+        self.window: StateWindow | None = None
+        self._files: StateFile | None = None
+        self._engine: IOEngine | None = None
+        self._opened = False  # decided: in RAM (window None) or out of core
+        self._open_lock = threading.Lock()
+        self._written: dict[int, int] = {}  # bucket -> journal version of its last write
+        self._reported = (0, 0, 0.0)  # bytes read, written, stall seconds given to the metrics
+
+    @property
+    def in_ram(self) -> bool:
+        """Whether the buckets are in RAM for good (the state fits the budget)."""
+        return self._opened and self.window is None
+
+    # ----------------------------------------------------------------- buckets
+    def make(self, spec: Bucket, kind: OptimizerKind) -> BucketState:
+        if kind.whole_params:
+            raise ConfigError(
+                f"node {self.ctx.index}: optimizer {kind.name!r} keeps its state per parameter, which "
+                "node.state_dir does not hold yet: leave node.state_dir empty for it"
+            )
+        b = OocBucket(spec.id, spec.group, spec.numel, list(spec.segments), kind, self.accumulators)
+        if self.in_ram:
+            b.make_resident()
+        return b
+
+    def add(self, spec: Bucket, kind: OptimizerKind, version: int) -> BucketState:
+        if self._opened and not self.in_ram:
+            raise ConfigError(
+                f"node {self.ctx.index}: bucket {spec.id} added to a shard whose state files are open "
+                "(add_param_group after the first step): not supported out of core yet"
+            )
+        return super().add(spec, kind, version)
+
+    def replace(self, buckets: dict[int, BucketState]) -> None:
+        raise ConfigError(  # (node.checkpoint_dir with node.state_dir is refused by NodeConfig)
+            f"node {self.ctx.index}: restoring a checkpoint into out-of-core state is not supported"
+        )
+
+    def set_order(self, order: Iterable[int]) -> None:
+        super().set_order(order)
+        if self.window is not None:
+            self.window.set_order([b.id for b in self.in_step_order()])
+
+    # ----------------------------------------------------------------- opening the state
+    def _ensure_open(self) -> None:
+        if not self._opened:
+            with self._open_lock:
+                if not self._opened:
+                    self._open()
+                    self._opened = True
+
+    def _open(self) -> None:
+        """Decide where the state lives, now that the buckets are known; open the files if on disk."""
+        ctx, cfg = self.ctx, self.ctx.cfg
+        order = self.in_step_order()
+        self.set_order([b.id for b in order])
+        kind = ctx.kind or (order[0].kind if order else None)
+        names = kind.state_names if kind else ()
+        layout = StateLayout.for_shard(
+            ctx.job, [(b.id, b.numel, len(b.segments)) for b in order], names
+        )
+        total = sum(s.slot_bytes for s in layout.buckets)
+        budget = cfg.state_memory_bytes
+        ctx.metrics.state_budget.set(budget)
+        if not budget or total <= budget:
+            for b in order:
+                b.make_resident()
+            log.info(
+                "node %s: state of %d buckets (%d B) fits node.state_memory_bytes = %d: held in RAM, "
+                "nothing written to %s",
+                ctx.index,
+                len(order),
+                total,
+                budget,
+                cfg.state_dir,
+            )
+            return
+        folder = Path(cfg.state_dir) / f"{ctx.job}-node{ctx.index}"
+        if (folder / HEADER_FILE).exists():
+            raise ConfigError(
+                f"node {ctx.index}: {folder} holds the state of an earlier run; restarting from state "
+                "files is not supported yet: remove that folder or point node.state_dir elsewhere"
+            )
+        self._engine = IOEngine()
+        self._files = StateFile.open(folder, layout, self._engine)
+        timeout_s = max(60.0, cfg.worker_timeout_s)
+        self.window = StateWindow(self._files, [b.id for b in order], budget, timeout_s=timeout_s)
+        log.info(
+            "node %s: state out of core in %s: %d buckets, %d B on disk (two slots each: %d B), "
+            "node.state_memory_bytes = %d (%.1fx smaller than the state)",
+            ctx.index,
+            folder,
+            len(order),
+            total,
+            layout.data_bytes,
+            budget,
+            total / budget,
+        )
+
+    # ----------------------------------------------------------------- the tensors
+    def load(self, bid: int) -> BucketState:
+        self._ensure_open()
+        b = self.buckets[bid]
+        if self.window is not None:
+            b.attach(self.window.acquire(bid).tensors)
+        return b
+
+    def store(self, bid: int, version: int | None = None, *, changed: bool = False) -> None:
+        b = self.buckets[bid]
+        if version is not None:
+            b.version = version
+        if self.window is None:
+            return
+        b.detach()
+        if version is None and not changed:
+            self.window.release(bid)
+        else:
+            last = self._written.get(bid, -1)
+            jv = version << STEP_SHIFT if version is not None else last + 1
+            jv = max(jv, last + 1, b.version << STEP_SHIFT)
+            self._written[bid] = jv
+            self.window.release(bid, jv)
+        self._report()
+
+    def discard(self, bid: int) -> None:
+        if self.window is not None:
+            self.buckets[bid].detach()
+            self.window.discard(bid)
+
+    def commit(self) -> None:
+        if self.window is not None:
+            self.window.flush()
+
+    def close(self) -> None:
+        """Commit what was written and close the files (the node stops)."""
+        if self.window is not None:
+            try:
+                self.window.close()
+            finally:
+                self._files.close()
+                self._engine.close()
+                self.window = None
+
+    def apply(
+        self, b: BucketState, step: int, acc: Accumulator, divisor: float, skip: bool
+    ) -> None:
+        self.load(b.id)
+        try:
+            if not skip:
+                self.before_write(b.id)
+                b.apply(acc, divisor)
+        except BaseException:
+            self.discard(b.id)
+            raise
+        self.store(b.id, step + 1)
+
+    def step_bucket(
+        self,
+        b: BucketState,
+        step: int,
+        acc: Accumulator,
+        divisor: float,
+        skip: bool,
+        codec: PullCodec,
+    ) -> Payload:
+        self._ensure_open()
+        if self.window is None:
+            return super().step_bucket(b, step, acc, divisor, skip, codec)
+        self.load(b.id)
+        was = b.version
+        try:
+            codec.before_step(b)
+            if not skip:
+                b.apply(acc, divisor)
+            b.version = step + 1
+            payload = self._owned(encode_reply(b, codec, self.lent(b.id)))
+        except BaseException:
+            b.version = was
+            self.discard(b.id)
+            raise
+        self.store(b.id, step + 1)
+        return payload
+
+    def encode(self, b: BucketState, codec: PullCodec) -> Payload:
+        self._ensure_open()
+        if self.window is None:
+            return super().encode(b, codec)
+        self.load(b.id)
+        try:
+            return self._owned(encode_reply(b, codec, self.lent(b.id)))
+        finally:
+            self.store(b.id)
+
+    def _owned(self, p: Payload) -> Payload:
+        """``p`` with its frames that are views of the window copied (they change once released)."""
+        inside = [isinstance(f, torch.Tensor) and self.window.holds(f) for f in p.frames]
+        if not any(inside):
+            return p
+        frames = [f.clone() if w else f for f, w in zip(p.frames, inside)]
+        return p._replace(frames=frames, borrowed=p.borrowed and not all(inside))
+
+    def _report(self) -> None:
+        """The window's counters into the node's metrics (what moved since the last report)."""
+        s, m = self.window.stats, self.ctx.metrics
+        with (
+            self._open_lock
+        ):  # (a seed stores from the event loop, a step from the optimizer thread)
+            r, w, stall = self._reported
+            self._reported = (s.bytes_read, s.bytes_written, s.stall_s)
+        m.state_read.inc(max(0, s.bytes_read - r))
+        m.state_written.inc(max(0, s.bytes_written - w))
+        m.state_stall.inc(max(0.0, s.stall_s - stall))
+        m.state_resident.set(self.window.resident_bytes)
