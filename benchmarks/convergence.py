@@ -388,18 +388,19 @@ def lr_factor(run: TaskRun):
 
 
 class CodecRecorder:
-    """Wraps the worker's codec choice to count the raw gradient bytes each codec carried."""
+    """Stands in for the codec plan of the worker's gradient encoder (its pushes) to count the raw
+    gradient bytes each codec carried; the plan still decides."""
 
     def __init__(self, worker, names: list[str], measure_from: int):
-        self._choose = worker._codec_for
+        self._plan = worker.encoder.codecs
         self._names = names
         self.measure_from = measure_from
         self.raw_bytes: dict[str, int] = {}
         self.last: dict[int, tuple[str, bool]] = {}
-        worker._codec_for = self
+        worker.encoder.codecs = self
 
-    def __call__(self, bucket, step: int) -> tuple[str, bool]:
-        name, ef = self._choose(bucket, step)
+    def push(self, bucket, step: int) -> tuple[str, bool]:
+        name, ef = self._plan.push(bucket, step)
         if step >= self.measure_from:
             self.raw_bytes[name] = self.raw_bytes.get(name, 0) + 4 * bucket.numel
         self.last[bucket.id] = (name, ef)

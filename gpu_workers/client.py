@@ -7,7 +7,7 @@ high-water mark leaves the message queued, and receiving goes on) and files
 every reply where a waiter finds it. Every wait has a deadline and its error
 names the node address, this worker's rank, the step and the bucket. A node
 address that refuses every connection at start-up is named within
-``REFUSED_WINDOW_S`` (ZeroMQ would retry it silently until the deadline).
+:data:`~luwu.gpu_workers.reach.REFUSED_WINDOW_S` (ZeroMQ would retry it silently until the deadline).
 Closing says BYE to the nodes, so the rank is free at once for the next run;
 a client still open when the interpreter exits (Ctrl-C, a script that never
 closed its optimizer) is closed then.
@@ -19,7 +19,6 @@ import atexit
 import collections
 import logging
 import os
-import socket
 import threading
 import time
 import weakref
@@ -29,8 +28,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from luwu.gpu_workers.config import TransportConfig
+from luwu.gpu_workers.reach import WATCHED, Reach, check_resolves
 from luwu.protocol import messages as wire
-from luwu.protocol.errors import LuwuError, NodeTimeoutError, ProtocolError, error_for_code
+from luwu.protocol.errors import LuwuError, ProtocolError, error_for_code
 from luwu.protocol.memory import retain_freed_memory
 from luwu.protocol.messages import Op
 
@@ -43,18 +43,6 @@ REPLY_HWM = 4
 
 #: A wait longer than this logs a progress line this often (INFO), so a slow start is never silent.
 PROGRESS_EVERY_S = 5.0
-
-#: Start-up: a node address that refused every connection this long is named as not listening (a node that is
-#: just starting has this long to bind).
-REFUSED_WINDOW_S = 1.0
-
-#: Handshakes a node may cut, with none let through, before the worker says it lacks the node's secret or keys.
-SHUT_OUT_AFTER = 3
-HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 
 #: What closing waits at most for the nodes to answer BYE (a node that is gone costs this, never more).
 BYE_LINGER_S = 1.0
@@ -73,23 +61,6 @@ def _close_open_clients() -> None:
             client.close()
         except Exception:  # exiting anyway: a failed goodbye leaves the rank to the node's timeout
             log.debug("closing a worker client at exit failed", exc_info=True)
-
-
-def _check_resolves(addr: str) -> None:
-    """Refuse a tcp:// address whose host does not resolve: ZeroMQ would retry it silently forever."""
-    scheme, _, rest = addr.partition("://")
-    if scheme != "tcp":
-        return
-    host = rest.rpartition(":")[0].strip("[]")
-    if host in ("*", ""):
-        return
-    try:
-        socket.getaddrinfo(host, None)
-    except (socket.gaierror, UnicodeError) as e:
-        raise NodeTimeoutError(
-            f"node address {addr}: host {host!r} does not resolve ({e}): check cluster.nodes (or LUWU_NODES) and DNS",
-            node=addr,
-        ) from None
 
 
 def _next_out(q: collections.deque) -> int:
@@ -111,7 +82,7 @@ class WorkerClient:
         if not nodes:
             raise ValueError("no node addresses given")
         for addr in nodes:
-            _check_resolves(addr)
+            check_resolves(addr)
         self.nodes, self.job, self.rank, self.cfg = list(nodes), job, rank, cfg
         if cfg.retain_freed_memory:
             retain_freed_memory()
@@ -123,28 +94,16 @@ class WorkerClient:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._woken = (
-            False  # a wake-up is on its way: later sends until the I/O thread takes it need none
+            False  # a wake-up is on its way: sends until the I/O thread takes it need none
         )
         self._running = True
         self.bytes_sent = 0
         self.bytes_received = 0
-        self.node_bytes = [
-            [0, 0] for _ in nodes
-        ]  # per node: payload bytes sent, received (luwu.gpu_workers.links)
+        self.node_bytes = [[0, 0] for _ in nodes]  # per node: payload bytes sent, received
         self._last_heard = [time.monotonic()] * len(nodes)
         self._welcomed: set[int] = set()  # nodes that answered HELLO: told BYE on close
-        self._reached = [False] * len(
-            nodes
-        )  # a connection to the node was made (TCP/IPC), since the start
-        self._refused_since: list[float | None] = [None] * len(
-            nodes
-        )  # first failed attempt while never reached
-        self._monitors: list[
-            zmq.Socket | None
-        ] = []  # connection events of each socket, until a handshake succeeds
-        self._shut_out = [0] * len(
-            nodes
-        )  # connections the node closed at the ZeroMQ handshake, none succeeding yet
+        self._reach = Reach(self.nodes, rank, cfg)  # what each socket's connection events said
+        self._monitors: list[zmq.Socket | None] = []  # each socket's, until a handshake succeeds
         self._closed = False
         self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=f"luwu-io-r{rank}", daemon=True)
@@ -167,12 +126,7 @@ class WorkerClient:
             s.curve_serverkey = self.cfg.curve_server_key.encode()
             s.curve_publickey = self.cfg.curve_public_key.encode()
             s.curve_secretkey = self.cfg.curve_secret_key.encode()
-        mon = s.get_monitor_socket(
-            zmq.EVENT_CONNECTED
-            | zmq.EVENT_CONNECT_RETRIED
-            | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | HANDSHAKE_FAILED
-        )
+        mon = s.get_monitor_socket(WATCHED)
         mon.setsockopt(zmq.LINGER, 0)
         self._monitors.append(mon)
         s.connect(addr)
@@ -270,7 +224,7 @@ class WorkerClient:
                 if missing:
                     left = deadline - time.monotonic()
                     if left <= 0 or not self._running:
-                        raise self._timeout(missing, what, timeout_s, len(keys))
+                        raise self._reach.timeout(missing, what, timeout_s, len(keys))
                     self._cv.wait(min(left, 0.5))
         return [out[k] for k in keys]
 
@@ -306,11 +260,11 @@ class WorkerClient:
             ready = [k for k in missing if k in self._inbox]
             if ready:
                 return ready
-            self._raise_refused(missing)
+            self._reach.raise_refused(sorted({m[1] for m in missing}))
             now = time.monotonic()
             left = deadline - now
             if left <= 0 or not self._running:
-                raise self._timeout(missing, what, timeout_s, total)
+                raise self._reach.timeout(missing, what, timeout_s, total)
             if now - told >= PROGRESS_EVERY_S:
                 told = now
                 log.info(
@@ -327,60 +281,6 @@ class WorkerClient:
                 probed = time.monotonic()
                 for n in sorted({m[1] for m in missing}):
                     self.send(n, {"op": Op.HEARTBEAT})
-
-    def _raise_refused(self, missing: list[tuple]) -> None:
-        """Start-up: a node whose address refused every connection for REFUSED_WINDOW_S has nothing listening
-        there, and one that cut SHUT_OUT_AFTER handshakes and let none through asks for a secret or keys this
-        worker does not show; named now instead of after the deadline."""
-        for n in sorted({m[1] for m in missing}):
-            if self._shut_out[n] >= SHUT_OUT_AFTER:
-                shown = (
-                    "CURVE keys"
-                    if self.cfg.curve_server_key
-                    else "a join secret"
-                    if self.cfg.join_secret
-                    else "neither a join secret nor CURVE keys"
-                )
-                raise NodeTimeoutError(
-                    f"worker {self.rank}: node {n} at {self.nodes[n]} closed {self._shut_out[n]} connections at the ZeroMQ handshake: it asks "
-                    f"for a join secret or CURVE keys, and this worker shows {shown}{' the node does not accept' if shown[0] != 'n' else ''}. "
-                    "Give the worker the cluster's: --config <run dir>/keys/join.toml (written by luwu up and luwu node) or "
-                    "LUWU_TRANSPORT__JOIN_SECRET (local_cluster sets it for its own process), or with CURVE its keys/worker<rank>.toml "
-                    "(a node at node.max_connections cuts handshakes too: its log says so)",
-                    node=self.nodes[n],
-                    worker=self.rank,
-                )
-        if all(self._reached):
-            return
-        now = time.monotonic()
-        for n in sorted({m[1] for m in missing}):
-            since = self._refused_since[n]
-            if since is not None and not self._reached[n] and now - since >= REFUSED_WINDOW_S:
-                raise NodeTimeoutError(
-                    f"worker {self.rank}: node {n} at {self.nodes[n]} refused every connection for {now - since:.1f} s: no node "
-                    "listens there. Start it (luwu up, luwu node) or fix cluster.nodes (or LUWU_NODES)",
-                    node=self.nodes[n],
-                    worker=self.rank,
-                )
-
-    def _timeout(
-        self, missing: list[tuple], what: str, timeout_s: float, total: int
-    ) -> NodeTimeoutError:
-        """The error for a wait past its deadline: which node, and (past start-up) which step and bucket."""
-        op, node, step, bucket = missing[0]
-        nodes = [self.nodes[n] for n in sorted({m[1] for m in missing})]
-        where = f" for step {step}, bucket {bucket}" if step is not None and bucket >= 0 else ""
-        hint = ""
-        if op == Op.WELCOME:
-            hint = ": is a node listening there? Start it (luwu up, luwu node) or fix cluster.nodes; raise transport.connect_timeout_s for slow starts"
-        return NodeTimeoutError(
-            f"worker {self.rank}: no {what} from node {node} at {self.nodes[node]}{where} within {timeout_s:.1f} s "
-            f"({len(missing)} of {total} replies missing, from nodes {nodes}){hint}",
-            node=self.nodes[node],
-            worker=self.rank,
-            step=step,
-            bucket=bucket,
-        )
 
     def reset(self) -> None:
         """Forget filed replies and errors (after a rollback or rejoin: they belong to abandoned steps)."""
@@ -516,7 +416,7 @@ class WorkerClient:
 
     def _watch(self, node: int, mon: zmq.Socket, poller: zmq.Poller) -> None:
         """A node socket's connection events, until a ZeroMQ handshake with the node first succeeds: when each
-        attempt was refused, and each handshake the node cut (waiters check :meth:`_raise_refused`), then
+        attempt was refused, and each handshake the node cut (waiters check :meth:`Reach.raise_refused`), then
         that it was reached and let in (the monitor is closed)."""
         while True:
             try:
@@ -524,16 +424,7 @@ class WorkerClient:
             except zmq.Again:
                 return
             with self._cv:
-                if event == zmq.EVENT_CONNECTED:
-                    self._reached[node] = True
-                elif event & HANDSHAKE_FAILED:
-                    self._shut_out[node] += 1
-                elif (
-                    event == zmq.EVENT_CONNECT_RETRIED
-                    and self._refused_since[node] is None
-                    and not self._reached[node]
-                ):
-                    self._refused_since[node] = time.monotonic()
+                self._reach.note(node, event)
                 self._cv.notify_all()
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 poller.unregister(mon)

@@ -170,9 +170,3 @@ class GradViews:
     def _name(self, param: int) -> str:
         bid, si = self.worker.where[param][0]
         return self.worker.bufs[bid].bucket.segments[si].name
-
-
-def attach(worker, cfg) -> GradViews | None:
-    """The gradient views of a (re)built worker when ``cfg.grads_in_buckets`` (the optimizer section)."""
-    worker.views = GradViews(worker) if cfg.grads_in_buckets else None
-    return worker.views

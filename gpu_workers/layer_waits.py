@@ -30,20 +30,18 @@ cannot be trusted to see the next forward, so that step's replies are waited for
 and a warning says so once. Without a model (a plain iterable of tensors) nothing can be hooked:
 every reply is waited for in ``step()``, as with ``layer_waits=False``.
 
-Outside a forward, nothing reads the previous step's weights: between ``step()`` and the next
-forward an owed parameter's class is :class:`OwedParameter` (a ``torch.nn.Parameter``, so
-``isinstance`` and module code see no difference), whose ``__torch_function__`` waits for the
-bucket's reply, writes it in and turns the parameter back into a plain ``Parameter`` before the
-operation runs: ``p.detach()``, ``p.data``, an EMA of the weights, ``copy.deepcopy``,
-``torch.save``, printing. ``model.state_dict()`` and ``model.load_state_dict()`` (pre-hooks on the
+Outside a forward, ``model.state_dict()`` and ``model.load_state_dict()`` (pre-hooks on the
 model and each hooked module), ``RemoteOptimizer.state_dict()``, ``model_state_dict()``,
-``synchronize()``, ``close()`` and the next ``step()`` write what is owed first too. In a forward
-the modules' pre-hooks have written a parameter's weights before any operation reads it, so
-compiled code never meets the class. Metadata (``p.grad``, shapes) does not wait, so
-``zero_grad()`` leaves the replies on the wire. Not seen: a view or ``.data`` taken before
-``step()`` and read after it (take it again, or call ``opt.synchronize()``), and raw memory
-(``data_ptr()``). What no forward wrote is written at the next ``step()``, before the gradient
-buffers are refilled (a bucket's buffer is its push's frame until the reply).
+``synchronize()``, ``close()`` and the next ``step()`` write what is owed first. Any other read of
+an owed parameter on the training thread (``p.detach()``, ``p.data``, an EMA of the weights,
+``copy.deepcopy``, ``torch.save``, printing) waits for its buckets first: a torch function mode is
+on that thread's stack while replies are owed (:mod:`luwu.gpu_workers.owed_reads`), and the
+model's pre-hook takes it off before the first module runs. The parameters stay plain
+``nn.Parameter`` objects throughout (nothing changes their class), so ``torch.compile`` sees the
+same tensors at every step. Metadata (``p.grad``, shapes) never waits, so ``zero_grad()`` leaves
+the replies on the wire. What no forward wrote is
+written at the next ``step()``, before the gradient buffers are refilled (a bucket's buffer is its
+push's frame until the reply).
 """
 
 from __future__ import annotations
@@ -54,99 +52,19 @@ import time
 
 import torch
 
+from luwu.gpu_workers.landing import WRITTEN
+from luwu.gpu_workers.owed_reads import OwedReads
 from luwu.protocol import messages as wire
 from luwu.protocol.errors import LuwuError
 from luwu.protocol.messages import Op
 
 log = logging.getLogger(__name__)
 
-#: A reply header's mark: the I/O thread wrote its weights as it landed (the frames are gone)
-WRITTEN = "written_on_arrival"
-
 #: Why the forward pre-hooks break torch.compile's graphs (in its error under ``fullgraph=True``)
 _GRAPH_BREAK = (
     "LuWu's per-layer waits: the module waits here for the new weights of its parameters; "
     "torch.compile(fullgraph=True) needs RemoteOptimizer(..., layer_waits=False)"
 )
-
-
-#: Tensor attributes that read no values: a parameter owing its weights answers them without waiting.
-_METADATA = {
-    d
-    for n in (
-        "grad",
-        "shape",
-        "dtype",
-        "device",
-        "requires_grad",
-        "is_leaf",
-        "ndim",
-        "layout",
-        "grad_fn",
-        "is_cuda",
-        "is_sparse",
-        "_version",
-        "_post_accumulate_grad_hooks",
-        "_backward_hooks",
-    )
-    if (d := torch._C.TensorBase.__dict__.get(n)) is not None
-}
-_METADATA_METHODS = {
-    torch._C.TensorBase.size,
-    torch._C.TensorBase.dim,
-    torch._C.TensorBase.numel,
-    torch._C.TensorBase.data_ptr,
-    torch._C.TensorBase.element_size,
-    torch._C.TensorBase.stride,
-    torch._C.TensorBase.is_contiguous,
-    torch.Tensor.register_post_accumulate_grad_hook,
-    torch.Tensor.register_hook,
-}
-
-#: id(parameter) -> the LayerWaits that owes it its weights (while its class is OwedParameter)
-_OWNER: dict[int, "LayerWaits"] = {}
-
-
-class OwedParameter(torch.nn.Parameter):
-    """A parameter whose new weights are still on their way, read outside a forward (an EMA of the
-    weights, ``p.detach()``, ``copy.deepcopy``, ``torch.save``): the read waits for them and writes
-    them in first, so no read ever sees the previous step's weights. In a forward the module's
-    pre-hook has written them before any operation reads them, so compiled code never meets this
-    class; between ``step()`` and the next forward an owed parameter's class is this one."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in _METADATA_METHODS and getattr(func, "__self__", None) not in _METADATA:
-            for a in (*args, *kwargs.values()):
-                for t in a if isinstance(a, (list, tuple)) else (a,):
-                    if type(t) is OwedParameter:
-                        _settle(t)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        _settle(self)
-        return self.__deepcopy__(memo)
-
-    def __reduce_ex__(self, proto):
-        _settle(self)
-        return self.__reduce_ex__(proto)
-
-
-def _settle(p: torch.Tensor) -> None:
-    """Write the weights ``p`` owes (a copy made while owed has no owner: nothing to wait for)."""
-    owner = _OWNER.get(id(p))
-    if owner is not None:
-        owner.settle([bid for bid, _ in owner.worker.where.get(owner._index[id(p)], ())])
-    _plain(p)
-
-
-def _plain(p: torch.Tensor) -> None:
-    """``p`` owes nothing any more: a plain ``nn.Parameter`` again."""
-    _OWNER.pop(id(p), None)
-    if type(p) is OwedParameter:
-        p.__class__ = torch.nn.Parameter
 
 
 class _Inert:
@@ -213,6 +131,8 @@ class LayerWaits:
         self._sweep: list[int] = []  # owed buckets the model's pre-hook writes (not covered)
         self._warned = False
         self._index = {id(p): i for i, p in enumerate(worker.params)}
+        #: reads outside a forward (an EMA, p.detach(), deepcopy, torch.save) wait for what is owed
+        self.reads = OwedReads(self._owed_buckets_of, self.settle)
         hooked = [held[mid] for mid in self._module_bids if mid != id(model)]
         self._hooks = self._register_hooks(hooked)
         worker.client.on(Op.UPDATE, self._on_update)
@@ -250,7 +170,7 @@ class LayerWaits:
         key = client.key_of(node, msg.header)
         with self._lock:
             if self.owed.get(key[3]) == key:
-                self.worker._write(self.worker.bufs[key[3]], msg)
+                self.worker.land(key[3], msg)
                 msg = wire.Message({**msg.header, WRITTEN: True}, [])
         client.file(key, msg)
 
@@ -260,6 +180,7 @@ class LayerWaits:
         module's writes the owed buckets of the parameters it holds. A graph break under
         ``torch.compile``, so it runs at every call."""
         if module is self.model:
+            self.reads.off()  # (the forward's reads wait in the modules' hooks)
             self._model_ran = True
             if self._sweep:
                 bids, self._sweep = self._sweep, []
@@ -306,22 +227,19 @@ class LayerWaits:
         with self._lock:
             for key in keys:
                 self.owed[key[3]] = key
-        for key in keys:  # a read outside a forward waits for them too
-            for i in self._bucket_params[key[3]]:
-                p = self.worker.params[i]
-                if type(p) in (torch.nn.Parameter, OwedParameter):
-                    _OWNER[id(p)] = self
-                    p.__class__ = OwedParameter
         covered = self._covered
         self._sweep = [k[3] for k in keys if not covered.issuperset(self._bucket_params[k[3]])]
         if here := self.worker.client.ready(keys):
             self.settle([k[3] for k in here], read=False)
+        if self.owed:
+            self.reads.on()
 
     def settle(self, bids=None, timeout_s: float | None = None, read: bool = True) -> None:
         """Wait for the owed replies of ``bids`` (None: all) and write the weights in, in arrival
         order. ``read``: a forward (or any reader) asked for them: the first time counts for the
         pushes' priority."""
         if not self.owed:  # (only the training thread adds to it)
+            self.reads.off()
             return
         with self._lock:  # (popped: the I/O thread no longer writes them)
             wanted = list(self.owed) if bids is None else bids
@@ -331,21 +249,23 @@ class LayerWaits:
         w = self.worker
         for key in keys if read else ():
             self.order.setdefault(key[3], len(self.order))
-        for (
-            key
-        ) in keys:  # plain parameters again before writing (one in a bucket still owed stays owed)
-            for i in self._bucket_params[key[3]]:
-                if not any(bid in self.owed for bid, _ in w.where[i]):
-                    _plain(w.params[i])
         t0 = time.perf_counter()
         with w._noting_errors():  # (a wait in a forward: recover() acts on its error)
             for key, m in w.client.arrivals(keys, timeout_s, what="updated weights"):
                 t1 = time.perf_counter()
                 self.waited_s += t1 - t0
                 self.skips += bool(m.header["skipped"])
-                if not m.header.get(WRITTEN):
-                    w._write(w.bufs[key[3]], m)
+                w.land(key[3], m)
                 t0 = time.perf_counter()
+        if not self.owed:
+            self.reads.off()
+
+    def _owed_buckets_of(self, t: torch.Tensor) -> list[int]:
+        """The owed buckets of tensor ``t`` (one of the worker's parameters, else none)."""
+        i = self._index.get(id(t)) if self.owed else None
+        if i is None:
+            return []
+        return [bid for bid, _ in self.worker.where.get(i, ()) if bid in self.owed]
 
     def take_counts(self) -> tuple[float, int]:
         """Seconds waited and skipped buckets found since the last call."""
@@ -356,11 +276,9 @@ class LayerWaits:
     def reset(self) -> None:
         """After a rollback or rejoin (the owed replies belong to an abandoned step)."""
         with self._lock:
-            for bid in self.owed:
-                for i in self._bucket_params[bid]:
-                    _plain(self.worker.params[i])
             self.owed.clear()
         self._sweep, self._step = [], -1
+        self.reads.off()
 
     def close(self, timeout_s: float) -> None:
         """Write what the last step still owes (a dead node: given up after ``timeout_s``, named in a
@@ -394,18 +312,17 @@ def _owners(model: torch.nn.Module, params: list[torch.Tensor]):
     return owners, held
 
 
-def attach(worker, cfg, model: torch.nn.Module | None) -> LayerWaits | None:
-    """The per-layer waits of a (re)built worker: on when ``cfg.layer_waits`` (the optimizer
-    section), the worker is resident (streaming mode waits per unit by itself) and the model is
-    known (its modules carry the hooks; without it every reply is waited for in ``step()``)."""
+def model_for(cfg, model: torch.nn.Module | None, rank: int) -> torch.nn.Module | None:
+    """The model whose modules carry a (re)built worker's per-layer waits: ``model`` when
+    ``cfg.layer_waits`` (the optimizer section) and the worker is resident (streaming mode waits
+    per unit by itself); None otherwise, and without the model (every reply is then waited for in
+    ``step()``)."""
     if not cfg.layer_waits or cfg.stream_weights or model is None:
         if cfg.layer_waits and not cfg.stream_weights:
             log.info(
                 "rank %d: per-layer waits need the model (RemoteOptimizer(model, ...)); with "
                 "tensors alone step() waits for every reply",
-                worker.rank,
+                rank,
             )
-        worker.client.on(Op.UPDATE, None)  # (a rebuilt worker: no earlier one's writes on arrival)
         return None
-    worker.defer = LayerWaits(worker, model)
-    return worker.defer
+    return model

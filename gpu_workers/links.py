@@ -29,16 +29,11 @@ from collections import Counter
 
 import torch
 
+from luwu.gpu_workers.codec_plan import CodecPlan
 from luwu.protocol.compression import AUTO, CompressionConfig
 from luwu.protocol.layout import Layout
 from luwu.protocol.messages import Op
-from luwu.protocol.policy import (
-    UNMEASURED_GBPS,
-    LinkRule,
-    choose_codec,
-    choose_fetch_codec,
-    choose_pull_codec,
-)
+from luwu.protocol.policy import UNMEASURED_GBPS, LinkRule
 
 log = logging.getLogger(__name__)
 
@@ -155,19 +150,12 @@ class LinkSpeeds:
         """The slowest node link's decided speed (held replies: ``optimizer.hold_replies`` ``auto``)."""
         return min(self.gbps(n) for n in range(len(self.links)))
 
-    def codec_functions(self):
-        """``(codec_for, pull_codec_for, fetch_codec_for)`` of the :class:`Worker`: each bucket by its node
-        link's config (None each with compression off)."""
-        if not self.cfg.enabled:
-            return None, None, None
-        streamed = self._streamed  # a streamed unit's push keeps no residual between steps
-        return (
-            lambda b, step: choose_codec(
-                b, step, self.links[b.node].cfg, residual=b.id not in streamed
-            ),
-            lambda b, step: choose_pull_codec(b, step, self.links[b.node].cfg),
-            lambda b, step: choose_fetch_codec(b, step, self.links[b.node].cfg),
-        )
+    def codec_plan(self, half: frozenset[int] = frozenset()) -> CodecPlan:
+        """The :class:`CodecPlan` of the worker: each bucket by its node link's config, read when
+        asked (so a link whose rule moves moves its buckets' codecs); ``half``: indices of bf16
+        parameters."""
+        config_of = self.config if self.cfg.enabled else None
+        return CodecPlan(config_of, self._streamed, half)
 
     # ----------------------------------------------------------------- measuring and deciding
     def start(self, step: int) -> None:
@@ -246,12 +234,12 @@ class LinkSpeeds:
 
     def _codecs(self, node: int, step: int) -> Counter:
         """(direction, codec) -> how many of ``node``'s buckets go so after the warm-up."""
-        push, pull, fetch = self.codec_functions()
+        plan = self.codec_plan()
         after = max(step, self.cfg.warmup_steps)
         out: Counter = Counter()
         for b in self.layout.buckets_of(node):
-            out["push", push(b, after)[0]] += 1
-            out["reply", (fetch if b.id in self._streamed else pull)(b, after)] += 1
+            out["push", plan.push(b, after)[0]] += 1
+            out["reply", (plan.fetch if b.id in self._streamed else plan.pull)(b, after)] += 1
         return out
 
     def _show(self, node: int, step: int) -> None:

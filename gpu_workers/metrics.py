@@ -82,6 +82,13 @@ class WorkerMetrics:
         self.errors = f.counter(
             "errors_total", "Errors raised to the training loop, by code", ("code",)
         )
+        self._stream_and_link_metrics(f)
+        self.names = list(f.names)
+        # the I/O thread's byte totals and the time at the last step's record
+        self._last = (0, 0, None)
+
+    def _stream_and_link_metrics(self, f: MetricsFactory) -> None:
+        """Streaming mode's waits for weights, and the node links as the codec policy sees them."""
         # streaming mode: how long forward and backward waited for the weights of streamed units
         self.fetch_wait = f.histogram(
             "fetch_wait_seconds",
@@ -113,12 +120,6 @@ class WorkerMetrics:
             "Buckets of each node link by the codec decided for them after the warm-up, pushes and replies",
             ("node", "direction", "codec"),
         )
-        self.names = list(f.names)
-        self._last = (
-            0,
-            0,
-            None,
-        )  # the I/O thread's byte totals and the time at the last step's record
 
     def record_step(
         self, report, sent: int, received: int, raw: int, data_wait_s: float | None

@@ -49,18 +49,7 @@ def check_dtypes(
             )
 
 
-def pull_codec_for(params: list[torch.Tensor], pull_for: Callable | None) -> Callable | None:
-    """``pull_for(bucket, step)`` for a model with bf16 parameters: ``bf16`` for every bucket
-    holding one, unless the policy picks ``bf16_steps`` (see the module docstring); ``pull_for`` itself
-    when there are none."""
-    half = frozenset(i for i, p in enumerate(params) if p.dtype == torch.bfloat16)
-    if not half:
-        return pull_for
-
-    def choose(bucket, step: int) -> str:
-        name = pull_for(bucket, step) if pull_for is not None else "none"
-        if any(s.param in half for s in bucket.segments) and name != STEPS_PULL:
-            return BF16_PULL
-        return name
-
-    return choose
+def half_params(params: list[torch.Tensor]) -> frozenset[int]:
+    """Indices of the bf16 parameters: a bucket holding one is pulled as ``bf16`` unless the policy
+    picks ``bf16_steps`` (see the module docstring; :class:`~luwu.gpu_workers.codec_plan.CodecPlan`)."""
+    return frozenset(i for i, p in enumerate(params) if p.dtype == torch.bfloat16)

@@ -54,3 +54,32 @@ class RoundPolicy:
             )
         self.clips = True
         return 1.0 / float(scaler.get_scale()) if scaler is not None else 1.0
+
+
+def inv_scale_of(grad_scaler, amp) -> float:
+    """1 / the scale of the GradScaler driving ``step()`` (1.0 without one); the overflow decision
+    is made globally only with ``amp``, so a scaler without it is refused."""
+    if grad_scaler is None:
+        return 1.0
+    if not amp:
+        raise ConfigError(
+            "a GradScaler drives this optimizer: construct RemoteOptimizer(..., amp=True) so the "
+            "overflow decision is made globally"
+        )
+    return 1.0 / float(grad_scaler.get_scale())
+
+
+def tell_scaler(grad_scaler, optimizer, skipped: bool) -> None:
+    """Every worker's scaler backs off alike: the decision is the nodes', not this worker's grads."""
+    if grad_scaler is not None:
+        state = grad_scaler._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {torch.device("cpu"): torch.full((), float(skipped))}
+
+
+def nonfinite_norm_error(step: int) -> RuntimeError:
+    """torch's error for ``clip_grad_norm_(error_if_nonfinite=True)`` on a non-finite norm."""
+    return RuntimeError(
+        f"The total norm of order 2.0 for gradients from `parameters` is non-finite at step "
+        f"{step}, so it cannot be clipped (the nodes skip the step). To disable this error and "
+        "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+    )

@@ -19,7 +19,6 @@ from which the metrics are recorded.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import inspect
 import logging
 import os
@@ -27,21 +26,22 @@ import warnings
 
 import torch
 
+from luwu import assembly, clipping, model_io, optim_state
 from luwu import hyper as hyperparameters
-from luwu import model_io, optim_state
 from luwu.clipping import RoundPolicy
 from luwu.config import LuwuConfig, resolve_config
-from luwu.gpu_workers import grad_views, layer_waits, precision, streaming
+from luwu.gpu_workers import precision, streaming
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers.links import LinkSpeeds
 from luwu.gpu_workers.metrics import StepReport, WorkerMetrics
-from luwu.gpu_workers.worker import Worker
+from luwu.gpu_workers.streamer import Streamer
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
-from luwu.protocol.layout import ParamSpec, build_layout
+from luwu.protocol.layout import ParamSpec
 from luwu.protocol.memory import trim_heap
 from luwu.protocol.metrics import serve_metrics
-from luwu.switch_nodes.optimizers import EXTRA_HYPER, check_hyper, get_kind
+from luwu.stepping import StepDriver
+from luwu.switch_nodes.optimizers import get_kind
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         layer_waits: ``optimizer.layer_waits`` (on by default): ``step()`` returns once the pushes are out and, in
             the next forward, each module waits for its parameters' new weights when it runs (forward pre-hooks on
             the model's modules, graph breaks under ``torch.compile``; :mod:`luwu.gpu_workers.layer_waits`). Needs
-            the model (``params`` a module): with tensors alone ``step()`` waits for every reply. A read of a
-            parameter outside a forward before its weights landed (an EMA, a copy) waits for them.
+            the model (``params`` a module): with tensors alone ``step()`` waits for every reply. Read the
+            parameters outside a forward (an EMA, a copy) after :meth:`synchronize`.
         amp: True, or the ``torch.amp.GradScaler`` itself, when one drives this optimizer (the overflow decision is
             global); the scaler itself lets :meth:`clip_grad_norm_` unscale the norm.
         transport: the ``transport`` section (a ``TransportConfig``).
@@ -176,12 +176,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             resume=resume,
         )
         self.config = cfg
-        self.streamer, self._waits, (self._units, self._unit_of) = (
-            None,
-            None,
-            streaming.plan_units(
-                params if model is None else model, stream_units, cfg.optimizer, model is not None
-            ),
+        self._units, self._unit_of = streaming.plan_units(
+            params if model is None else model, stream_units, cfg.optimizer, model is not None
         )
         kind = get_kind(cfg.optimizer.name)
         keywords = [
@@ -190,33 +186,28 @@ class RemoteOptimizer(torch.optim.Optimizer):
             if p.kind is p.KEYWORD_ONLY
         ]
         defaults = hyperparameters.defaults_of(kind, hyper, keywords)
-        names: dict[int, str] = (
-            {} if model is None else {id(p): n for n, p in model.named_parameters()}
-        )  # groups named by model=
-        self._model = (
-            params if isinstance(params, torch.nn.Module) else model
-        )  # (model_state_dict's keys)
-        if isinstance(params, torch.nn.Module):
-            named = [(n, p) for n, p in params.named_parameters() if p.requires_grad]
-            names = {id(p): n for n, p in named}
-            params = [p for _, p in named]
+        params, self._names, self._model = assembly.named_params(params, model)
         self.kind = kind  # before torch's constructor: add_param_group validates each group with it
         super().__init__(params, defaults)
-        self._names = names
+        self._join(rank, amp, registry, metrics_port)
+
+    def _join(self, rank: int | None, amp, registry, metrics_port: int | None) -> None:
+        """Who this worker is, its metrics (served when ``metrics_port`` is given), and the start:
+        connected to the nodes, in the job."""
+        cfg = self.config
         self.rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         self.world_size = cfg.cluster.world_size or int(os.environ.get("WORLD_SIZE", 1))
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside world_size {self.world_size}")
-        self.nodes = list(cfg.cluster.nodes)
-        self.job = cfg.cluster.job
-        self.amp = amp
+        self.nodes, self.job, self.amp = list(cfg.cluster.nodes), cfg.cluster.job, amp
         self._round_policy = RoundPolicy(
             max_grad_norm=self.max_grad_norm,
             amp=amp,
             mode=cfg.node.mode,
             resume=cfg.optimizer.resume,
         )
-        self._flat_params()  # a pattern that matches no parameter fails here, before any thread or socket
+        # a pattern that matches no parameter fails here, before any thread or socket
+        self._flat_params()
         self._sync_grads = True
         self._hooks: list = []
         self.metrics = WorkerMetrics(registry, rank=self.rank)
@@ -225,9 +216,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if metrics_port is not None:
             self._http, port = serve_metrics(self.metrics.registry, cfg.metrics.host, metrics_port)
             self.metrics_url = f"http://{cfg.metrics.host}:{port}"
-        self._start()
         self.last_report: StepReport | None = None
         self._last_error: LuwuError | None = None
+        self._start()
 
     def _start(self) -> None:
         """Connect to the nodes and join the job. A refused start holds no rank there: BYE to the nodes that
@@ -259,113 +250,75 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- layout and connection
     def _flat_params(self) -> tuple[list[torch.Tensor], list[ParamSpec]]:
-        params, specs = [], []
-        patterns = self.config.optimizer.delayed_params
-        for gi, g in enumerate(self.param_groups):
-            names = g.get("param_names") or [None] * len(
-                g["params"]
-            )  # torch keeps named parameters' names here
-            for p, name in zip(g["params"], names):
-                params.append(p)
-                name = name or self._names.get(id(p), f"param{len(specs)}")
-                delayed = any(fnmatch.fnmatchcase(name, pat) for pat in patterns)
-                specs.append(
-                    ParamSpec(
-                        name,
-                        tuple(p.shape),
-                        gi,
-                        delayed,
-                        self._unit_of.get(id(p), -1),
-                        whole=self.kind.whole_params,
-                    )
-                )
-        for pat in patterns:
-            if not any(fnmatch.fnmatchcase(s.name, pat) for s in specs):
-                raise ConfigError(
-                    f"delayed_params pattern {pat!r} matches no parameter (names: {', '.join(s.name for s in specs[:8])}{', ...' if len(specs) > 8 else ''})"
-                )
-        return params, specs
+        """Every parameter in order and its spec (:func:`luwu.assembly.flat_params`)."""
+        return assembly.flat_params(
+            self.param_groups,
+            self._names,
+            self._unit_of,
+            self.kind,
+            self.config.optimizer.delayed_params,
+        )
 
     def _build(self, step: int = 0) -> None:
         params, specs = self._flat_params()
-        precision.check_dtypes(
-            params, lambda p: self._names.get(id(p), "?"), streaming=self._units is not None
-        )
-        self.layout = build_layout(specs, self.config.transport.bucket_bytes, self.capacities)
-        if (
-            max((b.nbytes for b in self.layout.buckets), default=0)
-            > self.config.transport.max_message_bytes
-        ):  # a whole parameter (Adafactor)
-            raise ConfigError(
-                "a parameter kept whole is over transport.max_message_bytes: raise it (and node.max_message_bytes)"
-            )
-        feedback, cc = None, self.config.compression
+        streamed = self._units is not None
+        precision.check_dtypes(params, lambda p: self._names.get(id(p), "?"), streaming=streamed)
+        self.layout = assembly.layout_of(specs, self.config, self.capacities)
+        self._retire_worker()  # (a rebuild: the last worker's hooks off first)
         self._links = LinkSpeeds(
             self.client,
-            cc,
+            self.config.compression,
             self.layout,
             self.metrics,
             rank=self.rank,
             before=getattr(self, "_links", None),
         )  # each node link's codecs
-        codec_for, pull_for, fetch_for = self._links.codec_functions()
-        if cc.enabled:
-            from luwu.protocol.feedback import ErrorFeedback
-
-            feedback = ErrorFeedback(getattr(torch, cc.residual_dtype))
-        pull_for = precision.pull_codec_for(
-            params, pull_for
-        )  # a bf16 model's weights come back as bf16
-        self.worker = Worker(
+        self.worker = assembly.build_worker(
             params,
             self.layout,
             self.client,
+            self._links,
+            self.config,
+            kind=self.kind,
             rank=self.rank,
             world_size=self.world_size,
-            optimizer=self.kind.name,
-            mode=self.config.node.mode,
-            delayed=self._delayed_buckets(),
-            codec_for=codec_for,
-            pull_codec_for=pull_for,
-            feedback=feedback,
             hyper_of=self._hyper_of,
-            momentum_correction=cc.enabled and cc.momentum_correction,
-            two_phase=False,  # (decided once connected: RoundPolicy)
-            **streaming.worker_arguments(
-                self.layout, self._units, self.config.optimizer, fetch_for
-            ),
+            metrics=self.metrics,
+            model=self._model,
+            units=self._units,
         )
         self.worker.connect(step, resume=self.config.optimizer.resume)
         self._links.start(self.worker.step_num)
-        self.worker.two_phase = self._round_policy.wants_round(
-            self.worker.step_num
-        )  # (whether it starts the job with the others: known now)
-        trim_heap()  # the start-up pull's replies, freed: not kept for reuse as a step's (a second model's worth)
-        self.streamer = streaming.restart(
-            self.streamer, self.worker, params, self._units, self.config.optimizer, self.metrics
+        trim_heap()  # the start-up pull's replies, freed: not kept for reuse as a step's
+        self._driver = StepDriver(
+            self.worker, self._links, self.metrics, self.config, self._round_policy, step
         )
-        hold = self.config.optimizer.hold_replies
-        self._hold_replies = not self.worker.streamed and (
-            hold == "always" or hold == "auto" and self._links.slowest_gbps() >= 10
-        )
-        if self._hold_replies:  # from the first step on: as if the step before it had just begun
-            self.client.release(step - 1)
-        self._close_waits()
-        self._waits = layer_waits.attach(self.worker, self.config.optimizer, self._model)
-        grad_views.attach(self.worker, self.config.optimizer)
-        for h in self._hooks:
-            h.remove()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)
         ]
 
-    def _delayed_buckets(self) -> frozenset[int]:
-        """Ids of the buckets whose weights land a step late once the delay starts."""
-        if not self.config.optimizer.delayed_update:
-            return frozenset()
-        if not self.config.optimizer.delayed_params:
-            return frozenset(b.id for b in self.layout.buckets)
-        return self.layout.delayed_buckets()
+    @property
+    def _hold_replies(self) -> bool:
+        """Whether the nodes hold this worker's replies until it reaches ``step()``."""
+        return self._driver.hold_replies
+
+    @property
+    def streamer(self) -> Streamer | None:
+        """Streaming mode's units (None in resident mode)."""
+        worker = getattr(self, "worker", None)
+        return worker.streamer if worker is not None else None
+
+    def _retire_worker(self) -> None:
+        """Take the worker's hooks off the model: its streamer's, its per-layer waits' (writing the
+        replies the last step still owes; a dead node: given up after a few seconds, named) and
+        the gradient hooks."""
+        streaming.stop(self.streamer)
+        waits = self.worker.defer if getattr(self, "worker", None) is not None else None
+        if waits is not None:
+            waits.close(timeout_s=min(5.0, self.config.transport.timeout_s))
+        for h in getattr(self, "_hooks", ()):
+            h.remove()
+        self._hooks = []
 
     def _make_hook(self, index: int):
         def hook(p: torch.Tensor) -> None:
@@ -376,19 +329,6 @@ class RemoteOptimizer(torch.optim.Optimizer):
 
     def _hyper_of(self, group: int) -> dict:
         return hyperparameters.of_group(self.kind, self.param_groups[group])
-
-    def _check_group(self, gi: int) -> None:
-        """What the compression config asks of a param group: momentum correction needs an update linear
-        in the momentum the workers send (the node checks it again at every push)."""
-        cc = self.config.compression
-        if not cc.enabled or not cc.momentum_correction:
-            return
-        try:
-            hyperparameters.check_momentum_correction(
-                self.kind, self._hyper_of(gi), cc, self.config.node.mode
-            )
-        except ConfigError as exc:
-            raise ConfigError(f"param group {gi}: {exc}") from None
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -405,21 +345,14 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if hasattr(self, "worker"):
             self.synchronize()
         super().add_param_group(param_group)
-        g = self.param_groups[-1]
-        extras = {k: g[k] for names in EXTRA_HYPER.values() for k in names if g.get(k) is not None}
+        gi = len(self.param_groups) - 1
         try:  # as torch's constructors do: a bad value fails here, not at the first push to a node
-            check_hyper(
-                self.kind, self._hyper_of(len(self.param_groups) - 1) | extras
-            )  # extras: one for another optimizer is named
-        except ConfigError as exc:
+            assembly.check_group(
+                self.kind, self.param_groups[gi], self._hyper_of(gi), self.config, gi
+            )
+        except ConfigError:
             self.param_groups.pop()
-            raise ConfigError(f"param group {len(self.param_groups)}: {exc}") from None
-        if hasattr(self, "kind"):  # (set before torch's constructor adds the first groups)
-            try:
-                self._check_group(len(self.param_groups) - 1)
-            except ConfigError:
-                self.param_groups.pop()  # _check_group named the group already
-                raise
+            raise
         if hasattr(self, "worker"):
             self._build(step=self.worker.step_num)
 
@@ -445,12 +378,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         nodes, with this worker's current parameters as the master weights; any node count works."""
         self.synchronize()
         super().load_state_dict(state_dict)
-        with streaming.gathered(
-            self.streamer
-        ):  # streaming mode: the weights are the master weights too
-            flats = optim_state.from_torch(
-                self.kind, self.layout, self._flat_params()[0], self.state
-            )
+        params = self._flat_params()[0]
+        # streaming mode: the weights are the master weights too
+        with streaming.gathered(self.streamer):
+            flats = optim_state.from_torch(self.kind, self.layout, params, self.state)
         self.state.clear()
         optim_state.store(self.worker, flats, self._state_names())
 
@@ -472,13 +403,11 @@ class RemoteOptimizer(torch.optim.Optimizer):
         rolls back to that step and this worker takes its weights) or a ``WorkerLostError`` (dropped in
         elastic mode: take the current weights). Returns the step to resume from: rewind the data to it
         (e.g. ``Prefetcher.load_state_dict``, or a sampler indexed by step)."""
-        err = (
-            self._last_error or self.worker.last_error
-        )  # (streaming mode also waits in forward and backward)
+        # (streaming mode also waits in forward and backward)
+        err = self._last_error or self.worker.last_error
         if isinstance(err, RollbackError):
-            step = self.worker.recover(
-                err.step, (getattr(err, "detail", None) or {}).get("boot", "")
-            )
+            boot = (getattr(err, "detail", None) or {}).get("boot", "")
+            step = self.worker.recover(err.step, boot)
         else:
             step = self.worker.recover(None)
         self._last_error = None
@@ -498,32 +427,12 @@ class RemoteOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        inv_scale = 1.0
-        if grad_scaler is not None:
-            if not self.amp:
-                raise ConfigError(
-                    "a GradScaler drives this optimizer: construct RemoteOptimizer(..., amp=True) so the overflow decision is made globally"
-                )
-            inv_scale = 1.0 / float(grad_scaler.get_scale())
-        if self._hold_replies:  # the nodes may send this step's weights now
-            self.client.release(self.worker.step_num)
-        report = self.worker.step(
-            delay=self._delaying(self.worker.step_num),
-            inv_scale=inv_scale,
-            max_norm=self.max_grad_norm,
+        inv_scale = clipping.inv_scale_of(grad_scaler, self.amp)
+        report = self._driver.step(
+            inv_scale, self.max_grad_norm, getattr(self, "_prefetcher", None)
         )
-        self._links.at_step(self.worker.step_num)  # (between this step's pushes and the next's)
-        streaming.end_step(self.streamer, report)
-        if grad_scaler is not None:
-            # Every worker's scaler backs off alike: the decision is the nodes', not this worker's grads.
-            state = grad_scaler._per_optimizer_states[id(self)]
-            state["found_inf_per_device"] = {
-                torch.device("cpu"): torch.full((), float(report.skipped))
-            }
+        clipping.tell_scaler(grad_scaler, self, report.skipped)
         self.last_report = report
-        self._round_policy.stepped = True
-        self.worker.two_phase = self._round_policy.wants_round(self.worker.step_num)
-        self._record(report)
         return loss
 
     def clip_grad_norm_(
@@ -552,29 +461,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
             self._last_error = exc
             raise
         if nonfinite and error_if_nonfinite:
-            raise RuntimeError(
-                f"The total norm of order 2.0 for gradients from `parameters` is non-finite at step {step}, so it cannot be "
-                f"clipped (the nodes skip the step). To disable this error and scale the gradients by the non-finite norm "
-                f"anyway, set `error_if_nonfinite=False`"
-            )
+            raise clipping.nonfinite_norm_error(step)
         return torch.tensor(norm, dtype=torch.float32)
-
-    def _delaying(self, step: int) -> bool:
-        """Whether ``step``'s weights land a step late (delayed update, past its warm-up)."""
-        o = self.config.optimizer
-        return o.delayed_update and step >= o.delayed_update_warmup
-
-    def _record(self, report: StepReport) -> None:
-        """Per-step metrics: counters from the I/O thread's totals, the step-time breakdown from the report."""
-        pf = getattr(self, "_prefetcher", None)
-        raw = sum(b.numel for b in self.layout.buckets) * 4
-        self.metrics.record_step(
-            report,
-            self.client.bytes_sent,
-            self.client.bytes_received,
-            raw,
-            pf.last_wait_s if pf is not None else None,
-        )
 
     def attach_prefetcher(self, prefetcher) -> None:
         """Report the seconds each step waited for data (``luwu_worker_data_wait_seconds``) from a Prefetcher."""
@@ -592,20 +480,10 @@ class RemoteOptimizer(torch.optim.Optimizer):
         parameters outside a forward."""
         self.worker.synchronize()
 
-    def _close_waits(self) -> None:
-        """Write the replies the last step still owes (a dead node: give up after a few seconds, named) and
-        remove the per-layer waits' hooks from the model."""
-        waits, self._waits = getattr(self, "_waits", None), None
-        if waits is not None:
-            waits.close(timeout_s=min(5.0, self.config.transport.timeout_s))
-
     def close(self) -> None:
-        """Stop, and say BYE to the nodes: this rank is free there at once (a script that never closes is closed at exit)."""
-        self.streamer = streaming.stop(getattr(self, "streamer", None))
-        self._close_waits()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        """Stop, and say BYE to the nodes: this rank is free there at once (a script that never
+        closes is closed at exit)."""
+        self._retire_worker()
         if getattr(self, "client", None) is not None:
             self.client.close()
             self.client = None

@@ -109,6 +109,26 @@ def test_the_next_forward_waits_layer_by_layer_in_forward_order(cluster1):
         opt.close()
 
 
+@pytest.mark.timeout(60)
+def test_owed_parameters_stay_plain_parameters(cluster1):
+    """While a step's replies are owed, nothing changes the parameters' class (torch.compile guards
+    on it, and a swapped class recompiles or breaks the graph): they stay plain ``nn.Parameter``
+    objects, and ``synchronize()`` writes what they owe."""
+    model, opt, ref, lopt = _pair(cluster1)
+    try:
+        _step(model, opt, 0)
+        _owing_step(cluster1.procs[0], model, opt, 1)
+        for step in range(2):
+            _step(ref, lopt, step)
+        assert all(_owed(opt, model)), "step() returned with every layer's new weights still owed"
+        assert {type(p) for p in model.parameters()} == {torch.nn.Parameter}
+        opt.synchronize()
+        assert not any(_owed(opt, model))
+        assert_params_close(list(model.parameters()), list(ref.parameters()))
+    finally:
+        opt.close()
+
+
 def _saved(m) -> io.BytesIO:
     buf = io.BytesIO()
     torch.save(m, buf)
@@ -118,9 +138,20 @@ def _saved(m) -> io.BytesIO:
 
 @pytest.mark.timeout(60)
 def test_reads_outside_a_forward_see_the_new_weights(cluster1):
-    """``model.state_dict()`` and the optimizer's methods settle by themselves; any other read after
-    ``opt.synchronize()``."""
+    """Every read of the weights between ``step()`` and the next forward waits for them: the
+    reads that settle by themselves (``state_dict``, the optimizer's methods), and raw reads of the
+    parameters (``detach``, ``.data``, ``deepcopy``, ``torch.save``, an EMA through
+    ``AveragedModel``), with no ``synchronize()``."""
     model, opt, ref, lopt = _pair(cluster1)
+
+    def ema(m):
+        avg = torch.optim.swa_utils.AveragedModel(
+            tanh_mlp(), multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.0)
+        )
+        avg.n_averaged += 1  # (past the first call, which copies: the EMA's foreach path reads)
+        avg.update_parameters(m)
+        return list(avg.module.parameters())
+
     reads = {
         "state_dict": lambda m: [t.clone() for t in m.state_dict().values()],
         "a submodule's state_dict": lambda m: [
@@ -135,13 +166,11 @@ def test_reads_outside_a_forward_see_the_new_weights(cluster1):
             opt.synchronize(),
             [p.detach().clone() for p in m.parameters()],
         )[1],
-        "synchronize, deepcopy": lambda m: (opt.synchronize(), list(copy.deepcopy(m).parameters()))[
-            1
-        ],
-        "synchronize, torch.save": lambda m: (
-            opt.synchronize(),
-            list(torch.load(_saved(m), weights_only=False).parameters()),
-        )[1],
+        "detach": lambda m: [p.detach().clone() for p in m.parameters()],
+        ".data": lambda m: [p.data.clone() for p in m.parameters()],
+        "deepcopy": lambda m: list(copy.deepcopy(m).parameters()),
+        "torch.save": lambda m: list(torch.load(_saved(m), weights_only=False).parameters()),
+        "AveragedModel (EMA)": ema,
     }
     try:
         _step(model, opt, 0)

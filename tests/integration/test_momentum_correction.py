@@ -85,7 +85,7 @@ def test_the_distributed_step_is_worker_momentum_topk_then_the_frozen_node_updat
             opt.zero_grad()
             loss_of(w, x, y).backward()
             opt.step()
-        assert opt.worker._feedback.velocity(0) is not None, (
+        assert opt.worker.encoder.feedback.velocity(0) is not None, (
             "the top-k steps did not go through momentum correction"
         )
         torch.testing.assert_close(w.detach(), want, rtol=1e-5, atol=1e-6)

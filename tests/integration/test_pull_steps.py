@@ -38,7 +38,7 @@ def check_weights(opt, step: int) -> None:
         master = flats[b.id][0]
         want = (
             master
-            if opt.worker._pull_codec_for(b, step) == "none"
+            if opt.worker.codecs.pull(b, step) == "none"
             else master.to(torch.bfloat16).float()
         )
         for s in b.segments:
@@ -103,7 +103,7 @@ def test_a_node_restarted_from_its_checkpoint_resends_full_weights(tmp_path):
             bucket_bytes=64 << 10,
             timeout_s=30,
         )
-        assert all(opt.worker._pull_codec_for(b, 0) == "bf16_steps" for b in opt.layout.buckets)
+        assert all(opt.worker.codecs.pull(b, 0) == "bf16_steps" for b in opt.layout.buckets)
         try:
             s, restarted, rollbacks = 0, False, 0
             while s < 12:
@@ -144,14 +144,14 @@ def test_a_step_reply_from_weights_the_worker_does_not_hold_is_refused_and_write
             bucket_bytes=64 << 10,
             timeout_s=30,
         )
-        seen, write = {}, opt.worker._write
+        seen, write = {}, opt.worker.writer.write
 
-        def keep(buf, msg):
+        def keep(bid, msg):
             if msg.header.get("delta"):
-                seen[buf.bucket.id] = msg
-            write(buf, msg)
+                seen[bid] = msg
+            write(bid, msg)
 
-        opt.worker._write = keep
+        opt.worker.writer.write = keep
         try:
             for s in range(4):
                 x, y = batch(s)
@@ -167,7 +167,7 @@ def test_a_step_reply_from_weights_the_worker_does_not_hold_is_refused_and_write
                 luwu.StepMismatchError,
                 match=f"bucket {bid}'s weights of step {msg.header['step']} as bf16_steps",
             ) as err:
-                write(opt.worker.bufs[bid], msg)
+                write(bid, msg)
             assert err.value.bucket == bid and err.value.step == msg.header["step"]
             assert all(torch.equal(a, b.detach()) for a, b in zip(before, m.parameters()))
             for s in range(4, 6):

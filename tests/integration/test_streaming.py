@@ -508,11 +508,7 @@ def test_a_units_forward_reply_is_kept_for_its_backward_within_the_budget(
         assert opt.streamer.held_bytes() == 0 and opt.streamer.resident_bytes() == 0
         # the pushes that ask for the new weights with their answer: the first prefetch = 2 blocks', and those of
         # the blocks after them whose replies fit the same budget (two more)
-        with_reply = {
-            u.unit.name
-            for u in opt.streamer.units
-            if u.buckets and set(u.buckets) <= opt.worker.fetch_with_reply
-        }
+        with_reply = {u.unit.name for u in opt.streamer.units if u.buckets and u.with_reply}
         assert with_reply == {f"blocks.{i}" for i in range(4 if hold == -1 else 2)}
     finally:
         opt.close()

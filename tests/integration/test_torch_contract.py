@@ -188,7 +188,9 @@ def test_named_param_groups_keep_names_for_compression_rules(cluster1):
         want_names = [n for g in named_groups(model) for n, _ in g["params"]]
         assert [p.name for p in ropt.layout.params] == want_names
         chosen = {
-            s.name: ropt.worker._codec_for(b, 5)[0] for b in ropt.layout.buckets for s in b.segments
+            s.name: ropt.worker.codecs.push(b, 5)[0]
+            for b in ropt.layout.buckets
+            for s in b.segments
         }
         assert chosen["3.weight"] == "none" and chosen["0.weight"] == "fp16", chosen
         assert ropt.param_groups[0]["param_names"] == ["0.weight", "3.weight"]

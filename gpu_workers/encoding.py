@@ -1,0 +1,78 @@
+"""A bucket's gradient as a push's frames.
+
+The codec is the :class:`~luwu.gpu_workers.codec_plan.CodecPlan`'s for the bucket and step; a bf16
+gradient goes as is (lossless), and a non-finite one uncompressed, so the nodes see the inf or nan
+and decide the skip globally. A gradient already in the codec's dtype is its own frame (zero copy:
+the buffer is next written after the node's answer). Error feedback keeps the residual on the
+worker (:class:`~luwu.protocol.feedback.ErrorFeedback`), and DGC's momentum correction rides on
+sparse codecs. A resident bucket's encode frames are allocated once per codec and parity and
+reused; a streamed bucket's belong to its message alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from luwu.gpu_workers.codec_plan import CodecPlan
+from luwu.protocol.codecs import get_codec, has_nonfinite
+from luwu.protocol.feedback import WORKER_MOMENTUM, worker_momentum
+from luwu.protocol.layout import Bucket
+
+
+class GradientEncoder:
+    """Encodes the gradients of one worker's buckets (see the module docstring)."""
+
+    def __init__(
+        self,
+        codecs: CodecPlan,
+        feedback=None,
+        *,
+        optimizer: str,
+        world_size: int,
+        momentum_correction: bool = False,
+        streamed: frozenset[int] = frozenset(),
+    ):
+        self.codecs, self.feedback, self.optimizer = codecs, feedback, optimizer
+        self.world_size, self.streamed = world_size, streamed
+        self.momentum_correction = momentum_correction  # DGC's, on sparse-codec buckets
+        self._out: dict[int, dict] = {}  # bucket -> (codec, parity) -> preallocated encode frames
+
+    def encode(self, b: Bucket, x: torch.Tensor, parity: int, step: int, hyper: dict):
+        """(codec name, encoded frames, the push's hyperparameters) of gradient ``x`` of ``b``."""
+        name, ef = self.codecs.push(b, step) if x.dtype == torch.float32 else ("bf16", False)
+        if name not in ("none", "bf16") and has_nonfinite(x):
+            name, ef = "none", False  # let the node see the inf/nan and decide globally
+        codec = get_codec(name)
+        out = self._frames(b, codec, name, parity, x.dtype)
+        if x.dtype == getattr(codec, "dtype", None):
+            return name, codec.encode(x), hyper  # zero copy: the frame is the bucket buffer
+        if ef and self.feedback is not None:
+            momentum = None
+            if self.momentum_correction and codec.sparse:
+                momentum = worker_momentum(self.optimizer, hyper)
+                hyper = hyper | {WORKER_MOMENTUM: codec.density}
+            # x is finite (checked above): no second pass over it
+            enc = self.feedback.encode(
+                b.id,
+                codec,
+                x,
+                out,
+                num_summands=self.world_size,
+                momentum=momentum,
+                nonfinite=False,
+            )
+            return name, enc, hyper
+        return name, codec.encode(x, out, num_summands=self.world_size), hyper
+
+    def _frames(self, b: Bucket, codec, name: str, parity: int, dtype: torch.dtype):
+        """The frames ``b``'s gradient is encoded into (None: the codec allocates them)."""
+        kept = self._out.setdefault(b.id, {})
+        out = kept.get((name, parity))
+        if out is None and name != "none" and dtype == torch.float32:
+            # (another codec's frames: the warm-up's bf16, once int8 takes over)
+            for k in [k for k in kept if k[1] == parity]:
+                del kept[k]
+            out = codec.alloc(b.numel)
+            if b.id not in self.streamed:
+                kept[(name, parity)] = out
+        return out
