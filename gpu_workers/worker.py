@@ -42,6 +42,8 @@ from luwu.protocol.messages import PULL_ACK, Op
 
 log = logging.getLogger(__name__)
 
+PULL_WINDOW_BYTES = 32 << 20  #: initial weights asked for at once (Worker.pull_all)
+
 
 @dataclass(slots=True)
 class _BucketBuf:
@@ -204,10 +206,14 @@ class Worker:
 
     def pull_all(self) -> None:
         """Fetch every resident bucket's current weights (fp32) and write them into the parameters
-        (streamed buckets are fetched when their unit runs)."""
+        (streamed buckets are fetched when their unit runs), in windows of :data:`PULL_WINDOW_BYTES`
+        (the next asked while one lands: the replies never hold a second copy of the model)."""
         bids = [b.id for b in self.layout.buckets if b.id not in self.streamed]
-        self.request_weights(bids, exact=True)
-        self.receive_weights(bids, what="initial weights")
+        windows = self.layout.windows(bids, PULL_WINDOW_BYTES) + [[]]
+        self.request_weights(windows[0], exact=True)
+        for window, ahead in zip(windows, windows[1:]):
+            self.request_weights(ahead, exact=True)
+            self.receive_weights(window, what="initial weights")
 
     # ----------------------------------------------------------------- weights in
     def request_weights(self, bids: list[int], *, exact: bool = False) -> None:
@@ -311,10 +317,8 @@ class Worker:
         """Wait until the node has received one of the streamed pushes still holding a buffer (its
         ack, or in the two-phase round its NORM) and give those buffers back; the replies stay
         filed for :meth:`wait` and :meth:`global_round`. False when no push holds a buffer."""
-        op = Op.NORM if self.two_phase else Op.UPDATE
-        keys = [
-            (op, self.layout.buckets[bid].node, self.step_num, bid) for bid in sorted(self._unacked)
-        ]
+        op, step = (Op.NORM if self.two_phase else Op.UPDATE), self.step_num
+        keys = [(op, self.layout.buckets[b].node, step, b) for b in sorted(self._unacked)]
         if not keys:
             return False
         with self._noting_errors():

@@ -193,6 +193,19 @@ class Layout:
             out[b.node] += b.nbytes
         return out
 
+    def windows(self, bids: list[int], nbytes: int) -> list[list[int]]:
+        """``bids`` in order, cut into runs of at most ``nbytes`` (fp32) each (a larger bucket alone)."""
+        out: list[list[int]] = []
+        size = nbytes
+        for bid in bids:
+            b = self.buckets[bid]
+            if size + b.nbytes > nbytes:
+                out.append([])
+                size = 0
+            out[-1].append(bid)
+            size += b.nbytes
+        return out
+
     def unit_buckets(self) -> dict[int, list[int]]:
         """Streaming unit -> ids of its buckets (a bucket holds one unit's parameters only, or none's)."""
         out: dict[int, list[int]] = {}
