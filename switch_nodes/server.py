@@ -476,4 +476,10 @@ class NodeServer:
             if ctx.ckpt and ctx.ckpt.last_time
             else -1.0,
             "members": sorted(ctx.members),
+            # out-of-core state (node.state_dir): what luwu top shows per node
+            "state_bytes_read": val("luwu_node_state_bytes_read_total"),
+            "state_bytes_written": val("luwu_node_state_bytes_written_total"),
+            "state_io_wait_s": val("luwu_node_state_io_wait_seconds_total"),
+            "state_buffer_bytes": val("luwu_node_state_buffer_bytes"),
+            "state_memory_bytes": val("luwu_node_state_memory_bytes"),
         }

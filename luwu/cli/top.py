@@ -33,6 +33,61 @@ def reread(args, target: Target) -> tuple[Target, str]:
         )
 
 
+STATE_KEYS = (
+    "state_bytes_read",
+    "state_bytes_written",
+    "state_io_wait_s",
+    "state_buffer_bytes",
+    "state_memory_bytes",
+)
+"""The STATS fields of a node's out-of-core state (node.state_dir): its luwu_node_state_* metrics."""
+
+
+def state_line(number: str, cur, prev=None) -> str:
+    """One line on a node whose state is out of core ('' for an in-RAM node, or one that has not read or
+    written state yet): state bytes read and written per second and the I/O wait per step, between the
+    two samples (since the node started where there is no earlier sample of this node life), and how
+    full the state window's buffers are."""
+    from luwu.units import human_bytes
+
+    d = cur.detail
+    if not cur.up or not any(d.get(k) for k in STATE_KEYS[:3]):
+        return ""
+    p = prev.detail if prev is not None and prev.up and cur.at > prev.at else None
+    if p is not None and any(d.get(k, 0.0) < p.get(k, 0.0) for k in (*STATE_KEYS[:3], "uptime_s")):
+        p = None  # the node restarted between the samples
+    base = p or {}
+    span = cur.at - prev.at if p is not None else max(float(d.get("uptime_s", 0.0)), 1e-9)
+    read, written = (
+        (float(d.get(k, 0.0)) - float(base.get(k, 0.0))) / span for k in STATE_KEYS[:2]
+    )
+    steps = int(d.get("step") or 0) - int(base.get("step") or 0)
+    wait = float(d.get("state_io_wait_s", 0.0)) - float(base.get("state_io_wait_s", 0.0))
+    per_step = f"{wait / steps:.2f} s/step" if steps > 0 else f"{wait:.2f} s (no step finished)"
+    held, budget = float(d.get("state_buffer_bytes", 0.0)), float(d.get("state_memory_bytes", 0.0))
+    full = f" ({100 * held / budget:.0f}%)" if budget > 0 else ""
+    return (
+        f"node {number}: state out of core: read {human_bytes(read)}/s, written "
+        f"{human_bytes(written)}/s, I/O wait {per_step}, buffers {human_bytes(held)} of "
+        f"{human_bytes(budget)}{full}"
+    )
+
+
+def with_state_lines(table, statuses, prev: dict):
+    """The table, and under it a line per node whose state is out of core (none for in-RAM nodes)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    lines = []
+    for i, st in enumerate(statuses):
+        node = st.detail.get("node") if st.up else None
+        number = str(node if isinstance(node, int) and node >= 0 else i)
+        line = state_line(number, st, prev.get(st.address))
+        if line:
+            lines.append(line)
+    return Group(table, Text("\n".join(lines))) if lines else table
+
+
 def cmd_top(args) -> int:
     from rich.live import Live
 
@@ -66,6 +121,7 @@ def cmd_top(args) -> int:
         table = render_table(
             statuses, prev, title=title, restarts=restarts_of(target), width=out.width
         )
+        table = with_state_lines(table, statuses, prev)
         prev = {st.address: st for st in statuses if st.up}
         return table
 
