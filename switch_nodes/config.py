@@ -205,9 +205,9 @@ class NodeConfig:
         if self.state_dir and self.checkpoint_dir:
             raise ConfigError(
                 f"node.state_dir = {self.state_dir!r} and node.checkpoint_dir = {self.checkpoint_dir!r} "
-                "do not combine: the state files are the checkpoint, and restarting from them is not "
-                "built yet; leave node.checkpoint_dir empty (no restart after a crash) or leave "
-                "node.state_dir empty (the shard in RAM, checkpointed)"
+                "do not combine: the state files are the checkpoint (a restarted node resumes from them, "
+                "a checkpoint commits them); leave node.checkpoint_dir empty, or leave node.state_dir "
+                "empty (the shard in RAM, checkpointed into node.checkpoint_dir)"
             )
         if self.state_dir and os.path.exists(self.state_dir) and not os.path.isdir(self.state_dir):
             raise ConfigError(

@@ -9,9 +9,11 @@ once per (step, boot). At start-up a checkpoint that cannot be read or
 restored, whatever the reason, is skipped and the next older one is tried: one
 file never stops a node. A checkpoint of the old file format restored at
 start-up is written again as a checkpoint folder (:mod:`.checkpoint`) and the
-file removed. STATE gets or sets a bucket's weights and optimizer
-state (``state_dict`` / ``load_state_dict``). Everything touching the shard
-runs on the optimizer thread.
+file removed. An out-of-core shard's state files are its checkpoint (no second
+copy): it restarts from them (:meth:`Shard.reopen`), a checkpoint commits them, and
+a rollback puts its buckets at the step from them (:meth:`Shard.roll_back`). STATE
+gets or sets a bucket's weights and optimizer state (``state_dict`` /
+``load_state_dict``). Everything touching the shard runs on the optimizer thread.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class Durability:
         self.ctx, self.shard, self.codecs = ctx, shard, codecs
         self._rollbacks_done: set[tuple[int, str]] = set()
         self._parked: list[Ready] = []  # steps held for a periodic checkpoint
+        self._committed_step = 0  # out of core: the last step whose periodic checkpoint committed
         self._failed_step = (
             0  # the last periodic checkpoint that could not be written (not tried again)
         )
@@ -60,6 +63,9 @@ class Durability:
         next older one tried."""
         ctx = self.ctx
         if ctx.ckpt is None:
+            meta = self.shard.reopen()
+            if meta is not None:
+                self._reopened(meta)
             return
         for ckpt in ctx.ckpt.candidates():
             try:
@@ -85,6 +91,16 @@ class Durability:
                 self._convert(ckpt)
             return
 
+    def _reopened(self, meta: dict) -> None:
+        """The shard took up its own files (checked by it): the job as they describe it."""
+        ctx = self.ctx
+        ctx.kind, ctx.layout_hash = get_kind(meta["optimizer"]), meta["layout"]
+        ctx.world_size, ctx.members = meta["world_size"], set(range(meta["world_size"]))
+        ctx.param_names = {int(k): v for k, v in meta["param_names"].items()}
+        ctx.restored_step = self.shard.step
+        ctx.metrics.step.set(ctx.restored_step)
+        ctx.metrics.checkpoint_step.set(ctx.restored_step)
+
     def _convert(self, ckpt: Checkpoint) -> None:
         """An old-format checkpoint was restored: write the node's state (just restored from it) as a
         checkpoint folder, then remove the file, so it is read once. A write that fails leaves the file."""
@@ -107,8 +123,13 @@ class Durability:
         )
 
     def write_checkpoint(self) -> None:
-        """Runs on the optimizer thread (nothing else touches the shard meanwhile)."""
+        """Runs on the optimizer thread (nothing else touches the shard meanwhile). Out of core: commits
+        the state files."""
         ctx = self.ctx
+        if ctx.ckpt is None:
+            self.shard.commit()
+            ctx.metrics.checkpoint_step.set(self.shard.step)
+            return
         kind = ctx.kind
         meta = {
             "job": ctx.job,
@@ -216,6 +237,11 @@ class Durability:
         reached that step, then write the checkpoint and let the held steps go on (the effects
         returned). None: not held, it goes on now."""
         ctx, every, step = self.ctx, self.ctx.cfg.checkpoint_every, ready.step
+        if ctx.ckpt is None and self.shard.durable and every and step > 0 and step % every == 0:
+            if step > self._committed_step:  # (out of core: commit, nothing to hold; once per step)
+                self._committed_step = step
+                await ctx.queue.run(self.write_checkpoint)
+            return None
         if (
             ctx.ckpt is None
             or not every
@@ -256,7 +282,7 @@ class Durability:
             )
 
     async def on_checkpoint(self, ident: bytes, msg: wire.Message) -> list[Effect]:
-        if self.ctx.ckpt is None:
+        if self.ctx.ckpt is None and not self.shard.durable:
             raise ConfigError(
                 f"node {self.ctx.index} has no checkpoint_dir (and a node index) configured"
             )
@@ -278,19 +304,11 @@ class Durability:
             self.ctx.restored_step == step and boot == ctx.boot
         ):
             ctx.queue.gen += 1  # queued steps and replies of the abandoned timeline are dropped
-            if ctx.ckpt is None:
-                raise ConfigError(
-                    f"node {ctx.index} cannot roll back: no checkpoint_dir configured"
-                )
-            ckpt = await ctx.queue.run(ctx.ckpt.latest, step)
-            if ckpt is None:
-                raise RollbackError(
-                    f"node {ctx.index} has no valid checkpoint of step {step} to roll back to",
-                    step=step,
-                )
-            peers = dict(ctx.peers)
-            await ctx.queue.run(self.restore, ckpt)
-            ctx.peers = peers
+            if ctx.ckpt is None and self.shard.durable:
+                await ctx.queue.run(self.shard.roll_back, step)
+                ctx.metrics.step.set(self.shard.step)
+            else:
+                await self._restore_step(step)
             self._parked = []
             log.warning(
                 "node %s rolled back to step %d (restart of boot %s)", ctx.index, step, boot
@@ -298,6 +316,21 @@ class Durability:
             out.append(Reset())
         self._rollbacks_done.add((step, boot))
         return [*out, Answer(ident, Op.ROLLBACK, h["worker"])]
+
+    async def _restore_step(self, step: int) -> None:
+        """Restore the checkpoint of ``step`` (a rollback), keeping who is connected."""
+        ctx = self.ctx
+        if ctx.ckpt is None:
+            raise ConfigError(f"node {ctx.index} cannot roll back: no checkpoint_dir configured")
+        ckpt = await ctx.queue.run(ctx.ckpt.latest, step)
+        if ckpt is None:
+            raise RollbackError(
+                f"node {ctx.index} has no valid checkpoint of step {step} to roll back to",
+                step=step,
+            )
+        peers = dict(ctx.peers)
+        await ctx.queue.run(self.restore, ckpt)
+        ctx.peers = peers
 
     # ----------------------------------------------------------------- STATE
     async def on_state(self, ident: bytes, msg: wire.Message) -> list[Effect]:

@@ -112,6 +112,18 @@ class Shard:
     def close(self) -> None:
         """The node stops: commit and let go of what the shard holds open."""
 
+    #: whether the shard's own files are its checkpoint (out of core: :meth:`commit` is a checkpoint)
+    durable = False
+
+    def reopen(self) -> dict | None:
+        """At start: take up the state an earlier run of this node left in the shard's own files, and
+        return the job's description (None: none, or a shard without files of its own)."""
+        return None
+
+    def roll_back(self, step: int) -> None:
+        """Put every bucket at ``step`` from the shard's own files (ROLLBACK)."""
+        raise NotImplementedError
+
     @contextmanager
     def loaded(self, bid: int, *, write: bool = False) -> Iterator[BucketState]:
         """Bucket ``bid`` with its tensors in RAM for the block; ``write``: the block changes them (kept

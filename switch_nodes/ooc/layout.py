@@ -24,6 +24,9 @@ from luwu.switch_nodes.ooc.io import ALIGN, CHECKSUM_BLOCK_BYTES, align_up
 
 MAGIC = "luwu-ooc-state"
 FORMAT_VERSION = 1
+#: a journal version is the bucket's version (the steps applied to it) ``<< STEP_SHIFT`` plus the changes made
+#: outside steps since (a seed, STATE set, IMPORT): ``version >> STEP_SHIFT`` is the step a slot holds
+STEP_SHIFT = 20
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,

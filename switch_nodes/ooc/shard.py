@@ -9,7 +9,11 @@ buckets of the step order ahead and writes stepped ones back behind. Gradient ac
 replies stay in RAM: they are in flight anyway.
 
 The shard's size is known once the first worker said HELLO, so the files are opened at the first
-load (a seed or a step). When the whole state fits the budget (or the budget is 0), the buckets
+load (a seed or a step). The files are the checkpoint: a node started on a folder of an earlier run
+(:meth:`OocShard.reopen`) puts every bucket at the newest step all of them hold (the window keeps one
+by construction, :meth:`StateWindow` ``keep_step``) and restarts from there as an in-RAM node from its
+checkpoint; ROLLBACK puts them at the step named (:meth:`OocShard.roll_back`); the rest of the job's
+description is ``job.json`` (:mod:`.recovery`). When the whole state fits the budget (or the budget is 0), the buckets
 are allocated in RAM for good and nothing goes to ``state_dir``: the node then runs as an in-RAM
 one (the same code path, zero-copy replies included), with no durability of its own.
 
@@ -17,8 +21,9 @@ Out of core, a reply is encoded before its bucket is stored, and its fp32 frames
 of the window are copied (the window reuses that memory once the bucket is released). A bucket
 whose load failed half-way is discarded from the window, so the disk's version stays.
 
-The journal version of a write is ``step << 20`` for a step, and one past the bucket's last write
-for a change outside a step (a seed, STATE set, IMPORT), so the versions only grow.
+The journal version of a write is ``version << STEP_SHIFT`` for a step to ``version``, and one past
+the bucket's last write for a change outside a step (a seed, STATE set, IMPORT), so the versions only
+grow.
 """
 
 from __future__ import annotations
@@ -26,16 +31,23 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
 
 import torch
 
-from luwu.protocol.errors import ConfigError
+from luwu.protocol.errors import ConfigError, RollbackError
 from luwu.protocol.layout import Bucket
 from luwu.switch_nodes.context import NodeContext
 from luwu.switch_nodes.ooc.io import IOEngine
-from luwu.switch_nodes.ooc.layout import StateLayout
-from luwu.switch_nodes.ooc.state_file import HEADER_FILE, StateFile
+from luwu.switch_nodes.ooc.layout import STEP_SHIFT
+from luwu.switch_nodes.ooc.recovery import (
+    folder_of,
+    has_state,
+    layout_of,
+    open_files,
+    read_meta,
+    write_meta,
+)
+from luwu.switch_nodes.ooc.state_file import StateFile
 from luwu.switch_nodes.ooc.window import StateWindow
 from luwu.switch_nodes.optimizers import OptimizerKind
 from luwu.switch_nodes.replies import Payload, PullCodec, encode_reply
@@ -45,8 +57,6 @@ from luwu.switch_nodes.store import Accumulator, AccumulatorPool, BucketState, S
 __all__ = ["OocBucket", "OocShard", "WindowState"]
 
 log = logging.getLogger(__name__)
-
-STEP_SHIFT = 20  # journal version of step s: s << STEP_SHIFT; changes between steps count below it
 
 
 class WindowState(Mapping):
@@ -165,6 +175,10 @@ class OocShard(Shard):
             f"node {self.ctx.index}: restoring a checkpoint into out-of-core state is not supported"
         )
 
+    @property
+    def durable(self) -> bool:
+        return self.window is not None
+
     def set_order(self, order: Iterable[int]) -> None:
         super().set_order(order)
         if self.window is not None:
@@ -183,11 +197,7 @@ class OocShard(Shard):
         ctx, cfg = self.ctx, self.ctx.cfg
         order = self.in_step_order()
         self.set_order([b.id for b in order])
-        kind = ctx.kind or (order[0].kind if order else None)
-        names = kind.state_names if kind else ()
-        layout = StateLayout.for_shard(
-            ctx.job, [(b.id, b.numel, len(b.segments)) for b in order], names
-        )
+        layout = layout_of(ctx, order, ctx.kind or (order[0].kind if order else None))
         total = sum(s.slot_bytes for s in layout.buckets)
         budget = cfg.state_memory_bytes
         ctx.metrics.state_budget.set(budget)
@@ -204,27 +214,100 @@ class OocShard(Shard):
                 cfg.state_dir,
             )
             return
-        folder = Path(cfg.state_dir) / f"{ctx.job}-node{ctx.index}"
-        if (folder / HEADER_FILE).exists():
+        folder = folder_of(ctx)
+        if has_state(folder):
             raise ConfigError(
-                f"node {ctx.index}: {folder} holds the state of an earlier run; restarting from state "
-                "files is not supported yet: remove that folder or point node.state_dir elsewhere"
+                f"node {ctx.index}: {folder} holds the state of an earlier run, which a node restores "
+                "when it starts (with node.index set): restart the node, or remove that folder"
             )
+        write_meta(folder, ctx, order)  # before the header: a folder with a header has its job.json
         self._engine = IOEngine()
         self._files = StateFile.open(folder, layout, self._engine)
-        timeout_s = max(60.0, cfg.worker_timeout_s)
-        self.window = StateWindow(self._files, [b.id for b in order], budget, timeout_s=timeout_s)
+        self._start_window(order)
+
+    def _start_window(self, order: list[BucketState]) -> None:
+        ctx, files = self.ctx, self._files
+        total = sum(s.slot_bytes for s in files.layout.buckets)
+        budget = ctx.cfg.state_memory_bytes or total
+        self.window = StateWindow(
+            files,
+            [b.id for b in order],
+            budget,
+            timeout_s=max(60.0, ctx.cfg.worker_timeout_s),
+            keep_step=ctx.cfg.mode == "sync",
+        )
+        self._written = {bid: c.version for bid, c in files.committed.items() if c is not None}
         log.info(
             "node %s: state out of core in %s: %d buckets, %d B on disk (two slots each: %d B), "
             "node.state_memory_bytes = %d (%.1fx smaller than the state)",
             ctx.index,
-            folder,
+            files.folder,
             len(order),
             total,
-            layout.data_bytes,
+            files.layout.data_bytes,
             budget,
             total / budget,
         )
+
+    # ----------------------------------------------------------------- restart and rollback
+    def reopen(self) -> dict | None:
+        """At start, before serving: the state files of an earlier run of this node, if its folder holds
+        them, with every bucket put at the newest step all of them hold; returns ``job.json`` (None: no
+        earlier run, or no node.index to name the folder by)."""
+        ctx = self.ctx
+        folder = folder_of(ctx)
+        if ctx.index < 0 or not has_state(folder):
+            return None
+        meta, kind, specs = read_meta(folder, ctx)
+        order = [self.make(spec, kind) for spec in specs]
+        self._engine = IOEngine()
+        try:
+            self._files = open_files(folder, ctx, layout_of(ctx, order, kind), self._engine)
+            step = self._files.bring_to() or 0
+            self._settle(order, step)
+        except BaseException:
+            self.close()
+            raise
+        self._opened = True
+        ctx.metrics.state_budget.set(ctx.cfg.state_memory_bytes)
+        log.warning(
+            "node %s: restarting from its state files in %s at step %d (every bucket holds it)",
+            ctx.index,
+            folder,
+            step,
+        )
+        return meta
+
+    def roll_back(self, step: int) -> None:
+        """Put every bucket at ``step`` from the state files (ROLLBACK: another node restarted from that
+        step); refused (RollbackError) when a bucket's slots no longer hold it. On the optimizer thread."""
+        if self.window is None:
+            raise RollbackError(
+                f"node {self.ctx.index} cannot roll back to step {step}: its state fits "
+                "node.state_memory_bytes and is held in RAM only (no state files)",
+                step=step,
+            )
+        order = [self.make(Bucket.from_wire(b.to_wire()), b.kind) for b in self.in_step_order()]
+        self.window.close()
+        self.window = None
+        try:
+            self._files.bring_to(step)
+        except Exception as exc:
+            self._start_window(self.in_step_order())
+            raise RollbackError(
+                f"node {self.ctx.index} cannot roll back to step {step}: {exc} (an out-of-core node "
+                "holds two steps a bucket: it cannot go back further than one step behind its own)",
+                step=step,
+            ) from exc
+        self._settle(order, step)
+
+    def _settle(self, order: list[OocBucket], step: int) -> None:
+        """Hold ``order``'s buckets at ``step`` (the files put there), over a new window."""
+        for b in order:
+            b.version, b.initialized = step, self._files.committed[b.id] is not None
+        self.buckets, self._lent = {b.id: b for b in order}, {}
+        self._order = [b.id for b in order]
+        self._start_window(order)
 
     # ----------------------------------------------------------------- the tensors
     def load(self, bid: int) -> BucketState:
@@ -257,18 +340,25 @@ class OocShard(Shard):
             self.window.discard(bid)
 
     def commit(self) -> None:
+        """Make every stored version durable, with the job's description (``job.json``)."""
         if self.window is not None:
             self.window.flush()
+            write_meta(self._files.folder, self.ctx, self.in_step_order())
 
     def close(self) -> None:
         """Commit what was written and close the files (the node stops)."""
         if self.window is not None:
             try:
                 self.window.close()
+                write_meta(self._files.folder, self.ctx, self.in_step_order())
             finally:
-                self._files.close()
-                self._engine.close()
                 self.window = None
+        if self._files is not None:
+            self._files.close()
+            self._files = None
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
     def apply(
         self, b: BucketState, step: int, acc: Accumulator, divisor: float, skip: bool

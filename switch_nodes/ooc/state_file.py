@@ -34,6 +34,10 @@ version. A process killed before the record lands leaves the old record and the
 old slot untouched: the bucket is at its previous version. A torn record (bad CRC)
 is skipped with a warning, and the other slot's record, which no write of this
 step touched, is used. A bucket with no valid record has never been committed.
+
+A restart puts every bucket at one step (:meth:`StateFile.bring_to`): the lowest
+step a bucket is committed at (:meth:`StateFile.floor`), which the buckets ahead
+hold in their other slot as long as writes asked :meth:`StateFile.may_overwrite`.
 """
 
 from __future__ import annotations
@@ -60,7 +64,13 @@ from luwu.switch_nodes.ooc.io import (
     Transfer,
     align_up,
 )
-from luwu.switch_nodes.ooc.layout import FORMAT_VERSION, MAGIC, BucketSpec, StateLayout
+from luwu.switch_nodes.ooc.layout import (
+    FORMAT_VERSION,
+    MAGIC,
+    STEP_SHIFT,
+    BucketSpec,
+    StateLayout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +289,50 @@ class StateFile:
         os.fdatasync(self._journal_fd)
         self.records[bid].pop(other, None)
         self.committed[bid] = c
+
+    def floor(self) -> int | None:
+        """The lowest step a committed bucket is at (None: none committed): every bucket holds it in one of
+        its slots while writes go through :meth:`may_overwrite`, so a restart can put every bucket there."""
+        return min((c.version >> STEP_SHIFT for c in self.committed.values() if c), default=None)
+
+    def may_overwrite(self, bid: int) -> bool:
+        """Whether bucket ``bid``'s older slot may be written now without losing the step every bucket can
+        be put at (:meth:`floor`): it holds another step, or the committed slot holds that one too. A bucket
+        a step ahead of the others waits for them to commit before it steps again."""
+        c = self.committed[bid]
+        old = self.records[bid].get(1 - c.slot) if c else None
+        if old is None:
+            return True
+        floor = self.floor()
+        return c.version >> STEP_SHIFT == floor or old.version >> STEP_SHIFT != floor
+
+    def bring_to(self, step: int | None = None, pool: BufferPool | None = None) -> int | None:
+        """Put every committed bucket at ``step`` (default: :meth:`floor`, the newest step all of them
+        hold), rewinding the buckets ahead to their other slot (:meth:`rewind`), durably; returns the step
+        (None: nothing committed). Refused (:class:`CorruptCheckpointError`) naming the bucket and what its
+        slots hold when one cannot be put there; nothing changes then. Before a window opens."""
+        step = self.floor() if step is None else step
+        if step is None:
+            return None
+        picks = {}
+        for bid, c in self.committed.items():
+            if c is None or c.version >> STEP_SHIFT == step:
+                continue
+            r = self.records[bid].get(1 - c.slot)
+            there = r is not None and r.version >> STEP_SHIFT == step
+            if not there or not self.intact(r, pool):
+                held = [v >> STEP_SHIFT for v in self.versions(bid)]
+                raise CorruptCheckpointError(
+                    f"out-of-core state {self.folder}: bucket {bid} cannot be put at step {step}: its "
+                    f"slots hold steps {held}"
+                    + (" (that slot was overwritten since)" if there else ""),
+                    bucket=bid,
+                    step=step,
+                )
+            picks[bid] = r.version
+        for bid, version in picks.items():
+            self.rewind(bid, version, pool)
+        return step
 
     def verify(self, bid: int, pool: BufferPool | None = None) -> bool:
         """Whether bucket ``bid``'s committed slot holds the data its record's checksum names (True for a

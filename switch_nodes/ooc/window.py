@@ -14,7 +14,8 @@ hold b's committed version; when the write completes, a committer thread makes
 it durable (``StateFile.commit``: data synced, then the journal record), at most
 every ``commit_interval_s``, so that the buckets written meanwhile share the two
 syncs; ``flush`` commits at once. A bucket's next write waits for
-its previous commit, so one of its two slots always holds a committed version.
+its previous commit, so one of its two slots always holds a committed version (with ``keep_step``,
+also until its other slot does not hold the step all buckets hold: StateFile.may_overwrite).
 A slot whose write completed stays in RAM as a clean copy until its memory is
 needed by a bucket that will step sooner (the one needed furthest ahead goes
 first), so a shard that fits the budget is read once.
@@ -31,12 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from luwu.protocol.errors import (
-    ConfigError,
-    CorruptCheckpointError,
-    LuwuError,
-    NodeTimeoutError,
-)
+from luwu.protocol.errors import ConfigError, CorruptCheckpointError, LuwuError, NodeTimeoutError
 from luwu.switch_nodes.ooc.io import ALIGN, BufferPool, Extent, Transfer
 from luwu.switch_nodes.ooc.layout import DTYPES
 from luwu.switch_nodes.ooc.state_file import Commit, StateFile
@@ -96,9 +92,10 @@ class StateWindow:
     ``verify``: check a slot's data against its checksum when it is read for the first time since the
     state was opened (``"first"``: a restart verifies what it loads), on every read (``"always"``), or
     never. ``timeout_s`` bounds every wait on the disk; ``commit_interval_s`` spaces the commits
-    (group commit, see :data:`DEFAULT_COMMIT_INTERVAL_S`). Called from the node's optimizer thread (and
-    the event loop's seeds, never of the same bucket); the I/O and commit threads report back through a
-    lock of its own."""
+    (group commit, see :data:`DEFAULT_COMMIT_INTERVAL_S`); ``keep_step``: see the module's doc (buckets
+    that step in lockstep: one stepping twice alone would wait). Called from the node's optimizer thread
+    (and the event loop's seeds, never of the same bucket); the I/O and commit threads report back
+    through a lock of its own."""
 
     def __init__(
         self,
@@ -110,6 +107,7 @@ class StateWindow:
         verify: str = "first",
         timeout_s: float = 60.0,
         commit_interval_s: float = DEFAULT_COMMIT_INTERVAL_S,
+        keep_step: bool = False,
     ):
         biggest = max((b.slot_bytes for b in state.layout.buckets), default=ALIGN)
         if budget_bytes < biggest:
@@ -125,12 +123,12 @@ class StateWindow:
                 f"state window readahead={readahead}: 0 (as far as the budget allows) or more"
             )
         self.state, self.readahead, self.verify = state, readahead, verify
+        self.keep_step = keep_step
         self.timeout_s, self.commit_interval_s = timeout_s, commit_interval_s
         self.stats = WindowStats()
         self._pool = BufferPool(budget_bytes // ALIGN * ALIGN)
-        self._latest: dict[int, Commit | None] = dict(
-            state.committed
-        )  # newest data: committed or written
+        # the newest data of each bucket: committed or written
+        self._latest: dict[int, Commit | None] = dict(state.committed)
         self._entries: dict[int, _Entry] = {}
         self._pending: set[int] = set()  # written, commit not durable yet
         self._verified: set[int] = set()
@@ -232,10 +230,8 @@ class StateWindow:
                         f"out-of-core state: bucket {bucket} released as version {version}, not past its version {latest.version}"
                     )
                 e.state, e.write_version = WRITING, version
-                if bucket in self._pending:
-                    e.deferred = True
-                else:
-                    self._start_write(e)
+                e.deferred = True
+                self._start_deferred()
             self._cond.notify_all()
             self._pump()
 
@@ -484,13 +480,18 @@ class StateWindow:
         with self._cond:
             for c in batch:
                 self._pending.discard(c.bucket)
-                e = self._entries.get(c.bucket)
-                if e is not None and e.deferred:
-                    e.deferred = False
-                    self._start_write(e)
+            self._start_deferred()
             self.stats.commits += len(batch)
             self.stats.commit_batches += 1
             self._cond.notify_all()
+
+    def _start_deferred(self) -> None:
+        """Start the deferred writes that may go now (see the module's doc)."""
+        for e in list(self._entries.values()):
+            go = e.deferred and e.bucket not in self._pending
+            if go and (not self.keep_step or self.state.may_overwrite(e.bucket)):
+                e.deferred = False
+                self._start_write(e)
 
     def _check_failure(self) -> None:
         if self._failure is not None:

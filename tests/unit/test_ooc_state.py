@@ -1,9 +1,10 @@
 """Out-of-core state (switch_nodes/ooc): the state files round-trip, a step commits atomically (a kill
 before the journal record, a torn record, a real SIGKILL mid write-back), another job's or layout's
 folder is refused, and the window never holds more than its budget while returning what an in-RAM dict
-of the same steps holds; a bucket can be rewound one version. Files go under pytest's tmp_path (O_DIRECT
-where its disk takes it), and once on a ramfs in a mount namespace of a child's own (O_DIRECT refused:
-the buffered fallback)."""
+of the same steps holds; a bucket can be rewound one version, a restart puts every bucket at the step
+all of them hold, and (keep_step) a bucket a step ahead never overwrites that step. Files go under
+pytest's tmp_path (O_DIRECT where its disk takes it), and once on a ramfs in a mount namespace of a
+child's own (O_DIRECT refused: the buffered fallback)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from luwu.switch_nodes.ooc import (
     StateLayout,
     StateWindow,
 )
+from luwu.switch_nodes.ooc.layout import STEP_SHIFT
 from luwu.switch_nodes.ooc.state_file import ALIGN, JOURNAL_FILE, RECORD_PITCH
 
 pytestmark = pytest.mark.timeout(180)
@@ -213,6 +215,79 @@ def test_rewind_brings_a_bucket_back_one_version(tmp_path):
         ):
             sf.rewind(10, 1)
         w.close()
+        sf.close()
+    finally:
+        engine.close()
+
+
+def _step_to(w: StateWindow, bucket: int, step: int) -> dict[str, torch.Tensor]:
+    """:func:`_step`, released as the journal version of ``step`` (as the node's shard does)."""
+    v = w.acquire(bucket)
+    for t in v.tensors.values():
+        t.add_(step * 10 + bucket)
+    out = {n: t.clone() for n, t in v.tensors.items()}
+    w.release(bucket, step << STEP_SHIFT)
+    return out
+
+
+def _steps(sf: StateFile, bucket: int) -> list[int]:
+    return [v >> STEP_SHIFT for v in sf.versions(bucket)]
+
+
+def test_keep_step_a_bucket_a_step_ahead_waits_for_the_others_commits(tmp_path):
+    """With keep_step, a bucket a step ahead does not overwrite the slot of the step every bucket holds
+    until the others have committed past it (its write waits meanwhile), so a kill at any time leaves a
+    step all buckets hold."""
+    lay = _layout(numels=(3000, 5000))
+    with _opened(tmp_path, lay, keep_step=True, commit_interval_s=0) as (sf, w):
+        for step in (1, 2):
+            for b in (10, 11):
+                _step_to(w, b, step)
+        _step_to(w, 10, 3)
+        w.flush()
+        assert (_steps(sf, 10), _steps(sf, 11), sf.floor()) == ([3, 2], [2, 1], 2)
+        _step_to(w, 10, 4)  # would overwrite step 2, which bucket 11 is at: it waits
+        time.sleep(0.3)
+        assert _steps(sf, 10) == [3, 2], (
+            "bucket 10 overwrote the only step bucket 11 shares with it"
+        )
+        _step_to(w, 11, 3)  # bucket 11 commits step 3: bucket 10's write goes
+        w.flush()
+        assert (_steps(sf, 10), _steps(sf, 11), sf.floor()) == ([4, 3], [3, 2], 3)
+
+
+def test_bring_to_puts_every_bucket_at_the_step_all_hold(tmp_path):
+    """A restart puts every bucket at the newest step all of them hold (the buckets ahead rewound to
+    their other slot, durably, with that step's data); a step some bucket no longer holds is refused
+    naming the bucket and its steps, and nothing changes."""
+    lay = _layout(numels=(3000, 5000))
+    with _opened(tmp_path, lay) as (sf, w):
+        at1 = {b: _step_to(w, b, 1) for b in (10, 11)}
+        _step_to(w, 10, 2)
+    engine = IOEngine(num_threads=2)
+    try:
+        sf = StateFile.open(tmp_path, lay, engine)
+        with pytest.raises(CorruptCheckpointError, match=r"bucket 11 cannot be put at step 2: "):
+            sf.bring_to(2)
+        assert sf.bring_to() == 1
+        sf.close()
+        sf = StateFile.open(tmp_path, lay, engine)
+        assert (_steps(sf, 10), _steps(sf, 11)) == ([1], [1])
+        w = StateWindow(sf, [10, 11], 2 * lay.bucket(11).slot_bytes)
+        for b in (10, 11):
+            version, got = _read(w, b)
+            assert version == 1 << STEP_SHIFT and all(torch.equal(got[n], at1[b][n]) for n in got)
+        _step_to(w, 10, 2)
+        _step_to(w, 10, 3)  # (no keep_step: bucket 10 overwrites step 1, the one bucket 11 holds)
+        w.close()
+        sf.close()
+        sf = StateFile.open(tmp_path, lay, engine)
+        with pytest.raises(
+            CorruptCheckpointError,
+            match=r"bucket 10 cannot be put at step 1: its slots hold steps \[3, 2\]",
+        ):
+            sf.bring_to()
+        assert _steps(sf, 10) == [3, 2]
         sf.close()
     finally:
         engine.close()

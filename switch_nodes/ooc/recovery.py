@@ -1,0 +1,112 @@
+"""What an out-of-core node needs besides its state files to restart from them: the job's description.
+
+The slots and the journal hold every bucket's tensors and versions (:mod:`.state_file`); ``job.json``,
+beside them in the same folder, holds the rest of what an in-RAM node's checkpoint holds: the job's
+layout hash (as the workers said it in HELLO), world size, optimizer kind, parameter names and every
+bucket's spec, in the order the buckets step. It is written (temporary file, fsync, rename, fsync of the
+folder) before the state files are created and again at every commit, so a folder with a
+``header.json`` has one, and a restart needs nothing else. A bucket that never committed is
+uninitialized (its seed had not landed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from luwu.protocol.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    LayoutMismatchError,
+    ProtocolError,
+)
+from luwu.protocol.layout import Bucket
+from luwu.switch_nodes.context import NodeContext
+from luwu.switch_nodes.ooc.io import IOEngine
+from luwu.switch_nodes.ooc.layout import StateLayout
+from luwu.switch_nodes.ooc.state_file import HEADER_FILE, StateFile
+from luwu.switch_nodes.optimizers import OptimizerKind, get_kind
+from luwu.switch_nodes.store import BucketState
+
+META_FILE = "job.json"
+
+
+def folder_of(ctx: NodeContext) -> Path:
+    """The node's state folder: ``<state_dir>/<job>-node<index>``."""
+    return Path(ctx.cfg.state_dir) / f"{ctx.job}-node{ctx.index}"
+
+
+def has_state(folder: Path) -> bool:
+    return (folder / HEADER_FILE).exists()
+
+
+def layout_of(
+    ctx: NodeContext, order: list[BucketState], kind: OptimizerKind | None
+) -> StateLayout:
+    """The state files' layout of ``order``'s buckets for optimizer ``kind``."""
+    names = kind.state_names if kind else ()
+    return StateLayout.for_shard(ctx.job, [(b.id, b.numel, len(b.segments)) for b in order], names)
+
+
+def write_meta(folder: Path, ctx: NodeContext, order: list[BucketState]) -> None:
+    """``job.json`` of the job as it is now, atomically and durably."""
+    kind = ctx.kind or (order[0].kind if order else None)
+    meta = {
+        "job": ctx.job,
+        "node": ctx.index,
+        "layout": ctx.layout_hash,
+        "world_size": ctx.world_size,
+        "optimizer": kind.name if kind else None,
+        "param_names": {str(k): v for k, v in ctx.param_names.items()},
+        "buckets": [b.to_wire() for b in order],
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (META_FILE + ".tmp")
+    with open(tmp, "w") as fh:
+        json.dump(meta, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, folder / META_FILE)
+    dfd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def read_meta(folder: Path, ctx: NodeContext) -> tuple[dict, OptimizerKind, list[Bucket]]:
+    """``job.json`` checked against this node: (the table, the optimizer kind, the bucket specs in step
+    order). Refused (ConfigError) when it is missing, unreadable, or of another job or node."""
+    path = folder / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+        kind = get_kind(meta["optimizer"])
+        specs = [Bucket.from_wire(w) for w in meta["buckets"]]
+        world = meta["world_size"]
+    except (OSError, ValueError, KeyError, TypeError, ConfigError, ProtocolError) as exc:
+        raise ConfigError(
+            f"node {ctx.index}: {folder} holds state files but its {META_FILE} cannot be read "
+            f"({type(exc).__name__}: {exc}); restore the folder from a copy, or remove it (or point "
+            "node.state_dir elsewhere) to start the job afresh"
+        ) from None
+    if meta["job"] != ctx.job or meta["node"] != ctx.index:
+        raise ConfigError(
+            f"node {ctx.index}: {path} describes node {meta['node']} of job {meta['job']!r}, not node "
+            f"{ctx.index} of job {ctx.job!r}: point node.state_dir at this job's folder or an empty one"
+        )
+    if type(world) is not int or not 1 <= world <= ctx.cfg.max_world_size:
+        raise ConfigError(f"node {ctx.index}: {path} names world size {world}, not a job's")
+    return meta, kind, specs
+
+
+def open_files(folder: Path, ctx: NodeContext, layout: StateLayout, engine: IOEngine) -> StateFile:
+    """The state files of an earlier run, whose ``header.json`` must describe ``layout`` (the one
+    ``job.json`` describes): a mismatch is refused (ConfigError) naming both."""
+    try:
+        return StateFile.open(folder, layout, engine)
+    except (LayoutMismatchError, CorruptCheckpointError) as exc:
+        raise ConfigError(
+            f"node {ctx.index}: the state files in {folder} do not match its {META_FILE} (job "
+            f"{layout.job!r}, layout {layout.hash[:12]}, {len(layout.buckets)} buckets): {exc}"
+        ) from exc
