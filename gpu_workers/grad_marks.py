@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from luwu.gpu_workers.sent_grads import SentGradient
 from luwu.protocol.errors import ConfigError
 
 #: What to do instead, in every refusal.
@@ -42,11 +43,13 @@ class GradMarks:
 
     def check(self, step: int) -> None:
         """Refuse the step if a gradient copied out since the last check changed in place or was
-        replaced (a gradient set to None, as streaming mode does after the push, is not a change)."""
+        replaced (streaming mode's stand-in after the push, or None, is not a change)."""
         changed = []
         for i, (ref, version) in self.marks.items():
             grad = self.worker.params[i].grad
-            if grad is not None and (grad is not ref() or grad._version != version):
+            if grad is None or isinstance(grad, SentGradient):
+                continue
+            if grad is not ref() or grad._version != version:
                 changed.append(self._name(i))
         if changed:
             raise ConfigError(

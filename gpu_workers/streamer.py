@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from luwu.gpu_workers.metrics import StepReport, WorkerMetrics
 from luwu.gpu_workers.pool import FP32_BYTES
+from luwu.gpu_workers.sent_grads import SentGradient
 from luwu.gpu_workers.units import Unit, alloc_storage, free_storage
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import Bucket
@@ -61,6 +62,7 @@ class UnitState:
     unit: Unit
     params: list[torch.Tensor]  # its trainable parameters (those the optimizer streams)
     buckets: list[int]
+    names: list[str]  # its parameters' names (errors name them)
     phase: Phase = Phase.RELEASED
     replies: dict = field(default_factory=dict)  # bucket -> the reply of its weights (see Phase)
     pushed: int = 0  # buckets pushed this step
@@ -111,7 +113,8 @@ class Streamer:
             bids = by_unit.get(u.index, [])
             mine = sorted({s.param for bid in bids for s in layout.buckets[bid].segments})
             _check_releasable(worker, u, params, mine)
-            self.units.append(UnitState(u, [params[i] for i in mine], bids))
+            names = [layout.params[i].name for i in mine]
+            self.units.append(UnitState(u, [params[i] for i in mine], bids, names))
         self._of_bucket = {bid: u for u in self.units for bid in u.buckets}
         self.order = [u.unit.index for u in self.units if u.buckets]  # forward order, per step
         self._turn = self._last_units()
@@ -258,8 +261,9 @@ class Streamer:
         u = self._of_bucket[bucket.id]
         u.pushed += 1
         if u.pushed == len(u.buckets):
-            for p in u.params:
-                p.grad = None
+            w = self.worker  # (under no_sync() the next micro-batch's backward makes fresh ones)
+            for p, name in zip(u.params, u.names):
+                p.grad = None if w.accumulating else SentGradient(p, name, w.rank)
             self._release(u)
             u.pushed = 0  # (under no_sync() the next micro-batch pushes the unit again)
 

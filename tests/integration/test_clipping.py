@@ -131,3 +131,48 @@ def test_clip_grad_norm_first_called_late_is_refused(cluster1):
             opt.step()
     finally:
         opt.close()
+
+
+class _Blocks(torch.nn.Module):
+    """Four blocks in a ModuleList (the streaming units), and a head outside them (the root)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("root", [False, True], ids=["every-parameter-in-a-unit", "with-a-root"])
+def test_torch_clip_after_backward_is_refused_in_streaming_mode(cluster1, root):
+    """Streaming mode pushes and frees a unit's gradients during backward: torch's clip_grad_norm_
+    after it saw only the resident ones (none, with every parameter in a unit) and clipped nothing,
+    without a word. Its first read of a streamed gradient is refused, naming the parameter and the
+    fix; step() then goes on, and the next step runs as usual."""
+    torch.manual_seed(0)
+    model = _Blocks() if root else torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    opt = luwu.RemoteOptimizer(
+        model, "sgd", nodes=cluster1.addresses, lr=0.1, compression=False, stream_weights=True
+    )
+    first = "blocks.0.weight" if root else "0.weight"
+    try:
+        for step in range(2):
+            opt.zero_grad()
+            model(torch.randn(8, 16)).square().mean().backward()
+            if step == 0:
+                # (a max_norm far above the norm: the resident gradients alone are left as they are)
+                with pytest.raises(ConfigError, match=r"streaming mode.*opt\.clip_grad_norm_") as e:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+                assert first in str(e.value) and "rank 0" in str(e.value)
+                streamed = [p for n, p in model.named_parameters() if not n.startswith("head")]
+                assert all(p.grad is not None and p.grad.shape == p.shape for p in streamed)
+            opt.step()
+            streamed = [p for n, p in model.named_parameters() if not n.startswith("head")]
+            assert all(p.grad is None for p in streamed)  # (step() ends the stand-ins)
+    finally:
+        opt.close()
