@@ -44,9 +44,36 @@ def has_state(folder: Path) -> bool:
 def layout_of(
     ctx: NodeContext, order: list[BucketState], kind: OptimizerKind | None
 ) -> StateLayout:
-    """The state files' layout of ``order``'s buckets for optimizer ``kind``."""
-    names = kind.state_names if kind else ()
+    """The state files' layout of ``order``'s buckets for optimizer ``kind`` (:func:`file_state`)."""
+    names = file_state(kind) if kind else ()
     return StateLayout.for_shard(ctx.job, [(b.id, b.numel, len(b.segments)) for b in order], names)
+
+
+def file_state(kind: OptimizerKind) -> tuple[str, ...]:
+    """The state names the files hold for ``kind``: every name but the optional state of a boolean
+    switch that is off by default (Adam's ``max_exp_avg_sq``, ``amsgrad``; RMSprop's ``grad_avg``,
+    ``centered``). The files are laid out at the first seed, before any push said the job's
+    hyperparameters, so a variant off by default costs no disk and no read; state of a numeric
+    hyperparameter (SGD's ``momentum``) is held, since jobs usually set it. A step that needs a name
+    left out is refused (:func:`missing_state`)."""
+    rare = {n for n, key in kind.optional_state if isinstance(kind.defaults.get(key), bool)}
+    return tuple(n for n in kind.state_names if n not in rare)
+
+
+def missing_state(ctx: NodeContext, b: BucketState, step: int, hyper: dict | None) -> None:
+    """Refuse (ConfigError) step ``step`` of bucket ``b`` when its hyperparameters need state the files
+    do not hold (a switch such as ``amsgrad`` turned on): never a step on state that is not there."""
+    held = file_state(b.kind)
+    for name in b.kind.state_for(hyper or {}):
+        if name not in held:
+            key = dict(b.kind.optional_state).get(name, name)
+            raise ConfigError(
+                f"node {ctx.index}: bucket {b.id} step {step}: {key}={(hyper or {}).get(key)!r} needs "
+                f"optimizer state {name!r}, which this out-of-core node's state files do not hold "
+                f"(they hold {', '.join(held) or 'none'}: {b.kind.name}'s state with {key} off); "
+                f"{key} on is not supported with node.state_dir: run the job with {key} off from the "
+                "start, or leave node.state_dir empty (an in-RAM node) for it"
+            )
 
 
 def write_meta(folder: Path, ctx: NodeContext, order: list[BucketState]) -> None:

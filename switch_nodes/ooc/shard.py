@@ -17,9 +17,12 @@ description is ``job.json`` (:mod:`.recovery`). When the whole state fits the bu
 are allocated in RAM for good and nothing goes to ``state_dir``: the node then runs as an in-RAM
 one (the same code path, zero-copy replies included), with no durability of its own.
 
-Out of core, a reply is encoded before its bucket is stored, and its fp32 frames that are views
-of the window are copied (the window reuses that memory once the bucket is released). A bucket
-whose load failed half-way is discarded from the window, so the disk's version stays.
+A reply outside a step (a PULL: a streaming worker fetches a unit's weights before its forward and
+again before its backward) reads the bucket's weights alone, not its whole slot
+(:class:`~.weights.WeightsReader`). Out of core, a step's reply is encoded before its bucket is
+stored, and its fp32 frames that are views of the window are copied (the window reuses that memory
+once the bucket is released). A bucket whose load failed half-way is discarded from the window, so
+the disk's version stays.
 
 The journal version of a write is ``version << STEP_SHIFT`` for a step to ``version``, and one past
 the bucket's last write for a change outside a step (a seed, STATE set, IMPORT), so the versions only
@@ -43,11 +46,13 @@ from luwu.switch_nodes.ooc.recovery import (
     folder_of,
     has_state,
     layout_of,
+    missing_state,
     open_files,
     read_meta,
     write_meta,
 )
 from luwu.switch_nodes.ooc.state_file import StateFile
+from luwu.switch_nodes.ooc.weights import WeightsReader
 from luwu.switch_nodes.ooc.window import StateWindow
 from luwu.switch_nodes.optimizers import OptimizerKind
 from luwu.switch_nodes.replies import Payload, PullCodec, encode_reply
@@ -60,11 +65,12 @@ log = logging.getLogger(__name__)
 
 
 class WindowState(Mapping):
-    """A bucket's flat optimizer state as views of its slot in the window: every name of the kind is on
-    disk (zeros while unused), so every name is allocated."""
+    """A bucket's flat optimizer state as views of its slot in the window: the names the state files
+    hold (:func:`~.recovery.file_state`, zeros while unused), all allocated. A name of the kind the
+    files leave out reads as zeros and takes only zeros (a step that needs it is refused before)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self._tensors = tensors
+    def __init__(self, tensors: dict[str, torch.Tensor], numel: int = 0, bucket: int = -1):
+        self._tensors, self._numel, self._bucket = tensors, numel, bucket
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._tensors[name]
@@ -79,10 +85,19 @@ class WindowState(Mapping):
         return tuple(self._tensors)
 
     def read(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
+        t = self._tensors.get(name)
+        return t if t is not None else torch.zeros(self._numel, dtype=torch.float32)
 
     def write(self, name: str, value: torch.Tensor) -> None:
-        self._tensors[name].copy_(value)
+        t = self._tensors.get(name)
+        if t is not None:
+            t.copy_(value)
+        elif bool(value.any()):
+            raise ConfigError(
+                f"bucket {self._bucket}: optimizer state {name!r} (nonzero) cannot be set on a node "
+                f"with node.state_dir: its state files do not hold {name!r} (the state of an option "
+                "off by default, such as amsgrad); load it into a node without node.state_dir"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -110,7 +125,9 @@ class OocBucket(BucketState):
     def attach(self, ts: dict[str, torch.Tensor]) -> None:
         """Take the window's views of the bucket's slot as its tensors (until :meth:`detach`)."""
         self.params = ts["params"]
-        self.state = WindowState({n: ts[n] for n in self.kind.state_names})
+        self.state = WindowState(
+            {n: ts[n] for n in self.kind.state_names if n in ts}, self.numel, self.id
+        )
         self.steps = list(ts["steps"].unbind(0))
         self.pviews, self._sviews = self._views(self.params), {}
 
@@ -138,6 +155,7 @@ class OocShard(Shard):
     def __init__(self, ctx: NodeContext, on_stuck: Callable[[set[int]], None]) -> None:
         super().__init__(ctx, on_stuck)
         self.window: StateWindow | None = None
+        self._weights: WeightsReader | None = None
         self._files: StateFile | None = None
         self._engine: IOEngine | None = None
         self._opened = False  # decided: in RAM (window None) or out of core
@@ -236,6 +254,9 @@ class OocShard(Shard):
             timeout_s=max(60.0, ctx.cfg.worker_timeout_s),
             keep_step=ctx.cfg.mode == "sync",
         )
+        if self._weights is not None:  # (a rollback's new window)
+            self._weights.close()
+        self._weights = WeightsReader(self.window, files)
         self._written = {bid: c.version for bid, c in files.committed.items() if c is not None}
         log.info(
             "node %s: state out of core in %s: %d buckets, %d B on disk (two slots each: %d B), "
@@ -353,6 +374,9 @@ class OocShard(Shard):
                 write_meta(self._files.folder, self.ctx, self.in_step_order())
             finally:
                 self.window = None
+                if self._weights is not None:
+                    self._weights.close()
+                    self._weights = None
         if self._files is not None:
             self._files.close()
             self._files = None
@@ -363,6 +387,9 @@ class OocShard(Shard):
     def apply(
         self, b: BucketState, step: int, acc: Accumulator, divisor: float, skip: bool
     ) -> None:
+        self._ensure_open()
+        if not skip and self.window is not None:
+            missing_state(self.ctx, b, step, acc.hyper)
         self.load(b.id)
         try:
             if not skip:
@@ -385,6 +412,8 @@ class OocShard(Shard):
         self._ensure_open()
         if self.window is None:
             return super().step_bucket(b, step, acc, divisor, skip, codec)
+        if not skip:
+            missing_state(self.ctx, b, step, acc.hyper)
         self.load(b.id)
         was = b.version
         try:
@@ -404,6 +433,14 @@ class OocShard(Shard):
         self._ensure_open()
         if self.window is None:
             return super().encode(b, codec)
+        params = self._weights.read(b.id)  # the weights alone, not the whole slot
+        if params is not None:
+            b.params = params
+            try:
+                return encode_reply(b, codec, self.lent(b.id))
+            finally:
+                b.params = None
+                self._report()
         self.load(b.id)
         try:
             return self._owned(encode_reply(b, codec, self.lent(b.id)))

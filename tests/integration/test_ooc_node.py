@@ -3,7 +3,9 @@ a node whose state is at least 4x its memory budget, and the weights equal an in
 bit (compression off), resident and streaming; the state files hold every bucket's last step. The files
 are the checkpoint: a node SIGKILLed at a random step, or stopped and killed while its write-backs are
 in flight, restarts from them and the run ends bit for bit as the failure-free one; checkpoint_every, a
-CHECKPOINT request and SIGTERM commit them; files that do not match their job.json are refused."""
+CHECKPOINT request and SIGTERM commit them; files that do not match their job.json are refused.
+AdamW's files hold 12 B a parameter (amsgrad's maximum left out; amsgrad on is refused), and a streaming
+worker's weight fetches read the weights alone from them."""
 
 import json
 import os
@@ -36,7 +38,7 @@ from luwu.switch_nodes.ooc import IOEngine, StateFile, StateLayout
 from luwu.switch_nodes.ooc.shard import STEP_SHIFT
 
 STREAM = ROOT / "workers" / "stream.py"
-SLOT = 5 * 4096  # an AdamW bucket of at most 1024 elements: params, 3 states, steps, 4 KiB each
+SLOT = 4 * 4096  # an AdamW bucket of at most 1024 elements: params, 2 moments, steps, 4 KiB each
 BUDGET = 2 * SLOT
 
 
@@ -347,3 +349,69 @@ def test_state_files_that_do_not_match_the_job_they_restart_are_refused(tmp_path
     said = done.stdout + done.stderr
     assert done.returncode != 0 and "do not match its job.json" in said, said
     assert want[:12] in said and other[:12] in said, said
+
+
+@pytest.mark.timeout(300)
+def test_adamw_state_files_hold_12_bytes_a_param_and_amsgrad_is_refused(tmp_path):
+    """AdamW's files hold the weights and its two moments, not amsgrad's maximum it never uses: a slot is
+    params + exp_avg + exp_avg_sq (4 B a parameter each, 4096-aligned) + the step counters. A job that
+    turns amsgrad on needs that maximum: its first step is refused, naming it and the fix."""
+    _train({"steps": 2, "bucket_bytes": 1024}, False, tmp_path, _ooc_args(tmp_path / "a"))
+    folder = tmp_path / "a" / "luwu-node0"
+    layout = StateLayout.from_json(json.loads((folder / "header.json").read_text()))
+    params = 0
+    for b in layout.buckets:
+        names = [t.name for t in b.tensors]
+        assert names == ["params", "exp_avg", "exp_avg_sq", "steps"], names
+        numel, nsegs = b.tensors[0].numel, b.tensors[-1].numel
+        params += numel
+        want = 3 * (-(-4 * numel // 4096) * 4096) + -(-4 * nsegs // 4096) * 4096
+        assert b.slot_bytes == want, (b.id, b.slot_bytes, want)
+    slots = sum(b.slot_bytes for b in layout.buckets)
+    steps = sum(-(-4 * b.tensors[-1].numel // 4096) * 4096 for b in layout.buckets)
+    assert (folder / "slots.bin").stat().st_size >= 2 * slots == layout.data_bytes
+    assert slots - steps <= 12 * params + 3 * 4096 * len(layout.buckets), (slots, params)
+    with pytest.raises(AssertionError) as refused:
+        _train(
+            {"steps": 2, "bucket_bytes": 1024, "hyper": {"lr": 0.01, "amsgrad": True}},
+            False,
+            tmp_path,
+            _ooc_args(tmp_path / "b"),
+        )
+    said = str(refused.value)
+    assert "max_exp_avg_sq" in said and "amsgrad" in said and "node.state_dir" in said, said
+
+
+@pytest.mark.timeout(300)
+def test_streaming_weight_fetches_read_only_the_weights(tmp_path):
+    """A streaming worker fetches each unit's weights before its forward and again before its backward:
+    such a reply reads the bucket's fp32 weights alone from the state files (4 B a parameter, 4096-
+    aligned), not its whole slot. So the node reads at most the state once a step plus the weights once
+    a fetch (counted as the fp32 bytes the node sent, which counts a fetch of every worker), and the run
+    still equals the in-RAM node's bit for bit."""
+    steps = 4
+    spec = {"steps": steps, "bucket_bytes": 2048, "hyper": {"lr": 0.01, "weight_decay": 0.05}}
+    want = _train(spec, True, tmp_path)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    args = _ooc_args(tmp_path / "state", "--metrics.port", str(port))
+    with luwu.local_cluster(1, node_args=args) as c:
+        got = [r["params"] for r in _stream(spec, c.addresses, tmp_path)]
+        read = _metric(url, "luwu_node_state_bytes_read_total")
+        sent = sum(
+            float(ln.split()[-1])
+            for ln in urllib.request.urlopen(url, timeout=5).read().decode().splitlines()
+            if ln.startswith("luwu_node_raw_bytes_sent_total{")
+        )
+    _assert_bitwise(got, want)
+    folder = tmp_path / "state" / "luwu-node0"
+    layout = StateLayout.from_json(json.loads((folder / "header.json").read_text()))
+    state = sum(b.slot_bytes for b in layout.buckets)
+    params = sum(b.tensors[0].numel for b in layout.buckets)
+    weights = sum(-(-4 * b.tensors[0].numel // 4096) * 4096 for b in layout.buckets)
+    fetches = sent / (4 * params)  # whole-model sends, every worker's counted
+    # the state once a step, once more (the first read of each slot checks it whole), the weights a fetch
+    bound = (steps + 2) * state + fetches * weights
+    print(f"read {read:.0f} B, state {state} B, weights {weights} B, {fetches:.1f} fetches")
+    assert fetches >= 2 * steps, (sent, params)  # the workers did fetch before forward and backward
+    assert 0 < read <= bound, (read, bound, state, weights, fetches)
