@@ -492,7 +492,7 @@ def markdown(r: dict, load_line: str) -> str:
         "# An out-of-core node in a memory cgroup (bench_ooc_node)\n\n"
         f"A streaming model of {r['params'] / 1e6:.1f} M parameters (width {r['width']}, {r['depth']} "
         f"blocks): the node's AdamW state is {r['state_mib']:.0f} MiB (12 B/param; on disk "
-        f"{cap.get('disk_state_mib')} MiB: the state files' two slots of each bucket). "
+        f"{cap.get('disk_state_mib')} MiB a slot, two slots a bucket). "
         f"node.state_memory_bytes = state / 4 = {r['state_memory_bytes'] * MB:.0f} MiB. The node alone "
         f"(Python, torch, ZeroMQ, no state) peaks at {r['baseline_mib']:.0f} MiB in its cgroup; the in-RAM "
         f"node at {r['in_ram_peak_mib']:.0f} MiB, {r['in_flight_mib']:.0f} MiB above baseline + state "
