@@ -449,11 +449,16 @@ class NodeServer:
 
     def stats(self) -> dict:
         ctx, shard = self.ctx, self.shard
-        reg = ctx.metrics.registry
+        # one pass over the registry (get_sample_value collects it all at each call: STATS is asked
+        # often, by monitors and by peers that must not cost the loop much)
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in ctx.metrics.registry.collect()
+            for s in family.samples
+        }
 
         def val(name, **labels):
-            v = reg.get_sample_value(name, labels or None)
-            return float(v or 0.0)
+            return float(samples.get((name, tuple(sorted(labels.items()))), 0.0) or 0.0)
 
         return {
             "node": ctx.index,
