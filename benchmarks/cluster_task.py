@@ -317,7 +317,7 @@ class Timeline:
         self.buckets: dict[int, dict] = {}
         self.marks: dict[str, float] = {}
         w, c = opt.worker, opt.client
-        send, file, write = c.send, c.file, w._write
+        send, file, write = c.send, c.file, w.writer.write
 
         def timed_send(node, header, payload=(), priority=None):
             if self.on and header.get("op") == Op.PUSH and header.get("step") == step:
@@ -329,13 +329,13 @@ class Timeline:
                 self._at(key[3], "answered")
             return file(key, msg)
 
-        def timed_write(buf, msg):
-            out = write(buf, msg)
-            if self.on and "answered" in self.buckets.get(buf.bucket.id, {}):
-                self._at(buf.bucket.id, "written")
+        def timed_write(bid, msg):
+            out = write(bid, msg)
+            if self.on and "answered" in self.buckets.get(bid, {}):
+                self._at(bid, "written")
             return out
 
-        c.send, c.file, w._write = timed_send, timed_file, timed_write
+        c.send, c.file, w.writer.write = timed_send, timed_file, timed_write
 
     def _at(self, bid: int, what: str) -> None:
         self.buckets.setdefault(bid, {}).setdefault(what, (time.perf_counter() - self.t0) * 1e3)
