@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -57,36 +57,27 @@ from luwu.switch_nodes.ooc.window import StateWindow
 from luwu.switch_nodes.optimizers import OptimizerKind
 from luwu.switch_nodes.replies import Payload, PullCodec, encode_reply
 from luwu.switch_nodes.shard import Shard
-from luwu.switch_nodes.store import Accumulator, AccumulatorPool, BucketState, SegmentSpec
+from luwu.switch_nodes.store import (
+    Accumulator,
+    AccumulatorPool,
+    BucketState,
+    FlatState,
+    SegmentSpec,
+)
 
 __all__ = ["OocBucket", "OocShard", "WindowState"]
 
 log = logging.getLogger(__name__)
 
 
-class WindowState(Mapping):
+class WindowState(FlatState):
     """A bucket's flat optimizer state as views of its slot in the window: the names the state files
     hold (:func:`~.recovery.file_state`, zeros while unused), all allocated. A name of the kind the
     files leave out reads as zeros and takes only zeros (a step that needs it is refused before)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], numel: int = 0, bucket: int = -1):
-        self._tensors, self._numel, self._bucket = tensors, numel, bucket
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def allocated(self) -> tuple[str, ...]:
-        return tuple(self._tensors)
-
-    def read(self, name: str) -> torch.Tensor:
-        t = self._tensors.get(name)
-        return t if t is not None else torch.zeros(self._numel, dtype=torch.float32)
+        super().__init__(tuple(tensors), numel)
+        self._tensors, self._bucket = dict(tensors), bucket
 
     def write(self, name: str, value: torch.Tensor) -> None:
         t = self._tensors.get(name)
@@ -98,10 +89,6 @@ class WindowState(Mapping):
                 f"with node.state_dir: its state files do not hold {name!r} (the state of an option "
                 "off by default, such as amsgrad); load it into a node without node.state_dir"
             )
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * 4 for t in self._tensors.values())
 
 
 class OocBucket(BucketState):
