@@ -70,9 +70,9 @@ class OwedReads(TorchFunctionMode):
     ``buckets_of(p)`` names the owed buckets of a tensor (empty for any other tensor, or once its
     buckets are written); ``settle(bids)`` waits for them and writes them in. :meth:`on` puts the
     mode on the thread's stack (at the end of ``step()``), :meth:`off` takes it off (the model's
-    forward pre-hook, ``synchronize()``, a rollback): only when it is the top of the stack, as a
-    mode pushed after it by the user still stands on it; else it stays, inactive, until the next
-    :meth:`off` finds it on top."""
+    forward pre-hook, ``synchronize()``, a rollback). It sits at the bottom of the stack, under
+    the user's own modes (a ``with`` of theirs around ``step()`` pops its own mode when it ends:
+    ``TorchFunctionMode.__exit__`` pops the top), and leaves from wherever it is."""
 
     def __init__(
         self, buckets_of: Callable[[torch.Tensor], list[int]], settle: Callable[[list[int]], None]
@@ -80,19 +80,15 @@ class OwedReads(TorchFunctionMode):
         super().__init__()
         self._buckets_of, self._settle = buckets_of, settle
         self.active = False  # owed replies to guard
-        self.pushed = False  # on this thread's stack
 
     def on(self) -> None:
         self.active = True
-        if not self.pushed:
-            self.__enter__()
-            self.pushed = True
+        if not any(m is self for m in _stack()):
+            _insert_low(self)
 
     def off(self) -> None:
         self.active = False
-        if self.pushed and _top() is self:
-            self.__exit__(None, None, None)
-            self.pushed = False
+        _remove(self)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -112,7 +108,32 @@ class OwedReads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _top() -> TorchFunctionMode | None:
-    """The top of this thread's torch function mode stack."""
-    n = torch._C._len_torch_function_stack()
-    return torch._C._get_function_stack_at(n - 1) if n else None
+def _stack() -> list:
+    """This thread's torch function modes, bottom first."""
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+def _insert_low(mode: TorchFunctionMode) -> None:
+    """Put ``mode`` at the bottom of this thread's stack: a ``with`` entered before ``step()`` and
+    left after it (a mode of the user's, ``with torch.device(...)``) pops its own mode, not this
+    one (they pop the top). Only ``torch.set_default_device``'s context stays below it: it must be
+    the bottom when it is replaced."""
+    stack = _stack()
+    default = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    keep = 1 if stack and default is not None and stack[0] is default else 0
+    above = [torch._C._pop_torch_function_stack() for _ in stack[keep:]][::-1]
+    torch._C._push_on_torch_function_stack(mode)
+    for m in above:
+        torch._C._push_on_torch_function_stack(m)
+
+
+def _remove(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's stack wherever it is (nothing if it is not there)."""
+    stack = _stack()
+    if not any(m is mode for m in stack):
+        return
+    above = []
+    while (m := torch._C._pop_torch_function_stack()) is not mode:
+        above.append(m)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)

@@ -188,6 +188,28 @@ def test_reads_outside_a_forward_see_the_new_weights(cluster1):
 
 
 @pytest.mark.timeout(60)
+def test_a_with_block_around_step_pops_its_own_mode_and_reads_still_wait(cluster1):
+    """The guard of owed reads is a torch function mode; a ``with`` entered before ``step()`` and
+    left after it (``torch.device``, a user's mode) pops the top of the stack: it must pop its own
+    mode, not the guard, so nothing of it stays behind and the reads after it still wait."""
+    model, opt, ref, lopt = _pair(cluster1)
+    try:
+        _step(model, opt, 0)
+        _step(ref, lopt, 0)
+        with torch.device("cpu"):
+            _owing_step(cluster1.procs[0], model, opt, 1)
+        _step(ref, lopt, 1)
+        assert all(_owed(opt, model))
+        stack = [torch._C._get_function_stack_at(0)] if torch._C._len_torch_function_stack() else []
+        assert len(stack) == 1 and not isinstance(stack[0], torch.utils._device.DeviceContext)
+        got = [p.detach().clone() for p in model.parameters()]
+        assert not opt.worker.defer.owed and not opt.worker.defer.reads.active
+        assert_params_close(got, list(ref.parameters()), rtol=1e-5, atol=1e-6)
+    finally:
+        opt.close()
+
+
+@pytest.mark.timeout(60)
 def test_load_state_dict_is_not_overwritten_by_late_replies(cluster1):
     """``model.load_state_dict()`` between ``step()`` and the forward settles first: a reply landing
     after it would otherwise write the step's weights over the loaded ones."""
