@@ -105,6 +105,19 @@ class NodeContext:
     last_seen: dict[int, float] = field(default_factory=dict)
     members: set[int] = field(default_factory=set)  # expected in each step (elastic drops some)
 
+    def job_description(self, kind=None) -> dict:
+        """The job as a checkpoint or out-of-core state files record it (``kind``: the optimizer's,
+        where the context has none yet)."""
+        kind = self.kind or kind
+        return {
+            "job": self.job,
+            "node": self.index,
+            "layout": self.layout_hash,
+            "world_size": self.world_size,
+            "optimizer": kind.name if kind else None,
+            "param_names": {str(k): v for k, v in self.param_names.items()},
+        }
+
     def rank_of(self, ident: bytes) -> int | None:
         """The worker rank ``ident`` said HELLO as (None: it did not)."""
         return next((r for r, i in self.peers.items() if i == ident), None)

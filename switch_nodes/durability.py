@@ -132,15 +132,10 @@ class Durability:
             return
         kind = ctx.kind
         meta = {
-            "job": ctx.job,
-            "node": ctx.index,
-            "layout": ctx.layout_hash,
-            "world_size": ctx.world_size,
-            "optimizer": kind.name if kind else None,
+            **ctx.job_description(),
             "step": self.shard.step,
             "step_in_state": kind.step_in_state if kind else True,
             "state_names": list(kind.state_names) if kind else [],
-            "param_names": {str(k): v for k, v in ctx.param_names.items()},
             "buckets": [self._saved(b) for b in self.shard.buckets.values()],
         }
         tensors = {

@@ -78,16 +78,8 @@ def missing_state(ctx: NodeContext, b: BucketState, step: int, hyper: dict | Non
 
 def write_meta(folder: Path, ctx: NodeContext, order: list[BucketState]) -> None:
     """``job.json`` of the job as it is now, atomically and durably."""
-    kind = ctx.kind or (order[0].kind if order else None)
-    meta = {
-        "job": ctx.job,
-        "node": ctx.index,
-        "layout": ctx.layout_hash,
-        "world_size": ctx.world_size,
-        "optimizer": kind.name if kind else None,
-        "param_names": {str(k): v for k, v in ctx.param_names.items()},
-        "buckets": [b.to_wire() for b in order],
-    }
+    meta = ctx.job_description(order[0].kind if order else None)
+    meta["buckets"] = [b.to_wire() for b in order]
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (META_FILE + ".tmp")
     with open(tmp, "w") as fh:
