@@ -805,8 +805,10 @@ def git_commit() -> str:
             cmd, cwd=HERE.parent, capture_output=True, text=True, check=False
         ).stdout.strip()
 
-    dirty = "+dirty" if git("status", "--porcelain", "-uno") else ""
-    return (git("rev-parse", "--short", "HEAD") or "unknown") + dirty
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:  # a copy of the tree without its .git (the device tool's): the caller names it
+        return os.environ.get("LUWU_COMMIT", "unknown")
+    return head + ("+dirty" if git("status", "--porcelain", "-uno") else "")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
