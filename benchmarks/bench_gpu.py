@@ -59,6 +59,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -66,6 +67,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -75,6 +77,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repo root, for `benchmarks.common` when run as a script
 from benchmarks.common import RESULTS, md_table
+from benchmarks.profile_worker import _ours, _py_spy
 
 GIB = 1 << 30
 LR, WEIGHT_DECAY = 1e-4, 0.1
@@ -560,6 +563,9 @@ def run_job(
     spec = dict(job, progress=str(scratch / f"{name}.jsonl"), deadline=start + 0.9 * slice_s - 5)
     (scratch / f"{name}.json").write_text(json.dumps(spec))
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(scratch / f"{name}.json")]
+    if job.get("profile"):  # every process of the run: the worker and its nodes
+        raw = ["record", "--format", "raw", "--rate", str(PROFILE_HZ), "--subprocesses"]
+        cmd = [job["profile"], *raw, "-o", str(scratch / f"{name}.prof.txt"), "--", *cmd]
     with open(scratch / f"{name}.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     sampled: dict = {}
@@ -630,6 +636,45 @@ def summarize(job: dict, events: list[dict], rc: int | None, sampled: dict, wall
     }
 
 
+# ----------------------------------------------------------------- where the time goes
+PROFILE_HZ = 50
+
+
+def profile_summary(raw: Path, steps: int, top: int = 12) -> dict:
+    """Seconds per training step on the CPU, by process (the worker, the nodes together) and by
+    where: the innermost LuWu function on the stack, else the leaf frame. Setup (building the model,
+    the nodes' start, imports) is left out: stacks through ``setup_luwu`` or importlib, and the
+    parent's. py-spy samples threads that hold the CPU, so a thread waiting costs nothing here."""
+    per_step = 1.0 / (PROFILE_HZ * max(steps, 1))
+    where: dict[str, Counter] = {"worker": Counter(), "nodes": Counter()}
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        procs = [f for f in frames if f.startswith("process ")]
+        if not count.isdigit() or not procs or "_bootstrap>" in stack or "setup_luwu" in stack:
+            continue
+        kind = (
+            "nodes" if "-m luwu node" in procs[-1] else "worker" if "--child" in procs[-1] else ""
+        )
+        if not kind:
+            continue
+        code = [f for f in frames if not f.startswith(("process ", "thread ("))]
+        mine = [f for f in code if _ours(f)]
+        leaf = mine[-1] if mine else (code[-1] if code else "(no Python frame)")
+        where[kind][
+            leaf.split(" (", 1)[0] + " (" + (_ours(leaf) or leaf.partition("(")[2][:-1]) + ")"
+        ] += int(count)
+    return {
+        kind: {
+            "cpu_s_per_step": round(sum(c.values()) * per_step, 3),
+            "top": [
+                {"where": k, "s_per_step": round(v * per_step, 3)} for k, v in c.most_common(top)
+            ],
+        }
+        for kind, c in where.items()
+    }
+
+
 # ----------------------------------------------------------------- the run (in the parent)
 def cpu_split(args, cores: int) -> tuple[int, int, int]:
     """(LuWu worker threads, nodes, optimizer threads per node): the worker copies the gradients
@@ -668,6 +713,8 @@ def make_jobs(args, total: int, shapes: dict[str, Shape], cap: int, host: float)
                 "luwu_timeout_s": 300.0,
                 "port": 29500 + os.getpid() % 1000,
                 "skip": skip_reason(size, competitor, shapes[size], cap, host, nodes),
+                "profile": _py_spy() if args.profile and luwu else None,
+                "profile_dir": str(args.out),
             }
         )
     return jobs
@@ -698,6 +745,11 @@ def run_all(jobs: list[dict], end: float, scratch: Path) -> list[dict]:
         t0 = time.time()
         events, rc, sampled = run_job(job, slice_s, end, scratch)
         row = summarize(job, events, rc, sampled, time.time() - t0)
+        raw = scratch / f"{job['size']}-{job['competitor']}.prof.txt"
+        if job.get("profile") and raw.exists():
+            row["profile"] = profile_summary(raw, sum(e["event"] == "step" for e in events))
+            Path(job["profile_dir"]).mkdir(parents=True, exist_ok=True)
+            shutil.copy(raw, Path(job["profile_dir"]) / f"prof_{raw.name}")
         if (job["size"], job["competitor"]) in EXPECTED_OOM:
             fits = row["status"] in ("ok", "partial")
             said = "it FITS: size (a) is not past its reach" if fits else "as predicted"
@@ -786,6 +838,11 @@ def report(result: dict) -> str:
     lines += ["", "Targets:", ""]
     lines += [f"- {t['target']}: {t['value']} -> **{t['verdict']}**" for t in result["targets"]]
     lines += ["", PEAKS_NOTE]
+    for r in result["rows"]:
+        for kind, prof in r.get("profile", {}).items():
+            lines += ["", f"Where the CPU goes, {r['size']} {r['competitor']}, {kind}: "]
+            lines += [f"{prof['cpu_s_per_step']} s per step in all (py-spy, {PROFILE_HZ} Hz)", ""]
+            lines += [md_table(prof["top"], ["where", "s_per_step"])]
     return "\n".join(lines) + "\n"
 
 
@@ -805,9 +862,9 @@ def git_commit() -> str:
             cmd, cwd=HERE.parent, capture_output=True, text=True, check=False
         ).stdout.strip()
 
-    head = git("rev-parse", "--short", "HEAD")
-    if not head:  # a copy of the tree without its .git (the device tool's): the caller names it
-        return os.environ.get("LUWU_COMMIT", "unknown")
+    if os.environ.get("LUWU_COMMIT"):  # a copy of the tree (the device tool's): the caller names it
+        return os.environ["LUWU_COMMIT"]
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
     return head + ("+dirty" if git("status", "--porcelain", "-uno") else "")
 
 
@@ -843,6 +900,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--only", nargs="*", default=[], help="run only these: competitor or size:competitor"
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="py-spy LuWu's runs (worker and nodes): CPU seconds per step by function, in the "
+        "results, and the raw stacks as prof_*.txt beside them (needs py-spy)",
     )
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)

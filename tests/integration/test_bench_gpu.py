@@ -100,3 +100,34 @@ def test_size_a_is_past_local_adamw_and_within_the_host_for_fsdp2_offload(total_
         assert bench_gpu.skip_reason("base", name, base, cap, host, 3) == "", name
     # only the H200's size needs more host memory than the host has: capped
     assert (cap < total) == (total_gib > 100), why
+
+
+@pytest.mark.timeout(60)
+def test_the_profile_counts_training_per_process_and_leaves_setup_out(tmp_path):
+    parent = 'process 10:"python3 benchmarks/bench_gpu.py --profile"'
+    worker = parent + ';process 11:"python3 benchmarks/bench_gpu.py --child /tmp/b/x.json"'
+    node = worker + ';process 12:"python3 -m luwu node --node.index 0"'
+    train = "train (benchmarks/bench_gpu.py:372);step (benchmarks/bench_gpu.py:206)"
+    lines = [
+        f"{worker};{train};write (gpu_workers/landing.py:68);decode_ (protocol/codecs/dense.py:95) 50",
+        f"{worker};{train};copy_ (torch/_tensor.py:10) 25",
+        f"{worker};run_competitor (benchmarks/bench_gpu.py:426);setup_luwu (benchmarks/bench_gpu.py:305);"
+        "encode (protocol/codecs/dense.py:62) 400",  # setup: left out
+        f"{worker};_find_and_load (<frozen importlib._bootstrap>:1360) 300",  # an import: left out
+        f"{node};run_node (switch_nodes/daemon.py:80);apply_ (switch_nodes/optimizers/adam.py:9) 100",
+        f"{parent};main (benchmarks/bench_gpu.py:854) 900",  # the parent: left out
+        "garbage without a count",
+    ]
+    raw = tmp_path / "prof.txt"
+    raw.write_text("\n".join(lines) + "\n")
+    prof = bench_gpu.profile_summary(raw, steps=5)  # 50 Hz over 5 steps: 250 samples a second
+    assert prof["worker"]["cpu_s_per_step"] == pytest.approx(75 / 250)
+    assert prof["worker"]["top"][0] == {
+        "where": "decode_ (protocol/codecs/dense)",
+        "s_per_step": 0.2,
+    }
+    assert prof["worker"]["top"][1]["where"] == "copy_ (torch/_tensor.py:10)"
+    assert prof["nodes"] == {
+        "cpu_s_per_step": 0.4,
+        "top": [{"where": "apply_ (switch_nodes/optimizers/adam)", "s_per_step": 0.4}],
+    }
