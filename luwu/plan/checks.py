@@ -88,6 +88,7 @@ def check_spec(spec: Any) -> None:
         _positive("node_gbps", spec.node_gbps)
     if spec.shared_cores is not None:
         _positive("shared_cores", spec.shared_cores)
+    _check_tier(spec)
     if spec.overlap_fraction is not None and not (
         isinstance(spec.overlap_fraction, (int, float)) and 0.0 <= spec.overlap_fraction <= 1.0
     ):
@@ -103,4 +104,20 @@ def check_spec(spec: Any) -> None:
     ):
         raise ConfigError(
             f"protocol_efficiency must be in (0, 1], got {spec.protocol_efficiency!r}"
+        )
+
+
+def _check_tier(spec: Any) -> None:
+    """The switch tier's fields: a group of 1 to ``workers`` workers, positive link rates."""
+    _positive_int("aggregator_threads", spec.aggregator_threads)
+    for name in ("group_gbps", "aggregator_gbps"):
+        if getattr(spec, name) is not None:
+            _positive(name, getattr(spec, name))
+    if spec.group_size is None:
+        return
+    _positive_int("group_size", spec.group_size)
+    if spec.group_size > spec.workers:
+        raise ConfigError(
+            f"group_size {spec.group_size} is larger than workers={spec.workers}: a group holds "
+            "at most every worker (or leave group_size unset for the flat layout)"
         )

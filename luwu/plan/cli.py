@@ -296,6 +296,27 @@ def _disk_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _tier_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=None,
+        help="the switch tier: workers per aggregator (default: flat; the output recommends one)",
+    )
+    parser.add_argument(
+        "--group-gbps", type=float, default=None, help="aggregator's group link (default: worker's)"
+    )
+    parser.add_argument(
+        "--aggregator-gbps",
+        type=float,
+        default=None,
+        help="aggregator's uplink to the nodes, Gbit/s (default: the slowest node link)",
+    )
+    parser.add_argument(
+        "--aggregator-threads", type=int, default=1, help="aggregator decode threads (default 1)"
+    )
+
+
 def _search_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-nodes", type=int, default=8, help="largest node count explored (default 8)"
@@ -318,6 +339,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _link_options(parser)
     _node_options(parser)
     _disk_options(parser)
+    _tier_options(parser)
     _search_options(parser)
 
 
@@ -392,6 +414,10 @@ def spec_from_args(args: argparse.Namespace) -> PlanSpec:
         batch_per_worker=args.batch,
         shared_cores=args.shared_cores,
         net_cpu_s_per_byte=args.net_cpu_ns * 1e-9,
+        group_size=args.group_size,
+        group_gbps=args.group_gbps,
+        aggregator_gbps=args.aggregator_gbps,
+        aggregator_threads=args.aggregator_threads,
         **_state_fields(args),
     )
     spec = spec_with_codecs(

@@ -103,6 +103,10 @@ Out-of-core nodes (``state_memory_bytes`` smaller than a node's state, which the
 arrival)`` and every formula above takes ``max(step, D_j)``, the disk's seconds per step; the terms
 and the overlap they assume are in :mod:`.disk`.
 
+The switch tier (``group_size``: aggregators that sum a group's pushes before the nodes): a node
+hears from the aggregators instead of the workers, and a bucket crosses six stages instead of
+three; the terms are in :mod:`.tier`.
+
 Not modelled: link latency and per-message overheads (frames are 1-4 MiB),
 unfair incast sharing, CPU contention between compute, codecs and the I/O
 thread on one host (except through ``shared_cores``), the bf16 warm-up
@@ -119,6 +123,8 @@ from typing import Any
 from luwu.plan.checks import check_spec
 from luwu.plan.disk import node_disk_terms
 from luwu.plan.profiles import codec_profile
+from luwu.plan.tier import TierTerms, members, tier_resources, tier_terms
+from luwu.plan.tier import stages as tier_stages
 
 ADAMW_PARAMS_PER_S_PER_THREAD = 1.3e9
 """torch fused AdamW on CPU, one thread (benchmarks/bench_node_step.py); a core with more memory
@@ -201,6 +207,14 @@ class PlanSpec:
     """Rate of one disk under a 50/50 mix of reads and writes, GB/s; None = reads and writes take turns."""
     disk_bytes: float | None = None
     """Capacity of one disk, bytes; None = not checked (the state files hold two slots of the state)."""
+    group_size: int | None = None
+    """The switch tier: workers per aggregator (:mod:`.tier`); None = flat, workers talk to the nodes."""
+    group_gbps: float | None = None
+    """An aggregator's link to its group, Gbit/s each direction; None = ``worker_gbps``."""
+    aggregator_gbps: float | None = None
+    """An aggregator's uplink to the nodes, Gbit/s each direction; None = the slowest node link."""
+    aggregator_threads: int = 1
+    """Threads an aggregator decodes and sums with."""
 
     def __post_init__(self) -> None:
         check_spec(self)
@@ -279,6 +293,8 @@ class Plan:
     bottleneck: str
     resources: dict[str, float] = field(default_factory=dict)
     """Busy seconds per step of each resource; the bottleneck is the largest."""
+    tier: TierTerms | None = None
+    """The aggregators' terms (:mod:`.tier`); None without the switch tier."""
 
     @property
     def step_s(self) -> float:
@@ -301,6 +317,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "spec"}
+        out["tier"] = dataclasses.asdict(self.tier) if self.tier is not None else None
         out["spec"] = dataclasses.asdict(self.spec)
         out["step_s"] = self.step_s
         out["samples_per_s"] = self.samples_per_s
@@ -318,8 +335,9 @@ def stream_refetch_share(units: int, prefetch: int = 2, pull_bytes_per_elem: flo
 
 
 def _wire_terms(spec: PlanSpec, shards: tuple[float, ...]) -> dict[str, Any]:
-    """Bytes and seconds on every link (the docstring's worker up/down and node j down/up)."""
-    P, W = spec.num_params, spec.workers
+    """Bytes and seconds on every link (the docstring's worker up/down and node j down/up; with the
+    switch tier a node hears from the aggregators, and :mod:`.tier` adds their links)."""
+    P, W = spec.num_params, members(spec)
     bw_worker = spec.worker_gbps * 1e9 / 8 * spec.protocol_efficiency
     bw_nodes = [g * 1e9 / 8 * spec.protocol_efficiency for g in spec.node_gbps_list()]
     # streaming: fetched for forward, and the share not kept fetched again for backward
@@ -334,18 +352,19 @@ def _wire_terms(spec: PlanSpec, shards: tuple[float, ...]) -> dict[str, Any]:
     t["worker_down_s"] = t["worker_down_bytes"] / bw_worker
     t["node_down_s"] = tuple(b / bw for b, bw in zip(t["node_down_bytes"], bw_nodes))
     t["node_up_s"] = tuple(b / bw for b, bw in zip(t["node_up_bytes"], bw_nodes))
+    t["tier"] = tier_terms(spec, fetches)
     return t
 
 
 def _cpu_terms(spec: PlanSpec, shards: tuple[float, ...], wire: dict[str, Any]) -> dict[str, Any]:
     """Each node's CPU, the worker's codecs, compute with the hooks' encoding, and shared cores."""
-    P, W = spec.num_params, spec.workers
+    P, W, M = spec.num_params, spec.workers, members(spec)
     fetches = 1 + spec.stream_refetch if spec.stream_weights else 1
     node_opt_s = tuple(s / spec.opt_params_per_s / spec.node_threads for s in shards)
     # a reply is encoded once for every worker; a streaming fetch once per worker and fetch
     per_elem_codec = (
-        W * spec.push_decode_s_per_elem
-        + (fetches * W if spec.stream_weights else 1) * spec.pull_encode_s_per_elem
+        M * spec.push_decode_s_per_elem
+        + (fetches * M if spec.stream_weights else 1) * spec.pull_encode_s_per_elem
     )
     node_cpu_s = tuple(
         o + s * per_elem_codec / spec.node_threads for o, s in zip(node_opt_s, shards)
@@ -354,10 +373,16 @@ def _cpu_terms(spec: PlanSpec, shards: tuple[float, ...], wire: dict[str, Any]) 
     write_s = (2 if spec.stream_weights else 1) * P * spec.pull_decode_s_per_elem
     worker_codec_s = P * spec.push_encode_s_per_elem + write_s
     C = spec.compute_s + P * spec.push_encode_s_per_elem  # the hooks encode on the training thread
-    net_cpu_s = spec.net_cpu_s_per_byte * W * (wire["worker_up_bytes"] + wire["worker_down_bytes"])
+    moved = W * (wire["worker_up_bytes"] + wire["worker_down_bytes"])
+    tier, tier_cpu_s = wire["tier"], 0.0
+    if tier is not None:  # every byte crosses twice; the aggregators decode and sum
+        moved += M * (tier.uplink_up_bytes + tier.uplink_down_bytes)
+        tier_cpu_s = M * tier.cpu_s
+    net_cpu_s = spec.net_cpu_s_per_byte * moved
     shared_cpu_s = 0.0
     if spec.shared_cores is not None:
-        shared_cpu_s = (W * (C + write_s) + sum(node_cpu_s) + net_cpu_s) / spec.shared_cores
+        shared_cpu_s = W * (C + write_s) + sum(node_cpu_s) + tier_cpu_s + net_cpu_s
+        shared_cpu_s /= spec.shared_cores
         slow = max(1.0, W / spec.shared_cores)
         C, write_s = C * slow, write_s * slow
     return {
@@ -391,7 +416,9 @@ def _step_terms(spec: PlanSpec, t: dict[str, Any]) -> dict[str, Any]:
         for cpu, disk, ahead in zip(t["node_cpu_s"], t["node_disk_s"], t["node_disk_ahead_s"])
     )
     pull_s = max(t["worker_down_s"], *t["node_up_s"])
-    stages = (push_s, node_s, pull_s)
+    stages = tier_stages(t | {"push_s": push_s, "node_s": node_s, "pull_s": pull_s})
+    if t["tier"] is not None:  # (the push stages: two hops and the sum between; the pull: two hops)
+        push_s, pull_s = max(stages[:3]), max(stages[4:])
     longest = max(stages)
     path_s = longest + (sum(stages) - longest) / K
     tail_s = sum(stages) / K
@@ -425,6 +452,7 @@ def _resources(spec: PlanSpec, t: dict[str, Any]) -> dict[str, float]:
         resources[f"node {j} cpu"] = t["node_cpu_s"][j]
         if t["node_out_of_core"][j]:
             resources[f"node {j} disk"] = t["node_disk_s"][j]
+    resources |= tier_resources(t["tier"])
     resources["worker codec"] = t["worker_codec_s"]
     if spec.shared_cores is not None:
         resources["shared cores"] = t["shared_cpu_s"]

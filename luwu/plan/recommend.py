@@ -9,6 +9,7 @@ from typing import Any
 from luwu.plan.checks import _non_negative, _positive_int
 from luwu.plan.model import Plan, PlanSpec, plan, spec_with_codecs
 from luwu.plan.profiles import PULL_CODECS, PUSH_CODECS, codec_profile
+from luwu.plan.tier import GroupOption, recommend_group
 from luwu.protocol.errors import ConfigError
 
 
@@ -44,6 +45,10 @@ class Recommendation:
     current_step_s: float
     node_options: tuple[Option, ...]
     codec_options: tuple[Option, ...]
+    group_size: int | None = None
+    """The switch tier's group size for the spec's nodes, codecs and links (None: flat), chosen by
+    :func:`.tier.recommend_group`."""
+    group_options: tuple[GroupOption, ...] = ()
 
     @property
     def speedup(self) -> float:
@@ -78,7 +83,8 @@ def recommend(
     codec_costs: bool = True,
     worker_codec_costs: bool = True,
 ) -> Recommendation:
-    """Explore 1..max_nodes nodes with the spec's codecs, then codec pairs at the chosen count.
+    """Explore 1..max_nodes nodes with the spec's codecs, then codec pairs at the chosen count, and
+    the switch tier's group sizes on the spec as given.
 
     Gains smaller than ``tolerance`` (relative) are not worth a node, a lossier
     codec or staleness, so the cheapest option within it of the best is chosen.
@@ -117,6 +123,7 @@ def recommend(
         key=lambda x: (x[0], _step(x[3], delayed)),
     )
     use_delayed = chosen.sync_step_s > chosen.delayed_step_s * (1 + tolerance)
+    group, group_options = recommend_group(spec, plan, lambda p: _step(p, delayed), tolerance)
     return Recommendation(
         nodes=nodes,
         nodes_unbind_links=unbind,
@@ -127,4 +134,6 @@ def recommend(
         current_step_s=current.step_s,
         node_options=node_options,
         codec_options=codec_options,
+        group_size=group,
+        group_options=group_options,
     )

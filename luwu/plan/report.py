@@ -52,6 +52,23 @@ def _rows(p: Plan) -> list[tuple[str, str, str]]:
         ("worker uplink (push)", _mb(p.worker_up_bytes), _time(p.worker_up_s)),
         ("worker downlink (pull)", _mb(p.worker_down_bytes), _time(p.worker_down_s)),
     ]
+    if p.tier is not None:
+        t = p.tier
+        rows += [
+            (
+                f"aggregator group link in ({t.aggregators} of {t.group_size} workers)",
+                _mb(t.group_in_bytes),
+                _time(t.group_in_s),
+            ),
+            ("aggregator group link out (replies)", _mb(t.group_out_bytes), _time(t.group_out_s)),
+            ("aggregator uplink (one sum)", _mb(t.uplink_up_bytes), _time(t.uplink_up_s)),
+            (
+                "aggregator uplink down (replies once)",
+                _mb(t.uplink_down_bytes),
+                _time(t.uplink_down_s),
+            ),
+            ("aggregator cpu (decode and sum)", "", _time(t.cpu_s)),
+        ]
     for j in range(p.spec.nodes):
         rows += _node_rows(p, j)
     in_backward = p.worker_codec_s - p.spec.num_params * p.spec.pull_decode_s_per_elem
@@ -85,6 +102,26 @@ def _state_lines(p: Plan) -> list[str]:
     return lines
 
 
+def _tier_line(p: Plan, rec: Recommendation) -> str:
+    """The switch tier: the group size to use for these links, against flat."""
+    by = {o.group_size: o for o in rec.group_options}
+    flat = by[None]
+    if rec.group_size is None:
+        best = min(rec.group_options, key=lambda o: o.step_s)
+        gain = (
+            f"; the best, groups of {best.group_size}, {_time(best.step_s)}"
+            if best.group_size
+            else ""
+        )
+        return f"switch tier: flat is within 5% of the best ({_time(flat.step_s)}{gain})"
+    o = by[rec.group_size]
+    return (
+        f"switch tier: groups of {o.group_size} workers ({o.aggregators} aggregator(s)) -> "
+        f"{_time(o.step_s)}, {flat.step_s / o.step_s:.2f}x flat's {_time(flat.step_s)} "
+        f"(bottleneck {o.bottleneck})"
+    )
+
+
 def summary_lines(p: Plan, args: argparse.Namespace, rec: Recommendation) -> list[str]:
     mode = "delayed update" if p.spec.delayed_update else "sync"
     if p.spec.stream_weights:
@@ -103,6 +140,7 @@ def summary_lines(p: Plan, args: argparse.Namespace, rec: Recommendation) -> lis
         f"{'delayed update' if rec.delayed_update else 'sync'} -> {_time(rec.step_s)} "
         f"({rec.speedup:.2f}x the current {_time(rec.current_step_s)})"
     )
+    lines.append(_tier_line(p, rec))
     if rec.nodes_unbind_links is None:
         lines.append(
             f"node links still bind at {args.max_nodes} nodes: compress more or use faster node links"
