@@ -77,10 +77,13 @@ def bucket_buffers(
     order += [
         b.id for b in buckets if b.id not in placed
     ]  # (a chain without a head would be a cycle: none, but every bucket is placed)
+    # a GPU model's gradients are copied out into page-locked buckets: DMA, not the driver's staging
+    pin = torch.cuda.is_available() and any(p.is_cuda for p in params)
     flats, out = {}, {}
     for dt in sorted(set(dtype.values()), key=str):
         mine = [k for k in order if dtype[k] == dt]
-        flat = flats[dt] = torch.zeros(sum(by_id[k].numel for k in mine), dtype=dt)
+        numel = sum(by_id[k].numel for k in mine)
+        flat = flats[dt] = torch.zeros(numel, dtype=dt, pin_memory=pin)
         off = 0
         for k in mine:
             out[k] = flat.narrow(0, off, by_id[k].numel)

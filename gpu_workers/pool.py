@@ -21,6 +21,12 @@ import torch
 FP32_BYTES = 4
 
 
+def _gpu_in_use() -> bool:
+    """Whether this process trains on a GPU (CUDA is initialized): then a buffer is page-locked, so
+    the gradients of a GPU unit are copied out of the device by DMA, not staged by the driver."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 class BufferPool:
     def __init__(self, budget_bytes: int):
         if budget_bytes <= 0:
@@ -44,7 +50,7 @@ class BufferPool:
                 buf = free.pop()
             else:
                 self._trim(self.budget_bytes - need)
-                buf = torch.empty(numel)
+                buf = torch.empty(numel, pin_memory=_gpu_in_use())
                 self.held_bytes += need
                 self.peak_bytes = max(self.peak_bytes, self.held_bytes)
             self.lent_bytes += need

@@ -71,6 +71,16 @@ def _as(frame: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return frame.view(dtype)
 
 
+def to_device(frame: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A received frame (host memory) on ``device``, to be widened there. To a GPU it goes through
+    page-locked memory and asynchronously on the current stream: a pageable copy is staged by the
+    driver at a fraction of the DMA rate (about 2 GB/s against tens on an H200 host), and torch's
+    pinned allocator keeps the block until its copy is done, so the frame may be dropped at once."""
+    if device.type != "cuda":
+        return frame.to(device)
+    return frame.pin_memory().to(device, non_blocking=True)
+
+
 def _check_meta(codec: str, meta: dict, spec: dict[str, type | tuple[type, ...]]) -> None:
     """Meta must have exactly the keys of ``spec``, each of the given type."""
     if not isinstance(meta, dict):

@@ -18,6 +18,7 @@ from luwu.protocol.codecs.base import (
     _check_meta,
     _check_numel,
     _flat,
+    to_device,
 )
 from luwu.protocol.errors import ConfigError, ProtocolError
 
@@ -260,7 +261,7 @@ class _BlockCodec(Codec):
         """The torch path on an accelerator (a CUDA parameter as the target): the codes and scales cross as they
         travelled (a byte or half a byte per value and a scale per block, not 4 bytes per value) and are widened
         there, with the CPU path's products (``code * (scale * alpha)``, each rounded on its own)."""
-        q, scales = q.to(device), scales.to(device)
+        q, scales = to_device(q, device), to_device(scales, device)
         vals = (
             q[:n].float()
             if self.bits == 8

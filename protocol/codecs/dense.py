@@ -17,6 +17,7 @@ from luwu.protocol.codecs.base import (
     _check_numel,
     _check_summands,
     _chunks,
+    to_device,
 )
 from luwu.protocol.errors import ProtocolError
 
@@ -75,7 +76,7 @@ class _DenseCodec(Codec):
         if (
             acc.device.type != "cpu"
         ):  # (a CUDA target: the frame crosses as it travelled, widened on the device)
-            src = src.to(acc.device)
+            src = to_device(src, acc.device)
         if self.dtype == torch.float32 or acc.device.type != "cpu":
             acc.add_(src, alpha=alpha)
             return
@@ -92,7 +93,7 @@ class _DenseCodec(Codec):
         if (
             out.device.type != "cpu" and self.dtype != torch.float32
         ):  # (a CUDA target: the frame crosses as it travelled, widened there)
-            src = src.to(out.device)
+            src = to_device(src, out.device)
         if alpha == 1.0:
             out.copy_(src)
         elif self.dtype == torch.float32:
