@@ -182,11 +182,15 @@ class RunConfig:
     capacities: tuple[float, ...] | None = None
     """LuWu node capacities written to the cluster file (None = equal)."""
     label: str = ""
+    told_link: bool = True
+    """LuWu: the cluster file tells the compression policy the link's rate; False: the defaults
+    (``link_gbps = "auto"``: each worker measures its link to each node), named ``..._auto``."""
 
     @property
     def name(self) -> str:
         base = f"{self.kind}_{self.variant}" + (f"_n{self.nodes}" if self.kind == "luwu" else "")
         base += "" if self.compression or self.kind != "luwu" else "_fp32"
+        base += "" if self.told_link else "_auto"
         return base + (f"_{self.label}" if self.label else "")
 
 
@@ -233,7 +237,7 @@ def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str
         "[compression]",
         f"enabled = {str(rc.compression).lower()}",
         f"warmup_steps = {s.compression_warmup}",
-        f"link_gbps = {rate_gbps:g}",
+        f"link_gbps = {rate_gbps:g}" if rc.told_link else "# link_gbps: not told (auto)",
         "",
         "[transport]",
         f"timeout_s = {s.timeout_s:g}",
@@ -543,14 +547,26 @@ def bound_of(link_util: float, cpu_util: float, busiest: str | None) -> str:
 
 
 def h2h_configs(
-    rates: list[str], workers: list[int], nodes: list[int], only: list[str] | None
+    rates: list[str],
+    workers: list[int],
+    nodes: list[int],
+    only: list[str] | None,
+    auto_link: bool = False,
 ) -> list[RunConfig]:
+    """The head-to-head's runs; ``auto_link``: every LuWu run also on pure defaults (the link's
+    rate not told: ``..._auto``), side by side with the told one."""
     out = []
+    told = (True, False) if auto_link else (True,)
     for rate in rates:
         for w in workers:
             out += [RunConfig("ddp", v, w, rate=rate) for v in DDP_VARIANTS]
             out += [RunConfig("fsdp", v, w, rate=rate) for v in FSDP_VARIANTS]
-            out += [RunConfig("luwu", v, w, n, rate=rate) for n in nodes for v in LUWU_VARIANTS]
+            out += [
+                RunConfig("luwu", v, w, n, rate=rate, told_link=t)
+                for n in nodes
+                for v in LUWU_VARIANTS
+                for t in told
+            ]
     if only:
         out = [rc for rc in out if any(o in rc.name for o in only)]
     return out
@@ -1574,6 +1590,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECTION.FIELD=VALUE",
         help="a LuWu setting over the defaults, as in a cluster file (TOML value), e.g. optimizer.layer_waits=false",
     )
+    ap.add_argument(
+        "--auto-link",
+        action="store_true",
+        help="each LuWu run also on pure defaults, the link's rate not told (named ..._auto)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -1611,7 +1632,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = args.rates or (["1gbit"] if quick else ["1gbit", "10gbit"])
     workers = args.workers or ([4] if quick else [4, 2])
     nodes = args.nodes or ([2] if quick else [1, 2, 4])
-    configs = h2h_configs(rates, workers, nodes, args.only)
+    configs = h2h_configs(rates, workers, nodes, args.only, args.auto_link)
     t0 = time.monotonic()
     info = machine()
     calib = calibrate(s)
