@@ -305,8 +305,8 @@ def _weights(spec: dict, model: torch.nn.Module, opt) -> list[torch.Tensor] | No
 
 
 class Timeline:
-    """When each bucket of one step was pushed (handed to the I/O thread), answered (its reply filed by the
-    I/O thread) and written into the parameters (the training thread's wait for it over), in ms from the
+    """When each bucket of one step was pushed (handed to the I/O thread), answered (its reply delivered by
+    the I/O thread) and written into the parameters (the training thread's wait for it over), in ms from the
     step's start (``zero_grad``), with the step's own marks: forward done, backward done, ``step()``
     returned, and the next step's forward done (per-layer waits write the weights there)."""
 
@@ -317,17 +317,18 @@ class Timeline:
         self.buckets: dict[int, dict] = {}
         self.marks: dict[str, float] = {}
         w, c = opt.worker, opt.client
-        send, file, write = c.send, c.file, w.writer.write
+        send, deliver, write = c.send, c.channels.deliver, w.writer.write
 
         def timed_send(node, header, payload=(), priority=None):
             if self.on and header.get("op") == Op.PUSH and header.get("step") == step:
                 self._at(header["bucket"], "pushed")
             return send(node, header, payload, priority)
 
-        def timed_file(key, msg):
-            if self.on and key[0] == Op.UPDATE and key[2] == step:
-                self._at(key[3], "answered")
-            return file(key, msg)
+        def timed_deliver(node, msg):
+            h = msg.header
+            if self.on and h["op"] == Op.UPDATE and h.get("seq") == step:
+                self._at(h["bucket"], "answered")
+            return deliver(node, msg)
 
         def timed_write(bid, msg):
             out = write(bid, msg)
@@ -335,7 +336,7 @@ class Timeline:
                 self._at(bid, "written")
             return out
 
-        c.send, c.file, w.writer.write = timed_send, timed_file, timed_write
+        c.send, c.channels.deliver, w.writer.write = timed_send, timed_deliver, timed_write
 
     def _at(self, bid: int, what: str) -> None:
         self.buckets.setdefault(bid, {}).setdefault(what, (time.perf_counter() - self.t0) * 1e3)

@@ -3,8 +3,9 @@
 ZeroMQ sockets are not thread-safe, so one thread owns a DEALER per node. The
 training thread (and autograd threads running gradient hooks) hand it frames
 through a queue and wake it through a pipe; it sends without blocking (a full
-high-water mark leaves the message queued, and receiving goes on) and files
-every reply where a waiter finds it. Every wait has a deadline and its error
+high-water mark leaves the message queued, and receiving goes on), resolves the
+future of each bucket's reply (:mod:`~luwu.gpu_workers.channel`) and files every
+control reply where a waiter finds it. Every wait has a deadline and its error
 names the node address, this worker's rank, the step and the bucket. A node
 address that refuses every connection at start-up is named within
 :data:`~luwu.gpu_workers.reach.REFUSED_WINDOW_S` (ZeroMQ would retry it silently until the deadline).
@@ -22,11 +23,11 @@ import os
 import threading
 import time
 import weakref
-from typing import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from luwu.gpu_workers.channel import Channels, Reply, resolved
 from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers.reach import WATCHED, Reach, check_resolves
 from luwu.protocol import messages as wire
@@ -77,6 +78,15 @@ def _next_out(q: collections.deque) -> int:
     return best
 
 
+#: The replies that resolve a bucket channel's futures (the others are filed for control waits).
+_BUCKET_REPLIES = (Op.UPDATE, Op.NORM)
+
+
+def _key_where(key: tuple) -> tuple:
+    """(node, step, bucket) of a control reply's key."""
+    return key[1], key[2], key[3]
+
+
 class WorkerClient:
     def __init__(self, nodes: list[str], *, job: str, rank: int, cfg: TransportConfig):
         if not nodes:
@@ -88,9 +98,9 @@ class WorkerClient:
             retain_freed_memory()
         self._out: list[collections.deque] = [collections.deque() for _ in nodes]
         self._cv = threading.Condition()
-        self._inbox: dict[tuple, wire.Message] = {}  # (op, node, step, bucket) -> message
+        self._inbox: dict[tuple, wire.Message] = {}  # control replies: (op, node, step, bucket)
         self._errors: list[tuple[int, LuwuError]] = []
-        self._handlers: dict[Op, Callable[[int, wire.Message], None]] = {}
+        self.channels = Channels(self)  # the buckets' requests and the futures of their replies
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._woken = (
@@ -133,14 +143,6 @@ class WorkerClient:
         return s
 
     # ----------------------------------------------------------------- API for the training thread
-    def on(self, op: Op, handler: Callable[[int, wire.Message], None]) -> None:
-        """Call ``handler(node, msg)`` on the I/O thread for every ``op`` message (instead of filing it; None:
-        file them again)."""
-        if handler is None:
-            self._handlers.pop(op, None)
-        else:
-            self._handlers[op] = handler
-
     def send(self, node: int, header: dict, payload=(), priority: int | None = None) -> None:
         """Queue a message to a node (thread-safe). The payload tensors must stay untouched until the
         reply to this message has arrived. ``priority`` (pushes): among the messages with a priority
@@ -169,31 +171,40 @@ class WorkerClient:
         what: str = "reply",
         errors_of: tuple | None = None,
     ) -> list[wire.Message]:
-        """Wait for messages filed under ``keys`` = (op, node, step, bucket); pops and returns them.
-        ``errors_of``: raise only ERRORs answering these ops (the others stay for later or are fenced off)."""
-        got = dict(self.arrivals(keys, timeout_s, what, errors_of))
-        return [got[k] for k in keys]
-
-    def arrivals(
-        self,
-        keys: list[tuple],
-        timeout_s: float | None = None,
-        what: str = "reply",
-        errors_of: tuple | None = None,
-    ):
-        """Yield ``(key, message)`` for every key as soon as it is filed, in arrival order, so the caller
-        consumes each reply (and frees its buffer) while the others are still coming. One deadline for
-        all; the error names the node, step and bucket still missing."""
+        """Wait for the control replies filed under ``keys`` = (op, node, step, bucket); pops and
+        returns them. ``errors_of``: raise only ERRORs answering these ops (the others stay for
+        later or are fenced off). A bucket's replies come as futures (:mod:`.channel`)."""
         timeout_s = timeout_s or self.cfg.timeout_s
         deadline = time.monotonic() + timeout_s
+        got: dict = {}
         pending = list(keys)
         while pending:
             with self._cv:
-                ready = self._await_any(pending, deadline, timeout_s, what, errors_of, len(keys))
-                got = [(k, self._inbox.pop(k)) for k in ready]
-            done = set(ready)
-            pending = [k for k in pending if k not in done]
-            yield from got
+                args = (deadline, timeout_s, what, errors_of, len(keys))
+                for k in self._await_any(pending, self._filed, _key_where, *args):
+                    got[k] = self._inbox.pop(k)
+            pending = [k for k in pending if k not in got]
+        return [got[k] for k in keys]
+
+    def arrivals(self, replies: list[Reply], timeout_s: float | None = None, what: str = "reply"):
+        """Yield each of ``replies`` (futures of bucket replies) as soon as it resolves, in arrival
+        order, so the caller consumes each reply (and frees its buffer) while the others are still
+        coming; a failed one raises its error. One deadline for all; the error names the node,
+        step and bucket still missing."""
+        for ready in self.batches(replies, timeout_s, what):
+            yield from ready
+
+    def batches(self, replies: list[Reply], timeout_s: float | None = None, what: str = "reply"):
+        """:meth:`arrivals` a batch at a time: the replies resolved by each wake-up (the first batch
+        alone: which arrived, their messages left for a later wait)."""
+        timeout_s = timeout_s or self.cfg.timeout_s
+        args = (time.monotonic() + timeout_s, timeout_s, what, None, len(replies))
+        pending = replies
+        while pending:
+            with self._cv:
+                ready = self._await_any(pending, resolved, Reply.where, *args)
+                pending = [r for r in pending if not r.done]
+            yield ready
 
     def answers(
         self, keys: list[tuple], ref_op: Op, timeout_s: float | None = None, what: str = "reply"
@@ -224,54 +235,45 @@ class WorkerClient:
                 if missing:
                     left = deadline - time.monotonic()
                     if left <= 0 or not self._running:
-                        raise self._reach.timeout(missing, what, timeout_s, len(keys))
+                        raise self._timeout(missing, _key_where, what, timeout_s, len(keys))
                     self._cv.wait(min(left, 0.5))
         return [out[k] for k in keys]
 
-    def ready(self, keys: list[tuple]) -> list[tuple]:
-        """Those of ``keys`` filed now (no waiting; the messages stay filed)."""
-        with self._cv:
-            return [k for k in keys if k in self._inbox]
-
-    def filed(
-        self, keys: list[tuple], timeout_s: float | None = None, what: str = "reply"
-    ) -> list[tuple]:
-        """Wait until some of ``keys`` are filed and return those keys, leaving the messages filed for
-        a later :meth:`wait` (a streaming worker learns that a push arrived without taking its reply)."""
-        timeout_s = timeout_s or self.cfg.timeout_s
-        with self._cv:
-            return self._await_any(
-                list(keys), time.monotonic() + timeout_s, timeout_s, what, None, len(keys)
-            )
+    def _filed(self, keys: list[tuple]) -> list[tuple]:
+        return [k for k in keys if k in self._inbox]
 
     def _await_any(
         self,
-        missing: list[tuple],
+        missing: list,
+        ready_of,
+        where,
         deadline: float,
         timeout_s: float,
         what: str,
         errors_of,
         total: int,
-    ) -> list[tuple]:
-        """With the lock held: wait until some of ``missing`` is filed and return those keys."""
+    ) -> list:
+        """With the lock held: wait until ``ready_of(missing)`` (control keys filed, futures
+        resolved) is not empty and return it; ``where(m)``: (node, step, bucket) of ``m``."""
         probed = told = time.monotonic()
         while True:
             self._raise_errors(errors_of)
-            ready = [k for k in missing if k in self._inbox]
+            ready = ready_of(missing)
             if ready:
                 return ready
-            self._reach.raise_refused(sorted({m[1] for m in missing}))
+            nodes = sorted({where(m)[0] for m in missing})
+            self._reach.raise_refused(nodes)
             now = time.monotonic()
             left = deadline - now
             if left <= 0 or not self._running:
-                raise self._reach.timeout(missing, what, timeout_s, total)
+                raise self._timeout(missing, where, what, timeout_s, total)
             if now - told >= PROGRESS_EVERY_S:
                 told = now
                 log.info(
                     "worker %d: still waiting for %s from %s (%.0f of %.0f s)",
                     self.rank,
                     what,
-                    ", ".join(self.nodes[n] for n in sorted({m[1] for m in missing})),
+                    ", ".join(self.nodes[n] for n in nodes),
                     timeout_s - left,
                     timeout_s,
                 )
@@ -279,14 +281,30 @@ class WorkerClient:
             if time.monotonic() - probed >= 1.0:
                 # a node that restarted answers a probe with ERROR (rollback) long before the deadline
                 probed = time.monotonic()
-                for n in sorted({m[1] for m in missing}):
+                for n in nodes:
                     self.send(n, {"op": Op.HEARTBEAT})
 
+    def _timeout(self, missing: list, where, what: str, timeout_s: float, total: int):
+        welcome = isinstance(missing[0], tuple) and missing[0][0] == Op.WELCOME
+        return self._reach.timeout([where(m) for m in missing], what, timeout_s, total, welcome)
+
     def reset(self) -> None:
-        """Forget filed replies and errors (after a rollback or rejoin: they belong to abandoned steps)."""
+        """Forget filed replies and errors, and abandon the buckets' unresolved futures (after a
+        rollback or rejoin: they belong to abandoned steps)."""
         with self._cv:
             self._inbox.clear()
             self._errors.clear()
+        self.channels.reset()
+
+    def fail(self, node: int, err: LuwuError, *refused: Reply) -> None:
+        """An error of ``node`` (an ERROR it sent, a reply that could not be taken): raised by the
+        next wait, and the error of the futures it refuses."""
+        with self._cv:
+            self._errors.append((node, err))
+            for reply in refused:
+                if not reply.done:
+                    reply.error, reply.done = err, True
+            self._cv.notify_all()
 
     def _raise_errors(self, errors_of) -> None:
         for i, (_node, err) in enumerate(self._errors):
@@ -296,23 +314,21 @@ class WorkerClient:
 
     @staticmethod
     def key_of(node: int, h: dict) -> tuple:
-        """Where a reply is filed: (op, node, step, bucket). WELCOME and STATS have no step; an UPDATE
-        answering a push carries the pushed step in ``seq`` (-1 for the answer to a PULL)."""
+        """Where a control reply is filed: (op, node, step, bucket). WELCOME and STATS have no
+        step; a bucket's replies (UPDATE, NORM) resolve its channel's futures instead."""
         op = h["op"]
         if op in (Op.WELCOME, Op.STATS, Op.ROLLBACK, Op.CHECKPOINT, Op.EXPORT, Op.BYE):
             return (op, node, None, -1)
         if op == Op.STATE:
             return (op, node, None, h["bucket"])
-        if op == Op.UPDATE:
-            return (op, node, h.get("seq", -1), h["bucket"])
         return (op, node, h["step"], h.get("bucket", -1))
 
     def file(self, key: tuple, msg: wire.Message) -> None:
         with self._cv:
             if key[0] in (Op.WELCOME, Op.ROLLBACK):
-                # a new session with this node, or its answer to ROLLBACK (a step it finished between
-                # answering HELLO and rolling back sent its weights in between): whatever it answered
-                # before belongs to abandoned steps
+                # a new session with this node, or its answer to ROLLBACK: whatever it answered
+                # before belongs to abandoned steps (a bucket's reply sent in between, of a step
+                # finished between answering HELLO and rolling back, found no future: reset())
                 node = key[1]
                 self._welcomed.add(node)
                 self._errors = [(n, e) for n, e in self._errors if n != node]
@@ -465,24 +481,18 @@ class WorkerClient:
                     detail=h.get("detail") or {},
                     ref_op=h["ref_op"],
                 )
-                with self._cv:
-                    self._errors.append((node, err))
-                    self._cv.notify_all()
+                with self._cv:  # (and the futures of the push or PULL it refuses)
+                    self.fail(node, err, *self.channels.refused(node, err))
                 continue
-            handler = self._handlers.get(op)
             try:
-                if handler is not None:
-                    handler(node, msg)
+                if op in _BUCKET_REPLIES:
+                    self.channels.deliver(node, msg)
                 elif op != Op.HEARTBEAT:
                     self.file(self.key_of(node, h), msg)
             except Exception as exc:  # a bad reply must not kill the I/O thread
-                with self._cv:
-                    self._errors.append(
-                        (
-                            node,
-                            exc
-                            if isinstance(exc, LuwuError)
-                            else ProtocolError(f"node {self.nodes[node]}: {exc}"),
-                        )
-                    )
-                    self._cv.notify_all()
+                self.fail(
+                    node,
+                    exc
+                    if isinstance(exc, LuwuError)
+                    else ProtocolError(f"node {self.nodes[node]}: {exc}"),
+                )

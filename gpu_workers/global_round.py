@@ -14,23 +14,25 @@ import time
 
 import torch
 
-from luwu.protocol.layout import Layout
+from luwu.gpu_workers.channel import Reply
 from luwu.protocol.messages import Op
 
 
 def run(
     client,
-    layout: Layout,
+    norms: list[Reply],
     node_buckets: list[list[int]],
     step: int,
     inv_scale: float,
     max_norm: float | None,
 ) -> tuple[bool, float, float]:
-    """Gather the partial norms of ``step``, decide skip / coefficient and COMMIT. Returns (skipped, grad
-    norm of the unscaled averaged gradient, seconds waited for the norms)."""
-    keys = [(Op.NORM, b.node, step, b.id) for b in layout.buckets]
+    """Gather the partial norms of ``step`` (``norms``: the futures of every bucket's NORM, in
+    bucket order), decide skip / coefficient and COMMIT. Returns (skipped, grad norm of the
+    unscaled averaged gradient, seconds waited for the norms)."""
     t0 = time.perf_counter()
-    msgs = client.wait(keys, what="gradient norm")
+    for _ in client.arrivals(norms, what="gradient norm"):
+        pass
+    msgs = [r.msg for r in norms]
     waited = time.perf_counter() - t0
     sq = math.fsum(m.header["sqnorm"] for m in msgs)
     nonfinite = any(m.header["nonfinite"] for m in msgs)

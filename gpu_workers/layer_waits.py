@@ -52,11 +52,11 @@ import time
 
 import torch
 
+from luwu.gpu_workers.channel import Reply
 from luwu.gpu_workers.landing import WRITTEN
 from luwu.gpu_workers.owed_reads import OwedReads
 from luwu.protocol import messages as wire
 from luwu.protocol.errors import LuwuError
-from luwu.protocol.messages import Op
 
 log = logging.getLogger(__name__)
 
@@ -97,14 +97,14 @@ class _Hook:
 class LayerWaits:
     """The replies a worker still owes its parameters, written when a module holding them next runs.
 
-    The worker files the keys of the deferrable buckets' replies here (:meth:`owe`) instead of
+    The worker hands the futures of the deferrable buckets' replies here (:meth:`owe`) instead of
     waiting for them in ``step()``; the modules' forward pre-hooks and :meth:`settle` wait for
     some or all of them."""
 
     def __init__(self, worker, model: torch.nn.Module):
         self.worker, self.model = worker, model
-        # bucket -> the key of the reply that brings its new weights
-        self.owed: dict[int, tuple] = {}
+        # bucket -> the future of the reply that brings its new weights
+        self.owed: dict[int, Reply] = {}
         self.waited_s = 0.0  # seconds waited for replies since the last step() took the count
         self.skips = 0  # buckets the nodes skipped (non-finite gradient), found as they landed
         self.order: dict[int, int] = {}  # bucket -> when a forward first read it (pushes' priority)
@@ -135,7 +135,6 @@ class LayerWaits:
         self.reads = OwedReads(self._owed_buckets_of, self.settle)
         hooked = [held[mid] for mid in self._module_bids if mid != id(model)]
         self._hooks = self._register_hooks(hooked)
-        worker.client.on(Op.UPDATE, self._on_update)
 
     def _buckets_of_modules(self) -> dict[int, list[int]]:
         """``id(module)`` -> the deferrable buckets of the parameters it holds directly."""
@@ -161,18 +160,16 @@ class LayerWaits:
             hooks.append(m.register_load_state_dict_pre_hook(on_load))
         return hooks
 
-    def _on_update(self, node: int, msg: wire.Message) -> None:
-        """On the I/O thread, for every UPDATE: the reply of an owed bucket is written into the
+    def _on_update(self, reply: Reply, msg: wire.Message) -> wire.Message:
+        """On the I/O thread, before an owed reply resolves: its weights are written into the
         parameters as it lands, so its frames are freed at once instead of waiting for the forward
-        (a step's replies would otherwise all be held, a second copy of the weights); the waiter
-        finds its header. Other replies are filed as they came."""
-        client = self.worker.client
-        key = client.key_of(node, msg.header)
+        (a step's replies would otherwise all be held, a second copy of the weights); the future
+        resolves with its header alone. A reply no longer owed resolves as it came."""
         with self._lock:
-            if self.owed.get(key[3]) == key:
-                self.worker.land(key[3], msg)
+            if self.owed.get(reply.bucket) is reply:
+                self.worker.land(reply.bucket, msg)
                 msg = wire.Message({**msg.header, WRITTEN: True}, [])
-        client.file(key, msg)
+        return msg
 
     @torch.compiler.disable(reason=_GRAPH_BREAK)
     def _pre_forward(self, module: torch.nn.Module, _args) -> None:
@@ -218,19 +215,20 @@ class LayerWaits:
                 self._step,
             )
 
-    def owe(self, keys: list[tuple]) -> None:
-        """Owe the replies ``keys`` (this step's): from now on the I/O thread writes each as it
+    def owe(self, replies: list[Reply]) -> None:
+        """Owe ``replies`` (futures of this step's): from now on the I/O thread writes each as it
         lands, else the next forward's hooks do. One that is here already (it came between the
         release of held replies and now) is written at once, not at the next forward: its frames
         would be a second copy of those weights until then. The buckets of parameters whose
         modules' hooks did not run in this step are left to the model's pre-hook."""
         with self._lock:
-            for key in keys:
-                self.owed[key[3]] = key
-        covered = self._covered
-        self._sweep = [k[3] for k in keys if not covered.issuperset(self._bucket_params[k[3]])]
-        if here := self.worker.client.ready(keys):
-            self.settle([k[3] for k in here], read=False)
+            for reply in replies:
+                self.owed[reply.bucket] = reply
+                reply.then = self._on_update
+        covered, params = self._covered, self._bucket_params
+        self._sweep = [r.bucket for r in replies if not covered.issuperset(params[r.bucket])]
+        if here := [r.bucket for r in replies if r.done]:
+            self.settle(here, read=False)
         if self.owed:
             self.reads.on()
 
@@ -243,19 +241,19 @@ class LayerWaits:
             return
         with self._lock:  # (popped: the I/O thread no longer writes them)
             wanted = list(self.owed) if bids is None else bids
-            keys = [self.owed.pop(b) for b in wanted if b in self.owed]
-        if not keys:
+            replies = [self.owed.pop(b) for b in wanted if b in self.owed]
+        if not replies:
             return
         w = self.worker
-        for key in keys if read else ():
-            self.order.setdefault(key[3], len(self.order))
+        for r in replies if read else ():
+            self.order.setdefault(r.bucket, len(self.order))
         t0 = time.perf_counter()
         with w._noting_errors():  # (a wait in a forward: recover() acts on its error)
-            for key, m in w.client.arrivals(keys, timeout_s, what="updated weights"):
+            for r in w.client.arrivals(replies, timeout_s, what="updated weights"):
                 t1 = time.perf_counter()
                 self.waited_s += t1 - t0
-                self.skips += bool(m.header["skipped"])
-                w.land(key[3], m)
+                self.skips += bool(r.msg.header["skipped"])
+                w.land(r.bucket, r.msg)
                 t0 = time.perf_counter()
         if not self.owed:
             self.reads.off()

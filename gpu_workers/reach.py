@@ -17,7 +17,6 @@ import zmq
 
 from luwu.gpu_workers.config import TransportConfig
 from luwu.protocol.errors import NodeTimeoutError
-from luwu.protocol.messages import Op
 
 #: Start-up: a node address that refused every connection this long is named as not listening (a
 #: node that is just starting has this long to bind).
@@ -123,15 +122,16 @@ class Reach:
         )
 
     def timeout(
-        self, missing: list[tuple], what: str, timeout_s: float, total: int
+        self, missing: list[tuple], what: str, timeout_s: float, total: int, welcome: bool = False
     ) -> NodeTimeoutError:
-        """The error for a wait past its deadline: which node, and (past start-up) which step and
-        bucket."""
-        op, node, step, bucket = missing[0]
-        nodes = [self.nodes[n] for n in sorted({m[1] for m in missing})]
+        """The error for a wait past its deadline; ``missing``: (node, step, bucket) of each reply
+        still missing. Names the node, and (past start-up) which step and bucket; ``welcome``: the
+        missing replies are WELCOMEs (a hint says what to check)."""
+        node, step, bucket = missing[0]
+        nodes = [self.nodes[n] for n in sorted({m[0] for m in missing})]
         where = f" for step {step}, bucket {bucket}" if step is not None and bucket >= 0 else ""
         hint = ""
-        if op == Op.WELCOME:
+        if welcome:
             hint = (
                 ": is a node listening there? Start it (luwu up, luwu node) or fix "
                 "cluster.nodes; raise transport.connect_timeout_s for slow starts"

@@ -110,6 +110,7 @@ class Worker:
             for si, s in enumerate(b.segments):
                 self.where.setdefault(s.param, []).append((b.id, si))
         self.node_buckets = [[b.id for b in layout.buckets_of(n)] for n in range(layout.num_nodes)]
+        self.channels = client.channels.open([(b.node, b.id) for b in layout.buckets])
         self.step_num = 0  # the step the next push belongs to
         self._pending: int | None = None  # delayed update: the step whose weights are to come
         self._lock = threading.Lock()
@@ -164,8 +165,6 @@ class Worker:
             self.streamer = Streamer(self, self.params, self._stream, self._metrics)
         if self._model is not None:
             self.defer = LayerWaits(self, self._model)
-        else:  # (a rebuilt worker: no earlier one's writes on arrival)
-            self.client.on(Op.UPDATE, None)
         self.views = GradViews(self) if self._grad_views else None
 
     def send_init(self, bid: int) -> None:
@@ -227,7 +226,7 @@ class Worker:
                 codec = "bf16" if g and g[0].dtype == torch.bfloat16 else "none"
             else:
                 codec = self.codecs.fetch(b, self.step_num)
-            self.client.send(b.node, {"op": Op.PULL, "bucket": bid, "codec": codec})
+            self.channels[bid].pull(codec)
 
     def receive_weights(
         self, bids: list[int], what: str = "weights", have: dict | None = None
@@ -237,23 +236,22 @@ class Worker:
         to a push, or was kept) first, then the answers to :meth:`request_weights` of the others.
         Returns bucket -> the message each was written from."""
         have = have or {}
-        keys = [self._pull_key(bid) for bid in bids if bid not in have]
+        fetches = [self.channels[bid].fetched() for bid in bids if bid not in have]
         got = {bid: have[bid] for bid in bids if bid in have}
         with self._noting_errors():
             for bid, m in got.items():
                 self.land(bid, m)
-            for key, m in self.client.arrivals(keys, what=what):
-                self.land(key[3], m)
-                got[key[3]] = m
+            for r in self.client.arrivals(fetches, what=what):
+                self.land(r.bucket, r.msg)
+                got[r.bucket] = r.msg
         return got
 
     def discard_weights(self, bids: list[int]) -> None:
         """Wait for and drop the answers to :meth:`request_weights` (a prefetch that was not used)."""
         with self._noting_errors():
-            self.client.wait([self._pull_key(b) for b in bids], what="prefetched weights")
-
-    def _pull_key(self, bid: int) -> tuple:
-        return (Op.UPDATE, self.layout.buckets[bid].node, -1, bid)
+            fetches = [self.channels[b].fetched() for b in bids]
+            for _ in self.client.arrivals(fetches, what="prefetched weights"):
+                pass
 
     def land(self, bid: int, msg) -> None:
         """A reply with bucket ``bid``'s new weights landed: write it into the parameters (the one
@@ -316,14 +314,15 @@ class Worker:
     def _reclaim(self) -> bool:
         """Wait until the node has received one of the streamed pushes still holding a buffer (its
         ack, or in the two-phase round its NORM) and give those buffers back; the replies stay
-        filed for :meth:`wait` and :meth:`global_round`. False when no push holds a buffer."""
-        op, step = (Op.NORM if self.two_phase else Op.UPDATE), self.step_num
-        keys = [(op, self.layout.buckets[b].node, step, b) for b in sorted(self._unacked)]
-        if not keys:
+        for :meth:`wait` and :meth:`global_round`. False when no push holds a buffer."""
+        step, norm = self.step_num, self.two_phase
+        replies = [self.channels[b].reply(step, False, norm) for b in sorted(self._unacked)]
+        if not replies:
             return False
         with self._noting_errors():
-            for key in self.client.filed(keys, what="acknowledgement of a streamed push"):
-                self._give_back(key[3])
+            what = "acknowledgement of a streamed push"
+            for r in next(self.client.batches(replies, what=what)):
+                self._give_back(r.bucket)
         return True
 
     def _give_back(self, bid: int) -> None:
@@ -388,7 +387,7 @@ class Worker:
         if partial:  # unanswered, and the next micro-batch refills the buffers: the frames copied
             header["partial"] = True
         frames = [f.clone() for f in enc.frames] if partial else enc.frames
-        self.client.send(b.node, header, frames, priority=self._priority(b))
+        self.channels[b.id].push(header, frames, priority=self._priority(b))
         if self.views is not None:  # (a zero-copy frame is the buffer: changing it is refused)
             self.views.note_push(b.id, enc.frames[0] is x and not partial)
         buf.filled, buf.partials = set(), buf.partials + 1 if partial else 0
@@ -462,8 +461,8 @@ class Worker:
         self, step: int, inv_scale: float, max_norm: float | None
     ) -> tuple[bool, float, float]:
         """Two-phase step (:func:`luwu.gpu_workers.global_round.run`): (skipped, norm, waited s)."""
-        nodes = self.node_buckets
-        return global_round.run(self.client, self.layout, nodes, step, inv_scale, max_norm)
+        norms = [self.channels[b.id].reply(step, norm=True) for b in self.layout.buckets]
+        return global_round.run(self.client, norms, self.node_buckets, step, inv_scale, max_norm)
 
     def wait(self, step: int | None, delayed_step: int | None) -> tuple[bool, float]:
         """Wait for the weights after ``step`` of the buckets not delayed and after
@@ -473,27 +472,28 @@ class Worker:
         skipped ``step`` in a bucket waited for at ``step`` (what a delayed bucket says of
         ``delayed_step`` is not counted, as with full delay), and the seconds spent waiting
         (writing excluded)."""
-        keys, owed = [], []
+        replies, owed = [], []
         for b in reversed(self.layout.buckets):
             s = delayed_step if b.id in self.delayed else step
             if s is None:
                 continue
             # per-layer waits: written when the next forward reaches it (or as it lands)
             deferred = self.defer is not None and s == step and self.defer.takes(b.id)
-            (owed if deferred else keys).append((Op.UPDATE, b.node, s, b.id))
+            (owed if deferred else replies).append(self.channels[b.id].reply(s))
         if owed:
             self.defer.owe(owed)
         waited, skipped, t0 = 0.0, False, time.perf_counter()
-        for key, m in self.client.arrivals(keys, what="updated weights"):
+        for r in self.client.arrivals(replies, what="updated weights"):
             t1 = time.perf_counter()
             waited += t1 - t0
-            if key[2] == step:
+            bid, m = r.bucket, r.msg
+            if r.step == step:
                 skipped |= m.header["skipped"]
-            if key[3] in self.streamed:
-                self._give_back(key[3])  # the node has the push: the buffer is free
+            if bid in self.streamed:
+                self._give_back(bid)  # the node has the push: the buffer is free
                 if m.header["codec"] != PULL_ACK:  # with the new weights: for the unit's next use
-                    self.streamer.came_with_ack(key[3], m)
+                    self.streamer.came_with_ack(bid, m)
             else:
-                self.land(key[3], m)
+                self.land(bid, m)
             t0 = time.perf_counter()
         return skipped, waited

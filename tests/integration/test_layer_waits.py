@@ -26,7 +26,6 @@ from harness import assert_params_close, tanh_mlp
 
 import luwu
 from luwu.gpu_workers.layer_waits import WRITTEN
-from luwu.protocol.messages import Op
 
 LR = 0.05
 
@@ -217,14 +216,14 @@ def test_load_state_dict_is_not_overwritten_by_late_replies(cluster1):
     try:
         _step(model, opt, 0)
         _owing_step(cluster1.procs[0], model, opt, 1)
-        keys = list(opt.worker.defer.owed.values())
-        assert len(keys) == 4
+        owed = list(opt.worker.defer.owed.values())
+        assert len(owed) == 4
         # (from ref: model.state_dict() would settle)
         loaded = {k: torch.full_like(v, 0.5) for k, v in ref.state_dict().items()}
         model.load_state_dict(loaded)
         deadline = time.monotonic() + 20
         # replies still owed (they should not be): until they land
-        while opt.worker.defer.owed and not all(k in opt.client._inbox for k in keys):
+        while opt.worker.defer.owed and not all(r.done for r in owed):
             assert time.monotonic() < deadline, "the replies did not land"
             time.sleep(0.01)
         overwritten = [n for n, p in model.named_parameters() if not (p == 0.5).all()]
@@ -363,13 +362,10 @@ def test_replies_landing_while_owed_are_written_on_arrival():
             owed = list(opt.worker.defer.owed.values())
             assert len(owed) == 4 and all(_owed(opt, model))
             deadline = time.monotonic() + 20
-            while not all(k in opt.client._inbox for k in owed):
+            while not all(r.done for r in owed):
                 assert time.monotonic() < deadline, "the replies did not land"
                 time.sleep(0.01)
-            assert all(
-                opt.client._inbox[k].header.get(WRITTEN) and opt.client._inbox[k].payload == []
-                for k in owed
-            )
+            assert all(r.msg.header.get(WRITTEN) and r.msg.payload == [] for r in owed)
             assert all(_owed(opt, model))
             assert_params_close(
                 [p.detach().clone() for p in model.parameters()], list(ref.parameters())
@@ -395,15 +391,16 @@ def test_replies_landing_before_step_are_written_in_step(cluster1, monkeypatch):
         for step in range(1, 3):
             opt.zero_grad()
             model(_batch(step)).square().mean().backward()
-            keys = [(Op.UPDATE, b.node, step, b.id) for b in opt.worker.layout.buckets]
+            channels = opt.worker.channels
+            replies = [channels[b.id].reply(step, take=False) for b in opt.layout.buckets]
             deadline = time.monotonic() + 20
-            while not all(k in opt.client._inbox for k in keys):  # every reply in before step()
+            while not all(r.done for r in replies):  # every reply in before step()
                 assert time.monotonic() < deadline, "the replies did not land"
                 time.sleep(0.01)
             opt.step()
             _step(ref, lopt, step)
             assert not opt.worker.defer.owed, "step() wrote the replies that were here"
-            assert not any(k in opt.client._inbox for k in keys), (
+            assert not any(r is channels[r.bucket].reply(step, take=False) for r in replies), (
                 "no reply (nor its frames) is kept for the next forward"
             )
             assert_params_close(list(model.parameters()), list(ref.parameters()))

@@ -1,9 +1,10 @@
-"""The worker's I/O client files a node's replies by (op, node, step, bucket). What a node sent before a new
-session (WELCOME) or before its answer to ROLLBACK belongs to abandoned steps and is forgotten: a node that
-finishes a step between answering the rejoin's HELLO and rolling back sends that step's weights in between,
-and the redone step must not take them for its own (with ``bf16_steps`` pulls, steps from weights the worker
-no longer holds). The node here is a scripted ROUTER socket, to put the messages on the wire in exactly the
-order the race produces; the client is the real one."""
+"""What a node sent before a new session (WELCOME) or before its answer to ROLLBACK belongs to abandoned
+steps and is forgotten: a node that finishes a step between answering the rejoin's HELLO and rolling back
+sends that step's weights in between, and the redone step must not take them for its own (with
+``bf16_steps`` pulls, steps from weights the worker no longer holds). The rejoin abandons the buckets'
+open futures (``reset()``), so the stale reply finds none; the redone pushes' futures take the new
+timeline's replies. The node here is a scripted ROUTER socket, to put the messages on the wire in exactly
+the order the race produces; the client and its bucket channels are the real ones."""
 
 import pytest
 import torch
@@ -48,17 +49,22 @@ def test_replies_sent_before_a_rollback_or_rejoin_answer_are_forgotten(new_timel
     addr = node.getsockopt(zmq.LAST_ENDPOINT).decode()
     client = WorkerClient([addr], job=JOB, rank=0, cfg=TransportConfig(timeout_s=10))
     try:
+        ch0, ch1 = client.channels.open([(0, 0), (0, 1)])
         client.send(0, {"op": Op.HEARTBEAT})  # (the node learns the worker's identity)
         ident = node.recv_multipart()[0]
-        stale, kept = (Op.UPDATE, 0, 7, 0), (Op.UPDATE, 0, 7, 1)
+        pushes = [ch.push({"op": Op.PUSH, "step": 7, "bucket": ch.bucket}, []) for ch in (ch0, ch1)]
+        client.reset()  # recover(): step 7 is abandoned, then HELLO (and ROLLBACK)
         node.send_multipart([ident, *update(7, 0, 1.0)])  # the abandoned step 7's weights
         node.send_multipart([ident, *answer(new_timeline)])
-        node.send_multipart([ident, *update(7, 1, 2.0)])  # sent after: the new timeline's
-        client.wait([(new_timeline, 0, None, -1), kept])
-        assert client.ready([stale]) == []
+        client.wait([(new_timeline, 0, None, -1)])
+        redone = [ch.push({"op": Op.PUSH, "step": 7, "bucket": ch.bucket}, []) for ch in (ch0, ch1)]
+        node.send_multipart([ident, *update(7, 1, 2.0)])  # the new timeline's
         node.send_multipart([ident, *update(7, 0, 3.0)])  # the redone step's reply is the one taken
-        (m,) = client.wait([stale])
-        assert torch.equal(m.tensors()[0].view(torch.float32), torch.full((4,), 3.0))
+        got = {r.bucket: r.msg.tensors()[0].view(torch.float32) for r in client.arrivals(redone)}
+        assert torch.equal(got[0], torch.full((4,), 3.0)) and torch.equal(
+            got[1], torch.full((4,), 2.0)
+        )
+        assert all(p.msg is None and p.error is not None for p in pushes)
     finally:
         client.close()
         node.close()
