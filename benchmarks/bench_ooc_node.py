@@ -67,6 +67,10 @@ STATE_METRICS = (
     "luwu_node_state_io_wait_seconds_total",
     "luwu_node_state_buffer_bytes",
     "luwu_node_state_memory_bytes",
+    "luwu_node_inflight_peak_bytes",
+    "luwu_node_inflight_limit_bytes",
+    "luwu_node_inflight_blocked_seconds_total",
+    "luwu_node_inflight_overdrafts_total",
 )
 MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs"}
 KILLED = (-signal.SIGKILL, 128 + signal.SIGKILL)
@@ -348,6 +352,11 @@ def short_metrics(m: dict[str, float]) -> dict:
         "state_io_wait_s": round(m["luwu_node_state_io_wait_seconds_total"], 2),
         "state_buffer_mib": round(m["luwu_node_state_buffer_bytes"] * MB, 1),
         "state_memory_mib": round(m["luwu_node_state_memory_bytes"] * MB, 1),
+        # pushes in flight (node.push_memory_bytes: a share of state_memory_bytes out of core)
+        "inflight_peak_mib": round(m["luwu_node_inflight_peak_bytes"] * MB, 1),
+        "inflight_limit_mib": round(m["luwu_node_inflight_limit_bytes"] * MB, 1),
+        "inflight_blocked_s": round(m["luwu_node_inflight_blocked_seconds_total"], 2),
+        "inflight_overdrafts": int(m["luwu_node_inflight_overdrafts_total"]),
     }
 
 
@@ -382,7 +391,9 @@ def pick_dir() -> Path:
 def study(args, folder: Path) -> tuple[dict, str]:
     numel = model_numel(args.width, args.depth)
     state = state_bytes(numel)
-    budget = state // 4
+    # a quarter of the state, but at least what one bucket needs out of core: two slots of its state
+    # (12 B/param each) and its pushes in flight (16 B/param: node.push_memory_bytes' minimum)
+    budget = max(state // 4, 10 * args.bucket_mib * MIB)
     spec = {
         "width": args.width,
         "depth": args.depth,
@@ -493,7 +504,8 @@ def markdown(r: dict, load_line: str) -> str:
         f"A streaming model of {r['params'] / 1e6:.1f} M parameters (width {r['width']}, {r['depth']} "
         f"blocks): the node's AdamW state is {r['state_mib']:.0f} MiB (12 B/param; on disk "
         f"{cap.get('disk_state_mib')} MiB a slot, two slots a bucket). "
-        f"node.state_memory_bytes = state / 4 = {r['state_memory_bytes'] * MB:.0f} MiB. The node alone "
+        f"node.state_memory_bytes = state / 4 = {r['state_memory_bytes'] * MB:.0f} MiB (the state window and "
+        "the pushes in flight share it: node.push_memory_bytes, by default a quarter). The node alone "
         f"(Python, torch, ZeroMQ, no state) peaks at {r['baseline_mib']:.0f} MiB in its cgroup; the in-RAM "
         f"node at {r['in_ram_peak_mib']:.0f} MiB, {r['in_flight_mib']:.0f} MiB above baseline + state "
         "(gradient accumulators and replies in flight). Limits tried (MiB): "
@@ -512,6 +524,10 @@ def markdown(r: dict, load_line: str) -> str:
         "state_read_mib",
         "state_written_mib",
         "state_io_wait_s",
+        "inflight_peak_mib",
+        "inflight_limit_mib",
+        "inflight_blocked_s",
+        "inflight_overdrafts",
         "seconds",
     ]
     md += md_table(rows, cols)

@@ -109,6 +109,8 @@ class Aggregator:
             acc.nograd, acc.hyper = nograd, hyper
         # one worker asking for the global round gets it (a worker's first step asks, in case it clips)
         acc.two_phase = acc.two_phase or bool(h["two_phase"])
+        if acc.ticket is None:  # this push opens the (step, bucket): it holds its room in flight
+            self.ctx.inflight.claim(acc, b, h)
         members = self.ctx.members
         partial = bool(h.get("partial"))
         b.add_push(acc, codec, msg.tensors(), h["cmeta"], len(members), partial=partial)
@@ -182,6 +184,7 @@ class Aggregator:
         # one accumulator per push, not per version: another worker's push may come while this one
         # is applied
         acc = Accumulator(first_at=time.monotonic(), nograd=nograd, hyper=hyper, pull=h["pull"])
+        self.ctx.inflight.claim(acc, b, h)
         codec.decode_(b.buffer(acc), msg.tensors(), h["cmeta"])
         acc.workers.add(w)
         b.worker_steps[w] = step

@@ -88,8 +88,16 @@ class NodeConfig:
     """Folder for the shard's state files (fp32 master weights and optimizer state, meant for NVMe):
     a shard larger than state_memory_bytes lives there, RAM being a window over it ('' = in RAM)."""
     state_memory_bytes: int = 0
-    """RAM the shard's weights and optimizer state may use with state_dir (0 = no bound: the shard stays
-    in RAM); gradient accumulators and replies in flight come on top of it."""
+    """RAM the shard's state window and its pushes in flight share with state_dir (0 = no bound: the
+    shard stays in RAM): the pushes get push_memory_bytes of it (default a quarter), the window the rest."""
+    push_memory_bytes: int = 0
+    """RAM the pushes in flight may hold: a (step, bucket) counts its accumulator, room for every worker's
+    push of it and its reply from its first push until it is applied, and replies count until sent. A
+    push that would open a (step, bucket) past it stays unread in its connection (TCP pushes back) until
+    enough is released; pushes to an open (step, bucket) are always read, so steps complete. 0: no bound,
+    or with state_memory_bytes a quarter of it (raised to one bucket's needs if less). At least
+    (2 + world size) x 4 B a parameter of the largest bucket (a HELLO is refused below that); zmtp
+    listener only."""
     log_every: int = 100
     """One summary log line every this many steps."""
     rcvhwm: int = 1000
@@ -120,7 +128,8 @@ class NodeConfig:
     secret for it; every local user can reach a loopback port, so only a single-user machine is safe open."""
     inflight_bytes: int = 2 * 1024 * 1024 * 1024
     """Gradient accumulators (4 B per parameter of a bucket in flight, shared by the buckets) kept for
-    reuse once given back, in bytes; more in flight at once is allocated and freed again."""
+    reuse once given back, in bytes; more in flight at once is allocated and freed again. None are kept
+    with a push budget (push_memory_bytes, or state_memory_bytes): kept memory is memory it does not see."""
     retain_freed_memory: bool = True
     """Keep freed memory in the process (glibc mallopt) so received messages land in recycled, already
     touched memory instead of fresh pages (~10x slower to fill); costs resident memory up to the peak."""
@@ -146,6 +155,16 @@ class NodeConfig:
     def peer_budget(self) -> int:
         """node.peer_bytes, 0 resolved."""
         return self.peer_bytes or self.max_message_bytes + (1 << 20)
+
+    @property
+    def push_budget(self) -> int:
+        """node.push_memory_bytes, 0 resolved: a quarter of state_memory_bytes with state_dir, else 0
+        (no bound); 0 with listener = libzmq (it reads every message whole: nothing is left unread)."""
+        if not self.uses_zmtp:
+            return 0
+        if self.push_memory_bytes:
+            return self.push_memory_bytes
+        return self.state_memory_bytes // 4 if self.state_dir else 0
 
     @property
     def peers_total_budget(self) -> int:
@@ -209,9 +228,27 @@ class NodeConfig:
                 "a checkpoint commits them); leave node.checkpoint_dir empty, or leave node.state_dir "
                 "empty (the shard in RAM, checkpointed into node.checkpoint_dir)"
             )
+        self._check_push_memory()
         if self.state_dir and os.path.exists(self.state_dir) and not os.path.isdir(self.state_dir):
             raise ConfigError(
                 f"node.state_dir = {self.state_dir!r} is not a folder: name a folder (made if missing)"
+            )
+
+    def _check_push_memory(self) -> None:
+        """push_memory_bytes: zmtp leaves a push unread, and with state_memory_bytes it is a share of it."""
+        n = self.push_memory_bytes
+        if n < 0:
+            raise ConfigError(f"node.push_memory_bytes must be >= 0 (0 = default), got {n}")
+        if n and not self.uses_zmtp:
+            raise ConfigError(
+                f"node.push_memory_bytes = {n} needs node.listener = 'zmtp' (libzmq's ROUTER reads every "
+                "message whole, so a push cannot be left unread): use listener = 'zmtp' or set 0"
+            )
+        if n and self.state_memory_bytes and n >= self.state_memory_bytes:
+            raise ConfigError(
+                f"node.push_memory_bytes = {n} leaves nothing of node.state_memory_bytes = "
+                f"{self.state_memory_bytes} (the window and the pushes in flight share it) for the state "
+                "window: raise state_memory_bytes, or lower push_memory_bytes (0: a quarter of it)"
             )
 
     def _check_budgets(self) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # (annotations only: the rooms import this module, so it imports none of them)
     from luwu.switch_nodes.checkpoint import CheckpointStore
     from luwu.switch_nodes.config import NodeConfig
+    from luwu.switch_nodes.inflight import PushBudget
     from luwu.switch_nodes.listener import Listener
     from luwu.switch_nodes.metrics import NodeMetrics
     from luwu.switch_nodes.optimizers import OptimizerKind
@@ -43,6 +44,7 @@ class OptimizerQueue:
         self.gen = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="luwu-opt")
         self._jobs: asyncio.Queue | None = None
+        self._running = False
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the optimizer thread (the only thread that touches the shard)."""
@@ -56,6 +58,10 @@ class OptimizerQueue:
         """Queue ``job`` behind the optimizer work already queued."""
         self._jobs.put_nowait((self.gen, job))
 
+    def idle(self) -> bool:
+        """No job queued or running (nothing on its way to give memory back)."""
+        return not self._running and (self._jobs is None or self._jobs.empty())
+
     def open(self) -> None:
         """Make the queue (on the event loop, before anything is submitted)."""
         self._jobs = asyncio.Queue()
@@ -66,11 +72,14 @@ class OptimizerQueue:
             gen, job = await self._jobs.get()
             if gen != self.gen:
                 continue  # queued before a rollback: that timeline is gone
+            self._running = True
             try:
                 await job()
             except Exception as exc:
                 self.metrics.errors.labels(getattr(exc, "code", "internal")).inc()
                 log.exception("node %s: optimizer job failed", index())
+            finally:
+                self._running = False
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
@@ -104,6 +113,13 @@ class NodeContext:
     peers: dict[int, bytes] = field(default_factory=dict)  # worker rank -> ZeroMQ routing id
     last_seen: dict[int, float] = field(default_factory=dict)
     members: set[int] = field(default_factory=set)  # expected in each step (elastic drops some)
+    #: the pushes in flight against node.push_memory_bytes (:mod:`.inflight`)
+    inflight: PushBudget = field(init=False)
+
+    def __post_init__(self) -> None:
+        from luwu.switch_nodes.inflight import PushBudget
+
+        self.inflight = PushBudget(self)
 
     def job_description(self, kind=None) -> dict:
         """The job as a checkpoint or out-of-core state files record it (``kind``: the optimizer's,

@@ -15,8 +15,10 @@ Held only in sync mode (there the next step of a bucket waits for this worker's 
 after its ``step()``, so the weights a held fp32 reply points to cannot change under it), and only
 replies that carry weights (an ack lets a streaming worker reuse a buffer during backward). At most
 ``limit`` replies per worker are held; past it they go at once, so a release never bursts past the
-send queue. A rank that says HELLO again, is dropped, or a rollback forgets what was held; a reply
-held for a connection that closed counts as sent (as a send to a gone peer is dropped).
+send queue. While a push waits for node.push_memory_bytes (:mod:`.inflight`) everything held goes at
+once (the word that releases them may be behind the waiting push). A rank that says HELLO again, is
+dropped, or a rollback forgets what was held; a reply held for a connection that closed counts as sent
+(as a send to a gone peer is dropped).
 """
 
 from __future__ import annotations
@@ -82,6 +84,14 @@ class HeldReplies:
         for _, _, frames, priority, later in sorted(now, key=lambda h: (h[1], -h[0])):
             later.real = self.send_to(worker, frames, True, priority)
             later.event.set()
+
+    def flush(self) -> None:
+        """Send every held reply now (a push waits for memory: what releases them may be behind it)."""
+        for w in list(self.held):
+            held = sorted(self.held.pop(w), key=lambda h: (h[1], -h[0]))
+            for _, _, frames, priority, later in held:
+                later.real = self.send_to(w, frames, True, priority)
+                later.event.set()
 
     def forget(self, worker: int | None = None) -> None:
         """Drop what is held for ``worker`` (None: everyone), and when it reached ``step()``."""

@@ -36,6 +36,8 @@ class Listener:
     """A bound socket. ``address`` is what workers connect to."""
 
     address: str
+    #: what the message :meth:`recv` gave last counts in flight (:class:`.inflight.Ticket`; None: nothing)
+    ticket = None
 
     async def start(self) -> None:
         """Begin accepting (on the node's event loop)."""

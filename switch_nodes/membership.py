@@ -117,6 +117,7 @@ class Membership:
         if bound != ident and not h.get("resume", False):
             self._check_fresh(w)
         self._check_capacity(w, kind, buckets)
+        ctx.inflight.check(w, buckets, h["world_size"])  # a bucket's pushes fit push_memory_bytes
         if ctx.layout_hash is not None and h["layout"] != ctx.layout_hash and bound != ident:
             raise LayoutMismatchError(
                 f"layout hash mismatch: worker {w} has layout {h['layout']}, the job has {ctx.layout_hash} (only a connected "

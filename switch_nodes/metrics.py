@@ -64,6 +64,32 @@ class NodeMetrics:
             "state_buffer_bytes", "Bytes of the state window's buffers holding buckets' state"
         )
         self.state_budget = f.gauge(
-            "state_memory_bytes", "The state window's budget (node.state_memory_bytes; 0: in RAM)"
+            "state_memory_bytes",
+            "node.state_memory_bytes: the state window's and the pushes' budget (0: in RAM)",
         )
+        self._inflight(f)
         self.names = list(f.names)
+
+    def _inflight(self, f: MetricsFactory) -> None:
+        """The pushes in flight (node.push_memory_bytes): what they hold, how long pushes waited."""
+        self.inflight = f.gauge(
+            "inflight_bytes",
+            "Bytes the pushes in flight hold: open (step, bucket)s (accumulator, pushes, reply) and replies not yet sent",
+        )
+        self.inflight_peak = f.gauge(
+            "inflight_peak_bytes",
+            "The most inflight_bytes held at once outside two-phase steps (clipping, AMP, a job's first "
+            "step: they hold all their buckets until COMMIT, never held back)",
+        )
+        self.inflight_limit = f.gauge(
+            "inflight_limit_bytes", "node.push_memory_bytes resolved (0: no bound)"
+        )
+        self.inflight_blocked = f.counter(
+            "inflight_blocked_seconds_total",
+            "Seconds a push waited unread for node.push_memory_bytes to have room",
+        )
+        self.inflight_overdrafts = f.counter(
+            "inflight_overdrafts_total",
+            "Pushes let in past node.push_memory_bytes: nothing in flight could be released without "
+            "them (workers pushing a step's buckets in different orders)",
+        )

@@ -145,6 +145,7 @@ class PeerRoles:
                 replaced=roles.replaced,
                 stuck_s=cfg.worker_timeout_s / 4,
                 on_stuck=roles.stuck,
+                gate=self.ctx.inflight.gate if self.ctx.inflight.limit else None,
             )
         else:
             curve = (

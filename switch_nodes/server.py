@@ -118,6 +118,7 @@ class NodeServer:
         self.shard = (OocShard if cfg.state_dir else ResidentShard)(ctx, self._not_reading)
         self.codecs = PullCodecs()
         self.outbox = Outbox(ctx)
+        ctx.inflight.bind(lambda: self.shard.buckets, self.outbox.held.flush)
         # who a connection is: what it may hold and leave unread, who may say HELLO
         self.roles = PeerRoles(ctx, self._not_reading)
         self.membership = Membership(ctx, self.shard)
@@ -409,6 +410,7 @@ class NodeServer:
 
     def _send(self, b: BucketState, workers, payload: Payload, skipped: bool, seq) -> None:
         trackers = self.outbox.send_update(b, workers, payload, skipped=skipped, seq=seq)
+        self.ctx.inflight.reply(payload, trackers, self.shard.in_ram)
         if payload.borrowed:
             self.shard.lent(b.id).sent(trackers)
 
@@ -426,6 +428,7 @@ class NodeServer:
     def _reset(self) -> None:
         """On the optimizer thread, after a rollback replaced the buckets."""
         self.outbox.held.forget()
+        self.ctx.inflight.forget()
         self.pulls.reset()
         self.codecs.resync()
 
@@ -487,4 +490,6 @@ class NodeServer:
             "state_io_wait_s": val("luwu_node_state_io_wait_seconds_total"),
             "state_buffer_bytes": val("luwu_node_state_buffer_bytes"),
             "state_memory_bytes": val("luwu_node_state_memory_bytes"),
+            "inflight_bytes": ctx.inflight.used,  # pushes in flight (node.push_memory_bytes)
+            "inflight_blocked_s": val("luwu_node_inflight_blocked_seconds_total"),
         }

@@ -40,7 +40,8 @@ class Shard:
         self.ctx = ctx
         self.buckets: dict[int, BucketState] = {}
         #: gradient accumulators shared by the buckets (:class:`AccumulatorPool`)
-        self.accumulators = AccumulatorPool(ctx.cfg.inflight_bytes)
+        # (none kept with node.push_memory_bytes: what is kept is memory the budget does not see)
+        self.accumulators = AccumulatorPool(0 if ctx.cfg.push_budget else ctx.cfg.inflight_bytes)
         self._on_stuck = on_stuck
         self._lent: dict[int, ReplyBuffers] = {}
         self._order: list[int] = []

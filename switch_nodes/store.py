@@ -63,6 +63,7 @@ class Accumulator:
     partial: dict = field(
         default_factory=dict
     )  # worker -> micro-batch pushes summed so far (no_sync on the nodes)
+    ticket: object = None  # what it counts in flight until given back (:class:`.inflight.Ticket`)
 
 
 class AccumulatorPool:
@@ -338,10 +339,14 @@ class BucketState:
         return acc
 
     def give_back(self, acc: Accumulator) -> None:
-        """Return the accumulator's buffer to the pool (its step is applied)."""
+        """Return the accumulator's buffer to the pool (its step is applied), and what it counted in
+        flight."""
         if acc.buf is not None:
             self._pool.give(acc.buf)
             acc.buf = None
+        if acc.ticket is not None:
+            acc.ticket.release()
+            acc.ticket = None
 
     def grad_views(self, acc: Accumulator) -> tuple[list, list, dict, list]:
         keep = [i for i in range(len(self.segments)) if i not in acc.nograd]

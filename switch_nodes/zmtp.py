@@ -23,6 +23,9 @@ the frame's buffer exists:
   against the peer's ``reply_budget`` until it is sent: a peer that asks and does not read is cut off;
   a worker whose replies stay unsent ``stuck_s`` is named to the node (``on_stuck``), whatever reads
   for it;
+- with ``gate`` (:mod:`.inflight`), a message whose header is read is asked about before its payload
+  is: a push that does not fit the node's memory for pushes in flight leaves its connection paused,
+  its payload unread, until the gate wakes it;
 - with CURVE, an exclusive key (a worker's) holds one connection: a newer one replaces it;
 - a connection finishes the greeting within ``handshake_s``; at most ``max_connections`` are open.
 
@@ -82,6 +85,7 @@ class ZmtpListener(Listener):
         replaced: Callable[[bytes, bytes], None] = lambda old, new: None,
         stuck_s: float = 15.0,
         on_stuck: Callable[[bytes], None] | None = None,
+        gate: Callable | None = None,
     ) -> None:
         self.max_message_bytes, self.max_frames, self.budget, self.who, self.member = (
             max_message_bytes,
@@ -91,7 +95,7 @@ class ZmtpListener(Listener):
             member,
         )
         self.reply_budget, self.exclusive, self.replaced = reply_budget, exclusive, replaced
-        self.stuck_s, self.on_stuck = stuck_s, on_stuck
+        self.stuck_s, self.on_stuck, self.gate = stuck_s, on_stuck, gate
         self.join_secret, self.curve = join_secret.encode(), curve
         self._told = StrangerLog()
         self.max_connections, self.sndhwm, self.handshake_s = max_connections, sndhwm, handshake_s
@@ -196,12 +200,16 @@ class ZmtpListener(Listener):
             at_once=True,
         )
 
-    def deliver(self, peer: Peer, frames: list, nbytes: int, dropped: bool) -> None:
+    def deliver(self, peer: Peer, frames: list, nbytes: int, dropped: bool, ticket=None) -> None:
         self.total.delivered(peer)
-        peer.inbox.append((frames, nbytes, dropped))
+        peer.inbox.append((frames, nbytes, dropped, ticket))
         if len(peer.inbox) == 1:
             self._ready.append(peer)
             self._arrived.set()
+
+    def serving(self) -> bool:
+        """A message is being served or waits to be."""
+        return bool(self._ready) or self._last is not None
 
     def held(self, ident: bytes) -> int:
         """Bytes ``ident``'s connection holds now (its unfinished message and the unserved ones)."""
@@ -237,6 +245,9 @@ class ZmtpListener(Listener):
             peer, n = self._last
             self._last = None
             peer.served(n)
+        if self.ticket is not None:  # (kept by an accumulator the message opened, else given back)
+            self.ticket, ticket = None, self.ticket
+            ticket.free()
         await asyncio.sleep(
             0
         )  # the loop reads the sockets between two messages: a busy peer starves no other's I/O
@@ -246,7 +257,7 @@ class ZmtpListener(Listener):
             self._arrived.clear()
             await self._arrived.wait()
         peer = self._ready.popleft()
-        frames, n, dropped = peer.inbox.popleft()
+        frames, n, dropped, self.ticket = peer.inbox.popleft()
         if peer.inbox:
             self._ready.append(peer)
         self._last = (peer, n)

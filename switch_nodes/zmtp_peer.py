@@ -81,6 +81,7 @@ class Peer(asyncio.BufferedProtocol):
         self.skip_left = 0  # bytes of the frame being dropped still to come
         self.skip_more = False
         self.paused = False
+        self.ticket = None  # what the message being read counts in flight (the listener's gate)
         self.read_at = time.monotonic()  # when bytes last came
         self.refused = (
             False  # past a limit: what it sent before is served and answered, then it is closed
@@ -124,6 +125,7 @@ class Peer(asyncio.BufferedProtocol):
         self.owner.sender.drop(self.ident)
         self.direct = None
         self.frames = []
+        self._drop_ticket()
         self.held = (
             self.waiting
         )  # the unfinished message is gone; the complete ones still wait to be served
@@ -206,6 +208,11 @@ class Peer(asyncio.BufferedProtocol):
             elif self.skipped or self.frames and self._drops(size):
                 self._skip(head, size, bool(flags & MORE))
                 continue
+            if len(self.frames) == 1 and self.ticket is None and self.owner.gate is not None:
+                self.ticket = self.owner.gate(self, self.frames[0])  # (the header is read)
+                if self.ticket is None:  # its payload stays unread until the gate wakes it
+                    self._pause()
+                    return
             self._check(plain)
             if not self._fits(plain):
                 self._pause()
@@ -330,7 +337,8 @@ class Peer(asyncio.BufferedProtocol):
             frames, self.frames = self.frames, []
             n = self._message_bytes()
             self.waiting += n
-            self.owner.deliver(self, frames, n, frame is None)
+            self.owner.deliver(self, frames, n, frame is None, self.ticket)
+            self.ticket = None
 
     def _pause(self) -> None:
         if self.refused or self.closed:
@@ -357,6 +365,7 @@ class Peer(asyncio.BufferedProtocol):
         at most ``handshake_s`` later it is cut whatever the peer does."""
         self.refused = True
         self.direct, self.frames = None, []
+        self._drop_ticket()
         self.held = self.waiting
         if self.paused:
             self.paused = False
@@ -370,8 +379,15 @@ class Peer(asyncio.BufferedProtocol):
         what it holds unfinished is dropped and the connection ends now, its queued replies with it."""
         self.refused = True
         self.direct, self.frames = None, []
+        self._drop_ticket()
         self.held = self.waiting
         self.transport.abort()
+
+    def _drop_ticket(self) -> None:
+        """The unfinished message is dropped: what it counted in flight is given back."""
+        if self.ticket is not None:
+            self.ticket, ticket = None, self.ticket
+            ticket.free()
 
     def served(self, nbytes: int) -> None:
         """A message of ``nbytes`` was served: read on if this peer waited for it."""

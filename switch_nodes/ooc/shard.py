@@ -204,13 +204,13 @@ class OocShard(Shard):
         self.set_order([b.id for b in order])
         layout = layout_of(ctx, order, ctx.kind or (order[0].kind if order else None))
         total = sum(s.slot_bytes for s in layout.buckets)
-        budget = cfg.state_memory_bytes
-        ctx.metrics.state_budget.set(budget)
+        budget = ctx.inflight.window_bytes  # (state_memory_bytes less the pushes' share)
+        ctx.metrics.state_budget.set(cfg.state_memory_bytes)
         if not budget or total <= budget:
             for b in order:
                 b.make_resident()
             log.info(
-                "node %s: state of %d buckets (%d B) fits node.state_memory_bytes = %d: held in RAM, "
+                "node %s: state of %d buckets (%d B) fits its window of node.state_memory_bytes (%d B): held in RAM, "
                 "nothing written to %s",
                 ctx.index,
                 len(order),
@@ -233,7 +233,7 @@ class OocShard(Shard):
     def _start_window(self, order: list[BucketState]) -> None:
         ctx, files = self.ctx, self._files
         total = sum(s.slot_bytes for s in files.layout.buckets)
-        budget = ctx.cfg.state_memory_bytes or total
+        budget = ctx.inflight.window_bytes or total
         self.window = StateWindow(
             files,
             [b.id for b in order],
@@ -247,7 +247,7 @@ class OocShard(Shard):
         self._written = {bid: c.version for bid, c in files.committed.items() if c is not None}
         log.info(
             "node %s: state out of core in %s: %d buckets, %d B on disk (two slots each: %d B), "
-            "node.state_memory_bytes = %d (%.1fx smaller than the state)",
+            "a window of %d B (%.1fx smaller than the state; node.state_memory_bytes less node.push_memory_bytes)",
             ctx.index,
             files.folder,
             len(order),
@@ -267,6 +267,7 @@ class OocShard(Shard):
         if ctx.index < 0 or not has_state(folder):
             return None
         meta, kind, specs = read_meta(folder, ctx)
+        ctx.inflight.check(-1, specs, meta.get("world_size") or 1)  # (sizes the window's share)
         order = [self.make(spec, kind) for spec in specs]
         self._engine = IOEngine()
         try:

@@ -112,7 +112,7 @@ class StateWindow:
         biggest = max((b.slot_bytes for b in state.layout.buckets), default=ALIGN)
         if budget_bytes < biggest:
             raise ConfigError(
-                f"node.state_memory_bytes={budget_bytes} is less than one bucket's state ({biggest} B): raise it (3 buckets or more let reads, steps and writes overlap)"
+                f"the state window ({budget_bytes} B: node.state_memory_bytes less node.push_memory_bytes) is less than one bucket's state ({biggest} B): raise node.state_memory_bytes (3 buckets or more let reads, steps and writes overlap)"
             )
         if verify not in VERIFY_MODES:
             raise ConfigError(f"state window verify={verify!r}: one of {VERIFY_MODES}")

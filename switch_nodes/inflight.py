@@ -1,0 +1,426 @@
+"""The pushes in flight, within ``node.push_memory_bytes``: backpressure, never a refusal.
+
+What a node holds for its pushes besides its state is counted here, in one place:
+
+- an **open (step, bucket)**, from the push that opens it until its step is applied: its fp32
+  accumulator, room for every member's push of it (the first is kept undecoded until the second
+  comes, and a push is read whole before it is summed) and its reply, encoded before the
+  accumulator is given back. That is a :class:`Ticket` of ``4 B x numel + members x payload +
+  reply`` (async mode: one push, one ticket);
+- **replies** not yet sent (or held for a worker's ``step()``), counted until their last byte is in
+  the kernel; frames a resident shard lends a reply (fp32 zero-copy) cost nothing.
+
+The gate is the listener (:mod:`.zmtp`): when the header of a message with a payload has been read,
+it asks :meth:`PushBudget.gate`. A PUSH that would open a (step, bucket) and does not fit is left
+unread: its connection is paused (TCP pushes back on the worker; the payload is never allocated,
+nothing is refused or lost) and read on, in arrival order, as memory is released. Every other
+message goes on, a push to an open (step, bucket) included.
+
+**No stall.** A step of a bucket needs every member's push of it, so backpressure must never keep
+out for good a push that an open (step, bucket) waits for:
+
+1. only a push that opens a (step, bucket) waits; one to an open (step, bucket) is always read and
+   summed in place (one accumulator per (step, bucket)), its room reserved by the opener;
+2. with nothing in flight, an opener is let in whatever its size, and a HELLO whose largest bucket
+   needs more than the budget ((2 + world size) x 4 B a parameter) is refused, so the budget admits
+   one bucket's full set of pushes;
+3. what is in flight is released without any further push: open (step, bucket)s whose pushes are
+   all in are stepped by the optimizer thread; replies go out whatever the workers do (their ZeroMQ
+   I/O threads read), and replies held for a worker's ``step()`` are sent at once while a push waits
+   (the worker's word that releases them may be behind the waiting push). When the workers push a
+   step's buckets in the same order, the worker that waits is the one ahead, the others' pushes
+   join, and the budget is kept;
+4. a two-phase step (global-norm clipping, AMP, and every worker's first step) keeps all its
+   buckets' accumulators until the workers' COMMIT, which needs every bucket's norm: its pushes are
+   counted and never held back (such a step needs the memory of all its buckets at once);
+5. workers may push in different orders (a worker's I/O thread sends what waits first layers
+   first, so a worker whose pushes waited sends them in another order than one whose did not): an
+   open (step, bucket) may then wait for a worker's push that is behind the push that waits in that
+   worker's connection. When nothing can be released without another push (the optimizer thread
+   idle, no reply on its way, no message read and not served) and every worker an open (step,
+   bucket) waits for is waiting here, or nothing was released for ``IDLE_S``, one waiting push goes
+   in past the budget (that of a worker an open (step, bucket) waits for first), counted
+   (``luwu_node_inflight_overdrafts_total``) and said in the log once. The budget is then exceeded
+   by what the workers' orders force the node to read ahead, and by nothing else.
+
+Every wait ends: released memory wakes the waiting connections in order, or rule 5 does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import msgpack
+import zmq
+
+from luwu.protocol.messages import Op
+
+if TYPE_CHECKING:
+    from luwu.switch_nodes.context import NodeContext
+    from luwu.switch_nodes.store import BucketState
+
+__all__ = ["FREE", "IDLE_S", "PushBudget", "Ticket"]
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 2.0
+"""How long nothing is released, nothing can be, before a waiting push goes in although a worker an open
+(step, bucket) waits for is not waiting here (one whose rank is unknown, or gone)."""
+TICK_S = 0.02
+"""How often replies on their way are looked at while any are, or a push waits."""
+
+
+class Ticket:
+    """Bytes counted for one open (step, bucket) (``key``), from its opening push's header until its
+    accumulator is given back. The listener :meth:`free` s a ticket no accumulator :meth:`claim` ed."""
+
+    __slots__ = ("budget", "nbytes", "key", "claimed", "done", "seen", "bounded")
+
+    def __init__(self, budget: PushBudget | None, nbytes: int, key=None, bounded=True) -> None:
+        self.budget, self.nbytes, self.key, self.bounded = budget, nbytes, key, bounded
+        self.claimed = self.done = False
+        self.seen: set = set()  # the workers whose push of it was read (sync mode)
+
+    def free(self) -> None:
+        """The message it was taken for is served: give it back, unless an accumulator holds it."""
+        if not self.claimed:
+            self.release()
+
+    def release(self) -> None:
+        if not self.done and self.budget is not None:
+            self.done = True
+            self.budget.give(self)
+
+
+FREE = Ticket(None, 0)
+"""What a message that opens nothing takes (a push to an open (step, bucket), any other message)."""
+
+
+def _done(tracker) -> bool:
+    if tracker is None:
+        return True
+    try:
+        tracker.wait(0)
+    except zmq.NotDone:
+        return False
+    return True
+
+
+class PushBudget:
+    """The node's pushes in flight against ``node.push_memory_bytes`` (see the module's doc). Counts
+    always (``luwu_node_inflight_bytes``); gates only with a limit."""
+
+    def __init__(self, ctx: NodeContext) -> None:
+        self.ctx, self.limit = ctx, ctx.cfg.push_budget
+        self.reserved = self.replies = self.peak = self.unbounded = 0
+        self._lock = threading.Lock()
+        self._live: set[Ticket] = set()
+        self._keys: dict[tuple, Ticket] = {}  # sync mode: the ticket of each open (step, bucket)
+        self._sending: list[tuple[int, list]] = []  # (bytes, trackers) of replies on their way
+        self._waiters: dict[bytes, object] = {}  # paused connections, in arrival order
+        self._overdraft: bytes | None = None
+        self._blocked_at: float | None = None
+        self._released_at = time.monotonic()
+        self._told = False
+        self._tick: object | None = None
+        self.loop = None
+        self.buckets: Callable[[], dict[int, BucketState]] = dict
+        self.on_pressure: Callable[[], None] = lambda: None
+        ctx.metrics.inflight_limit.set(self.limit)
+
+    @property
+    def used(self) -> int:
+        return self.reserved + self.replies
+
+    def bind(self, buckets: Callable[[], dict], on_pressure: Callable[[], None]) -> None:
+        """The shard's buckets (to tell an opening push), and what sends the held replies at once."""
+        self.buckets, self.on_pressure = buckets, on_pressure
+
+    # ----------------------------------------------------------------- sizes
+    def cost(self, b: BucketState, h: dict) -> int:
+        """What a push opening (step, bucket) ``b`` holds until its step is applied (see the doc)."""
+        members = 1 if self.ctx.cfg.mode == "async" else len(self.ctx.members) or 1
+        nbytes = h.get("nbytes")  # (a header not checked yet: what is not a count counts as fp32)
+        ok = isinstance(nbytes, list) and all(type(n) is int for n in nbytes)
+        payload = sum(nbytes) if ok else b.numel * 4
+        reply = 0 if h.get("pull") == "ack" else b.numel * 4
+        return b.numel * 4 + members * max(0, int(payload)) + reply
+
+    def check(self, worker: int, buckets, world_size: int) -> None:
+        """A HELLO's layout (or a restart's, ``worker`` -1) against the budget: one bucket's full set
+        of fp32 pushes must fit. The default share of state_memory_bytes grows to it if it can."""
+        if not self.limit or not buckets:
+            return
+        big = max(buckets, key=lambda b: b.numel)
+        need = big.numel * 4 * (2 + (1 if self.ctx.cfg.mode == "async" else world_size))
+        cfg = self.ctx.cfg
+        if need > self.limit and not cfg.push_memory_bytes and need < cfg.state_memory_bytes:
+            # the quarter of state_memory_bytes was less than one bucket's needs
+            self.limit = need
+            self.ctx.metrics.inflight_limit.set(need)
+        if need > self.limit:
+            raise _too_small(self.ctx, worker, big, world_size, need, self.limit)
+
+    @property
+    def window_bytes(self) -> int:
+        """The state window's share of node.state_memory_bytes: what the pushes in flight leave."""
+        smb = self.ctx.cfg.state_memory_bytes
+        return max(0, smb - self.limit) if smb else 0
+
+    # ----------------------------------------------------------------- the gate (the listener's)
+    def gate(self, peer, header) -> Ticket | None:
+        """A message's header is read, its payload next: its ticket, or None (``peer`` waits, paused)."""
+        self._on_loop()
+        h = _push_header(header)
+        b = self.buckets().get(h.get("bucket")) if h is not None else None
+        step, rank = (h.get("step"), h.get("worker")) if b is not None else (None, None)
+        if (
+            not isinstance(step, int)
+            or not isinstance(rank, int)
+            or (self.sync and step < b.version)
+        ):
+            return FREE  # not a push (or one the node refuses when served), or a retry
+        if self.sync:
+            t = self._keys.get((b.id, step))
+            if t is not None or step in b.accs:  # joins an open (step, bucket): always read
+                if t is not None:
+                    t.seen.add(rank)
+                return FREE
+        self._prune()
+        t = self._ticket(b, h)
+        t.seen.add(rank)
+        if self._overdraft == peer.ident:
+            self._overdraft = None
+        elif t.bounded and self._full(t.nbytes):
+            self._wait(peer, rank)
+            return None
+        self._waiters.pop(peer.ident, None)
+        self._take(t)
+        return t
+
+    def _on_loop(self) -> None:
+        """(Called on the event loop: the loop the budget's timers and wake-ups run on.)"""
+        if self.loop is None:
+            import asyncio
+
+            self.loop = asyncio.get_running_loop()
+
+    @property
+    def sync(self) -> bool:
+        return self.ctx.cfg.mode != "async"
+
+    def _full(self, nbytes: int) -> bool:
+        return bool(self.limit and self.used and self.used + nbytes > self.limit)
+
+    def _wait(self, peer, rank) -> None:
+        if peer.ident not in self._waiters:
+            self._waiters[peer.ident] = (peer, rank)
+            if len(self._waiters) == 1:
+                self.loop.call_soon(self.on_pressure)
+        if self._blocked_at is None:
+            self._blocked_at = time.monotonic()
+        self._arm()
+
+    def _awaited(self, rank) -> bool:
+        """Whether an open (step, bucket) still waits for a push of worker ``rank`` not read yet (sync
+        mode): it may be behind the push at hand (rule 5 of the module's doc lets that one in first)."""
+        members = self.ctx.members
+        if not self.sync or rank not in members:
+            return False
+        return any(rank not in t.seen and len(t.seen) < len(members) for t in self._keys.values())
+
+    def claim(self, acc, b: BucketState, h: dict) -> None:
+        """``acc`` was opened by this push: it holds the ticket the (step, bucket)'s first header took
+        (or a new one)."""
+        key = (b.id, h["step"])
+        t = self._keys.get(key) if self.sync else getattr(self.ctx.listener, "ticket", None)
+        if t is None or t.claimed or t.key != key:
+            t = self._ticket(b, h)
+            self._take(t)
+        t.claimed = True
+        t.seen.update(acc.workers, (h["worker"],))
+        acc.ticket = t
+
+    # ----------------------------------------------------------------- counting
+    def _ticket(self, b: BucketState, h: dict) -> Ticket:
+        return Ticket(self, self.cost(b, h), (b.id, h.get("step")), h.get("two_phase") is not True)
+
+    def _take(self, t: Ticket) -> None:
+        with self._lock:
+            self.reserved += t.nbytes
+            self.unbounded += not t.bounded
+            self._live.add(t)
+            if self.sync:
+                self._keys[t.key] = t
+        self._moved(up=True)
+
+    def give(self, t: Ticket) -> None:
+        """From any thread: ``t`` is given back."""
+        with self._lock:
+            self.reserved -= t.nbytes
+            self.unbounded -= not t.bounded
+            self._live.discard(t)
+            if self._keys.get(t.key) is t:
+                del self._keys[t.key]
+        self._moved(up=False)
+
+    def reply(self, payload, trackers: list, in_ram: bool) -> None:
+        """A reply was sent (or held) to ``trackers``' workers: counted until all of them are out."""
+        if payload.borrowed and in_ram:
+            return  # frames of the resident shard itself
+        nbytes = sum(getattr(f, "nbytes", 0) for f in payload.frames)
+        waits = [t for _, t in trackers if t is not None]
+        if not nbytes or not waits:
+            return
+        self._on_loop()
+        self._prune()
+        self._sending.append((nbytes, waits))
+        with self._lock:
+            self.replies += nbytes
+        self._moved(up=True)
+        self._arm()
+
+    def forget(self) -> None:
+        """After a rollback replaced the buckets: give back what their accumulators held."""
+        held = {id(a.ticket) for b in self.buckets().values() for a in b.accs.values()}
+        for t in [t for t in list(self._live) if t.claimed and id(t) not in held]:
+            t.release()
+
+    def _moved(self, up: bool) -> None:
+        used = self.used
+        self.ctx.metrics.inflight.set(used)
+        if used > self.peak and not self.unbounded:  # (a two-phase step is not held back)
+            self.peak = used
+            self.ctx.metrics.inflight_peak.set(used)
+        if not up:
+            self._released_at = time.monotonic()
+            if self._waiters and self.loop is not None:
+                self.loop.call_soon_threadsafe(self._wake)
+
+    # ----------------------------------------------------------------- waking, on the event loop
+    def _wake(self) -> None:
+        for ident, (peer, _) in list(self._waiters.items()):
+            if ident not in self._waiters:
+                continue
+            if peer.closed or peer.refused:
+                del self._waiters[ident]
+                continue
+            del self._waiters[ident]
+            peer.resume()  # reads on: asks the gate again, and waits again if it still does not fit
+        if not self._waiters:
+            self._unblock()
+
+    def _unblock(self) -> None:
+        if self._blocked_at is not None:
+            self.ctx.metrics.inflight_blocked.inc(time.monotonic() - self._blocked_at)
+            self._blocked_at = None
+
+    def _arm(self) -> None:
+        if self._tick is None and self.loop is not None:
+            self._tick = self.loop.call_later(TICK_S, self._on_tick)
+
+    def _prune(self) -> None:
+        """Replies whose sends are done are given back."""
+        keep, sent = [], 0
+        for e in self._sending:
+            if all(_done(t) for t in e[1]):
+                sent += e[0]
+            else:
+                keep.append(e)
+        if sent:
+            self._sending = keep
+            with self._lock:
+                self.replies -= sent
+            self._moved(up=False)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        if self._waiters:
+            self.on_pressure()  # (replies held since the first push began to wait)
+        self._prune()
+        now = time.monotonic()
+        if self._blocked_at is not None:  # (counted as it goes, not only when it ends)
+            self.ctx.metrics.inflight_blocked.inc(now - self._blocked_at)
+            self._blocked_at = now if self._waiters else None
+        if self._waiters and self.ctx.queue.idle() and self._still():
+            if self._deadlocked() or now - self._released_at >= IDLE_S:
+                self._let_one_in(now)
+        if self._sending or self._waiters:
+            self._arm()
+
+    def _still(self) -> bool:
+        """Nothing in flight can be released without another push: no reply on its way, no message
+        read and not yet served (the optimizer thread is idle: the caller's)."""
+        serving = getattr(self.ctx.listener, "serving", lambda: False)
+        return not self._sending and not serving()
+
+    def _deadlocked(self) -> bool:
+        """Every worker an open (step, bucket) waits for is itself waiting here (its push to it may be
+        behind the one that waits: only letting one in ends it)."""
+        paused = {r for _, r in self._waiters.values()}
+        members = self.ctx.members
+        awaited = {
+            r for t in self._keys.values() if len(t.seen) < len(members) for r in members - t.seen
+        }
+        return bool(awaited) and awaited <= paused
+
+    def _let_one_in(self, now: float) -> None:
+        """Rule 5 of the module's doc: nothing can be released without another push; one waiting push
+        goes in."""
+        first = next(iter(self._waiters))
+        ident = next((i for i, (_, r) in self._waiters.items() if self._awaited(r)), first)
+        peer, _ = self._waiters.pop(ident)
+        if peer.closed or peer.refused:
+            return
+        self._overdraft, self._released_at = ident, now
+        self.ctx.metrics.inflight_overdrafts.inc()
+        if not self._told:
+            self._told = True
+            log.warning(
+                "node %s: nothing in flight could be released (or was, for %g s) with pushes waiting for "
+                "node.push_memory_bytes = %d (in flight: %d B for the (step, bucket)s %s, %d B of "
+                "replies on their way): a waiting push goes in past it (workers pushing in other orders) "
+                "(luwu_node_inflight_overdrafts_total counts them; said once)",
+                self.ctx.index,
+                IDLE_S,
+                self.limit,
+                self.reserved,
+                sorted((t.key for t in self._live), key=str)[:16],
+                self.replies,
+            )
+        peer.resume()
+        if not self._waiters:
+            self._unblock()
+
+
+def _push_header(frame) -> dict | None:
+    """The header of a PUSH (None: another op, or not a header a push could have)."""
+    try:
+        h = msgpack.unpackb(bytes(frame), raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    if not isinstance(h, dict) or h.get("op") != Op.PUSH or not isinstance(h.get("bucket"), int):
+        return None
+    return h
+
+
+def _too_small(ctx, worker: int, big, world_size: int, need: int, limit: int):
+    from luwu.protocol.errors import ConfigError
+
+    cfg = ctx.cfg
+    how = (
+        f"raise node.push_memory_bytes to at least {need}"
+        if cfg.push_memory_bytes or not cfg.state_memory_bytes
+        else f"raise node.state_memory_bytes to well above {need} (the pushes in flight take at least "
+        f"that of it, the state window the rest)"
+    )
+    return ConfigError(
+        f"HELLO of worker {worker}: node {ctx.index}'s pushes in flight may hold {limit} B "
+        f"(node.push_memory_bytes resolved), less than one bucket's full set of pushes: bucket {big.id} "
+        f"of {big.numel} parameters needs {need} B (its accumulator, {world_size} workers' pushes and its "
+        f"reply, 4 B a parameter each): {how}, or use a smaller bucket_bytes"
+    )
