@@ -72,7 +72,9 @@ def test_two_groups_of_four_cut_node_traffic_fourfold_by_hand():
     assert tier.sync_step_s == pytest.approx(C + max(path - f * C, sum(stages) / k))
     assert tier.sync_step_s < flat.sync_step_s / 2
     # an aggregator's uplink carries one model's worth, as much as a node's link now: a tie
-    assert tier.resources["aggregator uplink up"] == pytest.approx(tier.resources["node 0 downlink"])
+    assert tier.resources["aggregator uplink up"] == pytest.approx(
+        tier.resources["node 0 downlink"]
+    )
     assert tier.bottleneck == "node 0 downlink"  # (ties go to the first in order)
     assert tier.resources["aggregator group link in"] == pytest.approx(t.group_in_s)
 
