@@ -9,6 +9,7 @@ the order the race produces; the client and its bucket channels are the real one
 import pytest
 import torch
 import zmq
+from support import scripted_node
 
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.config import TransportConfig
@@ -19,18 +20,7 @@ JOB = "inbox-test"
 
 
 def update(seq: int, bucket: int, value: float) -> list:
-    h = {
-        "op": Op.UPDATE,
-        "job": JOB,
-        "step": seq + 1,
-        "worker": 0,
-        "bucket": bucket,
-        "codec": "none",
-        "cmeta": {},
-        "skipped": False,
-        "seq": seq,
-    }
-    return wire.encode(h, [torch.full((4,), value)])
+    return scripted_node.update(JOB, seq, bucket, value)
 
 
 def answer(op: Op) -> list:

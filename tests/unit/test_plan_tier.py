@@ -3,14 +3,14 @@ and the CLI."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 
 import pytest
 
-from luwu.plan import PlanSpec, add_arguments, plan, recommend, run
+from luwu.cli import main
+from luwu.plan import PlanSpec, plan, recommend
 from luwu.protocol.errors import ConfigError
 
 P = 16_700_000  # the cluster study's MLP
@@ -134,24 +134,18 @@ def test_bad_tier_settings_are_refused_by_name(bad, word):
         spec(**bad)
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="luwu plan")
-    add_arguments(parser)
-    return parser.parse_args(list(argv))
-
-
-def test_cli_shows_the_aggregators_and_recommends_a_group(capsys):
+def test_luwu_plan_shows_the_aggregators_and_recommends_a_group(capsys):
     common = ["--params", "16.7M", "--workers", "8", "--nodes", "2", "--compute-ms", "200"]
     common += ["--worker-gbps", "10", "--node-gbps", "1", "--push-codec", "none"]
     common += ["--pull-codec", "none"]
-    assert run(parse(*common, "--group-size", "4", "--aggregator-gbps", "1")) == 0
+    assert main(["plan", *common, "--group-size", "4", "--aggregator-gbps", "1"]) == 0
     out = capsys.readouterr().out
     assert "aggregator group link in (2 of 4 workers)" in out
     assert "aggregator uplink (one sum)" in out
     assert "switch tier: groups of" in out
-    assert run(parse(*common, "--group-size", "4", "--json")) == 0
+    assert main(["plan", *common, "--group-size", "4", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["plan"]["tier"]["aggregators"] == 2
     assert data["recommendation"]["group_size"] >= 4
-    assert run(parse(*common, "--group-size", "9")) == 2
+    assert main(["plan", *common, "--group-size", "9"]) == 2
     assert "group_size" in capsys.readouterr().err
