@@ -9,11 +9,8 @@ import time
 
 import pytest
 import torch
-import zmq
 from support import scripted_node
 
-from luwu.gpu_workers.client import WorkerClient
-from luwu.gpu_workers.config import TransportConfig
 from luwu.protocol import messages as wire
 from luwu.protocol.errors import NodeTimeoutError, StepMismatchError
 from luwu.protocol.messages import Op
@@ -36,22 +33,8 @@ def value(msg) -> float:
 @pytest.fixture
 def scripted():
     """(node ROUTER socket, the worker's identity there, client, channels of buckets 0 and 1)."""
-    ctx = zmq.Context()
-    node = ctx.socket(zmq.ROUTER)
-    node.setsockopt(zmq.LINGER, 0)
-    node.setsockopt(zmq.RCVTIMEO, 10_000)
-    node.bind("tcp://127.0.0.1:0")
-    addr = node.getsockopt(zmq.LAST_ENDPOINT).decode()
-    client = WorkerClient([addr], job=JOB, rank=0, cfg=TransportConfig(timeout_s=10))
-    try:
-        channels = client.channels.open([(0, 0), (0, 1)])
-        client.send(0, {"op": Op.HEARTBEAT})  # (the node learns the worker's identity)
-        ident = node.recv_multipart()[0]
-        yield node, ident, client, channels
-    finally:
-        client.close()
-        node.close()
-        ctx.term()
+    with scripted_node.scripted(JOB) as s:
+        yield s
 
 
 def settled(node, ident, client) -> None:

@@ -8,11 +8,8 @@ the order the race produces; the client and its bucket channels are the real one
 
 import pytest
 import torch
-import zmq
 from support import scripted_node
 
-from luwu.gpu_workers.client import WorkerClient
-from luwu.gpu_workers.config import TransportConfig
 from luwu.protocol import messages as wire
 from luwu.protocol.messages import Op
 
@@ -31,17 +28,7 @@ def answer(op: Op) -> list:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("new_timeline", [Op.ROLLBACK, Op.WELCOME], ids=["rollback", "welcome"])
 def test_replies_sent_before_a_rollback_or_rejoin_answer_are_forgotten(new_timeline):
-    ctx = zmq.Context()
-    node = ctx.socket(zmq.ROUTER)
-    node.setsockopt(zmq.LINGER, 0)
-    node.setsockopt(zmq.RCVTIMEO, 10_000)
-    node.bind("tcp://127.0.0.1:0")
-    addr = node.getsockopt(zmq.LAST_ENDPOINT).decode()
-    client = WorkerClient([addr], job=JOB, rank=0, cfg=TransportConfig(timeout_s=10))
-    try:
-        ch0, ch1 = client.channels.open([(0, 0), (0, 1)])
-        client.send(0, {"op": Op.HEARTBEAT})  # (the node learns the worker's identity)
-        ident = node.recv_multipart()[0]
+    with scripted_node.scripted(JOB) as (node, ident, client, (ch0, ch1)):
         pushes = [ch.push({"op": Op.PUSH, "step": 7, "bucket": ch.bucket}, []) for ch in (ch0, ch1)]
         client.reset()  # recover(): step 7 is abandoned, then HELLO (and ROLLBACK)
         node.send_multipart([ident, *update(7, 0, 1.0)])  # the abandoned step 7's weights
@@ -55,7 +42,3 @@ def test_replies_sent_before_a_rollback_or_rejoin_answer_are_forgotten(new_timel
             got[1], torch.full((4,), 2.0)
         )
         assert all(p.msg is None and p.error is not None for p in pushes)
-    finally:
-        client.close()
-        node.close()
-        ctx.term()
