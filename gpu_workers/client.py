@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 from luwu.gpu_workers.channel import Channels, Reply, resolved
 from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers.reach import WATCHED, Reach, check_resolves
+from luwu.gpu_workers.send_order import SendOrder
 from luwu.protocol import messages as wire
 from luwu.protocol.errors import LuwuError, ProtocolError, error_for_code
 from luwu.protocol.memory import retain_freed_memory
@@ -64,20 +65,6 @@ def _close_open_clients() -> None:
             log.debug("closing a worker client at exit failed", exc_info=True)
 
 
-def _next_out(q: collections.deque) -> int:
-    """Which queued message goes out next: the first, or, when it has a priority, the lowest priority
-    of the run of prioritized messages it starts (the earliest of equals)."""
-    best = 0
-    if q[0][0] is not None:
-        for j in range(1, len(q)):
-            pj = q[j][0]
-            if pj is None:
-                break
-            if pj < q[best][0]:
-                best = j
-    return best
-
-
 #: The replies that resolve a bucket channel's futures (the others are filed for control waits).
 _BUCKET_REPLIES = (Op.UPDATE, Op.NORM)
 
@@ -97,6 +84,7 @@ class WorkerClient:
         if cfg.retain_freed_memory:
             retain_freed_memory()
         self._out: list[collections.deque] = [collections.deque() for _ in nodes]
+        self.order = SendOrder(len(nodes))
         self._cv = threading.Condition()
         self._inbox: dict[tuple, wire.Message] = {}  # control replies: (op, node, step, bucket)
         self._errors: list[tuple[int, LuwuError]] = []
@@ -147,7 +135,9 @@ class WorkerClient:
         """Queue a message to a node (thread-safe). The payload tensors must stay untouched until the
         reply to this message has arrived. ``priority`` (pushes): among the messages with a priority
         queued one after another, the lowest goes out first (P3: the first layers' gradients); a
-        message without one keeps its place, so no request overtakes or falls behind it."""
+        message without one keeps its place, so no request overtakes or falls behind it; a node with
+        a push budget gets pushes in the order they were made (:mod:`.send_order`)."""
+        priority = self.order.priority(node, priority)
         header.setdefault("job", self.job)
         header.setdefault("worker", self.rank)
         header.setdefault("step", 0)
@@ -331,6 +321,8 @@ class WorkerClient:
                 # finished between answering HELLO and rolling back, found no future: reset())
                 node = key[1]
                 self._welcomed.add(node)
+                if key[0] == Op.WELCOME:
+                    self.order.in_order[node] = bool(msg.header.get("in_order"))
                 self._errors = [(n, e) for n, e in self._errors if n != node]
                 for k in [k for k in self._inbox if k[1] == node]:
                     del self._inbox[k]
@@ -403,7 +395,7 @@ class WorkerClient:
             for i, s in enumerate(self._socks):
                 q = self._out[i]
                 while q:
-                    at = _next_out(q)
+                    at = SendOrder.next_out(q)
                     try:
                         s.send_multipart(q[at][1], copy=False, flags=zmq.NOBLOCK)
                     except zmq.Again:

@@ -103,11 +103,15 @@ OPTIONAL: dict[str, tuple] = {
     "param_names": (D,),
     "partial": (B,),
     "resume": (B,),
+    "in_order": (B,),
 }
 """``partial`` (PUSH): a micro-batch's gradient under ``no_sync()`` in streaming mode; the node adds it
 to the step's sum and answers nothing; the worker's last push of the step comes without it. ``resume``
 (HELLO): the worker continues the job from the step the nodes hold (``RemoteOptimizer(resume=True)``, or
-``recover()``); without it, nodes holding the job at a step past 0 with no live worker refuse the HELLO."""
+``recover()``); without it, nodes holding the job at a step past 0 with no live worker refuse the HELLO.
+``in_order`` (WELCOME): the node bounds its pushes in flight (``node.push_memory_bytes``); the worker sends
+it its pushes in the order it made them, the same order on every worker, so the node opens a step's
+buckets one after another instead of all of them at once."""
 
 
 @dataclass(slots=True)

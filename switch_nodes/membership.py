@@ -255,6 +255,8 @@ class Membership:
         versions = {b.id: b.version for b in self.shard.buckets.values()}
         initialized = [b.id for b in self.shard.buckets.values() if b.initialized]
         fields = {"layout": ctx.layout_hash, "versions": versions, "initialized": initialized}
+        if ctx.inflight.limit:
+            fields["in_order"] = True  # the same push order on every worker: see gpu_workers.client
         # a new connection: nothing held for the old one goes to it
         return [Drop(w), Answer(ident, Op.WELCOME, w, fields)]
 
