@@ -70,7 +70,7 @@ class BucketChannel:
     """Bucket ``bucket``'s requests to its node ``node`` and the futures of their replies, kept
     for the worker until it takes them (:meth:`reply`, :meth:`fetched`)."""
 
-    __slots__ = ("client", "node", "bucket", "_updates", "_norms", "_pushed", "_fetch")
+    __slots__ = ("client", "node", "bucket", "_updates", "_norms", "_pushed", "_fetch", "_state")
 
     def __init__(self, client: WorkerClient, node: int, bucket: int):
         self.client, self.node, self.bucket = client, node, bucket
@@ -78,6 +78,7 @@ class BucketChannel:
         self._norms: dict[int, Reply] = {}  # pushed step -> unresolved future of its NORM
         self._pushed: dict[int, Reply] = {}  # pushed step -> its future, until taken
         self._fetch: Reply | None = None  # the last PULL's future, until taken
+        self._state: Reply | None = None  # the future of the STATE request on its way
 
     def push(self, header: dict, frames, priority: int | None = None) -> Reply | None:
         """Send a PUSH (``header`` names op, step, bucket...; ``frames``: its payload, untouched
@@ -99,6 +100,13 @@ class BucketChannel:
         self.client.send(self.node, {"op": Op.PULL, "bucket": self.bucket, "codec": codec})
         return reply
 
+    def state(self, header: dict, frames=()) -> Reply:
+        """Send a STATE request (``header``: op, step, action, names; ``frames``: a ``set``'s
+        tensors) and return the future of its answer (the state, or the node's acknowledgement)."""
+        reply = self._state = Reply(self, header["step"])
+        self.client.send(self.node, {**header, "bucket": self.bucket}, frames)
+        return reply
+
     def reply(self, step: int, take: bool = True, norm: bool = False) -> Reply:
         """The future of the answer to the push of ``step``; ``take``: the worker is done with it
         after this wait (not: a streamed push's ack, still to come); ``norm``: of its NORM (a
@@ -116,11 +124,16 @@ class BucketChannel:
 
     # ----------------------------------------------------------------- the I/O thread's side
     def deliver(self, msg: wire.Message) -> None:
-        """Resolve the future ``msg`` answers (an UPDATE or a NORM); drop a reply nobody waits for."""
+        """Resolve the future ``msg`` answers (an UPDATE, a NORM or a STATE); drop a reply nobody
+        waits for."""
         h = msg.header
-        table, seq = (
-            (self._updates, h.get("seq", -1)) if h["op"] == Op.UPDATE else (self._norms, h["step"])
-        )
+        if h["op"] == Op.STATE:  # (one request on its way at a time)
+            table, seq = {-1: self._state} if self._state is not None else {}, -1
+            self._state = None
+        elif h["op"] == Op.UPDATE:
+            table, seq = self._updates, h.get("seq", -1)
+        else:
+            table, seq = self._norms, h["step"]
         client = self.client
         with client._cv:
             reply = table.pop(seq, None)
@@ -150,11 +163,15 @@ class BucketChannel:
         if ref_op == Op.PUSH:
             refused = (self._updates.pop(step, None), self._norms.pop(step, None))
             return [r for r in refused if r is not None]
+        if ref_op == Op.STATE:
+            refused, self._state = self._state, None
+            return [refused] if refused is not None else []
         return []
 
     def abandon(self) -> list[Reply]:
         """Every unresolved future (taken out): their steps were abandoned."""
-        out = [*self._updates.values(), *self._norms.values()]
+        out = [*self._updates.values(), *self._norms.values(), *filter(None, [self._state])]
+        self._state = None
         self._updates.clear()
         self._norms.clear()
         self._pushed.clear()

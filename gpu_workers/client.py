@@ -66,7 +66,7 @@ def _close_open_clients() -> None:
 
 
 #: The replies that resolve a bucket channel's futures (the others are filed for control waits).
-_BUCKET_REPLIES = (Op.UPDATE, Op.NORM)
+_BUCKET_REPLIES = (Op.UPDATE, Op.NORM, Op.STATE)
 
 
 def _key_where(key: tuple) -> tuple:
@@ -305,12 +305,10 @@ class WorkerClient:
     @staticmethod
     def key_of(node: int, h: dict) -> tuple:
         """Where a control reply is filed: (op, node, step, bucket). WELCOME and STATS have no
-        step; a bucket's replies (UPDATE, NORM) resolve its channel's futures instead."""
+        step; a bucket's replies (UPDATE, NORM, STATE) resolve its channel's futures instead."""
         op = h["op"]
         if op in (Op.WELCOME, Op.STATS, Op.ROLLBACK, Op.CHECKPOINT, Op.EXPORT, Op.BYE):
             return (op, node, None, -1)
-        if op == Op.STATE:
-            return (op, node, None, h["bucket"])
         return (op, node, h["step"], h.get("bucket", -1))
 
     def file(self, key: tuple, msg: wire.Message) -> None:

@@ -19,13 +19,9 @@ from luwu.switch_nodes.torch_state import step_of, torch_param_state
 def fetch(worker) -> dict[int, list[torch.Tensor]]:
     """Every bucket's [params, *optimizer state, per-segment steps] from its node."""
     layout, client = worker.layout, worker.client
-    for b in layout.buckets:
-        client.send(
-            b.node,
-            {"op": Op.STATE, "step": worker.step_num, "bucket": b.id, "action": "get", "names": []},
-        )
-    msgs = client.wait(
-        [(Op.STATE, b.node, None, b.id) for b in layout.buckets], what="optimizer state"
+    get = {"op": Op.STATE, "step": worker.step_num, "action": "get", "names": []}
+    msgs = _answers(
+        worker, [worker.channels[b.id].state(get) for b in layout.buckets], "optimizer state"
     )
     out = {}
     for b, m in zip(layout.buckets, msgs):
@@ -44,22 +40,17 @@ def fetch(worker) -> dict[int, list[torch.Tensor]]:
 
 def store(worker, flats: dict[int, list[torch.Tensor]], names: list[str]) -> None:
     """Write [params, *state, steps] of every bucket to its node, then wait for every node's ack."""
-    layout, client = worker.layout, worker.client
-    for b in layout.buckets:
-        client.send(
-            b.node,
-            {
-                "op": Op.STATE,
-                "step": worker.step_num,
-                "bucket": b.id,
-                "action": "set",
-                "names": names,
-            },
-            flats[b.id],
-        )
-    client.wait(
-        [(Op.STATE, b.node, None, b.id) for b in layout.buckets], what="optimizer state ack"
-    )
+    put = {"op": Op.STATE, "step": worker.step_num, "action": "set", "names": names}
+    replies = [worker.channels[b.id].state(put, flats[b.id]) for b in worker.layout.buckets]
+    _answers(worker, replies, "optimizer state ack")
+
+
+def _answers(worker, replies: list, what: str) -> list:
+    """The nodes' answers to a STATE request per bucket (futures of its channels), in bucket order;
+    a node's error raises, a missing answer names node, step and bucket at the deadline."""
+    for _ in worker.client.arrivals(replies, what=what):
+        pass
+    return [r.msg for r in replies]
 
 
 def to_torch(

@@ -107,3 +107,33 @@ def test_a_rejoin_abandons_open_futures_and_a_push_again_rearms(scripted):
     node.send_multipart([ident, *update(7, 0, 3.0)])
     assert value(new.result()) == 3.0
     assert old.msg is None and isinstance(old.error, StepMismatchError)
+
+
+def state_reply(bucket: int, value: float) -> list:
+    h = {"op": Op.STATE, "job": JOB, "step": 0, "worker": 0, "bucket": bucket}
+    return wire.encode(h | {"action": "get", "names": ["params"]}, [torch.full((4,), value)])
+
+
+@pytest.mark.timeout(30)
+def test_state_requests_are_answered_through_their_buckets_futures(scripted):
+    """A STATE request's answer resolves its bucket's future (not a control key); an ERROR refusing
+    one bucket's request fails that future alone, naming node and bucket."""
+    node, ident, client, (ch0, ch1) = scripted
+    get = {"op": Op.STATE, "step": 2, "action": "get", "names": []}
+    first, second = ch0.state(get), ch1.state(get)
+    node.send_multipart([ident, *state_reply(1, 5.0)])  # (answers in another order)
+    node.send_multipart([ident, *state_reply(0, 3.0)])
+    got = {r.bucket: value(r.msg) for r in client.arrivals([first, second], what="state")}
+    assert got == {0: 3.0, 1: 5.0}
+    node.send_multipart([ident, *state_reply(0, 9.0)])  # nobody asked: dropped
+    settled(node, ident, client)
+    refused, fine = ch1.state(get), ch0.state(get)
+    err = wire.error_message(
+        JOB, "bad_state", "state of bucket 1 refused", ref_op=Op.STATE, step=2, bucket=1
+    )
+    node.send_multipart([ident, *err])
+    with pytest.raises(Exception, match="state of bucket 1 refused"):
+        refused.result(timeout_s=3)
+    assert not fine.done
+    node.send_multipart([ident, *state_reply(0, 4.0)])
+    assert value(fine.result()) == 4.0
