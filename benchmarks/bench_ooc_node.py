@@ -11,7 +11,8 @@ the meta device: ``bench_memory.make_model``, ``--depth`` blocks of width ``--wi
 2. **in RAM** (the reference): the same training against a node without ``node.state_dir``, in a
    cgroup with no binding limit (only to read its peak).
 3. **capped**: the node with ``node.state_dir`` and ``node.state_memory_bytes`` = a quarter of the
-   shard's state (12 B/param: fp32 weights and AdamW's two moments), in a cgroup limited to
+   shard's state (12 B/param: fp32 weights and AdamW's two moments; ``--state-memory-mib``
+   overrides, e.g. to cap the cgroup itself at a quarter of the state), in a cgroup limited to
    baseline + state / 4 (``--limit-mib`` overrides). Its final weights are compared with the
    reference's (max abs difference; expected 0, bit for bit: compression off, the same sums).
    Where it is killed, the same run again under the in-RAM node's peak less half the state (the
@@ -393,7 +394,7 @@ def study(args, folder: Path) -> tuple[dict, str]:
     state = state_bytes(numel)
     # a quarter of the state, but at least what one bucket needs out of core: two slots of its state
     # (12 B/param each) and its pushes in flight (16 B/param: node.push_memory_bytes' minimum)
-    budget = max(state // 4, 10 * args.bucket_mib * MIB)
+    budget = args.state_memory_mib * MIB or max(state // 4, 10 * args.bucket_mib * MIB)
     spec = {
         "width": args.width,
         "depth": args.depth,
@@ -499,12 +500,14 @@ def markdown(r: dict, load_line: str) -> str:
     rows = r["rows"]
     cap = next(x for x in rows if x["run"] == r["compared_run"])
     nodir = rows[-1]
+    state_b = r["state_mib"] * MIB
     md = (
         "# An out-of-core node in a memory cgroup (bench_ooc_node)\n\n"
         f"A streaming model of {r['params'] / 1e6:.1f} M parameters (width {r['width']}, {r['depth']} "
         f"blocks): the node's AdamW state is {r['state_mib']:.0f} MiB (12 B/param; on disk "
         f"{cap.get('disk_state_mib')} MiB a slot, two slots a bucket). "
-        f"node.state_memory_bytes = state / 4 = {r['state_memory_bytes'] * MB:.0f} MiB (the state window and "
+        f"node.state_memory_bytes = {r['state_memory_bytes'] * MB:.0f} MiB, {r['state_memory_bytes'] / state_b:.3g} "
+        "of the state (the state window and "
         "the pushes in flight share it: node.push_memory_bytes, by default a quarter). The node alone "
         f"(Python, torch, ZeroMQ, no state) peaks at {r['baseline_mib']:.0f} MiB in its cgroup; the in-RAM "
         f"node at {r['in_ram_peak_mib']:.0f} MiB, {r['in_flight_mib']:.0f} MiB above baseline + state "
@@ -568,6 +571,13 @@ def main() -> None:
         type=int,
         default=0,
         help="the capped runs' limit (default: baseline + state/4)",
+    )
+    ap.add_argument(
+        "--state-memory-mib",
+        type=int,
+        default=0,
+        help="node.state_memory_bytes of the capped runs (default: a quarter of the state); with "
+        "--limit-mib at a quarter of the state, what the cgroup leaves besides the node's baseline",
     )
     ap.add_argument("--dir", type=Path, default=None, help="folder for the state files (on a disk)")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds a training run may take")

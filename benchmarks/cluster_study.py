@@ -185,12 +185,17 @@ class RunConfig:
     told_link: bool = True
     """LuWu: the cluster file tells the compression policy the link's rate; False: the defaults
     (``link_gbps = "auto"``: each worker measures its link to each node), named ``..._auto``."""
+    out_of_core: bool = False
+    """LuWu: every node keeps its shard's state in files (``node.state_dir``, in the run's folder on
+    this machine's disk) with ``node.state_memory_bytes`` a quarter of its share of the state (the
+    state 4x its budget), named ``..._ooc``."""
 
     @property
     def name(self) -> str:
         base = f"{self.kind}_{self.variant}" + (f"_n{self.nodes}" if self.kind == "luwu" else "")
         base += "" if self.compression or self.kind != "luwu" else "_fp32"
         base += "" if self.told_link else "_auto"
+        base += "_ooc" if self.out_of_core else ""
         return base + (f"_{self.label}" if self.label else "")
 
 
@@ -245,6 +250,7 @@ def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str
         "",
         "[node]",
         "insecure_public_bind = true  # the bridge of the emulated cluster",
+        *(_ooc_lines(path.parent / "state", s, rc) if rc.out_of_core else []),
         "",
     ]
     for key, value in s.settings.items():  # --set section.field=value: after its section's header
@@ -253,6 +259,15 @@ def _cluster_file(path: Path, rc: RunConfig, hosts: Hosts, s: Settings, job: str
         lines[at:at] = [f"[{section}]"] * (at == len(lines)) + [f"{name} = {value}"]
     path.write_text("\n".join(lines))
     return nodes
+
+
+def _ooc_lines(state_dir: Path, s: Settings, rc: RunConfig) -> list[str]:
+    """A node's state in files, its budget a quarter of its share (AdamW: 12 B/param), but at least
+    what one bucket needs: its pushes in flight (2 + workers fp32 copies) and two slots of its state
+    in the window (12 B/param each)."""
+    share = 12 * s.num_params // rc.nodes
+    budget = max(share // 4, s.bucket_bytes * (2 + rc.workers + 6))
+    return [f'state_dir = "{state_dir}"', f"state_memory_bytes = {budget}"]
 
 
 JOIN_SECRET = secrets.token_hex(16)
@@ -476,6 +491,8 @@ def summarize(rc: RunConfig, s: Settings, results: list[dict], hosts: Hosts) -> 
         "node_rx_bytes": [n["rx_bytes_per_step"] for n in win[0]["nodes"]],
         "node_tx_bytes": [n["tx_bytes_per_step"] for n in win[0]["nodes"]],
         "node_cpu_share": [n["cpu_share"] for n in win[0]["nodes"]],
+        # the state files' traffic (out-of-core nodes), all nodes together: one disk here
+        "node_disk_mb": sum(n.get("disk_bytes_per_step", 0) for n in win[0]["nodes"]) / 1e6,
         "node_cpu_ms_by_role": [
             {k: v * 1e3 for k, v in n["cpu_s_per_step_by_role"].items()} for n in win[0]["nodes"]
         ],
@@ -552,24 +569,51 @@ def h2h_configs(
     nodes: list[int],
     only: list[str] | None,
     auto_link: bool = False,
+    out_of_core: bool = False,
 ) -> list[RunConfig]:
     """The head-to-head's runs; ``auto_link``: every LuWu run also on pure defaults (the link's
-    rate not told: ``..._auto``), side by side with the told one."""
+    rate not told: ``..._auto``), side by side with the told one; ``out_of_core``: every LuWu run
+    also with its nodes' state in files (``..._ooc``), side by side with in-RAM nodes."""
     out = []
     told = (True, False) if auto_link else (True,)
+    ooc = (False, True) if out_of_core else (False,)
     for rate in rates:
         for w in workers:
             out += [RunConfig("ddp", v, w, rate=rate) for v in DDP_VARIANTS]
             out += [RunConfig("fsdp", v, w, rate=rate) for v in FSDP_VARIANTS]
             out += [
-                RunConfig("luwu", v, w, n, rate=rate, told_link=t)
+                RunConfig("luwu", v, w, n, rate=rate, told_link=t, out_of_core=o)
                 for n in nodes
                 for v in LUWU_VARIANTS
                 for t in told
+                for o in ooc
             ]
     if only:
         out = [rc for rc in out if any(o in rc.name for o in only)]
     return out
+
+
+def disk_floor(reps: int = 3, mib: int = 256) -> dict:
+    """The disk's mixed O_DIRECT bandwidth where the runs keep their state (``bench_ooc.DiskFloor``:
+    the state engine's request size and depth), median of ``reps`` passes."""
+    from bench_ooc import DiskFloor
+
+    from luwu.switch_nodes.ooc.io import DEFAULT_NUM_THREADS, DEFAULT_REQUEST_BYTES
+
+    with tempfile.TemporaryDirectory(prefix="luwu-study-disk-") as tmp:
+        floor = DiskFloor(
+            Path(tmp) / "floor.bin", mib << 20, DEFAULT_REQUEST_BYTES, DEFAULT_NUM_THREADS
+        )
+        try:
+            floor.run("mixed")
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                floor.run("mixed")
+                times.append(time.perf_counter() - t0)
+        finally:
+            floor.close()
+    return {"mixed_mb_s": floor.nbytes / median(times) / 1e6, "file_mib": mib, "reps": reps}
 
 
 def _remove_stale_run_dirs() -> None:
@@ -652,8 +696,10 @@ def merge_reps(rows: list[dict]) -> list[dict]:
     return out
 
 
-def add_comparisons(rows: list[dict], s: Settings) -> None:
-    """Ratios vs DDP fp32 / bf16 of the same rate and worker count, the time-to-loss target and times."""
+def add_comparisons(rows: list[dict], s: Settings, disk_mb_s: float = 0.0) -> None:
+    """Ratios vs DDP fp32 / bf16 of the same rate and worker count, the time-to-loss target and times;
+    out-of-core runs against the same run with in-RAM nodes (``disk_mb_s``: the disk's mixed
+    bandwidth, to say how much of the state traffic's time the step hid)."""
     for rate, w in sorted({(r["rate"], r["workers"]) for r in rows}):
         group = [r for r in rows if r["rate"] == rate and r["workers"] == w]
         ref = {r["config"]: r for r in group}
@@ -682,6 +728,15 @@ def add_comparisons(rows: list[dict], s: Settings) -> None:
             r["vs_resident"] = (
                 r["samples_per_s"] / resident["samples_per_s"] if resident else float("nan")
             )
+            in_ram = ref.get(r["config"].replace("_ooc", "")) if "_ooc" in r["config"] else None
+            r["vs_in_ram"] = (
+                r["samples_per_s"] / in_ram["samples_per_s"] if in_ram else float("nan")
+            )
+            if in_ram and disk_mb_s:
+                # the disk's time for the step's state traffic, and how much of it the step hid
+                disk_s = r["node_disk_mb"] / disk_mb_s
+                r["disk_ms"] = disk_s * 1e3
+                r["disk_hidden"] = 1 - (r["step_ms"] - in_ram["step_ms"]) / 1e3 / disk_s
 
 
 def verdicts(
@@ -876,6 +931,35 @@ H2H_HEADERS = [
 ]
 
 
+def ooc_markdown(result: dict) -> list[str]:
+    """Out-of-core nodes against in-RAM ones, and how much of the disk's time the step hid."""
+    rows = [r for r in result["rows"] if r["config"].endswith("_ooc")]
+    if not rows:
+        return []
+    disk = result.get("disk", {}).get("mixed_mb_s", float("nan"))
+    cols = ["config", "rate", "workers", "samples_per_s", "vs_in_ram", "step_ms", "node_disk_mb"]
+    cols += ["disk_ms", "disk_hidden", "node_cpu_ms"]
+    heads = ["config", "rate", "workers", "samples/s", "x in-RAM nodes", "step ms"]
+    heads += [
+        "state MB/step (all nodes)",
+        "disk ms/step",
+        "disk time hidden",
+        "CPU ms/step per node",
+    ]
+    return [
+        "## Out-of-core nodes (each node's state 4x its node.state_memory_bytes)",
+        "",
+        md_table(rows, cols, heads),
+        "",
+        f"State MB/step: what the nodes read and wrote (`/proc/<pid>/io`, O_DIRECT), all nodes on this "
+        f"machine's one disk; disk ms/step: that at the disk's mixed O_DIRECT bandwidth measured before "
+        f"the runs ({disk:.0f} MB/s, `bench_ooc`'s floor); disk time hidden: 1 - (step - the in-RAM "
+        "nodes' step) / disk ms, the share of the disk's time the step did not wait for (1: all of it "
+        "behind the gradients' arrival).",
+        "",
+    ]
+
+
 def timeline_markdown(rows: list[dict]) -> list[str]:
     """Rank 0's step timeline of each LuWu run: when each bucket was pushed, answered and written."""
     out = []
@@ -947,6 +1031,7 @@ def h2h_markdown(result: dict) -> str:
             md_table(group, H2H_COLS, H2H_HEADERS),
             "",
         ]
+    lines += ooc_markdown(result)
     lines += timeline_markdown(rows)
     by_bound: dict[str, list[str]] = {}
     for r in rows:
@@ -1595,6 +1680,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each LuWu run also on pure defaults, the link's rate not told (named ..._auto)",
     )
+    ap.add_argument(
+        "--out-of-core",
+        action="store_true",
+        help="each LuWu run also with its nodes' state in files, 4x their budget (named ..._ooc); "
+        "with 4 MiB buckets a node's budget must hold a bucket's pushes and state: use --bucket-mib 1",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -1632,20 +1723,22 @@ def main(argv: list[str] | None = None) -> int:
     rates = args.rates or (["1gbit"] if quick else ["1gbit", "10gbit"])
     workers = args.workers or ([4] if quick else [4, 2])
     nodes = args.nodes or ([2] if quick else [1, 2, 4])
-    configs = h2h_configs(rates, workers, nodes, args.only, args.auto_link)
+    configs = h2h_configs(rates, workers, nodes, args.only, args.auto_link, args.out_of_core)
     t0 = time.monotonic()
     info = machine()
     calib = calibrate(s)
     before = [calibration_config(rates[0])] if any(rc.kind == "luwu" for rc in configs) else []
+    disk = disk_floor() if args.out_of_core else {}
     runs = split_calibration(run_many(configs, s, reps=args.reps, before=before), calib)
     rows = merge_reps(runs)
-    add_comparisons(rows, s)
+    add_comparisons(rows, s, disk.get("mixed_mb_s", 0.0))
     result = {
         "quick": quick,
         "settings": dataclasses.asdict(s),
         "num_params": s.num_params,
         "machine": info,
         "calibration": calib,
+        "disk": disk,
         "rows": rows,
         "runs": runs,
         "verdicts": verdicts(rows),

@@ -131,6 +131,17 @@ def tcp_counters(pid: int | str = "self") -> tuple[int, int]:
     return retrans, timeouts
 
 
+def disk_bytes(pid: int | str = "self") -> tuple[int, int]:
+    """(read, written) bytes a process made the block layer move (``/proc/<pid>/io``: O_DIRECT
+    included, the page cache's hits not); (-1, -1) if unreadable."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            io = dict(line.split(": ") for line in f.read().splitlines())
+        return int(io["read_bytes"]), int(io["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return -1, -1
+
+
 def cpu_seconds(pid: int | str = "self") -> float:
     """User + system CPU seconds of a process, all threads (NaN if unreadable)."""
     try:
@@ -181,7 +192,8 @@ def _snapshot(node_pids: list[int], client=None, *, machine: bool = False) -> di
         "net": net_bytes(),
         "tcp": tcp_counters(),
         "nodes": [
-            (cpu_seconds(p), net_bytes(p), threads_cpu_s(p), tcp_counters(p)) for p in node_pids
+            (cpu_seconds(p), net_bytes(p), threads_cpu_s(p), tcp_counters(p), disk_bytes(p))
+            for p in node_pids
         ],
         "machine": busy_jiffies(),
     }
@@ -202,7 +214,9 @@ def _window(a: dict, b: dict, steps: int, ours: set[int]) -> dict:
         "tcp_timeouts_per_step": (b["tcp"][1] - a["tcp"][1]) / steps,
     }
     nodes = []
-    for pid, (c0, n0, t0, r0), (c1, n1, t1, r1) in zip(a["node_pids"], a["nodes"], b["nodes"]):
+    for pid, (c0, n0, t0, r0, d0), (c1, n1, t1, r1, d1) in zip(
+        a["node_pids"], a["nodes"], b["nodes"]
+    ):
         roles = {k: v / steps for k, v in node_threads_delta(pid, t0, t1).items()}
         nodes.append(
             {
@@ -213,6 +227,7 @@ def _window(a: dict, b: dict, steps: int, ours: set[int]) -> dict:
                 "tcp_timeouts_per_step": (r1[1] - r0[1]) / steps,
                 "rx_bytes_per_step": (n1[0] - n0[0]) / steps,
                 "tx_bytes_per_step": (n1[1] - n0[1]) / steps,
+                "disk_bytes_per_step": (d1[0] - d0[0] + d1[1] - d0[1]) / steps,
             }
         )
     out["nodes"] = nodes
