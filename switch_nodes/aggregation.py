@@ -259,4 +259,6 @@ class Aggregator:
             acc.started = True
             divisor = len(acc.workers) / coef if not h["skip"] else 1.0
             out.append(ApplyStep(b, step, acc, divisor, skip=h["skip"]))
+        if not h["skip"]:  # sums spilled while they waited come back, in the order they step
+            self.ctx.inflight.prefetch([(e.bucket, e.acc) for e in out])
         return out

@@ -31,8 +31,12 @@ out for good a push that an open (step, bucket) waits for:
    step's buckets in the same order, the worker that waits is the one ahead, the others' pushes
    join, and the budget is kept;
 4. a two-phase step (global-norm clipping, AMP, and every worker's first step) keeps all its
-   buckets' accumulators until the workers' COMMIT, which needs every bucket's norm: its pushes are
-   counted and never held back (such a step needs the memory of all its buckets at once);
+   buckets' accumulators until the workers' COMMIT, which needs every bucket's norm. Where the node
+   spills (out of core: :mod:`.ooc.spill`), a bucket's sum whose norm is computed goes to a scratch
+   file while a push waits, its memory released without any further push (rule 3 holds: its pushes
+   wait as any do), and is read back at COMMIT while the budget has room (the one the optimizer
+   needs next after a short wait in any case). Elsewhere its pushes are counted and never held back
+   (such a step needs the memory of all its buckets at once), and the peak shows it;
 5. workers may push in different orders (a worker's I/O thread sends what waits first layers
    first, so a worker whose pushes waited sends them in another order than one whose did not): an
    open (step, bucket) may then wait for a worker's push that is behind the push that waits in that
@@ -116,7 +120,7 @@ class PushBudget:
 
     def __init__(self, ctx: NodeContext) -> None:
         self.ctx, self.limit = ctx, ctx.cfg.push_budget
-        self.reserved = self.replies = self.peak = self.unbounded = 0
+        self.reserved = self.replies = self.peak = 0
         self._lock = threading.Lock()
         self._live: set[Ticket] = set()
         self._keys: dict[tuple, Ticket] = {}  # sync mode: the ticket of each open (step, bucket)
@@ -130,6 +134,7 @@ class PushBudget:
         self.loop = None
         self.buckets: Callable[[], dict[int, BucketState]] = dict
         self.on_pressure: Callable[[], None] = lambda: None
+        self.spill = None  # where two-phase sums go while they wait for COMMIT (use_spill)
         ctx.metrics.inflight_limit.set(self.limit)
 
     @property
@@ -139,6 +144,16 @@ class PushBudget:
     def bind(self, buckets: Callable[[], dict], on_pressure: Callable[[], None]) -> None:
         """The shard's buckets (to tell an opening push), and what sends the held replies at once."""
         self.buckets, self.on_pressure = buckets, on_pressure
+
+    def use_spill(self, spill) -> None:
+        """Two-phase sums waiting for COMMIT go to ``spill`` (:class:`.ooc.spill.Spill`, None: they
+        stay in RAM): their pushes are then held back as any are (rule 4 of the module's doc)."""
+        self.spill = spill
+
+    def prefetch(self, pairs: list) -> None:
+        """COMMIT: the (bucket, accumulator)s about to step, in that order (their sums read back)."""
+        if self.spill is not None and pairs:
+            self.spill.prefetch(pairs)
 
     # ----------------------------------------------------------------- sizes
     def cost(self, b: BucketState, h: dict) -> int:
@@ -216,11 +231,21 @@ class PushBudget:
     def _full(self, nbytes: int) -> bool:
         return bool(self.limit and self.used and self.used + nbytes > self.limit)
 
+    def pressed(self) -> bool:
+        """Whether a push waits for room."""
+        return bool(self._waiters)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more stay within the budget (always without one)."""
+        return not self.limit or self.used + nbytes <= self.limit
+
     def _wait(self, peer, rank) -> None:
         if peer.ident not in self._waiters:
             self._waiters[peer.ident] = (peer, rank)
             if len(self._waiters) == 1:
                 self.loop.call_soon(self.on_pressure)
+                if self.spill is not None:  # complete two-phase sums go to disk
+                    self.spill.relieve()
         if self._blocked_at is None:
             self._blocked_at = time.monotonic()
         self._arm()
@@ -247,12 +272,12 @@ class PushBudget:
 
     # ----------------------------------------------------------------- counting
     def _ticket(self, b: BucketState, h: dict) -> Ticket:
-        return Ticket(self, self.cost(b, h), (b.id, h.get("step")), h.get("two_phase") is not True)
+        bounded = h.get("two_phase") is not True or self.spill is not None
+        return Ticket(self, self.cost(b, h), (b.id, h.get("step")), bounded)
 
     def _take(self, t: Ticket) -> None:
         with self._lock:
             self.reserved += t.nbytes
-            self.unbounded += not t.bounded
             self._live.add(t)
             if self.sync:
                 self._keys[t.key] = t
@@ -262,11 +287,22 @@ class PushBudget:
         """From any thread: ``t`` is given back."""
         with self._lock:
             self.reserved -= t.nbytes
-            self.unbounded -= not t.bounded
             self._live.discard(t)
             if self._keys.get(t.key) is t:
                 del self._keys[t.key]
         self._moved(up=False)
+
+    def resize(self, t: Ticket | None, nbytes: int) -> None:
+        """From any thread: ``t`` holds ``nbytes`` from now on (a spilled sum: nothing; read back:
+        the sum and its reply)."""
+        if t is None:
+            return
+        with self._lock:
+            if t.done or t not in self._live:
+                return
+            delta, t.nbytes = nbytes - t.nbytes, nbytes
+            self.reserved += delta
+        self._moved(up=delta > 0)
 
     def reply(self, payload, trackers: list, in_ram: bool) -> None:
         """A reply was sent (or held) to ``trackers``' workers: counted until all of them are out."""
@@ -293,11 +329,13 @@ class PushBudget:
     def _moved(self, up: bool) -> None:
         used = self.used
         self.ctx.metrics.inflight.set(used)
-        if used > self.peak and not self.unbounded:  # (a two-phase step is not held back)
+        if used > self.peak:
             self.peak = used
             self.ctx.metrics.inflight_peak.set(used)
         if not up:
             self._released_at = time.monotonic()
+            if self.spill is not None:
+                self.spill.pump()  # (room for the sums of a COMMIT to come back)
             if self._waiters and self.loop is not None:
                 self.loop.call_soon_threadsafe(self._wake)
 
@@ -354,9 +392,11 @@ class PushBudget:
 
     def _still(self) -> bool:
         """Nothing in flight can be released without another push: no reply on its way, no message
-        read and not yet served (the optimizer thread is idle: the caller's)."""
+        read and not yet served, no sum on its way to or from the scratch file (the optimizer thread is
+        idle: the caller's)."""
         serving = getattr(self.ctx.listener, "serving", lambda: False)
-        return not self._sending and not serving()
+        spilling = self.spill is not None and self.spill.busy()
+        return not self._sending and not serving() and not spilling
 
     def _deadlocked(self) -> bool:
         """Every worker an open (step, bucket) waits for is itself waiting here (its push to it may be

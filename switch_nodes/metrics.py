@@ -78,8 +78,8 @@ class NodeMetrics:
         )
         self.inflight_peak = f.gauge(
             "inflight_peak_bytes",
-            "The most inflight_bytes held at once outside two-phase steps (clipping, AMP, a job's first "
-            "step: they hold all their buckets until COMMIT, never held back)",
+            "The most inflight_bytes held at once (a two-phase step on a node that does not spill its "
+            "sums holds all its buckets until COMMIT, past node.push_memory_bytes)",
         )
         self.inflight_limit = f.gauge(
             "inflight_limit_bytes", "node.push_memory_bytes resolved (0: no bound)"
@@ -87,6 +87,14 @@ class NodeMetrics:
         self.inflight_blocked = f.counter(
             "inflight_blocked_seconds_total",
             "Seconds a push waited unread for node.push_memory_bytes to have room",
+        )
+        self.spill_written = f.counter(
+            "spill_bytes_written_total",
+            "Bytes of two-phase gradient sums written to the scratch file under node.state_dir while "
+            "they wait for COMMIT",
+        )
+        self.spill_read = f.counter(
+            "spill_bytes_read_total", "Bytes of two-phase gradient sums read back at COMMIT"
         )
         self.inflight_overdrafts = f.counter(
             "inflight_overdrafts_total",

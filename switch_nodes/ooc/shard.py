@@ -6,7 +6,8 @@
 are views into a :class:`~.window.StateWindow` of ``node.state_memory_bytes`` over the files
 (:class:`~.state_file.StateFile` in ``<state_dir>/<job>-node<index>``), which reads the next
 buckets of the step order ahead and writes stepped ones back behind. Gradient accumulators and
-replies stay in RAM: they are in flight anyway.
+replies stay in RAM: they are in flight anyway, within ``node.push_memory_bytes``; the sums of a
+two-phase step that wait for COMMIT go to a scratch file meanwhile (:mod:`.spill`).
 
 The shard's size is known once the first worker said HELLO, so the files are opened at the first
 load (a seed or a step). The files are the checkpoint: a node started on a folder of an earlier run
@@ -14,8 +15,9 @@ load (a seed or a step). The files are the checkpoint: a node started on a folde
 by construction, :meth:`StateWindow` ``keep_step``) and restarts from there as an in-RAM node from its
 checkpoint; ROLLBACK puts them at the step named (:meth:`OocShard.roll_back`); the rest of the job's
 description is ``job.json`` (:mod:`.recovery`). When the whole state fits the budget (or the budget is 0), the buckets
-are allocated in RAM for good and nothing goes to ``state_dir``: the node then runs as an in-RAM
-one (the same code path, zero-copy replies included), with no durability of its own.
+are allocated in RAM for good and no state goes to ``state_dir`` (only the scratch file of the
+two-phase sums, with a push budget): the node then runs as an in-RAM one (the same code path,
+zero-copy replies included), with no durability of its own.
 
 A reply outside a step (a PULL: a streaming worker fetches a unit's weights before its forward and
 again before its backward) reads the bucket's weights alone, not its whole slot
@@ -40,6 +42,7 @@ import torch
 from luwu.protocol.errors import ConfigError, RollbackError
 from luwu.protocol.layout import Bucket
 from luwu.switch_nodes.context import NodeContext
+from luwu.switch_nodes.ooc.bucket import OocBucket, WindowState
 from luwu.switch_nodes.ooc.io import IOEngine
 from luwu.switch_nodes.ooc.layout import STEP_SHIFT
 from luwu.switch_nodes.ooc.recovery import (
@@ -51,89 +54,18 @@ from luwu.switch_nodes.ooc.recovery import (
     read_meta,
     write_meta,
 )
+from luwu.switch_nodes.ooc.spill import AlignedPool, Spill
 from luwu.switch_nodes.ooc.state_file import StateFile
 from luwu.switch_nodes.ooc.weights import WeightsReader
 from luwu.switch_nodes.ooc.window import StateWindow
 from luwu.switch_nodes.optimizers import OptimizerKind
 from luwu.switch_nodes.replies import Payload, PullCodec, encode_reply
 from luwu.switch_nodes.shard import Shard
-from luwu.switch_nodes.store import (
-    Accumulator,
-    AccumulatorPool,
-    BucketState,
-    FlatState,
-    SegmentSpec,
-)
+from luwu.switch_nodes.store import Accumulator, BucketState
 
 __all__ = ["OocBucket", "OocShard", "WindowState"]
 
 log = logging.getLogger(__name__)
-
-
-class WindowState(FlatState):
-    """A bucket's flat optimizer state as views of its slot in the window: the names the state files
-    hold (:func:`~.recovery.file_state`, zeros while unused), all allocated. A name of the kind the
-    files leave out reads as zeros and takes only zeros (a step that needs it is refused before)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], numel: int = 0, bucket: int = -1):
-        super().__init__(tuple(tensors), numel)
-        self._tensors, self._bucket = dict(tensors), bucket
-
-    def write(self, name: str, value: torch.Tensor) -> None:
-        t = self._tensors.get(name)
-        if t is not None:
-            t.copy_(value)
-        elif bool(value.any()):
-            raise ConfigError(
-                f"bucket {self._bucket}: optimizer state {name!r} (nonzero) cannot be set on a node "
-                f"with node.state_dir: its state files do not hold {name!r} (the state of an option "
-                "off by default, such as amsgrad); load it into a node without node.state_dir"
-            )
-
-
-class OocBucket(BucketState):
-    """A bucket of an :class:`OocShard`: its tensors are views into the window while it is loaded
-    (:meth:`attach`), absent otherwise (``params`` is None; the gradient's norm needs none of them),
-    or RAM of its own when the shard fits its budget (:meth:`make_resident`)."""
-
-    def __init__(
-        self,
-        bid: int,
-        group: int,
-        numel: int,
-        segments: list[SegmentSpec],
-        kind: OptimizerKind,
-        pool: AccumulatorPool | None = None,
-    ):
-        super().__init__(bid, group, 0, [], kind, pool)  # nothing of the bucket's size in RAM
-        self.numel, self.segments = numel, segments
-        self.detach()
-
-    def attach(self, ts: dict[str, torch.Tensor]) -> None:
-        """Take the window's views of the bucket's slot as its tensors (until :meth:`detach`)."""
-        self.params = ts["params"]
-        self.state = WindowState(
-            {n: ts[n] for n in self.kind.state_names if n in ts}, self.numel, self.id
-        )
-        self.steps = list(ts["steps"].unbind(0))
-        self.pviews, self._sviews = self._views(self.params), {}
-
-    def detach(self) -> None:
-        """Forget the views (the window may reuse their memory)."""
-        nsegs = len(self.segments)
-        self.params, self.state, self._sviews = None, WindowState({}), {}
-        self.pviews, self.steps = [None] * nsegs, [None] * nsegs
-
-    def make_resident(self) -> None:
-        """Tensors of its own in RAM, for good (the shard fits its budget)."""
-        own = BucketState(self.id, self.group, self.numel, self.segments, self.kind, self._pool)
-        self.params, self.state, self.steps = own.params, own.state, own.steps
-        self.pviews, self._sviews = own.pviews, {}
-
-    def state_views(self, name: str) -> list[torch.Tensor]:
-        if self.params is None:  # not loaded: a gradient's norm reads the accumulator only
-            return [None] * len(self.segments)
-        return super().state_views(name)
 
 
 class OocShard(Shard):
@@ -141,6 +73,11 @@ class OocShard(Shard):
 
     def __init__(self, ctx: NodeContext, on_stuck: Callable[[set[int]], None]) -> None:
         super().__init__(ctx, on_stuck)
+        # accumulators page-aligned: O_DIRECT writes and reads them in place (to the scratch file)
+        self.accumulators = AlignedPool(self.accumulators.keep_bytes)
+        self.spill = Spill(ctx, self.accumulators, lambda: list(self.buckets.values()))
+        if ctx.cfg.push_budget:  # two-phase sums wait for COMMIT in a scratch file, not in RAM
+            ctx.inflight.use_spill(self.spill)
         self.window: StateWindow | None = None
         self._weights: WeightsReader | None = None
         self._files: StateFile | None = None
@@ -163,6 +100,7 @@ class OocShard(Shard):
                 "node.state_dir does not hold yet: leave node.state_dir empty for it"
             )
         b = OocBucket(spec.id, spec.group, spec.numel, list(spec.segments), kind, self.accumulators)
+        b.spill = self.spill
         if self.in_ram:
             b.make_resident()
         return b
@@ -209,9 +147,11 @@ class OocShard(Shard):
         if not budget or total <= budget:
             for b in order:
                 b.make_resident()
+            if ctx.inflight.spill is not None:  # (an engine of its own: no state files)
+                self.spill.open(folder_of(ctx), None)
             log.info(
                 "node %s: state of %d buckets (%d B) fits its window of node.state_memory_bytes (%d B): held in RAM, "
-                "nothing written to %s",
+                "no state files in %s",
                 ctx.index,
                 len(order),
                 total,
@@ -245,6 +185,8 @@ class OocShard(Shard):
             self._weights.close()
         self._weights = WeightsReader(self.window, files)
         self._written = {bid: c.version for bid, c in files.committed.items() if c is not None}
+        if ctx.inflight.spill is not None:
+            self.spill.open(files.folder, self._engine)
         log.info(
             "node %s: state out of core in %s: %d buckets, %d B on disk (two slots each: %d B), "
             "a window of %d B (%.1fx smaller than the state; node.state_memory_bytes less node.push_memory_bytes)",
@@ -297,6 +239,7 @@ class OocShard(Shard):
                 step=step,
             )
         order = [self.make(Bucket.from_wire(b.to_wire()), b.kind) for b in self.in_step_order()]
+        self.spill.reset()
         self.window.close()
         self.window = None
         try:
@@ -356,6 +299,7 @@ class OocShard(Shard):
 
     def close(self) -> None:
         """Commit what was written and close the files (the node stops)."""
+        self.spill.close()
         if self.window is not None:
             try:
                 self.window.close()

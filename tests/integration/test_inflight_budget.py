@@ -64,8 +64,10 @@ def test_a_node_with_a_small_push_budget_trains_as_a_node_without_and_stays_with
     print(m)
     assert m["luwu_node_inflight_limit_bytes"] == PUSHES
     # past the budget only by what an overdraft let in (one opening push, at most NEED, each: workers
-    # pushing in different orders, switch_nodes/inflight.py rule 5); none in the runs measured here
-    over = m["luwu_node_inflight_overdrafts_total"] * NEED
+    # pushing in different orders, switch_nodes/inflight.py rule 5); none in the runs measured here;
+    # and by the replies to rank 1's first PULLs (1797 fp32 weights), which are not held back and may
+    # overlap rank 0's first pushes (the first step is two-phase: its sums are spilled, so it counts)
+    over = m["luwu_node_inflight_overdrafts_total"] * NEED + 1797 * 4
     assert 0 < m["luwu_node_inflight_peak_bytes"] <= PUSHES + over, m
     assert m["luwu_node_inflight_blocked_seconds_total"] > 0, m  # pushes did wait for room
     assert m["luwu_node_inflight_bytes"] == 0, m  # everything given back once the job is done
