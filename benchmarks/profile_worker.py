@@ -10,6 +10,9 @@ then int8 pushes with error feedback), 4 MiB buckets, 1 torch thread per process
   client's I/O thread, ZeroMQ's threads) over the timed steps;
 - **forward + backward alone**: the same model, batch and thread count in the same process before
   the optimizer exists, timed the same way; the runtime's own cost is the difference;
+- the CPU of each **thread by name** (Linux ``/proc``: ZeroMQ's native I/O threads, which py-spy
+  cannot see) and the **minor page faults** per step, beside those of forward + backward alone (a
+  fresh page is mapped and zeroed by the kernel, CPU that shows wherever it was first touched);
 - a **profile** of rank 0 (``py-spy record``, on-CPU samples only, every thread) in a separate
   repetition, so the timed ones run unobserved: a flame graph (``<name>_<mode>.svg``) and a table of
   the samples by the innermost LuWu module on the stack (a hook that runs inside autograd counts as
@@ -86,16 +89,47 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _fwd_bwd_cpu(model: torch.nn.Module, rank: int, steps: int = 8) -> float:
-    """CPU seconds per step of forward and backward alone (no optimizer, no hooks), median."""
-    times = []
+def _fwd_bwd_cpu(model: torch.nn.Module, rank: int, steps: int = 8) -> tuple[float, float]:
+    """CPU seconds and minor page faults per step of forward and backward alone (no optimizer, no
+    hooks), medians."""
+    times, faults = [], []
     for step in range(steps + 2):
         x, y = _batch(rank, step)
-        t0 = time.process_time()
+        t0, f0 = time.process_time(), minor_faults()
         F.cross_entropy(model(x), y).backward()
         times.append(time.process_time() - t0)
+        faults.append(minor_faults() - f0)
         model.zero_grad(set_to_none=True)
-    return statistics.median(times[2:])
+    return statistics.median(times[2:]), statistics.median(faults[2:])
+
+
+def thread_cpu(pid: int | str = "self") -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid`` so far, summed by thread name (Linux's
+    ``/proc``; empty elsewhere). ZeroMQ's own threads (``ZMQbg/...``) are native: py-spy does not see
+    them, their CPU shows here."""
+    out: Counter = Counter()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # (a thread that ended meanwhile)
+            continue
+        out[re.sub(r"\d+$", "N", name)] += (int(fields[11]) + int(fields[12])) / tick
+    return dict(out)
+
+
+def minor_faults() -> int:
+    """Minor page faults of this process so far (Linux; 0 elsewhere): each is a fresh page the kernel
+    maps and zeroes, CPU that shows in whatever touched the page first."""
+    try:
+        return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q) -> None:
@@ -105,7 +139,7 @@ def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q
 
     try:
         model = make_student(DIMS)
-        fwd_bwd = _fwd_bwd_cpu(model, rank)
+        fwd_bwd, fwd_bwd_faults = _fwd_bwd_cpu(model, rank)
         opt = luwu.RemoteOptimizer.from_config(
             model,
             load_config(cluster_file),
@@ -119,20 +153,30 @@ def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q
                 if step == warmup:
                     q.put(("timed", rank, os.getpid()))
                     cpu0, wall0 = time.process_time(), time.perf_counter()
+                    threads0, faults0 = thread_cpu(), minor_faults()
                 x, y = _batch(rank, step)
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
             opt.synchronize()
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+            threads, faults = thread_cpu(), minor_faults() - faults0
         finally:
             opt.close()
         n = steps - warmup
+        by_thread = {k: 1e3 * (v - threads0.get(k, 0.0)) / n for k, v in threads.items()}
         q.put(
             (
                 "done",
                 rank,
-                {"cpu_ms": 1e3 * cpu / n, "wall_ms": 1e3 * wall / n, "fwd_bwd_ms": 1e3 * fwd_bwd},
+                {
+                    "cpu_ms": 1e3 * cpu / n,
+                    "wall_ms": 1e3 * wall / n,
+                    "fwd_bwd_ms": 1e3 * fwd_bwd,
+                    "thread_cpu_ms": by_thread,
+                    "minor_faults": faults / n,
+                    "fwd_bwd_faults": fwd_bwd_faults,
+                },
             )
         )
     except BaseException as exc:
@@ -281,10 +325,15 @@ def main(argv: list[str] | None = None) -> int:
             runs = [run_once(mode, args) for _ in range(args.reps)]
             rows = [r for run in runs for r in run.values()]
             med = {
-                k: statistics.median(r[k] for r in rows)
-                for k in ("cpu_ms", "wall_ms", "fwd_bwd_ms")
+                k: statistics.median(r.get(k, 0.0) for r in rows)
+                for k in ("cpu_ms", "wall_ms", "fwd_bwd_ms", "minor_faults", "fwd_bwd_faults")
             }
             med["runtime_cpu_ms"] = med["cpu_ms"] - med["fwd_bwd_ms"]
+            names = sorted({k for r in rows for k in r.get("thread_cpu_ms", {})})
+            med["thread_cpu_ms"] = {
+                k: statistics.median(r.get("thread_cpu_ms", {}).get(k, 0.0) for r in rows)
+                for k in names
+            }
             entry = {"median": med, "runs": runs}
             if spy:
                 raw = Path(tempfile.mkdtemp()) / "profile.txt"
@@ -318,10 +367,26 @@ def _markdown(result: dict, load: LoadMonitor) -> str:
             "fwd+bwd CPU ms": e["median"]["fwd_bwd_ms"],
             "runtime CPU ms/step": e["median"]["runtime_cpu_ms"],
             "wall ms/step": e["median"]["wall_ms"],
+            "page faults/step": e["median"].get("minor_faults"),
+            "fwd+bwd page faults": e["median"].get("fwd_bwd_faults"),
         }
         for mode, e in result["modes"].items()
     ]
     md += [md_table(rows, list(rows[0])), ""]
+    threads = [
+        {"mode": mode, "thread": name, "CPU ms/step": ms}
+        for mode, e in result["modes"].items()
+        for name, ms in sorted(e["median"].get("thread_cpu_ms", {}).items(), key=lambda kv: -kv[1])
+        if ms >= 0.05
+    ]
+    if threads:
+        md += [
+            "CPU per step by thread (`/proc`, median per name; the main thread runs forward and "
+            "backward; ZeroMQ's native threads are invisible to py-spy):",
+            "",
+            md_table(threads, list(threads[0])),
+            "",
+        ]
     for mode, e in result["modes"].items():
         prof = e.get("profile")
         if not prof:

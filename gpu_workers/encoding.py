@@ -37,10 +37,21 @@ class GradientEncoder:
         self.momentum_correction = momentum_correction  # DGC's, on sparse-codec buckets
         self._out: dict[int, dict] = {}  # bucket -> (codec, parity) -> preallocated encode frames
 
-    def encode(self, b: Bucket, x: torch.Tensor, parity: int, step: int, hyper: dict):
-        """(codec name, encoded frames, the push's hyperparameters) of gradient ``x`` of ``b``."""
+    def encode(
+        self,
+        b: Bucket,
+        x: torch.Tensor,
+        parity: int,
+        step: int,
+        hyper: dict,
+        finite: bool | None = None,
+    ):
+        """(codec name, encoded frames, the push's hyperparameters) of gradient ``x`` of ``b``.
+        ``finite``: whether ``x`` is all finite, when the copy into the bucket found out (None: not
+        known, checked here when the codec compresses)."""
         name, ef = self.codecs.push(b, step) if x.dtype == torch.float32 else ("bf16", False)
-        if name not in ("none", "bf16") and has_nonfinite(x):
+        compressed = name not in ("none", "bf16")
+        if compressed and (has_nonfinite(x) if finite is None else not finite):
             name, ef = "none", False  # let the node see the inf/nan and decide globally
         codec = get_codec(name)
         out = self._frames(b, codec, name, parity, x.dtype)

@@ -29,14 +29,20 @@ from __future__ import annotations
 import torch
 
 from luwu.gpu_workers.grad_marks import FIX
+from luwu.protocol.codecs import copy_finite_
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import Bucket
 
 
-def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy a gradient into its bucket, unless it is the bucket's view already (nothing to copy)."""
-    if dst.data_ptr() != src.data_ptr():
-        dst.copy_(src)
+def copy_in(dst: torch.Tensor, src: torch.Tensor, finite: bool | None = True) -> bool | None:
+    """Copy a gradient into its bucket, unless it is the bucket's view already (nothing to copy).
+    ``finite``: whether the bucket's gradients copied in before were all finite (None: not known);
+    returns the same after this one: a non-finite one decides, one not checked as it was copied (a
+    view, or a copy the kernels cannot make) leaves it unknown, for the push to check."""
+    found = copy_finite_(dst, src) if dst.data_ptr() != src.data_ptr() else None
+    if finite is False or found is False:
+        return False
+    return None if finite is None or found is None else True
 
 
 def bucket_buffers(

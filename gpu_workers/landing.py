@@ -56,6 +56,12 @@ class WeightWriter:
             staging[: b.numel] if m and b.id not in streamed else None
             for b, m in zip(layout.buckets, self.multi)
         ]
+        # a multi-segment bucket of contiguous parameters: a delta codec that can step each segment where it
+        # is (bf16_steps) skips the staging buffer (gathered from them, scattered back)
+        self.in_place = [
+            m and all(params[s.param].is_contiguous() for s in b.segments)
+            for b, m in zip(layout.buckets, self.multi)
+        ]
         self.versions = [-1] * len(layout.buckets)
         self.lock = threading.Lock()
 
@@ -89,9 +95,21 @@ class WeightWriter:
                 s = b.segments[0]
                 target = self.params[s.param].data.view(-1).narrow(0, s.param_offset, s.numel)
                 (codec.decode_add_ if delta else codec.decode_)(target, frames, h["cmeta"])
-            else:
+            elif not (delta and self._step_in_place(bid, codec, frames, h["cmeta"])):
                 self._write_staged(bid, codec, frames, h["cmeta"], delta)
         self.versions[bid] = h["step"]
+
+    def _step_in_place(self, bid: int, codec, frames, cmeta) -> bool:
+        """A delta written into each segment's parameter slice where it is, if the codec can
+        (``decode_add_segments_``); False: nothing written, stage it."""
+        step = getattr(codec, "decode_add_segments_", None)
+        if step is None or not self.in_place[bid]:
+            return False
+        segs = self.layout.buckets[bid].segments
+        targets = [
+            self.params[s.param].data.view(-1).narrow(0, s.param_offset, s.numel) for s in segs
+        ]
+        return step(targets, frames, cmeta)
 
     def _write_staged(self, bid: int, codec, frames, cmeta, delta: bool) -> None:
         b, staging = self.layout.buckets[bid], self.staging[bid]

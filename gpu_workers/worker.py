@@ -53,6 +53,7 @@ class _BucketBuf:
     filled: set = field(default_factory=set)  # segments whose gradient is in (counted once)
     pushed_step: int = -1
     partials: int = 0  # micro-batch pushes this step (no_sync() in streaming mode: node sums)
+    finite: bool | None = True  # its gradients as copied in: all finite (None: not all checked)
 
 
 class Worker:
@@ -181,7 +182,7 @@ class Worker:
         self._pending, self.last_error, self._round = None, None, None
         self.grad_marks.clear()
         for buf in self.bufs:
-            buf.filled, buf.pushed_step, buf.partials = set(), -1, 0
+            buf.filled, buf.pushed_step, buf.partials, buf.finite = set(), -1, 0, True
         for bid in [b.bucket.id for b in self.bufs if b.bucket.id in self.streamed and b.grads]:
             self._give_back(bid)
         if self.streamer is not None:
@@ -290,10 +291,8 @@ class Worker:
                         "torch.utils.checkpoint(use_reentrant=True) gets two in one backward: use "
                         "use_reentrant=False)"
                     )
-                copy_in(
-                    self._grad_buffer(buf, self._parity(bid)).narrow(0, s.offset, s.numel),
-                    flat.narrow(0, s.param_offset, s.numel),
-                )
+                dst = self._grad_buffer(buf, self._parity(bid)).narrow(0, s.offset, s.numel)
+                buf.finite = copy_in(dst, flat.narrow(0, s.param_offset, s.numel), buf.finite)
                 buf.filled.add(si)
                 if len(buf.filled) == len(buf.bucket.segments):
                     buf.pushed_step = buf.pushed_step if partial else self.step_num
@@ -353,7 +352,7 @@ class Worker:
         for buf in todo:
             nograd = []
             parity = self._parity(buf.bucket.id)
-            g = self._grad_buffer(buf, parity)
+            g, buf.finite = self._grad_buffer(buf, parity), True  # (every segment written again)
             for si, s in enumerate(buf.bucket.segments):
                 grad = self.params[s.param].grad
                 view = g.narrow(0, s.offset, s.numel)
@@ -362,13 +361,14 @@ class Worker:
                     if not buf.partials:  # (after micro-batch pushes: the last one adds nothing)
                         nograd.append(si)
                 else:
-                    copy_in(view, grad.detach().reshape(-1).narrow(0, s.param_offset, s.numel))
+                    src = grad.detach().reshape(-1).narrow(0, s.param_offset, s.numel)
+                    buf.finite = copy_in(view, src, buf.finite)
                     self.grad_marks.note(s.param, grad)
             self._push(buf, parity, tuple(nograd))
 
     def _push(self, buf: _BucketBuf, parity: int, nograd: tuple, partial: bool = False) -> None:
-        b, step, x = buf.bucket, self.step_num, buf.grads[parity]
-        name, enc, hyper = self.encoder.encode(b, x, parity, step, self._hyper_of(b.group))
+        b, step, x, finite = buf.bucket, self.step_num, buf.grads[parity], buf.finite
+        name, enc, hyper = self.encoder.encode(b, x, parity, step, self._hyper_of(b.group), finite)
         header = {
             "op": Op.PUSH,
             "step": step,
@@ -390,7 +390,7 @@ class Worker:
         self.channels[b.id].push(header, frames, priority=self._priority(b))
         if self.views is not None:  # (a zero-copy frame is the buffer: changing it is refused)
             self.views.note_push(b.id, enc.frames[0] is x and not partial)
-        buf.filled, buf.partials = set(), buf.partials + 1 if partial else 0
+        buf.filled, buf.partials, buf.finite = set(), buf.partials + 1 if partial else 0, True
         if b.id in self.streamed:
             self._give_back(b.id) if partial else self._unacked.add(b.id)
             self.streamer.pushed(b)

@@ -80,36 +80,53 @@ int64_t luwu_bf16_steps_encode(const float *w, const uint16_t *old, int8_t *code
     return k;
 }
 
+/* The escape codes (-128) in codes[0, n): compared in 32-bit counters a span at a time, which vectorizes
+ * (one 64-bit counter per element does not: its widening costs more than the compare). */
 static int64_t count_escapes(const int8_t *codes, int64_t n) {
     int64_t c = 0;
-    for (int64_t i = 0; i < n; i++) c += codes[i] == -128;
+    for (int64_t s = 0; s < n; s += SPAN) {
+        const int64_t m = n - s < SPAN ? n - s : SPAN;
+        uint32_t cs = 0;
+        for (int64_t i = 0; i < m; i++) cs += codes[s + i] == -128;
+        c += cs;
+    }
     return c;
 }
+
+/* The escapes in codes[0, n): how a reply's codes split its escapes between the segments of a bucket. */
+int64_t luwu_bf16_steps_count(const int8_t *codes, int64_t n) { return count_escapes(codes, n); }
 
 static inline uint16_t stepped(uint16_t ob, int8_t c) { return c == 0 ? ob : unord16(ord16(ob) + c); }
 
 /* w (fp32 holding bf16 values, or bf16 bits when `half`) stepped by codes / replaced by the escapes.
- * Returns -1, writing nothing, when the codes name another number of escapes than k. */
-int64_t luwu_bf16_steps_apply(void *w, int32_t half, const int8_t *codes, const uint16_t *esc, int64_t n, int64_t k) {
+ * Returns -1, writing nothing, when the codes name another number of escapes than k. One pass after
+ * the count: a span is stepped (an escape's code makes garbage), then its escapes are written while
+ * its codes and weights are still in L1. `restrict`: -fno-strict-aliasing lets an int8 pointer alias
+ * anything, so without it each loop is versioned on a runtime overlap check. */
+int64_t luwu_bf16_steps_apply(void *w, int32_t half, const int8_t *restrict codes, const uint16_t *restrict esc,
+                              int64_t n, int64_t k) {
     if (count_escapes(codes, n) != k) return -1;
-    uint32_t *w32 = (uint32_t *)w;
-    uint16_t *w16 = (uint16_t *)w;
-    if (half)  /* every element stepped (an escape's code makes garbage, replaced below) */
-        for (int64_t i = 0; i < n; i++) w16[i] = stepped(w16[i], codes[i]);
-    else
-        for (int64_t i = 0; i < n; i++) {  /* in 32-bit lanes */
-            const uint32_t x = w32[i];
-            const int32_t c = codes[i], neg = -(int32_t)(x >> 31);
-            const int32_t o = (((int32_t)((x >> 16) & 0x7fffu) ^ neg) - neg) + c;
-            const int32_t sg = o >> 31;
-            const uint32_t nb = (uint32_t)((o ^ sg) - sg) | ((uint32_t)sg & 0x8000u);
-            w32[i] = c ? nb << 16 : x;
-        }
+    uint32_t *restrict w32 = (uint32_t *)w;
+    uint16_t *restrict w16 = (uint16_t *)w;
     int64_t j = 0;
-    for (int64_t s = 0; j < k && s < n; s += RUN)
-        for (uint64_t b = escapes_in(codes + s, n - s < RUN ? n - s : RUN); b; b &= b - 1) {  /* an escape: its bits as sent */
-            const int64_t i = s + __builtin_ctzll(b);
-            if (half) w16[i] = esc[j++]; else w32[i] = (uint32_t)esc[j++] << 16;
-        }
+    for (int64_t s = 0; s < n; s += SPAN) {
+        const int64_t m = n - s < SPAN ? n - s : SPAN;
+        if (half)
+            for (int64_t i = s; i < s + m; i++) w16[i] = stepped(w16[i], codes[i]);
+        else
+            for (int64_t i = s; i < s + m; i++) {  /* in 32-bit lanes */
+                const uint32_t x = w32[i];
+                const int32_t c = codes[i], neg = -(int32_t)(x >> 31);
+                const int32_t o = (((int32_t)((x >> 16) & 0x7fffu) ^ neg) - neg) + c;
+                const int32_t sg = o >> 31;
+                const uint32_t nb = (uint32_t)((o ^ sg) - sg) | ((uint32_t)sg & 0x8000u);
+                w32[i] = c ? nb << 16 : x;
+            }
+        for (int64_t r = s; j < k && r < s + m; r += RUN)
+            for (uint64_t b = escapes_in(codes + r, s + m - r < RUN ? s + m - r : RUN); b; b &= b - 1) {
+                const int64_t i = r + __builtin_ctzll(b);  /* an escape: its bits as sent */
+                if (half) w16[i] = esc[j++]; else w32[i] = (uint32_t)esc[j++] << 16;
+            }
+    }
     return j;
 }

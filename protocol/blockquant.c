@@ -52,6 +52,20 @@ static inline float quantize(const float *y, float *t, int64_t m, float levels, 
     return s / levels;
 }
 
+/* int8 codes of a finite block whose scale is found: quantize, keep the residual, store, in one pass
+ * (the same operations as quantize() and the loops after it, element by element). */
+static inline void int8_block(const float *restrict y, float *restrict r, int8_t *restrict o, int64_t m,
+                              float inv, float sc) {
+    if (r)
+        for (int64_t i = 0; i < m; i++) {
+            const float t = __builtin_rintf(r[i] * inv);
+            r[i] = r[i] - t * sc;
+            o[i] = (int8_t)(int32_t)t;
+        }
+    else
+        for (int64_t i = 0; i < m; i++) o[i] = (int8_t)(int32_t)__builtin_rintf(y[i] * inv);
+}
+
 /* Encode n floats: x (+= into residual first when residual is not NULL) -> codes q (int8, or int4
  * packed two per byte: low nibble first, nibble = code + 8; an odd tail pads with code 0) and one
  * scale per block. `scratch` holds `block` floats. */
@@ -63,9 +77,20 @@ void luwu_block_encode(const float *x, float *residual, void *q, float *scales, 
         const int64_t m = n - start < block ? n - start : block;
         const float *y = x + start;
         if (residual) {
-            float *r = residual + start;
-            for (int64_t i = 0; i < m; i++) r[i] = r[i] + y[i];
+            float *restrict r = residual + start;
+            const float *restrict xs = x + start;
+            for (int64_t i = 0; i < m; i++) r[i] = r[i] + xs[i];
             y = r;
+        }
+        if (bits == 8) {  /* the common case in one pass after the amax; a non-finite block below */
+            float s = block_amax(y, m);
+            if (finite(s)) {
+                if (s < floor_) s = floor_;
+                const float sc = s / levels;
+                scales[b] = sc;
+                int8_block(y, residual ? residual + start : NULL, q8 + start, m, (1.0f / s) * levels, sc);
+                continue;
+            }
         }
         const float sc = quantize(y, scratch, m, levels, floor_);
         scales[b] = sc;
@@ -109,11 +134,27 @@ void luwu_block_encode_bf16res(const float *x, uint16_t *residual, void *q, floa
                                int64_t block, int32_t bits, float levels, float floor_, float *scratch) {
     int8_t *q8 = (int8_t *)q;
     uint8_t *q4 = (uint8_t *)q;
-    float *y = scratch + block;
+    float *restrict y = scratch + block;
     for (int64_t start = 0, b = 0; start < n; start += block, b++) {
         const int64_t m = n - start < block ? n - start : block;
-        uint16_t *r = residual + start;
-        for (int64_t i = 0; i < m; i++) y[i] = bf16_to_f32(r[i]) + x[start + i];
+        uint16_t *restrict r = residual + start;
+        const float *restrict xs = x + start;
+        for (int64_t i = 0; i < m; i++) y[i] = bf16_to_f32(r[i]) + xs[i];
+        if (bits == 8) {  /* the common case in one pass after the amax (as int8_block); a non-finite block below */
+            float s = block_amax(y, m);
+            if (finite(s)) {
+                if (s < floor_) s = floor_;
+                const float inv = (1.0f / s) * levels, sc = s / levels;
+                int8_t *restrict o = q8 + start;
+                scales[b] = sc;
+                for (int64_t i = 0; i < m; i++) {
+                    const float t = __builtin_rintf(y[i] * inv);
+                    r[i] = f32_to_bf16(y[i] - t * sc);
+                    o[i] = (int8_t)(int32_t)t;
+                }
+                continue;
+            }
+        }
         const float sc = quantize(y, scratch, m, levels, floor_);
         scales[b] = sc;
         if (finite(sc))
@@ -187,4 +228,20 @@ void luwu_block_decode_pair(float *out, const void *qa, const float *sa, const v
             if (2 * j < m) o[2 * j] = ((float)(c1[j] & 15) - 8.0f) * s1 + ((float)(c2[j] & 15) - 8.0f) * s2;
         }
     }
+}
+
+/* dst = src (n floats), and whether src holds a NaN or an infinity: a gradient copied into its bucket is
+ * checked for the push's codec choice (protocol/codecs/base.py, copy_finite_) as it passes, instead of in
+ * a second pass over the bucket. On the bit patterns, as block_amax: |x| >= inf's pattern is non-finite. */
+int32_t luwu_copy_nonfinite(float *restrict dst, const float *restrict src, int64_t n) {
+    uint32_t *restrict d = (uint32_t *)dst;
+    const uint32_t *restrict u = (const uint32_t *)src;
+    uint32_t a = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t v = u[i];
+        d[i] = v;
+        const uint32_t m = v & 0x7fffffffu;
+        a = m > a ? m : a;
+    }
+    return a >= 0x7f800000u;
 }

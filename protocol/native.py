@@ -161,11 +161,15 @@ def _load() -> ctypes.CDLL:
         lib.luwu_block_decode_pair,
     ):
         f.restype = None
+    lib.luwu_copy_nonfinite.argtypes = [p, p, i64]
+    lib.luwu_copy_nonfinite.restype = i32
     lib.luwu_bf16_round.argtypes = [p, p, i64]
     lib.luwu_bf16_round.restype = None
     lib.luwu_bf16_steps_encode.argtypes = [p, p, p, p, i64]
     lib.luwu_bf16_steps_apply.argtypes = [p, i32, p, p, i64, i64]
     lib.luwu_bf16_steps_encode.restype = lib.luwu_bf16_steps_apply.restype = i64
+    lib.luwu_bf16_steps_count.argtypes = [p, i64]
+    lib.luwu_bf16_steps_count.restype = i64
     return lib
 
 

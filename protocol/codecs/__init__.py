@@ -16,6 +16,7 @@ from luwu.protocol.codecs.base import (
     SCALE_FLOOR,
     Codec,
     Encoded,
+    copy_finite_,
     has_nonfinite,
 )
 from luwu.protocol.codecs.block import Int4Codec, Int8Codec
@@ -39,6 +40,7 @@ __all__ = [
     "NoneCodec",
     "TopkCodec",
     "codec_names",
+    "copy_finite_",
     "get_codec",
     "has_nonfinite",
     "register_codec",

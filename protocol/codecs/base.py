@@ -62,6 +62,27 @@ def has_nonfinite(x: torch.Tensor) -> bool:
     return not (math.isfinite(lo.item()) and math.isfinite(hi.item()))
 
 
+def copy_finite_(dst: torch.Tensor, src: torch.Tensor) -> bool | None:
+    """``dst.copy_(src)``, and whether ``src`` is all finite, found as it is copied (None: not known,
+    when the kernels cannot take the tensors: then a later :func:`has_nonfinite` decides). A gradient
+    copied into its bucket this way spares the push a second pass over the bucket."""
+    from luwu.protocol import native  # (native imports nothing of the codecs)
+
+    lib = native.kernels()
+    if (
+        lib is None
+        or dst.dtype != torch.float32
+        or src.dtype != torch.float32
+        or dst.device.type != "cpu"
+        or src.device.type != "cpu"
+        or not (dst.is_contiguous() and src.is_contiguous())
+        or dst.shape != src.shape
+    ):
+        dst.copy_(src)
+        return None
+    return not lib.luwu_copy_nonfinite(dst.data_ptr(), src.data_ptr(), src.numel())
+
+
 def _as(frame: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Reinterpret a received (uint8) or locally encoded frame as ``dtype``."""
     if frame.dtype == dtype:

@@ -206,3 +206,44 @@ class Bf16StepsCodec(Codec):
                 nb[hit] = esc[j : j + m].to(device=acc.device, dtype=torch.int32) & 0xFFFF
                 j += m
             acc[s:e].copy_(_from_bits(nb))
+
+    def decode_add_segments_(
+        self, targets: list[torch.Tensor], frames: list[torch.Tensor], meta: dict
+    ) -> bool:
+        """:meth:`decode_add_` of a bucket whose elements are ``targets`` one after another (its
+        parameters' slices: 1-D, contiguous, in host memory, fp32 or bf16), each stepped in place: no
+        staging buffer gathered from them and scattered back. The counts are checked before anything
+        is written. False, with nothing written, where the kernels cannot take them (then
+        :meth:`decode_add_` on a staging buffer)."""
+        lib = native.kernels()
+        if lib is None or not all(
+            t.device.type == "cpu"
+            and t.dim() == 1
+            and t.is_contiguous()
+            and t.dtype in (torch.float32, torch.bfloat16)
+            for t in targets
+        ):
+            return False
+        codes = _as(frames[0], torch.int8)
+        esc = _as(frames[1], torch.int16) if len(frames) > 1 else None
+        n, k = sum(t.numel() for t in targets), int(meta["escapes"])
+        if codes.numel() != n or (esc.numel() if esc is not None else 0) != k:
+            raise ProtocolError(
+                f"codec {self.name!r}: {codes.numel()} codes and {0 if esc is None else esc.numel()} escapes for {n} weights ({k} announced)"
+            )
+        at, counts = codes.data_ptr(), []
+        for t in targets:  # (one pass over the codes: each segment's share of the escapes)
+            counts.append(lib.luwu_bf16_steps_count(at, t.numel()))
+            at += t.numel()
+        if sum(counts) != k:
+            raise ProtocolError(
+                f"codec {self.name!r}: the codes hold another number of escapes than the {k} announced"
+            )
+        at, j = codes.data_ptr(), 0
+        for t, m in zip(targets, counts):
+            half = int(t.dtype == torch.bfloat16)
+            lib.luwu_bf16_steps_apply(
+                t.data_ptr(), half, at, esc.data_ptr() + 2 * j if m else 0, t.numel(), m
+            )
+            at, j = at + t.numel(), j + m
+        return True
