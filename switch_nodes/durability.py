@@ -18,6 +18,7 @@ gets or sets a bucket's weights and optimizer state (``state_dict`` /
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
@@ -55,6 +56,30 @@ class Durability:
         self._failed_step = (
             0  # the last periodic checkpoint that could not be written (not tried again)
         )
+        self._durable_step = -1  # out of core, sync mode: every bucket's writes of it are committed
+        self._durable_lock = asyncio.Lock()
+
+    # ----------------------------------------------------------------- a step durable before it ends
+    async def settle(self, b: BucketState) -> None:
+        """Out of core, sync mode: before a reply carries ``b`` at the step all the shard's buckets have
+        reached (the last reply of a step, or a weight fetch after it), wait until every bucket's write of
+        that step is committed to the state files. No worker pushes step t + 1 before it has every
+        node's last reply of step t, so then every node has committed step t: a node restarted from its
+        files is at most one step behind the others, which their two slots a bucket still hold (ROLLBACK).
+        The other replies of a step go as they are ready; the writes commit meanwhile."""
+        shard, step = self.shard, b.version
+        if not shard.durable or self.ctx.cfg.mode != "sync" or step <= self._durable_step:
+            return
+        if any(x.version < step for x in list(shard.buckets.values())):
+            return  # not the step's last reply: another bucket is still behind
+        async with self._durable_lock:
+            while self._durable_step < step:
+                floor = await asyncio.to_thread(shard.make_durable)
+                if floor is None:
+                    return  # a rollback replaced the files meanwhile: this reply is dropped anyway
+                if floor < step:  # a bucket's write-back is being handed to the window right now
+                    await asyncio.sleep(0.001)
+                self._durable_step = max(self._durable_step, floor)
 
     # ----------------------------------------------------------------- checkpoints
     def restore_latest(self) -> None:
@@ -299,6 +324,7 @@ class Durability:
             self.ctx.restored_step == step and boot == ctx.boot
         ):
             ctx.queue.gen += 1  # queued steps and replies of the abandoned timeline are dropped
+            self._durable_step = -1
             if ctx.ckpt is None and self.shard.durable:
                 await ctx.queue.run(self.shard.roll_back, step)
                 ctx.metrics.step.set(self.shard.step)

@@ -350,6 +350,8 @@ class NodeServer:
             for w in acc.workers:
                 self.outbox.tell(w, "internal", text, step=step, bucket=b.id)
             raise
+        took = time.perf_counter() - t0
+        await self.durability.settle(b)  # (out of core: the step's last reply waits for its commit)
         if gen != ctx.queue.gen:
             return  # a rollback came in meanwhile: these weights belong to the abandoned timeline
         ctx.metrics.opt_seconds.observe(time.perf_counter() - t0)
@@ -390,6 +392,7 @@ class NodeServer:
 
     async def _send_loaded(self, e: SendWeights) -> None:
         payload = await self.ctx.queue.run(self.shard.encode, e.bucket, e.codec)
+        await self.durability.settle(e.bucket)
         self._send(e.bucket, e.workers, payload, False, e.seq)
 
     async def _send_current(self, e: SendCurrent) -> None:
@@ -405,6 +408,7 @@ class NodeServer:
             return payload
 
         payload = await queue.run(encode)
+        await self.durability.settle(b)
         if gen == queue.gen:
             self._send(b, e.workers, payload, False, e.seq)
 

@@ -116,6 +116,11 @@ class Shard:
     #: whether the shard's own files are its checkpoint (out of core: :meth:`commit` is a checkpoint)
     durable = False
 
+    def make_durable(self) -> int | None:
+        """Commit the stored versions from any thread; the step every bucket is durably at from then on
+        (None: the shard has no files of its own)."""
+        return None
+
     def reopen(self) -> dict | None:
         """At start: take up the state an earlier run of this node left in the shard's own files, and
         return the job's description (None: none, or a shard without files of its own)."""

@@ -42,10 +42,15 @@ def has_state(folder: Path) -> bool:
 
 
 def layout_of(
-    ctx: NodeContext, order: list[BucketState], kind: OptimizerKind | None
+    ctx: NodeContext,
+    order: list[BucketState],
+    kind: OptimizerKind | None,
+    names: tuple[str, ...] | None = None,
 ) -> StateLayout:
-    """The state files' layout of ``order``'s buckets for optimizer ``kind`` (:func:`file_state`)."""
-    names = file_state(kind) if kind else ()
+    """The state files' layout of ``order``'s buckets holding state ``names`` (default: what the files
+    of optimizer ``kind`` hold at first, :func:`file_state`)."""
+    if names is None:
+        names = file_state(kind) if kind else ()
     return StateLayout.for_shard(ctx.job, [(b.id, b.numel, len(b.segments)) for b in order], names)
 
 
@@ -54,16 +59,24 @@ def file_state(kind: OptimizerKind) -> tuple[str, ...]:
     switch that is off by default (Adam's ``max_exp_avg_sq``, ``amsgrad``; RMSprop's ``grad_avg``,
     ``centered``). The files are laid out at the first seed, before any push said the job's
     hyperparameters, so a variant off by default costs no disk and no read; state of a numeric
-    hyperparameter (SGD's ``momentum``) is held, since jobs usually set it. A step that needs a name
-    left out is refused (:func:`missing_state`)."""
+    hyperparameter (SGD's ``momentum``) is held, since jobs usually set it. The first step that needs a
+    name left out lays the files out again to hold it (:mod:`.relay`); a later one is refused
+    (:func:`missing_state`)."""
     rare = {n for n, key in kind.optional_state if isinstance(kind.defaults.get(key), bool)}
     return tuple(n for n in kind.state_names if n not in rare)
 
 
-def missing_state(ctx: NodeContext, b: BucketState, step: int, hyper: dict | None) -> None:
+def missing_state(
+    ctx: NodeContext,
+    b: BucketState,
+    step: int,
+    hyper: dict | None,
+    held: tuple[str, ...] | None = None,
+) -> None:
     """Refuse (ConfigError) step ``step`` of bucket ``b`` when its hyperparameters need state the files
-    do not hold (a switch such as ``amsgrad`` turned on): never a step on state that is not there."""
-    held = file_state(b.kind)
+    do not hold (``held``, default :func:`file_state`; a switch such as ``amsgrad`` turned on after the
+    first step): never a step on state that is not there."""
+    held = file_state(b.kind) if held is None else held
     for name in b.kind.state_for(hyper or {}):
         if name not in held:
             key = dict(b.kind.optional_state).get(name, name)
@@ -71,15 +84,21 @@ def missing_state(ctx: NodeContext, b: BucketState, step: int, hyper: dict | Non
                 f"node {ctx.index}: bucket {b.id} step {step}: {key}={(hyper or {}).get(key)!r} needs "
                 f"optimizer state {name!r}, which this out-of-core node's state files do not hold "
                 f"(they hold {', '.join(held) or 'none'}: {b.kind.name}'s state with {key} off); "
-                f"{key} on is not supported with node.state_dir: run the job with {key} off from the "
-                "start, or leave node.state_dir empty (an in-RAM node) for it"
+                f"{key} turned on after the first step is not supported with node.state_dir (the files "
+                f"are laid out for it at the first step that names it): set {key} from the first step, "
+                "or leave node.state_dir empty (an in-RAM node) for it"
             )
 
 
-def write_meta(folder: Path, ctx: NodeContext, order: list[BucketState]) -> None:
-    """``job.json`` of the job as it is now, atomically and durably."""
+def write_meta(
+    folder: Path, ctx: NodeContext, order: list[BucketState], names: tuple[str, ...] | None = None
+) -> None:
+    """``job.json`` of the job as it is now, atomically and durably; ``names``: the optimizer state
+    the files hold (None: :func:`file_state`'s)."""
     meta = ctx.job_description(order[0].kind if order else None)
     meta["buckets"] = [b.to_wire() for b in order]
+    if names is not None:
+        meta["state_names"] = list(names)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (META_FILE + ".tmp")
     with open(tmp, "w") as fh:
@@ -117,6 +136,20 @@ def read_meta(folder: Path, ctx: NodeContext) -> tuple[dict, OptimizerKind, list
     if type(world) is not int or not 1 <= world <= ctx.cfg.max_world_size:
         raise ConfigError(f"node {ctx.index}: {path} names world size {world}, not a job's")
     return meta, kind, specs
+
+
+def held_of(meta: dict, kind: OptimizerKind) -> tuple[str, ...]:
+    """The optimizer state the files of ``job.json`` ``meta`` hold (written by a re-lay), else
+    :func:`file_state`'s; names the kind does not have are refused (ConfigError)."""
+    names = meta.get("state_names")
+    if names is None:
+        return file_state(kind)
+    if not isinstance(names, list) or not set(names) <= set(kind.state_names):
+        raise ConfigError(
+            f"{META_FILE} names optimizer state {names!r}, not {kind.name}'s {kind.state_names}: "
+            "restore the folder from a copy, or remove it to start the job afresh"
+        )
+    return tuple(n for n in kind.state_names if n in names)
 
 
 def open_files(folder: Path, ctx: NodeContext, layout: StateLayout, engine: IOEngine) -> StateFile:

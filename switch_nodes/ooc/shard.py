@@ -46,14 +46,17 @@ from luwu.switch_nodes.ooc.bucket import OocBucket, WindowState
 from luwu.switch_nodes.ooc.io import IOEngine
 from luwu.switch_nodes.ooc.layout import STEP_SHIFT
 from luwu.switch_nodes.ooc.recovery import (
+    file_state,
     folder_of,
     has_state,
+    held_of,
     layout_of,
     missing_state,
     open_files,
     read_meta,
     write_meta,
 )
+from luwu.switch_nodes.ooc.relay import finish_swap, relay
 from luwu.switch_nodes.ooc.spill import AlignedPool, Spill
 from luwu.switch_nodes.ooc.state_file import StateFile
 from luwu.switch_nodes.ooc.weights import WeightsReader
@@ -85,6 +88,8 @@ class OocShard(Shard):
         self._opened = False  # decided: in RAM (window None) or out of core
         self._open_lock = threading.Lock()
         self._written: dict[int, int] = {}  # bucket -> journal version of its last write
+        self._stepped: dict[int, int] = {}  # bucket -> its step once released (written back)
+        self._held: tuple[str, ...] | None = None  # the optimizer state the files hold
         self._reported = (0, 0, 0.0)  # bytes read, written, stall seconds given to the metrics
 
     @property
@@ -106,12 +111,12 @@ class OocShard(Shard):
         return b
 
     def add(self, spec: Bucket, kind: OptimizerKind, version: int) -> BucketState:
-        if self._opened and not self.in_ram:
-            raise ConfigError(
-                f"node {self.ctx.index}: bucket {spec.id} added to a shard whose state files are open "
-                "(add_param_group after the first step): not supported out of core yet"
-            )
-        return super().add(spec, kind, version)
+        """A bucket added mid-training (add_param_group): with the state files open, they are laid out
+        again with it appended (:mod:`.relay`), on the optimizer thread (called from the event loop)."""
+        b = super().add(spec, kind, version)
+        if self.window is not None:
+            self.ctx.queue.call(lambda: self._relay(kind, set(self._held)), self.window.timeout_s)
+        return b
 
     def replace(self, buckets: dict[int, BucketState]) -> None:
         raise ConfigError(  # (node.checkpoint_dir with node.state_dir is refused by NodeConfig)
@@ -140,7 +145,9 @@ class OocShard(Shard):
         ctx, cfg = self.ctx, self.ctx.cfg
         order = self.in_step_order()
         self.set_order([b.id for b in order])
-        layout = layout_of(ctx, order, ctx.kind or (order[0].kind if order else None))
+        kind = ctx.kind or (order[0].kind if order else None)
+        self._held = file_state(kind) if kind else ()
+        layout = layout_of(ctx, order, kind, self._held)
         total = sum(s.slot_bytes for s in layout.buckets)
         budget = ctx.inflight.window_bytes  # (state_memory_bytes less the pushes' share)
         ctx.metrics.state_budget.set(cfg.state_memory_bytes)
@@ -170,7 +177,7 @@ class OocShard(Shard):
         self._files = StateFile.open(folder, layout, self._engine)
         self._start_window(order)
 
-    def _start_window(self, order: list[BucketState]) -> None:
+    def _start_window(self, order: list[BucketState], spill: bool = True) -> None:
         ctx, files = self.ctx, self._files
         total = sum(s.slot_bytes for s in files.layout.buckets)
         budget = ctx.inflight.window_bytes or total
@@ -185,7 +192,8 @@ class OocShard(Shard):
             self._weights.close()
         self._weights = WeightsReader(self.window, files)
         self._written = {bid: c.version for bid, c in files.committed.items() if c is not None}
-        if ctx.inflight.spill is not None:
+        self._stepped = {b.id: b.version for b in order}
+        if ctx.inflight.spill is not None and spill:
             self.spill.open(files.folder, self._engine)
         log.info(
             "node %s: state out of core in %s: %d buckets, %d B on disk (two slots each: %d B), "
@@ -206,14 +214,20 @@ class OocShard(Shard):
         earlier run, or no node.index to name the folder by)."""
         ctx = self.ctx
         folder = folder_of(ctx)
-        if ctx.index < 0 or not has_state(folder):
+        if ctx.index < 0:
+            return None
+        finish_swap(folder)
+        if not has_state(folder):
             return None
         meta, kind, specs = read_meta(folder, ctx)
+        self._held = held_of(meta, kind)
         ctx.inflight.check(-1, specs, meta.get("world_size") or 1)  # (sizes the window's share)
         order = [self.make(spec, kind) for spec in specs]
         self._engine = IOEngine()
         try:
-            self._files = open_files(folder, ctx, layout_of(ctx, order, kind), self._engine)
+            self._files = open_files(
+                folder, ctx, layout_of(ctx, order, kind, self._held), self._engine
+            )
             step = self._files.bring_to() or 0
             self._settle(order, step)
         except BaseException:
@@ -284,6 +298,7 @@ class OocShard(Shard):
             jv = max(jv, last + 1, b.version << STEP_SHIFT)
             self._written[bid] = jv
             self.window.release(bid, jv)
+            self._stepped[bid] = b.version
         self._report()
 
     def discard(self, bid: int) -> None:
@@ -295,7 +310,18 @@ class OocShard(Shard):
         """Make every stored version durable, with the job's description (``job.json``)."""
         if self.window is not None:
             self.window.flush()
-            write_meta(self._files.folder, self.ctx, self.in_step_order())
+            write_meta(self._files.folder, self.ctx, self.in_step_order(), self._held)
+
+    def make_durable(self) -> int | None:
+        """Commit every write-back released so far (from any thread); returns the step every bucket is
+        durably at from then on (None: no state files, or a rollback replaced them meanwhile)."""
+        window = self.window
+        if window is None:
+            return None
+        stepped = dict(self._stepped)  # (a copy: the optimizer thread releases meanwhile)
+        floor = min(stepped.values(), default=0)
+        window.flush()
+        return floor if window is self.window else None
 
     def close(self) -> None:
         """Commit what was written and close the files (the node stops)."""
@@ -303,7 +329,7 @@ class OocShard(Shard):
         if self.window is not None:
             try:
                 self.window.close()
-                write_meta(self._files.folder, self.ctx, self.in_step_order())
+                write_meta(self._files.folder, self.ctx, self.in_step_order(), self._held)
             finally:
                 self.window = None
                 if self._weights is not None:
@@ -321,7 +347,7 @@ class OocShard(Shard):
     ) -> None:
         self._ensure_open()
         if not skip and self.window is not None:
-            missing_state(self.ctx, b, step, acc.hyper)
+            self._check_state(b, step, acc.hyper)
         self.load(b.id)
         try:
             if not skip:
@@ -345,7 +371,7 @@ class OocShard(Shard):
         if self.window is None:
             return super().step_bucket(b, step, acc, divisor, skip, codec)
         if not skip:
-            missing_state(self.ctx, b, step, acc.hyper)
+            self._check_state(b, step, acc.hyper)
         self.load(b.id)
         was = b.version
         try:
@@ -360,6 +386,36 @@ class OocShard(Shard):
             raise
         self.store(b.id, step + 1)
         return payload
+
+    def _check_state(self, b: BucketState, step: int, hyper: dict | None) -> None:
+        """Refuse a step whose hyperparameters need optimizer state the files leave out (such as
+        ``amsgrad``'s), unless no bucket has stepped yet: then the files are laid out again to hold it
+        (:mod:`.relay`; zeros, as torch starts it)."""
+        want = [n for n in b.kind.state_for(hyper or {}) if n not in self._held]
+        if want and all(x.version == 0 for x in self.buckets.values()):
+            self._relay(b.kind, set(self._held) | set(want))
+        missing_state(self.ctx, b, step, hyper, self._held)
+
+    def _relay(self, kind: OptimizerKind, held: set[str]) -> None:
+        """Lay the state files out again for the shard's buckets, holding ``held`` (on the optimizer
+        thread, nothing loaded)."""
+        names = tuple(n for n in kind.state_names if n in held)
+        order = self.in_step_order()
+        self.window.close()
+        self.window = None
+        layout = layout_of(self.ctx, order, kind, names)
+        folder = self._files.folder
+        meta = lambda p: write_meta(p, self.ctx, order, names)  # noqa: E731
+        self._files = relay(folder, self._files, layout, self._engine, meta)
+        self._held = names
+        log.warning(
+            "node %s: state files in %s laid out again: %d buckets, holding %s",
+            self.ctx.index,
+            folder,
+            len(order),
+            ", ".join(names),
+        )
+        self._start_window(order, spill=False)
 
     def encode(self, b: BucketState, codec: PullCodec) -> Payload:
         self._ensure_open()
