@@ -259,6 +259,7 @@ class Aggregator:
             acc.started = True
             divisor = len(acc.workers) / coef if not h["skip"] else 1.0
             out.append(ApplyStep(b, step, acc, divisor, skip=h["skip"]))
-        if not h["skip"]:  # sums spilled while they waited come back, in the order they step
+        if not h["skip"]:  # the sums in RAM step first (room), then the spilled ones come back
+            out.sort(key=lambda e: self.ctx.inflight.spilled(e.acc))
             self.ctx.inflight.prefetch([(e.bucket, e.acc) for e in out])
         return out

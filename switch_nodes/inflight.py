@@ -62,6 +62,7 @@ import msgpack
 import zmq
 
 from luwu.protocol.messages import Op
+from luwu.switch_nodes.fetch_room import FetchRoom
 
 if TYPE_CHECKING:
     from luwu.switch_nodes.context import NodeContext
@@ -135,6 +136,12 @@ class PushBudget:
         self.buckets: Callable[[], dict[int, BucketState]] = dict
         self.on_pressure: Callable[[], None] = lambda: None
         self.spill = None  # where two-phase sums go while they wait for COMMIT (use_spill)
+        self.fetches = FetchRoom(self)  # answers to weight fetches waiting for room
+        self.handover: Ticket | None = None  # the room of the fetch answer being sent (fetch_room)
+        self.urgent = 0  # bytes the optimizer waits for room for (a spilled sum it steps next)
+        self.queued = (
+            0  # room of fetch answers queued behind the steps, not encoded yet (no memory)
+        )
         ctx.metrics.inflight_limit.set(self.limit)
 
     @property
@@ -149,6 +156,10 @@ class PushBudget:
         """Two-phase sums waiting for COMMIT go to ``spill`` (:class:`.ooc.spill.Spill`, None: they
         stay in RAM): their pushes are then held back as any are (rule 4 of the module's doc)."""
         self.spill = spill
+
+    def spilled(self, acc) -> bool:
+        """Whether ``acc``'s sum is in the scratch file (or on its way there)."""
+        return self.spill is not None and self.spill.is_out(acc)
 
     def prefetch(self, pairs: list) -> None:
         """COMMIT: the (bucket, accumulator)s about to step, in that order (their sums read back)."""
@@ -229,15 +240,18 @@ class PushBudget:
         return self.ctx.cfg.mode != "async"
 
     def _full(self, nbytes: int) -> bool:
-        return bool(self.limit and self.used and self.used + nbytes > self.limit)
+        return bool(self.limit and self.used and self.used + self.urgent + nbytes > self.limit)
 
     def pressed(self) -> bool:
         """Whether a push waits for room."""
         return bool(self._waiters)
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more stay within the budget (always without one)."""
-        return not self.limit or self.used + nbytes <= self.limit
+    def fits(self, nbytes: int, urgent: bool = False) -> bool:
+        """Whether ``nbytes`` more stay within the budget (always without one); what the optimizer
+        waits for now (``urgent``: a spilled sum it steps next) goes before any other."""
+        if urgent:  # (the answers queued behind it hold no memory before it is stepped)
+            return not self.limit or self.used - self.queued + nbytes <= self.limit
+        return not self.limit or self.used + nbytes + self.urgent <= self.limit
 
     def _wait(self, peer, rank) -> None:
         if peer.ident not in self._waiters:
@@ -317,6 +331,9 @@ class PushBudget:
         self._sending.append((nbytes, waits))
         with self._lock:
             self.replies += nbytes
+        ticket, self.handover = self.handover, None
+        if ticket is not None:  # the answer to a fetch counts itself now: its room is given back
+            ticket.release()
         self._moved(up=True)
         self._arm()
 
@@ -336,11 +353,12 @@ class PushBudget:
             self._released_at = time.monotonic()
             if self.spill is not None:
                 self.spill.pump()  # (room for the sums of a COMMIT to come back)
-            if self._waiters and self.loop is not None:
+            if (self._waiters or self.fetches.waiting) and self.loop is not None:
                 self.loop.call_soon_threadsafe(self._wake)
 
     # ----------------------------------------------------------------- waking, on the event loop
     def _wake(self) -> None:
+        self.fetches.wake()
         for ident, (peer, _) in list(self._waiters.items()):
             if ident not in self._waiters:
                 continue
@@ -356,6 +374,18 @@ class PushBudget:
         if self._blocked_at is not None:
             self.ctx.metrics.inflight_blocked.inc(time.monotonic() - self._blocked_at)
             self._blocked_at = None
+
+    def hold(self, nbytes: int) -> Ticket:
+        """A ticket of ``nbytes`` taken now (an answer to a fetch, :mod:`.fetch_room`)."""
+        self._on_loop()
+        t = Ticket(self, nbytes)
+        self._take(t)
+        return t
+
+    def arm(self) -> None:
+        """Look again at the next tick (something waits for room)."""
+        self._on_loop()
+        self._arm()
 
     def _arm(self) -> None:
         if self._tick is None and self.loop is not None:
@@ -384,10 +414,13 @@ class PushBudget:
         if self._blocked_at is not None:  # (counted as it goes, not only when it ends)
             self.ctx.metrics.inflight_blocked.inc(now - self._blocked_at)
             self._blocked_at = now if self._waiters else None
-        if self._waiters and self.ctx.queue.idle() and self._still():
+        if self.fetches.waiting and self.ctx.queue.idle() and self._still():
+            if self._deadlocked() or now - self._released_at >= IDLE_S:
+                self.fetches.overdraw()  # (an answer, once sent, releases its memory by itself)
+        elif self._waiters and self.ctx.queue.idle() and self._still():
             if self._deadlocked() or now - self._released_at >= IDLE_S:
                 self._let_one_in(now)
-        if self._sending or self._waiters:
+        if self._sending or self._waiters or self.fetches.waiting:
             self._arm()
 
     def _still(self) -> bool:
@@ -399,9 +432,10 @@ class PushBudget:
         return not self._sending and not serving() and not spilling
 
     def _deadlocked(self) -> bool:
-        """Every worker an open (step, bucket) waits for is itself waiting here (its push to it may be
-        behind the one that waits: only letting one in ends it)."""
-        paused = {r for _, r in self._waiters.values()}
+        """Every worker an open (step, bucket) waits for is itself waiting here, for room for its push
+        (its push to it may be behind the one that waits) or for its fetch's answer (it pushes once its
+        unit's weights are in): only letting one in ends it."""
+        paused = {r for _, r in self._waiters.values()} | self.fetches.ranks()
         members = self.ctx.members
         awaited = {
             r for t in self._keys.values() if len(t.seen) < len(members) for r in members - t.seen

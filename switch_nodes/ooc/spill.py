@@ -198,6 +198,11 @@ class Spill:
             )
 
     # ----------------------------------------------------------------- back
+    def is_out(self, acc: Accumulator) -> bool:
+        """Whether ``acc``'s sum left RAM (or is leaving): it must be read back before it steps."""
+        rec = self._recs.get(id(acc))
+        return rec is not None and rec.state in (WRITING, OUT)
+
     def prefetch(self, pairs: list) -> None:
         """COMMIT: the (bucket, accumulator)s about to step, in that order; read the spilled ones ahead."""
         with self._lock:
@@ -264,11 +269,17 @@ class Spill:
 
     def _wait_for_room(self, rec: _Spilled) -> None:
         """A sum needed now waits a little for room (replies leaving, the read ahead started it)."""
+        budget = self.ctx.inflight
         deadline = time.monotonic() + ROOM_WAIT_S
-        while rec.state == OUT and not self.ctx.inflight.fits(rec.need):
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.002)
+        budget.urgent += rec.need  # (no fetch answer or new push takes the room it waits for)
+        try:
+            while rec.state == OUT and not budget.fits(rec.need, urgent=True):
+                if time.monotonic() > deadline:  # read past the budget: the step needs it (counted)
+                    self.ctx.metrics.inflight_overdrafts.inc()
+                    return
+                time.sleep(0.002)
+        finally:
+            budget.urgent -= rec.need
 
     def drop(self, acc: Accumulator) -> None:
         """``acc`` is given back (its step applied or skipped): forget its slot's contents."""
