@@ -10,12 +10,10 @@ refused at HELLO with the fix; a budget of exactly one bucket's needs trains (no
 the next bucket in).
 """
 
-import socket
-import urllib.request
-
 import pytest
 import torch
 from harness import run_training, tanh_mlp
+from support.node_metrics import free_port, scrape
 
 import luwu
 from luwu.protocol.errors import ConfigError
@@ -28,27 +26,11 @@ PUSHES = 3 * NEED  # three open (step, bucket)s: about 40% of what a node withou
 WINDOW = 2 * 4 * 4096  # two buckets' slots (weights, 2 moments, steps: 4 KiB each)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("luwu_node_inflight"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 @pytest.mark.timeout(300)
 def test_a_node_with_a_small_push_budget_trains_as_a_node_without_and_stays_within_it(tmp_path):
     with luwu.local_cluster(1) as c:
         want = [r["params"] for r in run_training(SPEC, c.addresses, tmp_path)]
-    port = _free_port()
+    port = free_port()
     args = [
         *("--node.state_dir", str(tmp_path / "state")),
         *("--node.state_memory_bytes", str(WINDOW + PUSHES)),
@@ -57,7 +39,7 @@ def test_a_node_with_a_small_push_budget_trains_as_a_node_without_and_stays_with
     ]
     with luwu.local_cluster(1, node_args=args) as c:
         got = [r["params"] for r in run_training(SPEC, c.addresses, tmp_path, timeout_s=200)]
-        m = _metrics(port)
+        m = scrape(port, "luwu_node_inflight")
     for rank in range(2):
         for i, (a, b) in enumerate(zip(got[rank], want[rank])):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda s, i=i: f"param {i}: {s}")

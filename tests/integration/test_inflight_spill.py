@@ -10,12 +10,10 @@ the budget. Two workers, compression off, clipping at every step; and a job's fi
 clipping.
 """
 
-import socket
-import urllib.request
-
 import pytest
 import torch
 from harness import run_training
+from support.node_metrics import free_port, scrape
 
 import luwu
 
@@ -24,22 +22,6 @@ NEED = 256 * 4 * (2 + 2)  # a bucket's accumulator, 2 workers' fp32 pushes and i
 PUSHES = 3 * NEED  # three open (step, bucket)s: a two-phase step without the spill holds 8
 WINDOW = 2 * 4 * 4096  # two buckets' slots (weights, 2 moments, steps: 4 KiB each)
 PULLS = 1797 * 4  # the fp32 weights rank 1 pulls at its start (replies to PULLs are not held back)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(("luwu_node_inflight", "luwu_node_spill")):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 @pytest.mark.timeout(300)
@@ -55,7 +37,7 @@ def test_two_phase_sums_are_spilled_within_the_push_budget_and_weights_equal(spe
     spec = dict(spec, bucket_bytes=1024, hyper={"lr": 0.01})
     with luwu.local_cluster(1) as c:
         want = [r["params"] for r in run_training(spec, c.addresses, tmp_path)]
-    port = _free_port()
+    port = free_port()
     state = tmp_path / "state"
     args = [
         *("--node.state_dir", str(state)),
@@ -65,7 +47,7 @@ def test_two_phase_sums_are_spilled_within_the_push_budget_and_weights_equal(spe
     ]
     with luwu.local_cluster(1, node_args=args) as c:
         got = [r["params"] for r in run_training(spec, c.addresses, tmp_path, timeout_s=200)]
-        m = _metrics(port)
+        m = scrape(port, "luwu_node_inflight", "luwu_node_spill")
     print(m)
     for rank in range(2):
         for i, (a, b) in enumerate(zip(got[rank], want[rank])):

@@ -9,13 +9,12 @@ overdraws about 160 times and peaks near 60 KiB, 3.7x the budget), and the weigh
 node's without a budget bit for bit (compression off).
 """
 
-import socket
 import time
-import urllib.request
 
 import pytest
 import torch
 from harness import ROOT, start_workers, wait_all
+from support.node_metrics import free_port, scrape
 
 import luwu
 
@@ -24,21 +23,6 @@ SPEC = {"steps": 8, "blocks": 8, "width": 32, "bucket_bytes": 2048, "timeout_s":
 NEED = 512 * 4 * (2 + 2)  # a 2 KiB bucket's accumulator, 2 workers' fp32 pushes and its reply
 PUSHES = 2 * NEED
 WINDOW = 2 * 2 * 4 * 4096  # the state window: a few buckets' slots
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _inflight_metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("luwu_node_inflight")
-    }
 
 
 def _stream(nodes: list[str], tmp) -> list[dict]:
@@ -51,7 +35,7 @@ def _stream(nodes: list[str], tmp) -> list[dict]:
 def test_streaming_workers_push_in_one_order_to_a_budgeted_node_and_it_stays_within(tmp_path):
     with luwu.local_cluster(1) as c:
         want = _stream(c.addresses, tmp_path)
-    port = _free_port()
+    port = free_port()
     args = [
         *("--node.state_dir", str(tmp_path / "state")),
         *("--node.state_memory_bytes", str(WINDOW + PUSHES)),
@@ -60,7 +44,7 @@ def test_streaming_workers_push_in_one_order_to_a_budgeted_node_and_it_stays_wit
     ]
     with luwu.local_cluster(1, node_args=args) as c:
         got = _stream(c.addresses, tmp_path)
-        m = _inflight_metrics(port)
+        m = scrape(port, "luwu_node_inflight")
     for rank in range(2):
         for name, w in want[rank].items():
             torch.testing.assert_close(
