@@ -507,7 +507,9 @@ def test_a_worker_whose_library_reads_for_it_but_that_never_takes_its_replies_is
             try:
                 reply = wire.decode(socks[0].recv_multipart(), job=JOB).header
             except zmq.Again:
-                pytest.fail(f"step {step}: rank 0 got no reply in 40 s, {time.monotonic() - t0:.0f} s in")
+                pytest.fail(
+                    f"step {step}: rank 0 got no reply in 40 s, {time.monotonic() - t0:.0f} s in"
+                )
             if reply["op"] == Op.ERROR or time.monotonic() - t0 > 50:
                 break
             time.sleep(0.25)
