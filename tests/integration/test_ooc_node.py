@@ -30,6 +30,7 @@ from harness import (
     tanh_mlp,
     wait_all,
 )
+from support.worker_output import read_until_step
 
 import luwu
 from luwu.protocol.errors import ConfigError
@@ -153,19 +154,6 @@ def _assert_bitwise(got: list, want: list) -> None:
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m, i=i: f"param {i}: {m}")
 
 
-def _read_until_step(proc, step: int, seen: list[str], timeout_s: float = 120) -> None:
-    """Read ``proc``'s stdout until it prints ``STEP s`` for some s >= ``step``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError("the worker stopped early:\n" + "".join(seen[-40:]))
-        seen.append(line)
-        if line.startswith("STEP ") and int(line.split()[1]) >= step:
-            return
-    raise AssertionError(f"no STEP {step} within {timeout_s} s:\n" + "".join(seen[-40:]))
-
-
 def _files_after_kill(folder) -> tuple[int, int]:
     """After a kill: (buckets whose committed step is past the lowest one, i.e. to be rewound; slots
     whose journal record names data that is no longer there, i.e. a write-back caught uncommitted)."""
@@ -250,7 +238,7 @@ def test_sigkill_during_write_back_recovers_exactly_once(tmp_path):
         target = 0
         while kills < 2 or (not caught and kills < 5):
             target += rng.randint(3, 6)
-            _read_until_step(procs[0], target, seen)
+            read_until_step(procs[0], target, seen)
             _stop_while_writing(cluster.procs[0], url)
             kills += 1
             ahead, torn = _files_after_kill(state_dir / "luwu-node0")

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from harness import TRAIN, run_training, start_workers, wait_all
+from support.worker_output import read_until_step
 
 import luwu
 from luwu.switch_nodes.ooc import IOEngine, StateFile, StateLayout
@@ -30,19 +31,6 @@ SPEC = {
     "timeout_s": 20.0,
 }
 KILLS = 5  # (a worker gives up after 6 recoveries)
-
-
-def _read_until_step(proc, step: int, seen: list[str], timeout_s: float = 120) -> None:
-    """Read ``proc``'s stdout until it prints ``STEP s`` for some s >= ``step``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError("the worker stopped early:\n" + "".join(seen[-40:]))
-        seen.append(line)
-        if line.startswith("STEP ") and int(line.split()[1]) >= step:
-            return
-    raise AssertionError(f"no STEP {step} within {timeout_s} s:\n" + "".join(seen[-40:]))
 
 
 def _stop_and_kill(proc) -> None:
@@ -79,7 +67,7 @@ def test_sigkill_one_of_two_ooc_nodes_repeatedly_final_params_equal(tmp_path):
         for _ in range(KILLS):
             target += rng.randint(4, 7)
             node = rng.randrange(2)
-            _read_until_step(procs[0], target, seen)
+            read_until_step(procs[0], target, seen)
             _stop_and_kill(cluster.procs[node])
             killed.append((target, node))
             cluster.restart(node)
