@@ -106,14 +106,16 @@ class Node:
 
 
 def parse_metrics(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Unlabelled samples ``names`` of a Prometheus text exposition (0.0 where absent)."""
+    """Samples ``names`` of a Prometheus text exposition, a labelled one summed over its labels (0.0
+    where absent)."""
     out = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         if line.startswith("#"):
             continue
-        name, _, value = line.partition(" ")
+        sample, _, value = line.rpartition(" ")
+        name = sample.partition("{")[0]
         if name in out:
-            out[name] = float(value.split()[0])
+            out[name] += float(value)
     return out
 
 

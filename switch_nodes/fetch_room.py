@@ -76,7 +76,7 @@ class FetchRoom:
         if not self._waiting:
             return False
         nbytes, go, _ = self._waiting.popleft()
-        self.budget.ctx.metrics.inflight_overdrafts.inc()
+        self.budget.ctx.metrics.inflight_overdrafts.labels("fetch").inc()
         go(self.budget.hold(nbytes))
         self._done_waiting()
         return True

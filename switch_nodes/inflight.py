@@ -451,7 +451,7 @@ class PushBudget:
         if peer.closed or peer.refused:
             return
         self._overdraft, self._released_at = ident, now
-        self.ctx.metrics.inflight_overdrafts.inc()
+        self.ctx.metrics.inflight_overdrafts.labels("push").inc()
         if not self._told:
             self._told = True
             log.warning(

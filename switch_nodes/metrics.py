@@ -98,6 +98,10 @@ class NodeMetrics:
         )
         self.inflight_overdrafts = f.counter(
             "inflight_overdrafts_total",
-            "Pushes let in past node.push_memory_bytes: nothing in flight could be released without "
-            "them (workers pushing a step's buckets in different orders)",
+            "Memory let in past node.push_memory_bytes because nothing in flight could be released "
+            "without it, by what: push (a worker's push, workers pushing in different orders), fetch "
+            "(the answer to a weight fetch) or sum (a spilled two-phase sum the optimizer needs now)",
+            ("why",),
         )
+        for why in ("push", "fetch", "sum"):
+            self.inflight_overdrafts.labels(why)  # (each shown from the start, at 0)

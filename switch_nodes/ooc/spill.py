@@ -275,7 +275,7 @@ class Spill:
         try:
             while rec.state == OUT and not budget.fits(rec.need, urgent=True):
                 if time.monotonic() > deadline:  # read past the budget: the step needs it (counted)
-                    self.ctx.metrics.inflight_overdrafts.inc()
+                    self.ctx.metrics.inflight_overdrafts.labels("sum").inc()
                     return
                 time.sleep(0.002)
         finally:
