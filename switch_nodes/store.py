@@ -148,21 +148,50 @@ class SegmentState(Mapping):
     carry: per name a tensor of the bucket's numel, each segment's state flattened at the start of the
     segment's slot (it never has more elements than the parameter), zeros elsewhere."""
 
-    def __init__(self, kind: OptimizerKind, segments: list, numel: int):
+    def __init__(
+        self,
+        kind: OptimizerKind,
+        segments: list,
+        numel: int,
+        flats: Mapping[str, torch.Tensor] | None = None,
+    ):
+        """``flats``: storage to view instead of tensors of its own, per name the segments' state one
+        after another, as :meth:`sizes` counts it (an out-of-core bucket's slot)."""
         self._names, self._numel, self._offsets = (
             kind.state_names,
             numel,
             [s.offset for s in segments],
         )
+        shapes = self._shapes(kind, segments)
+        if flats is None:
+            self._tensors = {
+                n: [torch.zeros(sh[n], dtype=torch.float32) if n in sh else None for sh in shapes]
+                for n in self._names
+            }
+            return
+        self._tensors = {n: [] for n in self._names}
+        for n, views in self._tensors.items():
+            pos = 0
+            for sh in shapes:
+                k = torch.Size(sh[n]).numel() if n in sh else 0
+                views.append(flats[n].narrow(0, pos, k).view(sh[n]) if n in sh else None)
+                pos += k
+
+    @staticmethod
+    def _shapes(kind: OptimizerKind, segments: list) -> list[dict[str, tuple[int, ...]]]:
         for s in segments:
             if not s.whole or s.param_offset != 0 or torch.Size(s.shape).numel() != s.numel:
                 raise ConfigError(
                     f"optimizer {kind.name!r} needs each parameter whole in one bucket: parameter {s.param} is not (a layout built without ParamSpec.whole)"
                 )
-        shapes = [kind.state_shapes(s.shape) for s in segments]
-        self._tensors = {
-            n: [torch.zeros(sh[n], dtype=torch.float32) if n in sh else None for sh in shapes]
-            for n in self._names
+        return [kind.state_shapes(s.shape) for s in segments]
+
+    @classmethod
+    def sizes(cls, kind: OptimizerKind, segments: list) -> dict[str, int]:
+        """Per name, the elements of the segments' state together (what ``flats`` must hold)."""
+        shapes = cls._shapes(kind, segments)
+        return {
+            n: sum(torch.Size(sh[n]).numel() for sh in shapes if n in sh) for n in kind.state_names
         }
 
     def __getitem__(self, name: str) -> list[torch.Tensor | None]:

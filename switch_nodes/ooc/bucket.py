@@ -17,6 +17,7 @@ from luwu.switch_nodes.store import (
     BucketState,
     FlatState,
     SegmentSpec,
+    SegmentState,
 )
 
 __all__ = ["OocBucket", "WindowState"]
@@ -65,9 +66,12 @@ class OocBucket(BucketState):
     def attach(self, ts: dict[str, torch.Tensor]) -> None:
         """Take the window's views of the bucket's slot as its tensors (until :meth:`detach`)."""
         self.params = ts["params"]
-        self.state = WindowState(
-            {n: ts[n] for n in self.kind.state_names if n in ts}, self.numel, self.id
-        )
+        if self.kind.whole_params:  # (Adafactor's factored statistics, per segment in the slot)
+            self.state = SegmentState(self.kind, self.segments, self.numel, ts)
+        else:
+            self.state = WindowState(
+                {n: ts[n] for n in self.kind.state_names if n in ts}, self.numel, self.id
+            )
         self.steps = list(ts["steps"].unbind(0))
         self.pviews, self._sviews = self._views(self.params), {}
 

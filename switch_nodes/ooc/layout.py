@@ -103,16 +103,22 @@ class StateLayout:
 
     @classmethod
     def for_shard(
-        cls, job: str, buckets: Iterable[tuple[int, int, int]], state_names: Sequence[str]
+        cls,
+        job: str,
+        buckets: Iterable[tuple[int, int, int] | tuple[int, int, int, dict]],
+        state_names: Sequence[str],
     ) -> StateLayout:
         """The layout of a node's shard from ``(bucket id, numel, number of segments)``: per bucket the
         fp32 master ``params``, each state tensor of ``state_names`` (the optimizer kind's, same numel)
-        and ``steps`` (one counter per segment), the order of :meth:`BucketState.tensors`."""
+        and ``steps`` (one counter per segment), the order of :meth:`BucketState.tensors`. A fourth
+        item, name -> element count, sizes a state that is not elementwise (Adafactor's factored
+        statistics, :meth:`~luwu.switch_nodes.store.SegmentState.sizes`)."""
         specs = []
-        for bid, numel, nsegs in buckets:
+        for bid, numel, nsegs, *sized in buckets:
+            sizes = sized[0] if sized else {}
             ts = [
                 TensorSpec("params", numel),
-                *(TensorSpec(n, numel) for n in state_names),
+                *(TensorSpec(n, sizes.get(n, numel)) for n in state_names),
                 TensorSpec("steps", nsegs),
             ]
             specs.append(BucketSpec(bid, tuple(ts)))

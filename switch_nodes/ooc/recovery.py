@@ -27,7 +27,7 @@ from luwu.switch_nodes.ooc.io import IOEngine
 from luwu.switch_nodes.ooc.layout import StateLayout
 from luwu.switch_nodes.ooc.state_file import HEADER_FILE, StateFile
 from luwu.switch_nodes.optimizers import OptimizerKind, get_kind
-from luwu.switch_nodes.store import BucketState
+from luwu.switch_nodes.store import BucketState, SegmentState
 
 META_FILE = "job.json"
 
@@ -51,7 +51,15 @@ def layout_of(
     of optimizer ``kind`` hold at first, :func:`file_state`)."""
     if names is None:
         names = file_state(kind) if kind else ()
-    return StateLayout.for_shard(ctx.job, [(b.id, b.numel, len(b.segments)) for b in order], names)
+    sized = kind is not None and kind.whole_params
+    return StateLayout.for_shard(
+        ctx.job,
+        [
+            (b.id, b.numel, len(b.segments), SegmentState.sizes(kind, b.segments) if sized else {})
+            for b in order
+        ],
+        names,
+    )
 
 
 def file_state(kind: OptimizerKind) -> tuple[str, ...]:

@@ -99,11 +99,6 @@ class OocShard(Shard):
 
     # ----------------------------------------------------------------- buckets
     def make(self, spec: Bucket, kind: OptimizerKind) -> BucketState:
-        if kind.whole_params:
-            raise ConfigError(
-                f"node {self.ctx.index}: optimizer {kind.name!r} keeps its state per parameter, which "
-                "node.state_dir does not hold yet: leave node.state_dir empty for it"
-            )
         b = OocBucket(spec.id, spec.group, spec.numel, list(spec.segments), kind, self.accumulators)
         b.spill = self.spill
         if self.in_ram:

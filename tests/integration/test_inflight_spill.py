@@ -21,7 +21,7 @@ import luwu
 NEED = 256 * 4 * (2 + 2)  # a bucket's accumulator, 2 workers' fp32 pushes and its reply
 PUSHES = 3 * NEED  # three open (step, bucket)s: a two-phase step without the spill holds 8
 WINDOW = 2 * 4 * 4096  # two buckets' slots (weights, 2 moments, steps: 4 KiB each)
-PULLS = 1797 * 4  # the fp32 weights rank 1 pulls at its start (replies to PULLs are not held back)
+PULLS = 1797 * 4  # the fp32 weights rank 1 pulls at its start: one answer, larger than NEED
 
 
 @pytest.mark.timeout(300)
@@ -53,8 +53,9 @@ def test_two_phase_sums_are_spilled_within_the_push_budget_and_weights_equal(spe
         for i, (a, b) in enumerate(zip(got[rank], want[rank])):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda s, i=i: f"param {i}: {s}")
     assert m["luwu_node_inflight_limit_bytes"] == PUSHES
-    # past the budget only by what an overdraft let in (workers pushing in different orders) and by
-    # the replies to rank 1's first PULLs, which may overlap rank 0's first pushes; without the spill
+    # past the budget only by what an overdraft let in: a push (NEED; workers pushing in different
+    # orders) or the answer to rank 1's first PULLs (they wait for room, and go past it when nothing
+    # in flight can be released without them: PULLS, more than NEED); without the spill
     # a two-phase step holds all 8 buckets' 16 B/param (28752 B) at once
     over = m["luwu_node_inflight_overdrafts_total"] * NEED + PULLS
     assert 0 < m["luwu_node_inflight_peak_bytes"] <= PUSHES + over, m

@@ -1,6 +1,7 @@
 """Node-side optimizers whose state the out-of-core files leave out at first, real processes: the files
 are laid out at the first seed, before any push names the hyperparameters, so they hold AdamW's two
-moments and not amsgrad's maximum; the first step that turns amsgrad on lays them out again to hold it,
+moments and not amsgrad's maximum (Adafactor's factored statistics as they are, a few bytes a
+parameter); the first step that turns amsgrad on lays them out again to hold it,
 and the run equals the in-RAM node's bit for bit, restart included (centered RMSprop's grad_avg alike).
 Turning it on after the first step is refused, naming the option and the fix. A param group added
 after the first step appends its buckets to the files the same way."""
@@ -17,10 +18,13 @@ from luwu.switch_nodes.ooc import StateLayout
 SLOT = 4 * 4096
 BUDGET = 2 * SLOT
 AMSGRAD = {"lr": 0.01, "amsgrad": True, "weight_decay": 0.05}
+ADAFACTOR = {"lr": 0.02, "beta2_decay": -0.6, "weight_decay": 0.1}
+SLOT5 = 5 * 4096  # an Adafactor bucket's slot: 5 tensors, each 4 KiB-aligned
+ADAFACTOR_BUDGET = 20480 + 2 * SLOT5  # the pushes' share (the largest bucket's full set), 2 slots
 
 
-def _args(state_dir) -> list[str]:
-    return ["--node.state_dir", str(state_dir), "--node.state_memory_bytes", str(BUDGET)]
+def _args(state_dir, budget: int = BUDGET) -> list[str]:
+    return ["--node.state_dir", str(state_dir), "--node.state_memory_bytes", str(budget)]
 
 
 def _run(spec: dict, tmp, node_args=None, kill_at: int | None = None) -> list[dict]:
@@ -60,6 +64,39 @@ def test_amsgrad_out_of_core_trains_as_the_in_ram_node_and_restarts(tmp_path):
     crash = dict(spec, steps=20, resilient=True, step_sleep=0.03, timeout_s=20.0)
     want = _run(dict(crash, resilient=False), tmp_path)
     got = _run(crash, tmp_path, _args(tmp_path / "b"), kill_at=9)
+    assert all(r["recoveries"] >= 1 for r in got)
+    _assert_bitwise(got, want)
+
+
+@pytest.mark.timeout(400)
+def test_adafactor_out_of_core_holds_its_factored_state_and_restarts(tmp_path):
+    """Adafactor, whose state is a row and a column statistic per matrix (a variance per vector): the
+    files hold each bucket's statistics one after another, a few bytes a parameter besides the
+    weights, and the weights equal the in-RAM node's bit for bit; a node SIGKILLed mid-run restarts
+    from its files and the run still equals the failure-free one."""
+    spec = {"optimizer": "adafactor", "steps": 8, "bucket_bytes": 1024, "hyper": ADAFACTOR}
+    want = _run(spec, tmp_path)
+    got = _run(spec, tmp_path, _args(tmp_path / "a", ADAFACTOR_BUDGET))
+    _assert_bitwise(got, want)
+    folder = tmp_path / "a" / "luwu-node0"
+    layout = StateLayout.from_json(json.loads((folder / "header.json").read_text()))
+    sizes = {t.name: 0 for b in layout.buckets for t in b.tensors}
+    for b in layout.buckets:
+        for t in b.tensors:
+            sizes[t.name] += t.numel
+    # the mlp: Linear(20, 64), LayerNorm(64), Linear(64, 5): rows and columns of the two matrices,
+    # the variances of the four vectors
+    assert sizes == {
+        "params": 1797,
+        "row_var": 64 + 5,
+        "col_var": 20 + 64,
+        "variance": 64 * 3 + 5,
+        "steps": 6,
+    }
+    assert sum(b.slot_bytes for b in layout.buckets) > 2 * SLOT5  # (more than the window holds)
+    crash = dict(spec, steps=20, resilient=True, step_sleep=0.03, timeout_s=20.0)
+    want = _run(dict(crash, resilient=False), tmp_path)
+    got = _run(crash, tmp_path, _args(tmp_path / "b", ADAFACTOR_BUDGET), kill_at=9)
     assert all(r["recoveries"] >= 1 for r in got)
     _assert_bitwise(got, want)
 
