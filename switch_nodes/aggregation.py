@@ -113,7 +113,8 @@ class Aggregator:
             self.ctx.inflight.claim(acc, b, h)
         members = self.ctx.members
         partial = bool(h.get("partial"))
-        b.add_push(acc, codec, msg.tensors(), h["cmeta"], len(members), partial=partial)
+        ranks = acc.tree.ranks if acc.tree is not None else tuple(sorted(members))
+        b.add_push(acc, codec, msg.tensors(), h["cmeta"], ranks, w, partial=partial)
         self._count_push(b, h)
         if (
             partial

@@ -96,7 +96,8 @@ class NodeConfig:
     push that would open a (step, bucket) past it stays unread in its connection (TCP pushes back) until
     enough is released; pushes to an open (step, bucket) are always read, so steps complete. 0: no bound,
     or with state_memory_bytes a quarter of it (raised to one bucket's needs if less). At least
-    (2 + world size) x 4 B a parameter of the largest bucket (a HELLO is refused below that); zmtp
+    (2 + world size) x 4 B a parameter of the largest bucket, with three workers or more one more per
+    doubling (partial sums; a HELLO is refused below that); zmtp
     listener only."""
     log_every: int = 100
     """One summary log line every this many steps."""

@@ -3,9 +3,9 @@
 What a node holds for its pushes besides its state is counted here, in one place:
 
 - an **open (step, bucket)**, from the push that opens it until its step is applied: its fp32
-  accumulator, room for every member's push of it (the first is kept undecoded until the second
-  comes, and a push is read whole before it is summed) and its reply, encoded before the
-  accumulator is given back. That is a :class:`Ticket` of ``4 B x numel + members x payload +
+  partial sums (:func:`.summation.partial_sums`: one for two workers), room for every member's
+  push (undecoded until its left neighbours are in, read whole first) and its reply, encoded before
+  the sum is given back: a :class:`Ticket` of ``4 B x numel x partial sums + members x payload +
   reply`` (async mode: one push, one ticket);
 - **replies** not yet sent (or held for a worker's ``step()``), counted until their last byte is in
   the kernel; frames a resident shard lends a reply (fp32 zero-copy) cost nothing.
@@ -20,10 +20,9 @@ message goes on, a push to an open (step, bucket) included.
 out for good a push that an open (step, bucket) waits for:
 
 1. only a push that opens a (step, bucket) waits; one to an open (step, bucket) is always read and
-   summed in place (one accumulator per (step, bucket)), its room reserved by the opener;
+   summed (into the (step, bucket)'s partial sums), its room reserved by the opener;
 2. with nothing in flight, an opener is let in whatever its size, and a HELLO whose largest bucket
-   needs more than the budget ((2 + world size) x 4 B a parameter) is refused, so the budget admits
-   one bucket's full set of pushes;
+   needs more than the budget ((1 + partial sums + world size) x 4 B a parameter) is refused;
 3. what is in flight is released without any further push: open (step, bucket)s whose pushes are
    all in are stepped by the optimizer thread; replies go out whatever the workers do (their ZeroMQ
    I/O threads read), and replies held for a worker's ``step()`` are sent at once while a push waits
@@ -63,6 +62,7 @@ import zmq
 
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.fetch_room import FetchRoom
+from luwu.switch_nodes.summation import partial_sums
 
 if TYPE_CHECKING:
     from luwu.switch_nodes.context import NodeContext
@@ -174,7 +174,7 @@ class PushBudget:
         ok = isinstance(nbytes, list) and all(type(n) is int for n in nbytes)
         payload = sum(nbytes) if ok else b.numel * 4
         reply = 0 if h.get("pull") == "ack" else b.numel * 4
-        return b.numel * 4 + members * max(0, int(payload)) + reply
+        return b.numel * 4 * partial_sums(members) + members * max(0, int(payload)) + reply
 
     def check(self, worker: int, buckets, world_size: int) -> None:
         """A HELLO's layout (or a restart's, ``worker`` -1) against the budget: one bucket's full set
@@ -182,7 +182,8 @@ class PushBudget:
         if not self.limit or not buckets:
             return
         big = max(buckets, key=lambda b: b.numel)
-        need = big.numel * 4 * (2 + (1 if self.ctx.cfg.mode == "async" else world_size))
+        n = 1 if self.ctx.cfg.mode == "async" else world_size
+        need = big.numel * 4 * (1 + partial_sums(n) + n)
         cfg = self.ctx.cfg
         if need > self.limit and not cfg.push_memory_bytes and need < cfg.state_memory_bytes:
             # the quarter of state_memory_bytes was less than one bucket's needs

@@ -25,6 +25,7 @@ import torch
 from luwu.protocol.errors import ConfigError, StepMismatchError
 from luwu.protocol.layout import Bucket
 from luwu.switch_nodes.optimizers import OptimizerKind, apply_
+from luwu.switch_nodes.summation import RankTree
 
 
 @dataclass(slots=True)
@@ -57,9 +58,7 @@ class Accumulator:
     prescale: float = (
         1.0  # the pushes were decoded times 1 / prescale (the 1/n of the average, folded in)
     )
-    held: tuple | None = (
-        None  # (codec, frames, meta) of the first push, not decoded yet (see add_push)
-    )
+    tree: RankTree | None = None  # the pushes summed in rank order (see add_push)
     partial: dict = field(
         default_factory=dict
     )  # worker -> micro-batch pushes summed so far (no_sync on the nodes)
@@ -327,40 +326,48 @@ class BucketState:
         codec,
         frames: list[torch.Tensor],
         meta: dict,
-        expected: int,
+        ranks: tuple[int, ...],
+        rank: int,
         *,
         partial: bool = False,
     ) -> None:
-        """Decode one worker's push into the accumulator, times 1/``expected`` (the number of workers the
-        step waits for): the average costs no pass of its own, and :meth:`apply` needs no ``grad_scale``.
+        """Sum rank ``rank``'s push into the accumulator, times 1/n, n = len(``ranks``) (the workers
+        the step waits for): the average costs no pass of its own, and :meth:`apply` needs no
+        ``grad_scale``.
 
-        The first push of a step is kept as received (its frames stay alive) and decoded together with
-        the second, in one pass over the accumulator (``Codec.decode_pair_``) instead of two. A
-        ``partial`` push (a micro-batch's gradient under ``no_sync()``, more of that worker's to come)
-        is decoded at once: its frames belong to a message the worker does not wait an answer for."""
-        if not acc.workers and not acc.partial:
-            acc.prescale = float(expected)
-            if expected > 1 and not partial:
-                acc.held = (codec, frames, meta)
-                return
+        The pushes are summed as a pairwise tree over ``ranks`` (:class:`.summation.RankTree`): the
+        same bits whatever order they arrive in; a push waits as received (its frames stay alive)
+        until its left neighbours are in. A ``partial`` push (a micro-batch's gradient under
+        ``no_sync()``, more of that worker's to come), or one of a rank the step's first push did not
+        count, is added at once, in arrival order: its frames belong to a message the worker does not
+        wait an answer for."""
+        if not acc.workers and not acc.partial and acc.tree is None:
+            acc.prescale = float(len(ranks))
+            if not partial and rank in ranks:
+                acc.tree = RankTree(ranks, 1.0 / acc.prescale)
+        tree = acc.tree
+        if tree is not None and not partial and rank in tree.ranks:
+            tree.add(rank, (codec, frames, meta), self._take, self._pool.give)
+            if tree.complete:
+                self.settle(acc)
+            return
+        self.settle(acc)
+        if acc.buf is None:
             codec.decode_(self.buffer(acc), frames, meta, 1.0 / acc.prescale)
-        elif acc.held is not None:
-            first, acc.held = acc.held, None
-            if first[0] is codec and not partial:
-                codec.decode_pair_(
-                    self.buffer(acc), (first[1], first[2]), (frames, meta), 1.0 / acc.prescale
-                )
-            else:  # a partial push, or another codec (a worker fell back to fp32 on a non-finite gradient)
-                first[0].decode_(self.buffer(acc), first[1], first[2], 1.0 / acc.prescale)
-                codec.decode_add_(acc.buf, frames, meta, 1.0 / acc.prescale)
         else:
             codec.decode_add_(self.buffer(acc), frames, meta, 1.0 / acc.prescale)
 
+    def _take(self) -> torch.Tensor:
+        return self._pool.take(self.numel)
+
     def settle(self, acc: Accumulator) -> None:
-        """Decode a push still held (the step goes on with one push: a worker was dropped)."""
-        if acc.held is not None:
-            (codec, frames, meta), acc.held = acc.held, None
-            codec.decode_(self.buffer(acc), frames, meta, 1.0 / acc.prescale)
+        """The tree's sum into the accumulator (complete, or the step goes on without some ranks: a
+        worker was dropped)."""
+        if acc.tree is not None:
+            tree, acc.tree = acc.tree, None
+            out = tree.result(self._take, self._pool.give)
+            if out is not None:
+                acc.buf = out
 
     def release(self, step: int) -> Accumulator:
         acc = self.accs.pop(step)
@@ -373,6 +380,9 @@ class BucketState:
         if acc.buf is not None:
             self._pool.give(acc.buf)
             acc.buf = None
+        if acc.tree is not None:
+            acc.tree.release(self._pool.give)
+            acc.tree = None
         if acc.ticket is not None:
             acc.ticket.release()
             acc.ticket = None

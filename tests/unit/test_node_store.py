@@ -42,10 +42,10 @@ def test_accumulator_holds_the_average(codec_name, n):
     b = _bucket(numel)
     acc = b.accumulator(0, 0)
     for w, (c, f, m) in enumerate(pushes):
-        b.add_push(acc, c, f, m, expected=n)
+        b.add_push(acc, c, f, m, tuple(range(n)), w)
         acc.workers.add(w)
     b.settle(acc)
-    assert acc.held is None
+    assert acc.tree is None
     torch.testing.assert_close(acc.buf, want, rtol=1e-6, atol=1e-7)
 
 
@@ -87,7 +87,7 @@ def test_micro_batch_pushes_add_into_the_step(order):
     b = _bucket(numel)
     acc = b.accumulator(0, 0)
     for w, (c, f, m), partial in seq:
-        b.add_push(acc, c, f, m, expected=2, partial=partial)
+        b.add_push(acc, c, f, m, (0, 1), w, partial=partial)
         if not partial:
             acc.workers.add(w)
         else:
@@ -105,12 +105,12 @@ def test_a_last_push_held_before_any_partial_is_still_counted(codec_name):
     a, p1, p2 = (_push(codec_name, torch.randn(numel, generator=g)) for _ in range(3))
     b = _bucket(numel)
     acc = b.accumulator(0, 0)
-    b.add_push(acc, *a, expected=2)
+    b.add_push(acc, *a, (0, 1), 0)
     acc.workers.add(0)
-    assert acc.held is not None
-    b.add_push(acc, *p1, expected=2, partial=True)
+    assert acc.tree is not None
+    b.add_push(acc, *p1, (0, 1), 1, partial=True)
     acc.partial[1] = 1
-    b.add_push(acc, *p2, expected=2)
+    b.add_push(acc, *p2, (0, 1), 1)
     acc.workers.add(1)
     b.settle(acc)
     want = sum(_decoded(*x, numel) for x in (a, p1, p2)) / 2
@@ -126,9 +126,9 @@ def test_a_held_push_is_decoded_when_the_step_goes_on_without_the_others():
     p = torch.nn.Parameter(b.params.clone())
     acc = b.accumulator(0, 0)
     c, f, m = _push("none", x)
-    b.add_push(acc, c, f, m, expected=2)
+    b.add_push(acc, c, f, m, (0, 1), 0)
     acc.workers.add(0)
-    assert acc.held is not None
+    assert acc.tree is not None
     acc.hyper = HYPER
     b.apply(acc, 1.0)  # one push, divisor 1: the held push at weight 1/2, rescaled by grad_scale
     opt = torch.optim.AdamW(
@@ -151,7 +151,7 @@ def test_mixed_codecs_in_one_step():
     b = _bucket(numel)
     acc = b.accumulator(0, 0)
     for w, (c, f, m) in enumerate((pa, pb)):
-        b.add_push(acc, c, f, m, expected=2)
+        b.add_push(acc, c, f, m, (0, 1), w)
         acc.workers.add(w)
     want = (_decoded(*pa, numel) + bx) / 2
     torch.testing.assert_close(acc.buf, want, rtol=1e-6, atol=1e-7)
@@ -177,7 +177,7 @@ def test_node_step_equals_torch_adamw_on_the_averaged_gradient(n):
         acc = b.accumulator(step, 0)
         for w, x in enumerate(grads):
             c, f, m = _push("none", x)
-            b.add_push(acc, c, f, m, expected=n)
+            b.add_push(acc, c, f, m, tuple(range(n)), w)
             acc.workers.add(w)
         acc.hyper = HYPER
         b.apply(acc, float(n))
@@ -258,7 +258,7 @@ def test_accumulators_are_shared_by_the_buckets_and_sized_by_those_in_flight():
         for b in buckets:
             acc = b.accumulator(step, 0)
             for w in range(n):
-                b.add_push(acc, *_push("int8", torch.randn(numel, generator=g)), expected=n)
+                b.add_push(acc, *_push("int8", torch.randn(numel, generator=g)), (0, 1), w)
                 acc.workers.add(w)
                 if w == 0:
                     assert acc.buf is None and pool.taken_bytes == 0, (

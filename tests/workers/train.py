@@ -39,6 +39,7 @@ DEFAULTS = {
     "inject_inf": None,
     "resilient": False,
     "step_sleep": 0.0,
+    "late_ranks": [],  # ranks that sleep 30 ms before each backward: their pushes arrive last
     "clip_call": None,  # call opt.clip_grad_norm_(clip_call) after backward (torch's clip_grad_norm_ in the reference)
 }
 
@@ -194,6 +195,8 @@ def main(path: str) -> None:
                 hook = next(model.parameters()).register_hook(
                     _poison
                 )  # before the gradient hooks push
+            if rank in spec["late_ranks"]:
+                time.sleep(0.03)
             with ctx:
                 (scaler.scale(loss) if scaler else loss).backward()
             if hook is not None:
