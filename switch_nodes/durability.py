@@ -375,6 +375,8 @@ class Durability:
             frames = [t.view(torch.float32) for t in msg.tensors()]
 
             def work():
+                nonzero = [n for n, t in zip(names[1:-1], frames[1:-1]) if bool(t.any())]
+                self.shard.hold_state(b, nonzero)
                 with self.shard.loaded(b.id, write=True):
                     self.shard.before_write(b.id)
                     b.load(frames)

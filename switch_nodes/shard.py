@@ -81,6 +81,10 @@ class Shard:
         self.buckets, self._lent = buckets, {}
         self._order = [bid for bid in self._order if bid in buckets]
 
+    def hold_state(self, b: BucketState, names: Iterable[str]) -> None:
+        """Optimizer state ``names`` of ``b`` is about to be set nonzero (STATE set): make room for it
+        where it is not held (on the optimizer thread). A shard in RAM holds every name."""
+
     def set_order(self, order: Iterable[int]) -> None:
         """The order in which the buckets will step from now on (an out-of-core shard reads ahead in
         it); buckets it leaves out step after, by id."""

@@ -40,7 +40,9 @@ class WindowState(FlatState):
             raise ConfigError(
                 f"bucket {self._bucket}: optimizer state {name!r} (nonzero) cannot be set on a node "
                 f"with node.state_dir: its state files do not hold {name!r} (the state of an option "
-                "off by default, such as amsgrad); load it into a node without node.state_dir"
+                "off by default, such as amsgrad) and buckets have stepped since they were laid out: "
+                "load the state before the first step (opt.load_state_dict right after building the "
+                "optimizer), or into a node without node.state_dir"
             )
 
 

@@ -382,6 +382,15 @@ class OocShard(Shard):
         self.store(b.id, step + 1)
         return payload
 
+    def hold_state(self, b: BucketState, names: Iterable[str]) -> None:
+        """A state set (``load_state_dict``) that carries state the files leave out (amsgrad's
+        maximum, say): before any bucket has stepped, the files are laid out again to hold it, as a
+        first step naming it does; after, the set is refused (:class:`.bucket.WindowState`)."""
+        self._ensure_open()
+        want = [n for n in names if n not in self._held]
+        if want and self.window is not None and all(x.version == 0 for x in self.buckets.values()):
+            self._relay(b.kind, set(self._held) | set(want))
+
     def _check_state(self, b: BucketState, step: int, hyper: dict | None) -> None:
         """Refuse a step whose hyperparameters need optimizer state the files leave out (such as
         ``amsgrad``'s), unless no bucket has stepped yet: then the files are laid out again to hold it

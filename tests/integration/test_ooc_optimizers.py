@@ -155,6 +155,55 @@ def test_amsgrad_turned_on_after_the_first_step_is_refused(tmp_path):
     assert "max_exp_avg_sq" in said and "first step" in said and "node.state_dir" in said, said
 
 
+def _amsgrad_steps(addresses, steps: range, model, state: dict | None = None) -> dict:
+    """``steps`` of AMSGrad on ``model`` (rank 0 alone), after ``load_state_dict(state)`` if given;
+    returns the optimizer's state_dict."""
+    opt = luwu.RemoteOptimizer(
+        model,
+        nodes=addresses,
+        optimizer="adamw",
+        compression=False,
+        bucket_bytes=1088,
+        rank=0,
+        world_size=1,
+        timeout_s=10,
+        **AMSGRAD,
+    )
+    try:
+        if state is not None:
+            opt.load_state_dict(state)
+        for s in steps:
+            _step_once(opt, model, s)
+        opt.synchronize()
+        return opt.state_dict()
+    finally:
+        opt.close()
+
+
+@pytest.mark.timeout(200)
+def test_amsgrad_state_loaded_before_the_first_step_out_of_core_resumes_exactly(tmp_path):
+    """A job resumed from opt.state_dict() with amsgrad on: the loaded state carries max_exp_avg_sq,
+    which an out-of-core node's files leave out at first; the files are laid out again to hold it
+    (before, the load was refused), and the run equals 3 + 3 steps on one in-RAM node bit for bit."""
+    model = tanh_mlp()
+    with luwu.local_cluster(1) as c:
+        _amsgrad_steps(c.addresses, range(6), model)
+    want = [p.detach().clone() for p in model.parameters()]
+    model = tanh_mlp()
+    with luwu.local_cluster(1) as c:
+        state = _amsgrad_steps(c.addresses, range(3), model)
+    assert any(s.get("max_exp_avg_sq") is not None for s in state["state"].values())
+    with luwu.local_cluster(1, node_args=_args(tmp_path / "state")) as c:
+        _amsgrad_steps(c.addresses, range(3, 6), model, state)
+    for i, (a, b) in enumerate(zip(model.parameters(), want)):
+        torch.testing.assert_close(
+            a.detach(), b, rtol=0, atol=0, msg=lambda m, i=i: f"param {i}: {m}"
+        )
+    folder = tmp_path / "state" / "luwu-node0"
+    meta = json.loads((folder / "job.json").read_text())
+    assert meta["state_names"] == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"], meta
+
+
 def _train_with_added_group(addresses) -> list[torch.Tensor]:
     """3 steps of tanh_mlp's parameters, add_param_group of an extra vector, 3 steps of both."""
     model, extra = tanh_mlp(), torch.nn.Parameter(torch.linspace(-1, 1, 256))
