@@ -15,9 +15,11 @@ the meta device: ``bench_memory.make_model``, ``--depth`` blocks of width ``--wi
    overrides, e.g. to cap the cgroup itself at a quarter of the state), in a cgroup limited to
    baseline + state / 4 (``--limit-mib`` overrides). Its final weights are compared with the
    reference's (max abs difference; expected 0, bit for bit: compression off, the same sums).
-   Where it is killed, the same run again under the in-RAM node's peak less half the state (the
-   node's buffers in flight, which the window does not bound, then fit), and failing that less a
-   quarter: the comparison is made on the run that trained, and the table shows every attempt.
+   Where it is killed, the same run again under the in-RAM node's peak less half the state (room for
+   what node.state_memory_bytes might not cover), and failing that less a quarter: the comparison is
+   made on the run that trained, and the table shows every attempt. ``over_budget``: what the node
+   held above the idle node at its peak, per node.state_memory_bytes (about 1: the budget covers
+   the node's state window, seeds, pushes and replies).
 4. **no state_dir**: the in-RAM node under the last capped run's limit, one short attempt (one
    step): it is expected to be killed by the cgroup (the failure out-of-core state removes).
 
@@ -431,8 +433,8 @@ def study(args, folder: Path) -> tuple[dict, str]:
         rule = "--limit-mib" if args.limit_mib else "baseline + state / 4"
         cap = capped(f"state_dir, {rule}", args.limit_mib * MIB or baseline + budget, "a")
         if not cap["trained"] and not args.limit_mib and peak_ram:
-            # the node's in-flight buffers are not bounded by the window: give it what the in-RAM
-            # node used besides its state, and half the state (the window is still a quarter)
+            # room for what the budget might not cover: what the in-RAM node used besides its
+            # state, and half the state (the window is still a quarter)
             cap = capped("state_dir, in-RAM peak - state / 2", peak_ram - state // 2, "b")
             if not cap["trained"]:
                 cap = capped("state_dir, in-RAM peak - state / 4", peak_ram - state // 4, "c")
@@ -466,6 +468,9 @@ def study(args, folder: Path) -> tuple[dict, str]:
         "limit_over_state": round(limit / state, 3),
         "compared_run": cap["run"],
         "max_abs_diff": diff,
+        # what the compared run's node held above the idle node, per node.state_memory_bytes
+        "over_budget": round((cap["cgroup_peak_mib"] * MIB - baseline) / budget, 3),
+        "argv": sys.argv[1:],
         "rows": rows,
         "load": load.info(),
         "machine": machine_info(),
@@ -541,6 +546,9 @@ def markdown(r: dict, load_line: str) -> str:
         f"\n\n- weights after {r['steps']} steps, '{cap['run']}' vs in RAM: max abs difference "
         f"**{diff if diff is not None else 'n/a (a run failed)'}** (expected 0: compression off); "
         f"its limit is {r['limit_over_state']:.2f}x the state\n"
+        f"- '{cap['run']}' held {cap['cgroup_peak_mib'] - r['baseline_mib']:.0f} MiB above the idle node "
+        f"at its peak: **{r['over_budget']:.2f}x node.state_memory_bytes** (everything the node holds "
+        "for its state, seeds, pushes and replies counts against it)\n"
         f"- '{cap['run']}' moved {per_step(cap, 'state_read_mib', r)} MiB read and "
         f"{per_step(cap, 'state_written_mib', r)} MiB written per step (the seed and the final "
         f"model_state_dict() included), against "
@@ -587,6 +595,11 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="a smoke run: width 256, 4 blocks, 4 steps"
     )
+    ap.add_argument(
+        "--name",
+        default="bench_ooc_node",
+        help="results file name (benchmarks/results/NAME.json, .md)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -602,7 +615,7 @@ def main() -> None:
     finally:
         if own:
             shutil.rmtree(folder, ignore_errors=True)
-    write_results("bench_ooc_node", result, md, quick=args.quick)
+    write_results(args.name, result, md, quick=args.quick)
 
 
 if __name__ == "__main__":

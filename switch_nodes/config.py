@@ -133,7 +133,8 @@ class NodeConfig:
     with a push budget (push_memory_bytes, or state_memory_bytes): kept memory is memory it does not see."""
     retain_freed_memory: bool = True
     """Keep freed memory in the process (glibc mallopt) so received messages land in recycled, already
-    touched memory instead of fresh pages (~10x slower to fill); costs resident memory up to the peak."""
+    touched memory instead of fresh pages (~10x slower to fill); costs resident memory up to the peak.
+    A node with a push budget gives freed buffers back instead (:mod:`.budget_memory`)."""
 
     @property
     def uses_zmtp(self) -> bool:

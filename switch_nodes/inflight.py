@@ -61,6 +61,7 @@ import msgpack
 import zmq
 
 from luwu.protocol.messages import Op
+from luwu.switch_nodes.budget_memory import too_small
 from luwu.switch_nodes.fetch_room import FetchRoom
 from luwu.switch_nodes.summation import partial_sums
 
@@ -139,9 +140,7 @@ class PushBudget:
         self.fetches = FetchRoom(self)  # answers to weight fetches waiting for room
         self.handover: Ticket | None = None  # the room of the fetch answer being sent (fetch_room)
         self.urgent = 0  # bytes the optimizer waits for room for (a spilled sum it steps next)
-        self.queued = (
-            0  # room of fetch answers queued behind the steps, not encoded yet (no memory)
-        )
+        self.queued = 0  # room of fetch answers queued behind the steps, not encoded (no memory)
         ctx.metrics.inflight_limit.set(self.limit)
 
     @property
@@ -190,7 +189,7 @@ class PushBudget:
             self.limit = need
             self.ctx.metrics.inflight_limit.set(need)
         if need > self.limit:
-            raise _too_small(self.ctx, worker, big, world_size, need, self.limit)
+            raise too_small(self.ctx, worker, big, world_size, need, self.limit)
 
     @property
     def window_bytes(self) -> int:
@@ -202,8 +201,10 @@ class PushBudget:
     def gate(self, peer, header) -> Ticket | None:
         """A message's header is read, its payload next: its ticket, or None (``peer`` waits, paused)."""
         self._on_loop()
-        h = _push_header(header)
-        b = self.buckets().get(h.get("bucket")) if h is not None else None
+        h = _header(header)
+        if h is not None and h.get("op") != Op.PUSH:
+            return self._gate_held(peer, h)
+        b = self.buckets().get(h["bucket"]) if h and type(h.get("bucket")) is int else None
         step, rank = (h.get("step"), h.get("worker")) if b is not None else (None, None)
         if (
             not isinstance(step, int)
@@ -227,6 +228,24 @@ class PushBudget:
             return None
         self._waiters.pop(peer.ident, None)
         self._take(t)
+        return t
+
+    def _gate_held(self, peer, h: dict) -> Ticket | None:
+        """A message other than a push whose payload is held until served (a seed, INIT; a STATE set):
+        counted until served, read once it fits, as an opening push (rank 0 seeds faster than an out-of-
+        core node writes seeds back: they would pile up to node.peer_bytes, unseen by the budget)."""
+        n = h.get("nbytes")
+        size = sum(n) if isinstance(n, list) and all(type(x) is int for x in n) else 0
+        if size <= 0:
+            return FREE
+        t = Ticket(self, size, ("held", h.get("op")))
+        if self._overdraft == peer.ident:
+            self._overdraft = None
+        elif self._full(size):
+            self._wait(peer, h.get("worker"))
+            return None
+        self._waiters.pop(peer.ident, None)
+        self._take(t, keyed=False)
         return t
 
     def _on_loop(self) -> None:
@@ -290,11 +309,11 @@ class PushBudget:
         bounded = h.get("two_phase") is not True or self.spill is not None
         return Ticket(self, self.cost(b, h), (b.id, h.get("step")), bounded)
 
-    def _take(self, t: Ticket) -> None:
+    def _take(self, t: Ticket, keyed: bool = True) -> None:
         with self._lock:
             self.reserved += t.nbytes
             self._live.add(t)
-            if self.sync:
+            if self.sync and keyed:
                 self._keys[t.key] = t
         self._moved(up=True)
 
@@ -380,7 +399,7 @@ class PushBudget:
         """A ticket of ``nbytes`` taken now (an answer to a fetch, :mod:`.fetch_room`)."""
         self._on_loop()
         t = Ticket(self, nbytes)
-        self._take(t)
+        self._take(t, keyed=False)  # (no open (step, bucket): it awaits no worker)
         return t
 
     def arm(self) -> None:
@@ -472,30 +491,10 @@ class PushBudget:
             self._unblock()
 
 
-def _push_header(frame) -> dict | None:
-    """The header of a PUSH (None: another op, or not a header a push could have)."""
+def _header(frame) -> dict | None:
+    """A message's header (None: not a header)."""
     try:
         h = msgpack.unpackb(bytes(frame), raw=False, strict_map_key=False)
     except Exception:
         return None
-    if not isinstance(h, dict) or h.get("op") != Op.PUSH or not isinstance(h.get("bucket"), int):
-        return None
-    return h
-
-
-def _too_small(ctx, worker: int, big, world_size: int, need: int, limit: int):
-    from luwu.protocol.errors import ConfigError
-
-    cfg = ctx.cfg
-    how = (
-        f"raise node.push_memory_bytes to at least {need}"
-        if cfg.push_memory_bytes or not cfg.state_memory_bytes
-        else f"raise node.state_memory_bytes to well above {need} (the pushes in flight take at least "
-        f"that of it, the state window the rest)"
-    )
-    return ConfigError(
-        f"HELLO of worker {worker}: node {ctx.index}'s pushes in flight may hold {limit} B "
-        f"(node.push_memory_bytes resolved), less than one bucket's full set of pushes: bucket {big.id} "
-        f"of {big.numel} parameters needs {need} B (its accumulator, {world_size} workers' pushes and its "
-        f"reply, 4 B a parameter each): {how}, or use a smaller bucket_bytes"
-    )
+    return h if isinstance(h, dict) else None
