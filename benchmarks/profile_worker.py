@@ -13,6 +13,9 @@ then int8 pushes with error feedback), 4 MiB buckets, 1 torch thread per process
 - the CPU of each **thread by name** (Linux ``/proc``: ZeroMQ's native I/O threads, which py-spy
   cannot see) and the **minor page faults** per step, beside those of forward + backward alone (a
   fresh page is mapped and zeroed by the kernel, CPU that shows wherever it was first touched);
+- streaming mode's **heap trims** per step (the streamer gives the heap's freed memory back when it
+  passes a bound) and each worker's **peak RSS** (``VmHWM``), so a change that trades memory for
+  fewer page faults shows both sides;
 - a **profile** of rank 0 (``py-spy record``, on-CPU samples only, every thread) in a separate
   repetition, so the timed ones run unobserved: a flame graph (``<name>_<mode>.svg``) and a table of
   the samples by the innermost LuWu module on the stack (a hook that runs inside autograd counts as
@@ -132,6 +135,17 @@ def minor_faults() -> int:
         return 0
 
 
+def peak_rss_mb() -> float:
+    """The process's peak resident memory so far, MiB (Linux ``VmHWM``; 0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
 def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q) -> None:
     torch.set_num_threads(1)
     import luwu
@@ -154,6 +168,7 @@ def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q
                     q.put(("timed", rank, os.getpid()))
                     cpu0, wall0 = time.process_time(), time.perf_counter()
                     threads0, faults0 = thread_cpu(), minor_faults()
+                    trims0 = getattr(opt.streamer, "heap_trims", 0)  # (0: resident mode)
                 x, y = _batch(rank, step)
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(x), y).backward()
@@ -161,6 +176,7 @@ def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q
             opt.synchronize()
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
             threads, faults = thread_cpu(), minor_faults() - faults0
+            trims = getattr(opt.streamer, "heap_trims", 0) - trims0
         finally:
             opt.close()
         n = steps - warmup
@@ -176,6 +192,8 @@ def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q
                     "thread_cpu_ms": by_thread,
                     "minor_faults": faults / n,
                     "fwd_bwd_faults": fwd_bwd_faults,
+                    "heap_trims": trims / n,
+                    "peak_rss_mb": peak_rss_mb(),
                 },
             )
         )
@@ -326,7 +344,15 @@ def main(argv: list[str] | None = None) -> int:
             rows = [r for run in runs for r in run.values()]
             med = {
                 k: statistics.median(r.get(k, 0.0) for r in rows)
-                for k in ("cpu_ms", "wall_ms", "fwd_bwd_ms", "minor_faults", "fwd_bwd_faults")
+                for k in (
+                    "cpu_ms",
+                    "wall_ms",
+                    "fwd_bwd_ms",
+                    "minor_faults",
+                    "fwd_bwd_faults",
+                    "heap_trims",
+                    "peak_rss_mb",
+                )
             }
             med["runtime_cpu_ms"] = med["cpu_ms"] - med["fwd_bwd_ms"]
             names = sorted({k for r in rows for k in r.get("thread_cpu_ms", {})})
@@ -369,6 +395,8 @@ def _markdown(result: dict, load: LoadMonitor) -> str:
             "wall ms/step": e["median"]["wall_ms"],
             "page faults/step": e["median"].get("minor_faults"),
             "fwd+bwd page faults": e["median"].get("fwd_bwd_faults"),
+            "heap trims/step": e["median"].get("heap_trims"),
+            "peak RSS MiB": e["median"].get("peak_rss_mb"),
         }
         for mode, e in result["modes"].items()
     ]

@@ -31,6 +31,7 @@ from luwu.gpu_workers.channel import Channels, Reply, resolved
 from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers.reach import WATCHED, Reach, check_resolves
 from luwu.gpu_workers.send_order import SendOrder
+from luwu.gpu_workers.wake import Wake
 from luwu.protocol import messages as wire
 from luwu.protocol.errors import LuwuError, ProtocolError, error_for_code
 from luwu.protocol.memory import retain_freed_memory
@@ -89,11 +90,7 @@ class WorkerClient:
         self._inbox: dict[tuple, wire.Message] = {}  # control replies: (op, node, step, bucket)
         self._errors: list[tuple[int, LuwuError]] = []
         self.channels = Channels(self)  # the buckets' requests and the futures of their replies
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._woken = (
-            False  # a wake-up is on its way: sends until the I/O thread takes it need none
-        )
+        self.wake = Wake()  # how sends wake the I/O thread (``with client.wake.batched():``)
         self._running = True
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -143,16 +140,15 @@ class WorkerClient:
         header.setdefault("step", 0)
         frames = wire.encode(header, payload)
         self._out[node].append((priority, frames))
-        if not self._woken:
-            self._woken = True
-            os.write(self._wake_w, b"x")
+        self.wake.queued()
 
     def release(self, step: int) -> None:
         """Tell every node this worker reached ``step()`` of ``step``: the replies they hold for it may come
         (``optimizer.hold_replies``; luwu.switch_nodes.held_replies). Ahead of the pushes still queued: on a
         slow link they would hold up the replies the node has ready."""
-        for n in range(len(self._out)):
-            self.send(n, {"op": Op.HEARTBEAT, "step": max(step, 0), "seq": step}, priority=-1)
+        with self.wake.batched():
+            for n in range(len(self._out)):
+                self.send(n, {"op": Op.HEARTBEAT, "step": max(step, 0), "seq": step}, priority=-1)
 
     def wait(
         self,
@@ -336,17 +332,13 @@ class WorkerClient:
         _OPEN_CLIENTS.discard(self)
         self._say_bye()
         self._running = False
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self.wake.stop()
         self._thread.join(5)
         for s in [*self._socks, *self._monitors]:
             if s is not None:
                 s.close(0)
         self._ctx.term()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self.wake.close()
 
     def _say_bye(self) -> None:
         """BYE to every node that welcomed this worker; their answers waited for at most BYE_LINGER_S."""
@@ -372,7 +364,7 @@ class WorkerClient:
         poller = zmq.Poller()
         for s in self._socks:
             poller.register(s, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self.wake.fd, zmq.POLLIN)
         for m in self._monitors:
             poller.register(m, zmq.POLLIN)
         waiting_out: set[int] = set()
@@ -380,16 +372,8 @@ class WorkerClient:
         last_sent = [time.monotonic()] * len(self._socks)
         while self._running:
             events = dict(poller.poll(200))
-            if self._wake_r in events:
-                try:
-                    while os.read(self._wake_r, 4096):
-                        pass
-                except BlockingIOError:
-                    pass
-                # after draining the pipe (a wake-up written meanwhile is not lost: its message was queued
-                # before, and the queues are read below) and before reading the queues (a send after
-                # this writes a new wake-up)
-                self._woken = False
+            if self.wake.fd in events:
+                self.wake.drain()  # (before reading the queues)
             for i, s in enumerate(self._socks):
                 q = self._out[i]
                 while q:

@@ -22,7 +22,8 @@ from torch.utils._pytree import tree_flatten
 from luwu.gpu_workers.metrics import StepReport, WorkerMetrics
 from luwu.gpu_workers.pool import FP32_BYTES
 from luwu.gpu_workers.sent_grads import SentGradient
-from luwu.gpu_workers.units import Unit, alloc_storage, free_storage
+from luwu.gpu_workers.unit_memory import UnitMemory, heap_free_bytes
+from luwu.gpu_workers.units import Unit
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import Bucket
 from luwu.protocol.memory import retain_freed_memory, trim_heap
@@ -31,8 +32,10 @@ from luwu.protocol.messages import PULL_ACK
 if TYPE_CHECKING:
     from luwu.gpu_workers.worker import Worker
 
-#: Streaming mode maps blocks from this size up on their own, so a released unit's pages go back
-#: to the system at once instead of fragmenting the heap between the activations that outlive them.
+#: Streaming mode maps blocks from this size up on their own, so freed ones go back to the system at
+#: once instead of fragmenting the heap between the activations that outlive them (kept in the heap,
+#: the transient blocks of the first step alone grow it past a memory limit the worker otherwise
+#: keeps); the units' weights are recycled instead (:class:`UnitMemory`).
 STREAM_MMAP_THRESHOLD = 1 << 17
 
 
@@ -116,10 +119,13 @@ class Streamer:
             names = [layout.params[i].name for i in mine]
             self.units.append(UnitState(u, [params[i] for i in mine], bids, names))
         self._of_bucket = {bid: u for u in self.units for bid in u.buckets}
+        # storage for the units resident at once: the turn's (kept to their backward) and one more
+        unit_bytes = max((sum(p.nbytes for p in u.params) for u in self.units), default=0)
+        self.memory = UnitMemory((max(1, self.prefetch) + 1) * unit_bytes)
         self.order = [u.unit.index for u in self.units if u.buckets]  # forward order, per step
         self._turn = self._last_units()
         self._seen: dict[int, None] = {}  # this step's forward order (first use of each unit)
-        self.fetch_wait_s, self.fetches = 0.0, 0
+        self.fetch_wait_s, self.fetches, self.heap_trims = 0.0, 0, 0
         self._hooks = []
         for u in self.units:
             if u.buckets:
@@ -129,7 +135,11 @@ class Streamer:
         self._choose_reply_units()
         for u in self.units:
             self._release(u)
-        retain_freed_memory(STREAM_MMAP_THRESHOLD, STREAM_MMAP_THRESHOLD)
+        self.memory.clear()  # (the model was built whole: its storage is not kept)
+        #: freed memory the heap (blocks under STREAM_MMAP_THRESHOLD) may keep from step to step for
+        #: the next step's allocations; past it, given back to the system after the step
+        self.heap_keep_bytes = max(2 * self.memory.cap_bytes, STREAM_MMAP_THRESHOLD)
+        retain_freed_memory(STREAM_MMAP_THRESHOLD, self.heap_keep_bytes)
         trim_heap()  # the model was built whole: give its pages back
 
     def _hook(self, u: UnitState, pre: bool):
@@ -157,7 +167,7 @@ class Streamer:
         t0 = time.perf_counter()
         with torch.no_grad():
             for p in u.params:
-                alloc_storage(p)
+                self.memory.alloc(p)
         have, u.replies = u.replies, {}
         got = self.worker.receive_weights(
             u.buckets, what=f"weights of unit {u.unit.name!r}", have=have
@@ -192,7 +202,7 @@ class Streamer:
             u.replies, u.held = got, u.reply_bytes
         with torch.no_grad():
             for p in u.params:
-                free_storage(p)
+                self.memory.release(p)
         u.phase = Phase.HELD if u.held else Phase.RELEASED
 
     def held_bytes(self) -> int:
@@ -217,9 +227,11 @@ class Streamer:
     # ----------------------------------------------------------------- hooks
     def _pre_forward(self, u: UnitState) -> None:
         # (a forward recomputed in backward: backward's order prefetches)
-        if torch._C._current_graph_task_id() == -1:
-            self._seen.setdefault(u.unit.index)
-            self._prefetch(self.order, u.unit.index)
+        with self.worker.client.wake.batched():  # (the requests go out together, before the wait)
+            if torch._C._current_graph_task_id() == -1:
+                self._seen.setdefault(u.unit.index)
+                self._prefetch(self.order, u.unit.index)
+            self._request(u)
         self._ensure(u)
 
     def _post_forward(self, u: UnitState, out) -> None:
@@ -245,7 +257,9 @@ class Streamer:
             t.register_hook(pre_backward)
 
     def _pre_backward(self, u: UnitState) -> None:
-        self._prefetch(list(reversed(self._seen or self.order)), u.unit.index)
+        with self.worker.client.wake.batched():
+            self._prefetch(list(reversed(self._seen or self.order)), u.unit.index)
+            self._request(u)
         self._ensure(u)
 
     # ----------------------------------------------------------------- what the worker tells
@@ -289,7 +303,16 @@ class Streamer:
         report.fetch_wait_s, self.fetch_wait_s = self.fetch_wait_s, 0.0
         if self.metrics is not None:
             self.metrics.fetch_wait.observe(report.fetch_wait_s)
-        trim_heap()
+        self._bound_heap()
+
+    def _bound_heap(self) -> None:
+        """Give the heap's freed memory back to the system once it passes :attr:`heap_keep_bytes`
+        (every step where the heap cannot say how much it keeps): below that it serves the next
+        step's allocations without a page fault."""
+        free = heap_free_bytes()
+        if free is None or free > self.heap_keep_bytes:
+            trim_heap()
+            self.heap_trims += 1
 
     def _last_units(self) -> frozenset[int]:
         """The last ``max(1, prefetch)`` units of the forward order: kept from their forward to
@@ -323,7 +346,8 @@ class Streamer:
             u = self.units[i]
             missing = [b for b in u.buckets if b not in u.replies]
             if k < self.prefetch and missing:
-                self.worker.request_weights(missing)
+                with self.worker.client.wake.batched():
+                    self.worker.request_weights(missing)
             if k < self.prefetch or not missing:
                 u.phase = Phase.REQUESTED
         for u in self.units:
@@ -338,7 +362,8 @@ class Streamer:
             u.replies, u.pushed, u.held = {}, 0, 0
             for p in u.params:
                 p.grad = None
-                free_storage(p)
+                self.memory.release(p)
+        self.memory.clear()
         self._seen = {}
 
     @contextlib.contextmanager
@@ -363,3 +388,4 @@ class Streamer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.memory.clear()

@@ -41,13 +41,15 @@ when their unit runs; the fp32 master stays on the nodes.
   resident and is updated by ``step()`` as in resident mode.
 
 Memory: gradient buffers of streamed buckets come from a bounded
-:class:`~luwu.gpu_workers.pool.BufferPool`. A streaming worker maps blocks of
-:data:`~luwu.gpu_workers.streamer.STREAM_MMAP_THRESHOLD` bytes and up on their own (instead of keeping
-freed memory in the heap, as resident workers do) and trims the heap after each
-step (:func:`~luwu.protocol.memory.trim_heap`): released weights would
-otherwise stay mapped between the activations that outlive them, until the
-worker held as much as the model. The price is that each fetch writes into
-fresh pages.
+:class:`~luwu.gpu_workers.pool.BufferPool`; the units' weights from a
+:class:`~luwu.gpu_workers.unit_memory.UnitMemory`, which keeps a released unit's storage for the
+next unit of the same sizes while the storage lent and kept fits the units resident at once, so
+fetched weights are written into memory already mapped instead of fresh pages. Other blocks of
+:data:`~luwu.gpu_workers.streamer.STREAM_MMAP_THRESHOLD` bytes and up (autograd's gradients,
+received replies) are mapped on their own and go back to the system when freed: kept in the heap,
+they would fragment it between the activations that outlive them until the worker held far more
+than its units in flight. The heap is trimmed after a step when the freed memory it keeps passes
+``Streamer.heap_keep_bytes`` (:func:`~luwu.protocol.memory.trim_heap`).
 
 Who sends what: after one step the worker knows the forward order. The pushes of
 the first ``prefetch`` units in that order name the fetch codec as their reply
