@@ -57,6 +57,7 @@ from luwu.switch_nodes.store import BucketState, SegmentSpec
 
 HYPER = dict(ADAMW.defaults) | {"lr": 1e-3, "weight_decay": 0.01}
 NUM_WORKERS = 2
+RANKS = tuple(range(NUM_WORKERS))
 
 
 def make_shard(
@@ -297,7 +298,7 @@ def bench_whole_step(
                 pc.validate(b.numel, [f.numel() for f in frames], meta)
                 t0 = clock()
                 first = not acc.workers
-                b.add_push(acc, pc, frames, meta, NUM_WORKERS)
+                b.add_push(acc, pc, frames, meta, RANKS, w)
                 acc_t["decode_" if first else "decode_add_"] += clock() - t0
                 acc.workers.add(w)
             acc.hyper = HYPER
