@@ -483,6 +483,11 @@ def test_a_worker_whose_library_reads_for_it_but_that_never_takes_its_replies_is
                 [bytes(4 * b.numel)],
             )
         )
+        # the seed is in before rank 1 pushes (its push would otherwise race rank 0's INIT: refused, as a
+        # real worker never sends it, and the step would wait for rank 1 until worker_timeout_s)
+        pull = {"op": Op.PULL, "job": JOB, "step": 0, "worker": 0, "bucket": b.id, "codec": "none"}
+        socks[0].send_multipart(pack(pull, []))
+        assert wire.decode(socks[0].recv_multipart(), job=JOB).header["op"] == Op.UPDATE
         # rank 0 waits for its reply while the node holds the step for rank 1: naming rank 1 takes 15 s
         # after its replies stuck (plus the watch's tick, longer on a loaded box), far less than the 60 s
         # worker_timeout_s that a node without the watch would take
