@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from luwu import assembly, clipping, model_io, optim_state
+from luwu import assembly, clipping, model_io, optim_state, resumed
 from luwu import hyper as hyperparameters
 from luwu.clipping import RoundPolicy
 from luwu.config import LuwuConfig, resolve_config
@@ -287,7 +287,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
             model=self._model,
             units=self._units,
         )
-        self.worker.connect(step, resume=self.config.optimizer.resume)
+        welcomes = self.worker.connect(step, resume=self.config.optimizer.resume)
+        if self.config.optimizer.resume and step == 0:
+            resumed.refuse_mixed_steps(welcomes, self.rank, self.job)
         self._links.start(self.worker.step_num)
         trim_heap()  # the start-up pull's replies, freed: not kept for reuse as a step's
         self._driver = StepDriver(
