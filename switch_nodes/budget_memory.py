@@ -11,20 +11,39 @@ in the event loop's heap and 32 MiB in the optimizer thread's than the budget's 
 blocks of :data:`MMAP_THRESHOLD` or more (every push payload, accumulator and reply of a bucket) are
 mapped on their own and unmapped when freed, and a heap's free top is trimmed past
 :data:`TRIM_THRESHOLD`: the node's memory follows what the budget counts, at the cost of faulting in
-fresh pages for each of them (a bounded node is disk-bound anyway).
+fresh pages for each of them, but for those kept for reuse within the budget (:mod:`.kept_frames`).
 """
 
 from __future__ import annotations
 
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.memory import retain_freed_memory
+from luwu.switch_nodes.kept_frames import Kept, KeptFrames
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "give_back_freed_memory", "too_small"]
+__all__ = [
+    "MMAP_THRESHOLD",
+    "TRIM_THRESHOLD",
+    "arrange_memory",
+    "give_back_freed_memory",
+    "too_small",
+]
 
 MMAP_THRESHOLD = 256 << 10
 """Blocks of this size or more are mapped on their own (unmapped when freed) on a budgeted node."""
 TRIM_THRESHOLD = 1 << 20
 """Free memory at the top of a heap beyond this goes back to the system on a budgeted node."""
+
+
+def arrange_memory(ctx, accumulators) -> None:
+    """The node's allocator policy (at start, its listener bound): with a push budget, freed memory
+    goes back and the buffers kept for reuse live in the budget's room (:mod:`.kept_frames`: the
+    accumulators and the frames' buffers); without, freed memory is kept (``node.retain_freed_memory``)."""
+    if ctx.cfg.push_budget:
+        give_back_freed_memory()
+        ctx.listener.frames = frames = KeptFrames()
+        ctx.inflight.kept = Kept(accumulators, frames)
+    elif ctx.cfg.retain_freed_memory:
+        retain_freed_memory()
 
 
 def give_back_freed_memory() -> bool:

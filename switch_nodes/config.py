@@ -129,8 +129,8 @@ class NodeConfig:
     secret for it; every local user can reach a loopback port, so only a single-user machine is safe open."""
     inflight_bytes: int = 2 * 1024 * 1024 * 1024
     """Gradient accumulators (4 B per parameter of a bucket in flight, shared by the buckets) kept for
-    reuse once given back, in bytes; more in flight at once is allocated and freed again. None are kept
-    with a push budget (push_memory_bytes, or state_memory_bytes): kept memory is memory it does not see."""
+    reuse once given back, in bytes; more in flight at once is allocated and freed again. With a push
+    budget (push_memory_bytes, or state_memory_bytes) only in the room the pushes in flight leave in it."""
     retain_freed_memory: bool = True
     """Keep freed memory in the process (glibc mallopt) so received messages land in recycled, already
     touched memory instead of fresh pages (~10x slower to fill); costs resident memory up to the peak.

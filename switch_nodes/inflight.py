@@ -8,7 +8,8 @@ What a node holds for its pushes besides its state is counted here, in one place
   the sum is given back: a :class:`Ticket` of ``4 B x numel x partial sums + members x payload +
   reply`` (async mode: one push, one ticket);
 - **replies** not yet sent (or held for a worker's ``step()``), counted until their last byte is in
-  the kernel; frames a resident shard lends a reply (fp32 zero-copy) cost nothing.
+  the kernel; frames a resident shard lends a reply (fp32 zero-copy) cost nothing;
+- accumulators kept for reuse (:class:`.store.AccumulatorPool`), only in the room the rest leaves.
 
 The gate is the listener (:mod:`.zmtp`): when the header of a message with a payload has been read,
 it asks :meth:`PushBudget.gate`. A PUSH that would open a (step, bucket) and does not fit is left
@@ -31,20 +32,17 @@ out for good a push that an open (step, bucket) waits for:
    join, and the budget is kept;
 4. a two-phase step (global-norm clipping, AMP, and every worker's first step) keeps all its
    buckets' accumulators until the workers' COMMIT, which needs every bucket's norm. Where the node
-   spills (out of core: :mod:`.ooc.spill`), a bucket's sum whose norm is computed goes to a scratch
-   file while a push waits, its memory released without any further push (rule 3 holds: its pushes
-   wait as any do), and is read back at COMMIT while the budget has room (the one the optimizer
-   needs next after a short wait in any case). Elsewhere its pushes are counted and never held back
-   (such a step needs the memory of all its buckets at once), and the peak shows it;
+   spills (out of core: :mod:`.ooc.spill`), a sum whose norm is computed goes to a scratch file while
+   a push waits (rule 3 holds), and is read back at COMMIT while the budget has room (or, the one the
+   optimizer needs next, after a short wait). Elsewhere its pushes are never held back: the peak shows it;
 5. workers may push in different orders (a worker's I/O thread sends what waits first layers
    first, so a worker whose pushes waited sends them in another order than one whose did not): an
    open (step, bucket) may then wait for a worker's push that is behind the push that waits in that
    worker's connection. When nothing can be released without another push (the optimizer thread
    idle, no reply on its way, no message read and not served) and every worker an open (step,
-   bucket) waits for is waiting here, or nothing was released for ``IDLE_S``, one waiting push goes
-   in past the budget (that of a worker an open (step, bucket) waits for first), counted
-   (``luwu_node_inflight_overdrafts_total``) and said in the log once. The budget is then exceeded
-   by what the workers' orders force the node to read ahead, and by nothing else.
+   bucket) waits for is waiting here, or nothing was released for ``IDLE_S``, one waiting push (of a
+   worker an open (step, bucket) waits for first) goes in past the budget, counted and logged once.
+   The budget is then exceeded by what the workers' orders force the node to read, and nothing else.
 
 Every wait ends: released memory wakes the waiting connections in order, or rule 5 does.
 """
@@ -74,8 +72,7 @@ __all__ = ["FREE", "IDLE_S", "PushBudget", "Ticket"]
 log = logging.getLogger(__name__)
 
 IDLE_S = 2.0
-"""How long nothing is released, nothing can be, before a waiting push goes in although a worker an open
-(step, bucket) waits for is not waiting here (one whose rank is unknown, or gone)."""
+"""Seconds nothing is released (nor can be) before a waiting push goes in anyway (rule 5's second case)."""
 TICK_S = 0.02
 """How often replies on their way are looked at while any are, or a push waits."""
 
@@ -141,6 +138,7 @@ class PushBudget:
         self.handover: Ticket | None = None  # the room of the fetch answer being sent (fetch_room)
         self.urgent = 0  # bytes the optimizer waits for room for (a spilled sum it steps next)
         self.queued = 0  # room of fetch answers queued behind the steps, not encoded (no memory)
+        self.kept = None  # the accumulators kept for reuse: the budget's room only (Shard sets it)
         ctx.metrics.inflight_limit.set(self.limit)
 
     @property
@@ -369,6 +367,8 @@ class PushBudget:
         if used > self.peak:
             self.peak = used
             self.ctx.metrics.inflight_peak.set(used)
+        if up and self.limit and self.kept is not None:
+            self.kept.fit(self.limit - used)
         if not up:
             self._released_at = time.monotonic()
             if self.spill is not None:

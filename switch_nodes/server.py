@@ -42,10 +42,9 @@ import torch
 
 from luwu.protocol import messages as wire
 from luwu.protocol.errors import LuwuError, NodeStateLostError, ProtocolError, RollbackError
-from luwu.protocol.memory import retain_freed_memory
 from luwu.protocol.messages import Op
 from luwu.switch_nodes.aggregation import Aggregator
-from luwu.switch_nodes.budget_memory import give_back_freed_memory
+from luwu.switch_nodes.budget_memory import arrange_memory
 from luwu.switch_nodes.checkpoint import CheckpointStore
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.context import NodeContext, OptimizerQueue
@@ -193,10 +192,9 @@ class NodeServer:
         ctx = self.ctx
         self.loop = asyncio.get_running_loop()
         torch.set_num_threads(ctx.cfg.torch_threads)
-        if ctx.cfg.push_budget or ctx.cfg.retain_freed_memory:  # (budgeted: memory as counted)
-            (give_back_freed_memory if ctx.cfg.push_budget else retain_freed_memory)()
         if ctx.listener is None:
             self.bind()
+        arrange_memory(ctx, self.shard.accumulators)
         await ctx.listener.start()
         self._stop = asyncio.Event()
         self.durability.restore_latest()

@@ -39,9 +39,9 @@ class Shard:
     def __init__(self, ctx: NodeContext, on_stuck: Callable[[set[int]], None]) -> None:
         self.ctx = ctx
         self.buckets: dict[int, BucketState] = {}
-        #: gradient accumulators shared by the buckets (:class:`AccumulatorPool`)
-        # (none kept with node.push_memory_bytes: what is kept is memory the budget does not see)
-        self.accumulators = AccumulatorPool(0 if ctx.cfg.push_budget else ctx.cfg.inflight_bytes)
+        #: gradient accumulators shared by the buckets (:class:`AccumulatorPool`); with
+        #: node.push_memory_bytes, only those the budget has room for are kept (:mod:`.kept_frames`)
+        self.accumulators = AccumulatorPool(ctx.cfg.inflight_bytes)
         self._on_stuck = on_stuck
         self._lent: dict[int, ReplyBuffers] = {}
         self._order: list[int] = []

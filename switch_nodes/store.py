@@ -16,6 +16,7 @@ each segment then being one whole parameter.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -68,30 +69,44 @@ class Accumulator:
 class AccumulatorPool:
     """Gradient accumulators shared by a node's buckets. Given-back buffers are kept for reuse (a write
     into fresh pages costs ~10x a reused one), up to ``keep_bytes`` (``node.inflight_bytes``); more than
-    that in flight at once is allocated and freed again. ``peak_bytes``: the most ever taken at once."""
+    that in flight at once is allocated and freed again. ``peak_bytes``: the most ever taken at once.
+    With a push budget, the budget lets kept buffers go when a ticket needs their room (:meth:`fit`)."""
 
     def __init__(self, keep_bytes: int = 1 << 62):
         self.keep_bytes = keep_bytes
         self._free: dict[int, list[torch.Tensor]] = {}
+        self._lock = (
+            threading.Lock()
+        )  # (taken on the event loop, given back on the optimizer thread)
         self.free_bytes = self.taken_bytes = self.peak_bytes = 0
 
     def take(self, numel: int) -> torch.Tensor:
-        free = self._free.get(numel)
-        if free:
-            buf = free.pop()
-            self.free_bytes -= numel * 4
-        else:
-            buf = torch.empty(numel, dtype=torch.float32)
-        self.taken_bytes += numel * 4
-        self.peak_bytes = max(self.peak_bytes, self.taken_bytes)
-        return buf
+        with self._lock:
+            free = self._free.get(numel)
+            buf = free.pop() if free else None
+            if buf is not None:
+                self.free_bytes -= numel * 4
+            self.taken_bytes += numel * 4
+            self.peak_bytes = max(self.peak_bytes, self.taken_bytes)
+        return buf if buf is not None else self._new(numel)
+
+    def _new(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=torch.float32)
 
     def give(self, buf: torch.Tensor) -> None:
         n = buf.numel() * 4
-        self.taken_bytes -= n
-        if self.free_bytes + n <= self.keep_bytes:
-            self._free.setdefault(buf.numel(), []).append(buf)
-            self.free_bytes += n
+        with self._lock:
+            self.taken_bytes -= n
+            if self.free_bytes + n <= self.keep_bytes:
+                self._free.setdefault(buf.numel(), []).append(buf)
+                self.free_bytes += n
+
+    def fit(self, room: int) -> None:
+        """Keep no more than ``room`` bytes (the budget's room after a new ticket)."""
+        with self._lock:
+            for bufs in self._free.values():
+                while bufs and self.free_bytes > room:
+                    self.free_bytes -= bufs.pop().numel() * 4
 
 
 class FlatState(Mapping):

@@ -102,6 +102,7 @@ class ZmtpListener(Listener):
         self.idents = itertools.count(1)
         self.sender = Sender()
         self.discard = memoryview(bytearray(64 * 1024))
+        self.frames = None  # large frames' buffers kept for reuse (a budgeted node: .kept_frames)
         self.peers: dict[bytes, Peer] = {}
         self._ready: collections.deque[Peer] = (
             collections.deque()

@@ -242,9 +242,10 @@ class Peer(asyncio.BufferedProtocol):
     def _buffer(self, size: int) -> np.ndarray:
         """A large frame's own buffer. With CURVE the frame is opened in place and what it carries starts
         OVERHEAD bytes in: the buffer is placed so that this is 64-byte aligned (tensors are read from it)."""
+        kept = self.owner.frames  # (a budgeted node's buffers kept for reuse: :mod:`.kept_frames`)
         if self.curve is None:
-            return np.empty(size, dtype=np.uint8)
-        raw = np.empty(size + 63, dtype=np.uint8)
+            return np.empty(size, dtype=np.uint8) if kept is None else kept.take(size)
+        raw = np.empty(size + 63, dtype=np.uint8) if kept is None else kept.take(size + 63)
         at = -(raw.ctypes.data + OVERHEAD) % 64
         return raw[at : at + size]
 

@@ -47,29 +47,12 @@ ROOM_WAIT_S = 0.5
 
 class AlignedPool(AccumulatorPool):
     """Accumulators whose buffers start on a page and span whole pages (``O_DIRECT`` writes and reads
-    them in place); thread-safe (a spilled buffer is given back from an I/O thread)."""
+    them in place); a spilled buffer is given back from an I/O thread (the pool is thread-safe)."""
 
-    def __init__(self, keep_bytes: int = 1 << 62):
-        super().__init__(keep_bytes)
-        self._lock = threading.Lock()
-
-    def take(self, numel: int) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get(numel)
-            if free:
-                buf = free.pop()
-                self.free_bytes -= numel * 4
-            else:
-                raw = torch.empty(align_up(numel * 4) + ALIGN, dtype=torch.uint8)
-                skip = -raw.data_ptr() % ALIGN
-                buf = raw[skip : skip + align_up(numel * 4)].view(torch.float32)[:numel]
-            self.taken_bytes += numel * 4
-            self.peak_bytes = max(self.peak_bytes, self.taken_bytes)
-            return buf
-
-    def give(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            super().give(buf)
+    def _new(self, numel: int) -> torch.Tensor:
+        raw = torch.empty(align_up(numel * 4) + ALIGN, dtype=torch.uint8)
+        skip = -raw.data_ptr() % ALIGN
+        return raw[skip : skip + align_up(numel * 4)].view(torch.float32)[:numel]
 
 
 def _pages(buf: torch.Tensor) -> memoryview:

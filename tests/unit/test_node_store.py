@@ -280,3 +280,30 @@ def test_the_pool_keeps_no_more_than_its_budget():
         pool.give(buf)
     assert pool.free_bytes == 4000 and pool.taken_bytes == 0
     assert pool.take(1000) is bufs[0]  # reused
+
+
+def test_kept_buffers_reuse_what_nothing_refers_to_within_the_budgets_room():
+    """A budgeted node keeps given-back accumulators and the buffers of large received frames for reuse
+    (no fresh pages a push); a frame's buffer is free once no view of it is left, and a ticket that
+    needs the room lets free buffers go, accumulators first kept (:class:`Kept`)."""
+    from luwu.switch_nodes.kept_frames import Kept, KeptFrames
+
+    pool, frames = AccumulatorPool(), KeptFrames()
+    kept = Kept(pool, frames)
+    for buf in [pool.take(1000) for _ in range(2)]:
+        pool.give(buf)
+    a, b = frames.take(5000), frames.take(5000)
+    assert a.ctypes.data != b.ctypes.data and frames.free_bytes == 0
+    at = a.ctypes.data
+    del a
+    assert frames.free_bytes == 5000
+    assert frames.take(5000).ctypes.data == at  # reused (and free again: the result was dropped)
+    view = b[10:]  # a message's tensor of it
+    del b
+    assert frames.free_bytes == 5000, "a buffer a view still reads is not free"
+    kept.fit(9000)  # 8000 B of accumulators fit, then 1000 B of room: the free frame goes
+    assert pool.free_bytes == 8000 and frames.free_bytes == 0
+    del view
+    assert frames.free_bytes == 5000
+    kept.fit(4000)
+    assert pool.free_bytes == 4000 and frames.free_bytes == 0
