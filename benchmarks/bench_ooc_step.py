@@ -73,6 +73,12 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def minor_faults(pid: int) -> int:
+    """A process's minor page faults so far (each a fresh page touched: memory not reused)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rpartition(")")[2].split()[7])
+
+
 class Job:
     """One node (of ``kind``) and this process's worker training against it."""
 
@@ -108,6 +114,7 @@ class Job:
         stack.callback(self.opt.close)
         self.steps: list[float] = []
         self.node: list[dict[str, float]] = []
+        self.faults: list[float] = []  # the node process's minor page faults a step
 
     def step(self) -> None:
         self.opt.zero_grad()
@@ -116,12 +123,13 @@ class Job:
 
     def run(self, steps: int) -> None:
         """``steps`` steps, timed; the node's counters over them (per step)."""
-        before = scrape(self.url)
+        before, faults = scrape(self.url), minor_faults(self.cluster.procs[0].pid)
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step()
         self.steps.append((time.perf_counter() - t0) / steps)
         after = scrape(self.url)
+        self.faults.append((minor_faults(self.cluster.procs[0].pid) - faults) / steps)
         self.node.append({k: (after[k] - before[k]) / steps for k in METRICS})
 
 
@@ -193,6 +201,7 @@ def report(args, jobs: list[Job], mixed: list[float], load) -> tuple[dict, str]:
                 "state_read_mib": n["luwu_node_state_bytes_read_total"] / MIB,
                 "state_written_mib": n["luwu_node_state_bytes_written_total"] / MIB,
                 "io_wait_s": n["luwu_node_state_io_wait_seconds_total"],
+                "node_page_faults_k": median(j.faults) / 1e3,
             }
         )
     state_mib = args.num_params * 12 / MIB
@@ -233,6 +242,7 @@ def report(args, jobs: list[Job], mixed: list[float], load) -> tuple[dict, str]:
             "- step_s: the worker's step (zero_grad, backward, step(): pushes out, weights back); "
             "node_optimizer_s: the node's optimizer seconds a step (buckets' steps with reply encode "
             "and, out of core, the wait for their state); state_*: from the node's /metrics, a step; "
+            "node_page_faults_k: the node process's minor page faults a step, thousands (fresh pages); "
             "ratios: medians over repetitions of the paired ratios (higher is better for ours).",
             f"- {load.line()}",
         ]

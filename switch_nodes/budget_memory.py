@@ -40,6 +40,7 @@ def arrange_memory(ctx, accumulators) -> None:
     accumulators and the frames' buffers); without, freed memory is kept (``node.retain_freed_memory``)."""
     if ctx.cfg.push_budget:
         give_back_freed_memory()
+        accumulators.mapped = True
         ctx.listener.frames = frames = KeptFrames()
         ctx.inflight.kept = Kept(accumulators, frames)
     elif ctx.cfg.retain_freed_memory:

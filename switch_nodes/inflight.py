@@ -313,7 +313,7 @@ class PushBudget:
             self._live.add(t)
             if self.sync and keyed:
                 self._keys[t.key] = t
-        self._moved(up=True)
+        self._moved(up=True, spare=t.nbytes)
 
     def give(self, t: Ticket) -> None:
         """From any thread: ``t`` is given back."""
@@ -361,14 +361,14 @@ class PushBudget:
         for t in [t for t in list(self._live) if t.claimed and id(t) not in held]:
             t.release()
 
-    def _moved(self, up: bool) -> None:
+    def _moved(self, up: bool, spare: int = 0) -> None:
         used = self.used
         self.ctx.metrics.inflight.set(used)
         if used > self.peak:
             self.peak = used
             self.ctx.metrics.inflight_peak.set(used)
-        if up and self.limit and self.kept is not None:
-            self.kept.fit(self.limit - used)
+        if up and self.limit and self.kept is not None:  # (``spare``: a new ticket's bytes)
+            self.kept.fit(self.limit - used + spare)
         if not up:
             self._released_at = time.monotonic()
             if self.spill is not None:

@@ -9,18 +9,36 @@ whichever thread: a push held undecoded in a (step, bucket)'s sum keeps its buff
 
 The budget bounds what is kept: the buffers in use belong to messages the push budget counts, and
 whenever a ticket takes room, the free ones beyond the budget's room are let go (:meth:`fit`, with the
-kept accumulators': :class:`Kept`). So the pushes in flight and the kept buffers together stay within
-``node.push_memory_bytes``.
+kept accumulators': :class:`Kept`), but for the new ticket's own share, which its push and sum take
+next. So the pushes in flight and the kept buffers together stay within ``node.push_memory_bytes``,
+plus at most one ticket's bytes while that ticket's buffers are not all reused ones.
 """
 
 from __future__ import annotations
 
+import mmap
 import sys
 import threading
 
 import numpy as np
 
-__all__ = ["Kept", "KeptFrames"]
+__all__ = ["Kept", "KeptFrames", "mapped"]
+
+
+def mapped(nbytes: int) -> np.ndarray:
+    """``nbytes`` of memory mapped on their own (page-aligned), unmapped once nothing refers to them:
+    kept buffers never sit in a heap, whose freed memory the allocator would keep (see
+    :mod:`.budget_memory`)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (mmap.mmap shares them by default: shmem)
+    return np.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=np.uint8)
+
+
+def _free(buf: np.ndarray) -> bool:
+    """Whether nothing but the pool refers to ``buf`` (a :func:`mapped` array): neither to it (a
+    memoryview, a tensor over it) nor to its mapping (numpy's views of it refer to the mapping)."""
+    return (
+        sys.getrefcount(buf) == 3 and sys.getrefcount(buf.base) == 2
+    )  # (+ the pool's, the calls')
 
 
 class KeptFrames:
@@ -35,9 +53,9 @@ class KeptFrames:
         with self._lock:
             bufs = self._bufs.setdefault(nbytes, [])
             for i in range(len(bufs)):
-                if sys.getrefcount(bufs[i]) == 2:  # the list's and the call's: free
+                if _free(bufs[i]):
                     return bufs[i]
-            buf = np.empty(nbytes, dtype=np.uint8)
+            buf = mapped(nbytes)
             bufs.append(buf)
             return buf
 
@@ -48,7 +66,7 @@ class KeptFrames:
 
     @staticmethod
     def _free(bufs: list) -> int:
-        return sum(1 for i in range(len(bufs)) if sys.getrefcount(bufs[i]) == 2)
+        return sum(1 for i in range(len(bufs)) if _free(bufs[i]))
 
     def fit(self, room: int) -> None:
         """Let free buffers go until those left fit ``room`` bytes."""
@@ -57,7 +75,7 @@ class KeptFrames:
             for n, bufs in self._bufs.items():
                 i = len(bufs) - 1
                 while free > room and i >= 0:
-                    if sys.getrefcount(bufs[i]) == 2:
+                    if _free(bufs[i]):
                         del bufs[i]
                         free -= n
                     i -= 1
@@ -65,12 +83,15 @@ class KeptFrames:
 
 class Kept:
     """What a budgeted node keeps for reuse (the accumulator pool, the frames' buffers): within the
-    room the pushes in flight leave, given back in that order when a ticket needs the room."""
+    room the pushes in flight leave (and that of a ticket just taken, whose buffers are taken next from
+    what is kept), each kind trimmed in proportion to what it keeps when a ticket needs the room."""
 
     def __init__(self, *pools) -> None:
         self.pools = pools
 
     def fit(self, room: int) -> None:
-        for pool in self.pools:
-            pool.fit(max(0, room))
-            room -= pool.free_bytes
+        free = [pool.free_bytes for pool in self.pools]
+        total = sum(free)
+        if total > room:
+            for pool, mine in zip(self.pools, free):
+                pool.fit(max(0, room) * mine // total)

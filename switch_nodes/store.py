@@ -25,6 +25,7 @@ import torch
 
 from luwu.protocol.errors import ConfigError, StepMismatchError
 from luwu.protocol.layout import Bucket
+from luwu.switch_nodes.kept_frames import mapped
 from luwu.switch_nodes.optimizers import OptimizerKind, apply_
 from luwu.switch_nodes.summation import RankTree
 
@@ -74,6 +75,7 @@ class AccumulatorPool:
 
     def __init__(self, keep_bytes: int = 1 << 62):
         self.keep_bytes = keep_bytes
+        self.mapped = False  # (a budgeted node: buffers mapped on their own, off the heaps)
         self._free: dict[int, list[torch.Tensor]] = {}
         self._lock = (
             threading.Lock()
@@ -91,6 +93,8 @@ class AccumulatorPool:
         return buf if buf is not None else self._new(numel)
 
     def _new(self, numel: int) -> torch.Tensor:
+        if self.mapped:
+            return torch.frombuffer(mapped(numel * 4), dtype=torch.float32)
         return torch.empty(numel, dtype=torch.float32)
 
     def give(self, buf: torch.Tensor) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from luwu.switch_nodes.kept_frames import mapped
 from luwu.switch_nodes.ooc.io import ALIGN, FileHandle, IOEngine, Transfer, align_up
 from luwu.switch_nodes.store import Accumulator, AccumulatorPool
 
@@ -50,6 +51,8 @@ class AlignedPool(AccumulatorPool):
     them in place); a spilled buffer is given back from an I/O thread (the pool is thread-safe)."""
 
     def _new(self, numel: int) -> torch.Tensor:
+        if self.mapped:  # (a mapping starts on a page)
+            return torch.frombuffer(mapped(align_up(numel * 4)), dtype=torch.float32)[:numel]
         raw = torch.empty(align_up(numel * 4) + ALIGN, dtype=torch.uint8)
         skip = -raw.data_ptr() % ALIGN
         return raw[skip : skip + align_up(numel * 4)].view(torch.float32)[:numel]

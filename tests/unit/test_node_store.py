@@ -285,7 +285,7 @@ def test_the_pool_keeps_no_more_than_its_budget():
 def test_kept_buffers_reuse_what_nothing_refers_to_within_the_budgets_room():
     """A budgeted node keeps given-back accumulators and the buffers of large received frames for reuse
     (no fresh pages a push); a frame's buffer is free once no view of it is left, and a ticket that
-    needs the room lets free buffers go, accumulators first kept (:class:`Kept`)."""
+    needs the room lets free buffers go (:class:`Kept`)."""
     from luwu.switch_nodes.kept_frames import Kept, KeptFrames
 
     pool, frames = AccumulatorPool(), KeptFrames()
@@ -301,9 +301,11 @@ def test_kept_buffers_reuse_what_nothing_refers_to_within_the_budgets_room():
     view = b[10:]  # a message's tensor of it
     del b
     assert frames.free_bytes == 5000, "a buffer a view still reads is not free"
-    kept.fit(9000)  # 8000 B of accumulators fit, then 1000 B of room: the free frame goes
-    assert pool.free_bytes == 8000 and frames.free_bytes == 0
+    kept.fit(13000)  # room for all that is free: all kept
+    assert pool.free_bytes == 8000 and frames.free_bytes == 5000
+    kept.fit(9000)  # each kind trimmed in proportion to what it keeps (8/13 and 5/13 of the room)
+    assert pool.free_bytes == 4000 and frames.free_bytes == 0
     del view
     assert frames.free_bytes == 5000
-    kept.fit(4000)
-    assert pool.free_bytes == 4000 and frames.free_bytes == 0
+    kept.fit(4500)
+    assert pool.free_bytes == 0 and frames.free_bytes == 0
