@@ -13,6 +13,8 @@ then int8 pushes with error feedback), 4 MiB buckets, 1 torch thread per process
 - the CPU of each **thread by name** (Linux ``/proc``: ZeroMQ's native I/O threads, which py-spy
   cannot see) and the **minor page faults** per step, beside those of forward + backward alone (a
   fresh page is mapped and zeroed by the kernel, CPU that shows wherever it was first touched);
+- the **wake-ups of the I/O thread** per step (each a pass of it over the sockets and an interpreter
+  lock handed over);
 - streaming mode's **heap trims** per step (the streamer gives the heap's freed memory back when it
   passes a bound) and each worker's **peak RSS** (``VmHWM``), so a change that trades memory for
   fewer page faults shows both sides;
@@ -169,6 +171,7 @@ def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q
                     cpu0, wall0 = time.process_time(), time.perf_counter()
                     threads0, faults0 = thread_cpu(), minor_faults()
                     trims0 = getattr(opt.streamer, "heap_trims", 0)  # (0: resident mode)
+                    wakes0 = _wakes(opt)
                 x, y = _batch(rank, step)
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(x), y).backward()
@@ -177,6 +180,7 @@ def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
             threads, faults = thread_cpu(), minor_faults() - faults0
             trims = getattr(opt.streamer, "heap_trims", 0) - trims0
+            wakes = _wakes(opt) - wakes0
         finally:
             opt.close()
         n = steps - warmup
@@ -193,6 +197,7 @@ def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q
                     "minor_faults": faults / n,
                     "fwd_bwd_faults": fwd_bwd_faults,
                     "heap_trims": trims / n,
+                    "io_wakeups": wakes / n,
                     "peak_rss_mb": peak_rss_mb(),
                 },
             )
@@ -200,6 +205,12 @@ def _worker(rank: int, world: int, cluster_file: str, steps: int, warmup: int, q
     except BaseException as exc:
         q.put(("error", rank, f"{type(exc).__name__}: {exc}"))
         raise
+
+
+def _wakes(opt) -> int:
+    """Wake-ups of the worker's I/O thread so far (pipe writes of ``client.wake``; 0 where the
+    client has none)."""
+    return getattr(getattr(opt.client, "wake", None), "writes", 0)
 
 
 def _py_spy() -> str | None:
@@ -351,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
                     "minor_faults",
                     "fwd_bwd_faults",
                     "heap_trims",
+                    "io_wakeups",
                     "peak_rss_mb",
                 )
             }
@@ -396,6 +408,7 @@ def _markdown(result: dict, load: LoadMonitor) -> str:
             "page faults/step": e["median"].get("minor_faults"),
             "fwd+bwd page faults": e["median"].get("fwd_bwd_faults"),
             "heap trims/step": e["median"].get("heap_trims"),
+            "I/O-thread wake-ups/step": e["median"].get("io_wakeups"),
             "peak RSS MiB": e["median"].get("peak_rss_mb"),
         }
         for mode, e in result["modes"].items()

@@ -222,6 +222,7 @@ class WorkerClient:
                     left = deadline - time.monotonic()
                     if left <= 0 or not self._running:
                         raise self._timeout(missing, _key_where, what, timeout_s, len(keys))
+                    self.wake.flush()  # (a send of this thread's batch: out before the wait)
                     self._cv.wait(min(left, 0.5))
         return [out[k] for k in keys]
 
@@ -263,6 +264,7 @@ class WorkerClient:
                     timeout_s - left,
                     timeout_s,
                 )
+            self.wake.flush()  # (a send of this thread's batch: out before the wait)
             self._cv.wait(min(left, 0.5))
             if time.monotonic() - probed >= 1.0:
                 # a node that restarted answers a probe with ERROR (rollback) long before the deadline

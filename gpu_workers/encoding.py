@@ -6,7 +6,9 @@ and decide the skip globally. A gradient already in the codec's dtype is its own
 the buffer is next written after the node's answer). Error feedback keeps the residual on the
 worker (:class:`~luwu.protocol.feedback.ErrorFeedback`), and DGC's momentum correction rides on
 sparse codecs. A resident bucket's encode frames are allocated once per codec and parity and
-reused; a streamed bucket's belong to its message alone.
+reused; a streamed bucket's belong to its message alone: a blockwise codec (int8, int4) writes its
+codes over the bucket's borrowed buffer, which is not read again before the node has the push
+(nothing as large as the codes is allocated and faulted in per push), others get frames of their own.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class GradientEncoder:
         if compressed and (has_nonfinite(x) if finite is None else not finite):
             name, ef = "none", False  # let the node see the inf/nan and decide globally
         codec = get_codec(name)
+        if b.id in self.streamed and not ef and hasattr(codec, "encode_over_"):
+            # the borrowed buffer is not read again before the node has the push: codes over it
+            enc = codec.encode_over_(x, num_summands=self.world_size)
+            if enc is not None:
+                return name, enc, hyper
         out = self._frames(b, codec, name, parity, x.dtype)
         if x.dtype == getattr(codec, "dtype", None):
             return name, codec.encode(x), hyper  # zero copy: the frame is the bucket buffer

@@ -5,7 +5,8 @@ a message writes a byte, unless a wake-up is already on its way (the I/O thread 
 the pipe yet). Each wake-up costs: the I/O thread takes the interpreter lock (the sending thread,
 still busy with its hook, waits for it back) and makes a pass over every socket. Inside
 :meth:`Wake.batched` a thread's sends wake the I/O thread once, as the block ends, so a hook that
-pushes several buckets (or asks for a unit's weights) hands over all of them in one wake-up.
+pushes several buckets (or asks for a unit's weights) hands over all of them in one wake-up. A wait
+inside a batch first wakes the I/O thread for the sends before it (:meth:`Wake.flush`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ class Wake:
             if not depth and getattr(self._batch, "waiting", False):
                 self._batch.waiting = False
                 self.now()
+
+    def flush(self) -> None:
+        """Wake the I/O thread now for this thread's sends waiting in a batch (a wait inside
+        :meth:`batched` must not wait for an answer to a message nobody has sent yet)."""
+        if getattr(self._batch, "waiting", False):
+            self._batch.waiting = False
+            self.now()
 
     def drain(self) -> None:
         """(I/O thread) Take the wake-ups written so far. After draining the pipe (a wake-up

@@ -301,8 +301,9 @@ class Worker:
             self.views.adopt(param)  # the bucket's slice becomes .grad: autograd's is freed now
         if not partial:
             self.grad_marks.note(param, self.params[param].grad)
-        for buf in full:
-            self._push(buf, self._parity(buf.bucket.id), (), partial=partial)
+        with self.client.wake.batched():  # (the buckets it completes: one wake-up)
+            for buf in full:
+                self._push(buf, self._parity(buf.bucket.id), (), partial=partial)
 
     def _grad_buffer(self, buf: _BucketBuf, parity: int) -> torch.Tensor:
         """The gradient buffer of ``buf`` this step fills (a streamed bucket borrows one)."""
@@ -350,8 +351,7 @@ class Worker:
                     buf.pushed_step = self.step_num
                     todo.append(buf)
         for buf in todo:
-            nograd = []
-            parity = self._parity(buf.bucket.id)
+            nograd, parity = [], self._parity(buf.bucket.id)
             g, buf.finite = self._grad_buffer(buf, parity), True  # (every segment written again)
             for si, s in enumerate(buf.bucket.segments):
                 grad = self.params[s.param].grad
@@ -432,7 +432,8 @@ class Worker:
             self.views.check()
         if self.defer is not None:  # what no forward waited for: before finish() refills buffers
             self.defer.settle()
-        self.finish()
+        with self.client.wake.batched():  # (what is left goes out in one wake-up)
+            self.finish()
 
     def clip_round(self, inv_scale: float, max_norm: float | None) -> tuple[bool, float]:
         """The global round of the current step run before ``step()`` (``clip_grad_norm_``): push

@@ -111,6 +111,46 @@ void luwu_block_encode(const float *x, float *residual, void *q, float *scales, 
     }
 }
 
+/* luwu_block_encode of x (no residual) with the codes written over x itself: q is x's own memory
+ * (its first n bytes for int8, (n + 1) / 2 for int4), so a buffer that is not read again after its
+ * push (a streamed bucket's gradient) carries its codes without a second buffer to allocate and fault
+ * in. The same codes and scales as luwu_block_encode, bit for bit. A block's codes land at bytes
+ * below its own floats (byte start against 4 * start), over floats already read: code i of a block
+ * is stored after float i was read, and overwrites float (start + i) / 4 <= start + i. No `restrict`
+ * (q and x alias on purpose): the compiler keeps that order, vectorizing where the ranges are apart
+ * (every block but the first). `scratch` holds `block` floats. */
+void luwu_block_encode_over(float *x, float *scales, int64_t n, int64_t block, int32_t bits, float levels,
+                            float floor_, float *scratch) {
+    uint8_t *q = (uint8_t *)x;
+    for (int64_t start = 0, b = 0; start < n; start += block, b++) {
+        const int64_t m = n - start < block ? n - start : block;
+        const float *y = x + start;
+        if (bits == 8) {  /* the common case as luwu_block_encode's */
+            float s = block_amax(y, m);
+            if (finite(s)) {
+                if (s < floor_) s = floor_;
+                const float inv = (1.0f / s) * levels, sc = s / levels;
+                int8_t *o = (int8_t *)(q + start);
+                scales[b] = sc;
+                for (int64_t i = 0; i < m; i++) o[i] = (int8_t)(int32_t)__builtin_rintf(y[i] * inv);
+                continue;
+            }
+        }
+        const float sc = quantize(y, scratch, m, levels, floor_);  /* the whole block read first */
+        scales[b] = sc;
+        if (bits == 8) {
+            int8_t *o = (int8_t *)(q + start);
+            for (int64_t i = 0; i < m; i++) o[i] = (int8_t)(int32_t)scratch[i];
+        } else {
+            uint8_t *o = q + start / 2;  /* block is even: a block starts on a byte */
+            const int64_t pairs = m / 2;
+            for (int64_t j = 0; j < pairs; j++)
+                o[j] = (uint8_t)(((int32_t)scratch[2 * j] + 8) | (((int32_t)scratch[2 * j + 1] + 8) << 4));
+            if (m & 1) o[pairs] = (uint8_t)(((int32_t)scratch[m - 1] + 8) | (8 << 4));
+        }
+    }
+}
+
 /* bf16 <-> fp32 as torch converts them: widening is exact; narrowing rounds to nearest even, NaN to
  * the quiet NaN 0x7fc0 (c10::BFloat16's round_to_nearest_even). */
 static inline float bf16_to_f32(uint16_t h) {
@@ -122,6 +162,13 @@ static inline float bf16_to_f32(uint16_t h) {
 
 static inline uint16_t f32_to_bf16(float f) {
     if (f != f) return 0x7fc0;
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* f32_to_bf16 of a value known not to be NaN (no test in the loop) */
+static inline uint16_t f32_to_bf16_num(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
@@ -139,9 +186,18 @@ void luwu_block_encode_bf16res(const float *x, uint16_t *residual, void *q, floa
         const int64_t m = n - start < block ? n - start : block;
         uint16_t *restrict r = residual + start;
         const float *restrict xs = x + start;
-        for (int64_t i = 0; i < m; i++) y[i] = bf16_to_f32(r[i]) + xs[i];
+        uint32_t amax = 0;  /* block_amax(y, m), found as y is made */
+        for (int64_t i = 0; i < m; i++) {
+            const float v = bf16_to_f32(r[i]) + xs[i];
+            uint32_t u;
+            memcpy(&u, &v, sizeof u);
+            u &= 0x7fffffffu;
+            amax = u > amax ? u : amax;
+            y[i] = v;
+        }
         if (bits == 8) {  /* the common case in one pass after the amax (as int8_block); a non-finite block below */
-            float s = block_amax(y, m);
+            float s;
+            memcpy(&s, &amax, sizeof s);
             if (finite(s)) {
                 if (s < floor_) s = floor_;
                 const float inv = (1.0f / s) * levels, sc = s / levels;
@@ -149,7 +205,7 @@ void luwu_block_encode_bf16res(const float *x, uint16_t *residual, void *q, floa
                 scales[b] = sc;
                 for (int64_t i = 0; i < m; i++) {
                     const float t = __builtin_rintf(y[i] * inv);
-                    r[i] = f32_to_bf16(y[i] - t * sc);
+                    r[i] = f32_to_bf16_num(y[i] - t * sc);  /* finite: y, t and sc are */
                     o[i] = (int8_t)(int32_t)t;
                 }
                 continue;

@@ -152,11 +152,13 @@ def _load() -> ctypes.CDLL:
     i64, i32, f32, p = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
     lib.luwu_block_encode.argtypes = [p, p, p, p, i64, i64, i32, f32, f32, p]
     lib.luwu_block_encode_bf16res.argtypes = [p, p, p, p, i64, i64, i32, f32, f32, p]
+    lib.luwu_block_encode_over.argtypes = [p, p, i64, i64, i32, f32, f32, p]
     lib.luwu_block_decode.argtypes = [p, p, p, i64, i64, i32, f32, i32]
     lib.luwu_block_decode_pair.argtypes = [p, p, p, p, p, i64, i64, i32, f32]
     for f in (
         lib.luwu_block_encode,
         lib.luwu_block_encode_bf16res,
+        lib.luwu_block_encode_over,
         lib.luwu_block_decode,
         lib.luwu_block_decode_pair,
     ):

@@ -17,6 +17,7 @@ from luwu.protocol.codecs.base import (
     _check_frames,
     _check_meta,
     _check_numel,
+    _check_summands,
     _flat,
     to_device,
 )
@@ -156,6 +157,31 @@ class _BlockCodec(Codec):
         out = self._prepare(x, out, num_summands)
         self._run(x, out[0], out[1], None)
         return Encoded({"block": self.block}, list(out))
+
+    def encode_over_(self, x: torch.Tensor, *, num_summands: int = 1) -> Encoded | None:
+        """:meth:`encode` of ``x`` with the codes written over ``x`` itself (its first bytes): the
+        same frames bit for bit, the codes' frame a view of ``x``'s memory, so nothing as large as
+        the codes is allocated (and faulted in) per call. ``x`` is destroyed: for a buffer not
+        read again while the frames are in use. None, with ``x`` untouched, where the kernels
+        cannot take it (then :meth:`encode` into frames of its own)."""
+        lib = native.kernels()
+        if lib is None or not _flat((x,), ()) or x.dim() != 1:
+            return None
+        _check_summands(num_summands)
+        n = x.numel()
+        scales = torch.empty(-(-n // self.block), dtype=torch.float32)
+        lib.luwu_block_encode_over(
+            x.data_ptr(),
+            scales.data_ptr(),
+            n,
+            self.block,
+            self.bits,
+            float(self.levels),
+            SCALE_FLOOR,
+            self._scratch("native", self.block).data_ptr(),
+        )
+        qdt = torch.int8 if self.bits == 8 else torch.uint8
+        return Encoded({"block": self.block}, [x.view(qdt)[: self._qbytes(n)], scales])
 
     def encode_feedback_(self, x, residual, out=None, *, num_summands: int = 1) -> Encoded:
         out = self._prepare(x, out, num_summands)
