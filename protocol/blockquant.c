@@ -54,6 +54,21 @@ static inline float quantize(const float *y, float *t, int64_t m, float levels, 
 
 /* int8 codes of a finite block whose scale is found: quantize, keep the residual, store, in one pass
  * (the same operations as quantize() and the loops after it, element by element). */
+/* A block's codes from `scratch` (its `m` quantized values) into q at the block's `start`: int8 one
+ * a byte; int4 two a byte, low nibble first, offset by 8 (an odd tail's high nibble is 8). */
+static inline void store_codes(void *q, int64_t start, const float *scratch, int64_t m, int32_t bits) {
+    if (bits == 8) {
+        int8_t *o = (int8_t *)q + start;
+        for (int64_t i = 0; i < m; i++) o[i] = (int8_t)(int32_t)scratch[i];
+    } else {
+        uint8_t *o = (uint8_t *)q + start / 2;  /* block is even: a block starts on a byte */
+        const int64_t pairs = m / 2;
+        for (int64_t j = 0; j < pairs; j++)
+            o[j] = (uint8_t)(((int32_t)scratch[2 * j] + 8) | (((int32_t)scratch[2 * j + 1] + 8) << 4));
+        if (m & 1) o[pairs] = (uint8_t)(((int32_t)scratch[m - 1] + 8) | (8 << 4));
+    }
+}
+
 static inline void int8_block(const float *restrict y, float *restrict r, int8_t *restrict o, int64_t m,
                               float inv, float sc) {
     if (r)
@@ -72,7 +87,6 @@ static inline void int8_block(const float *restrict y, float *restrict r, int8_t
 void luwu_block_encode(const float *x, float *residual, void *q, float *scales, int64_t n, int64_t block,
                        int32_t bits, float levels, float floor_, float *scratch) {
     int8_t *q8 = (int8_t *)q;
-    uint8_t *q4 = (uint8_t *)q;
     for (int64_t start = 0, b = 0; start < n; start += block, b++) {
         const int64_t m = n - start < block ? n - start : block;
         const float *y = x + start;
@@ -98,16 +112,7 @@ void luwu_block_encode(const float *x, float *residual, void *q, float *scales, 
             float *r = residual + start;
             for (int64_t i = 0; i < m; i++) r[i] = r[i] - scratch[i] * sc;
         }
-        if (bits == 8) {
-            int8_t *o = q8 + start;
-            for (int64_t i = 0; i < m; i++) o[i] = (int8_t)(int32_t)scratch[i];
-        } else {
-            uint8_t *o = q4 + start / 2;  /* block is even: a block starts on a byte */
-            const int64_t pairs = m / 2;
-            for (int64_t j = 0; j < pairs; j++)
-                o[j] = (uint8_t)(((int32_t)scratch[2 * j] + 8) | (((int32_t)scratch[2 * j + 1] + 8) << 4));
-            if (m & 1) o[pairs] = (uint8_t)(((int32_t)scratch[m - 1] + 8) | (8 << 4));
-        }
+        store_codes(q, start, scratch, m, bits);
     }
 }
 
@@ -138,16 +143,7 @@ void luwu_block_encode_over(float *x, float *scales, int64_t n, int64_t block, i
         }
         const float sc = quantize(y, scratch, m, levels, floor_);  /* the whole block read first */
         scales[b] = sc;
-        if (bits == 8) {
-            int8_t *o = (int8_t *)(q + start);
-            for (int64_t i = 0; i < m; i++) o[i] = (int8_t)(int32_t)scratch[i];
-        } else {
-            uint8_t *o = q + start / 2;  /* block is even: a block starts on a byte */
-            const int64_t pairs = m / 2;
-            for (int64_t j = 0; j < pairs; j++)
-                o[j] = (uint8_t)(((int32_t)scratch[2 * j] + 8) | (((int32_t)scratch[2 * j + 1] + 8) << 4));
-            if (m & 1) o[pairs] = (uint8_t)(((int32_t)scratch[m - 1] + 8) | (8 << 4));
-        }
+        store_codes(q, start, scratch, m, bits);
     }
 }
 
@@ -180,7 +176,6 @@ static inline uint16_t f32_to_bf16_num(float f) {
 void luwu_block_encode_bf16res(const float *x, uint16_t *residual, void *q, float *scales, int64_t n,
                                int64_t block, int32_t bits, float levels, float floor_, float *scratch) {
     int8_t *q8 = (int8_t *)q;
-    uint8_t *q4 = (uint8_t *)q;
     float *restrict y = scratch + block;
     for (int64_t start = 0, b = 0; start < n; start += block, b++) {
         const int64_t m = n - start < block ? n - start : block;
@@ -217,16 +212,7 @@ void luwu_block_encode_bf16res(const float *x, uint16_t *residual, void *q, floa
             for (int64_t i = 0; i < m; i++) r[i] = f32_to_bf16(y[i] - scratch[i] * sc);
         else
             for (int64_t i = 0; i < m; i++) r[i] = f32_to_bf16(y[i]);
-        if (bits == 8) {
-            int8_t *o = q8 + start;
-            for (int64_t i = 0; i < m; i++) o[i] = (int8_t)(int32_t)scratch[i];
-        } else {
-            uint8_t *o = q4 + start / 2;
-            const int64_t pairs = m / 2;
-            for (int64_t j = 0; j < pairs; j++)
-                o[j] = (uint8_t)(((int32_t)scratch[2 * j] + 8) | (((int32_t)scratch[2 * j + 1] + 8) << 4));
-            if (m & 1) o[pairs] = (uint8_t)(((int32_t)scratch[m - 1] + 8) | (8 << 4));
-        }
+        store_codes(q, start, scratch, m, bits);
     }
 }
 
