@@ -36,9 +36,8 @@ def mapped(nbytes: int) -> np.ndarray:
 def _free(buf: np.ndarray) -> bool:
     """Whether nothing but the pool refers to ``buf`` (a :func:`mapped` array): neither to it (a
     memoryview, a tensor over it) nor to its mapping (numpy's views of it refer to the mapping)."""
-    return (
-        sys.getrefcount(buf) == 3 and sys.getrefcount(buf.base) == 2
-    )  # (+ the pool's, the calls')
+    # (counted: the pool's list, this call's argument, getrefcount's; the array's hold on its mapping)
+    return sys.getrefcount(buf) == 3 and sys.getrefcount(buf.base) == 2
 
 
 class KeptFrames:
@@ -62,16 +61,15 @@ class KeptFrames:
     @property
     def free_bytes(self) -> int:
         with self._lock:
-            return sum(n * self._free(bufs) for n, bufs in self._bufs.items())
+            return self._free_bytes()
 
-    @staticmethod
-    def _free(bufs: list) -> int:
-        return sum(1 for i in range(len(bufs)) if _free(bufs[i]))
+    def _free_bytes(self) -> int:
+        return sum(n for n, bufs in self._bufs.items() for i in range(len(bufs)) if _free(bufs[i]))
 
     def fit(self, room: int) -> None:
         """Let free buffers go until those left fit ``room`` bytes."""
         with self._lock:
-            free = sum(n * self._free(bufs) for n, bufs in self._bufs.items())
+            free = self._free_bytes()
             for n, bufs in self._bufs.items():
                 i = len(bufs) - 1
                 while free > room and i >= 0:

@@ -77,9 +77,8 @@ class AccumulatorPool:
         self.keep_bytes = keep_bytes
         self.mapped = False  # (a budgeted node: buffers mapped on their own, off the heaps)
         self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = (
-            threading.Lock()
-        )  # (taken on the event loop, given back on the optimizer thread)
+        # (taken on the event loop, given back on the optimizer thread and the spill's I/O threads)
+        self._lock = threading.Lock()
         self.free_bytes = self.taken_bytes = self.peak_bytes = 0
 
     def take(self, numel: int) -> torch.Tensor:
