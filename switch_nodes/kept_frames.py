@@ -88,8 +88,9 @@ class Kept:
         self.pools = pools
 
     def fit(self, room: int) -> None:
-        free = [pool.free_bytes for pool in self.pools]
+        """(``room`` < 0: a push let in past the budget; nothing is kept then.)"""
+        free, room = [pool.free_bytes for pool in self.pools], max(0, room)
         total = sum(free)
         if total > room:
             for pool, mine in zip(self.pools, free):
-                pool.fit(max(0, room) * mine // total)
+                pool.fit(room * mine // total)

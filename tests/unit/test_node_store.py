@@ -309,3 +309,5 @@ def test_kept_buffers_reuse_what_nothing_refers_to_within_the_budgets_room():
     assert frames.free_bytes == 5000
     kept.fit(4500)
     assert pool.free_bytes == 0 and frames.free_bytes == 0
+    kept.fit(-4000)  # a push let in past the budget, nothing kept: nothing to do (no division by 0)
+    assert pool.free_bytes == 0 and frames.free_bytes == 0
