@@ -9,7 +9,7 @@ What a node holds for its pushes besides its state is counted here, in one place
   reply`` (async mode: one push, one ticket);
 - **replies** not yet sent (or held for a worker's ``step()``), counted until their last byte is in
   the kernel; frames a resident shard lends a reply (fp32 zero-copy) cost nothing;
-- accumulators kept for reuse (:class:`.store.AccumulatorPool`), only in the room the rest leaves.
+- buffers kept for reuse (accumulators, received frames: :mod:`.kept_frames`), in the room left.
 
 The gate is the listener (:mod:`.zmtp`): when the header of a message with a payload has been read,
 it asks :meth:`PushBudget.gate`. A PUSH that would open a (step, bucket) and does not fit is left
@@ -138,7 +138,7 @@ class PushBudget:
         self.handover: Ticket | None = None  # the room of the fetch answer being sent (fetch_room)
         self.urgent = 0  # bytes the optimizer waits for room for (a spilled sum it steps next)
         self.queued = 0  # room of fetch answers queued behind the steps, not encoded (no memory)
-        self.kept = None  # the accumulators kept for reuse: the budget's room only (Shard sets it)
+        self.kept = None  # buffers kept for reuse, fit to the room (budget_memory.arrange_memory)
         ctx.metrics.inflight_limit.set(self.limit)
 
     @property
