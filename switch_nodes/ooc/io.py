@@ -8,8 +8,8 @@ the node's memory budget for state, so nothing resident can exceed the budget.
 :class:`IOEngine` reads and writes extents of files in requests of
 ``request_bytes`` (1 MiB by default), ``num_threads`` of them in flight: a small
 thread pool calling ``os.preadv`` / ``os.pwritev`` on ``O_DIRECT`` descriptors
-(the GIL is released during the syscalls and during ``zlib.crc32`` of large
-buffers, so the checksums of the blocks are computed by the I/O threads too).
+(the GIL is released during the syscalls; the checksums of the blocks are
+computed by the I/O threads too).
 Threads were chosen over io_uring / Linux AIO: of the Python packages that
 reach those (``liburing``, ``caio``), one stops the interpreter with SIGILL on
 these CPUs and the other reads into buffers it allocates per request, which are
@@ -25,6 +25,10 @@ logged warning.
 A checksum is computed per block of :data:`CHECKSUM_BLOCK_BYTES` (a unit of the
 on-disk format): the checksum of a transfer is the CRC32 of its blocks' CRC32s
 (:func:`combine_checksums`), so the blocks can be summed by different threads.
+The blocks' CRC32 is ISA-L's (``isal``, the same values as ``zlib.crc32``): 22.6 GB/s
+on one core here against zlib's 3.9. With zlib, writing 256 MiB cost 125 ms of CPU, of
+which the checksums took 100. ISA-L holds the GIL while it sums (11 us a block); zlib,
+the fallback where ``isal`` is not installed, releases it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ from dataclasses import dataclass
 import torch
 
 from luwu.protocol.errors import ConfigError
+
+try:
+    from isal.isal_zlib import crc32 as block_crc32
+except ImportError:  # pragma: no cover -- isal is a dependency; zlib gives the same values
+    block_crc32 = zlib.crc32
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +77,7 @@ def combine_checksums(block_crcs: list[int]) -> int:
 def checksum(view: memoryview) -> int:
     """The checksum :class:`IOEngine` computes for ``view`` (one thread)."""
     b = CHECKSUM_BLOCK_BYTES
-    return combine_checksums([zlib.crc32(view[i : i + b]) for i in range(0, len(view), b)])
+    return combine_checksums([block_crc32(view[i : i + b]) for i in range(0, len(view), b)])
 
 
 @dataclass(slots=True, eq=False)
@@ -337,7 +346,7 @@ class IOEngine:
             if want_checksum:
                 b, first = CHECKSUM_BLOCK_BYTES, start // CHECKSUM_BLOCK_BYTES
                 for i in range(0, len(view), b):
-                    t.block_crcs[first + i // b] = zlib.crc32(view[i : i + b])
+                    t.block_crcs[first + i // b] = block_crc32(view[i : i + b])
             if not fh.direct and t.kind == "read" and _FADV_DONTNEED is not None:
                 os.posix_fadvise(fh.fd, pos, len(view), _FADV_DONTNEED)
         except Exception as exc:  # noqa: BLE001 -- handed to the waiter (Transfer.error)

@@ -1,0 +1,57 @@
+"""The out-of-core I/O engine's checksums: the on-disk format's values, whichever CRC32 computes them.
+
+A slot's checksum is the CRC32 of its 256 KiB blocks' CRC32s (``io.combine_checksums``). The blocks
+are summed with ISA-L's CRC32 where ``isal`` is installed and zlib's otherwise: the two must give
+the same values, or files written by one would be refused as corrupt by the other."""
+
+from __future__ import annotations
+
+import random
+import struct
+import zlib
+
+import pytest
+
+from luwu.switch_nodes.ooc.io import (
+    CHECKSUM_BLOCK_BYTES,
+    BufferPool,
+    IOEngine,
+    block_crc32,
+    checksum,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def zlib_checksum(data: bytes) -> int:
+    """The format's checksum written with zlib alone."""
+    b = CHECKSUM_BLOCK_BYTES
+    crcs = [zlib.crc32(data[i : i + b]) for i in range(0, len(data), b)]
+    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs))
+
+
+@pytest.mark.parametrize("nbytes", [1, 4095, CHECKSUM_BLOCK_BYTES, 3 * CHECKSUM_BLOCK_BYTES + 777])
+def test_checksum_is_zlibs_block_checksum(nbytes):
+    data = random.Random(nbytes).randbytes(nbytes)
+    assert block_crc32(data) == zlib.crc32(data)
+    assert block_crc32(data[1:], 0x1234) == zlib.crc32(data[1:], 0x1234)
+    assert checksum(memoryview(data)) == zlib_checksum(data)
+
+
+def test_a_written_transfers_checksum_is_its_datas(tmp_path):
+    """Split over requests of 1 MiB on 4 threads, the blocks' sums land in order."""
+    nbytes = 5 << 20
+    pool = BufferPool(nbytes)
+    ext = pool.alloc(nbytes)
+    data = random.Random(7).randbytes(nbytes)
+    ext.view[:] = data
+    engine = IOEngine(num_threads=4, request_bytes=1 << 20)
+    try:
+        fh = engine.open(str(tmp_path / "slots.bin"), nbytes)
+        t = engine.write(fh, 0, ext.view).wait(30)
+        assert t.error is None and t.checksum == zlib_checksum(data)
+        ext.view[:] = bytes(nbytes)
+        t = engine.read(fh, 0, ext.view, checksum=True).wait(30)
+        assert bytes(ext.view) == data and t.checksum == zlib_checksum(data)
+    finally:
+        engine.close()
