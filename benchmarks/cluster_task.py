@@ -182,7 +182,21 @@ def busy_jiffies() -> tuple[int, int]:
     return sum(vals) - idle, sum(vals)
 
 
+def node_io_wait_s(client, node: int) -> float:
+    """Seconds ``node`` has waited for its out-of-core state so far (its STATS ``state_io_wait_s``:
+    the loop and the optimizer thread blocked on the state window's reads and write-backs; 0 for a
+    node whose state is in RAM)."""
+    from luwu.protocol.messages import Op
+
+    client.send(node, {"op": Op.STATS}, [])
+    (msg,) = client.wait(
+        [(Op.STATS, node, None, -1)], what="STATS (state I/O wait)", errors_of=(Op.STATS,)
+    )
+    return float(msg.header.get("detail", {}).get("state_io_wait_s", 0.0))
+
+
 def _snapshot(node_pids: list[int], client=None, *, machine: bool = False) -> dict:
+    """Counters at one point of the run; ``node_pids`` in the nodes' index order (rank 0 only)."""
     return {
         "procs": all_processes_cpu() if machine else {},
         "node_pids": list(node_pids),
@@ -192,8 +206,15 @@ def _snapshot(node_pids: list[int], client=None, *, machine: bool = False) -> di
         "net": net_bytes(),
         "tcp": tcp_counters(),
         "nodes": [
-            (cpu_seconds(p), net_bytes(p), threads_cpu_s(p), tcp_counters(p), disk_bytes(p))
-            for p in node_pids
+            (
+                cpu_seconds(p),
+                net_bytes(p),
+                threads_cpu_s(p),
+                tcp_counters(p),
+                disk_bytes(p),
+                node_io_wait_s(client, i) if client is not None else 0.0,
+            )
+            for i, p in enumerate(node_pids)
         ],
         "machine": busy_jiffies(),
     }
@@ -214,7 +235,7 @@ def _window(a: dict, b: dict, steps: int, ours: set[int]) -> dict:
         "tcp_timeouts_per_step": (b["tcp"][1] - a["tcp"][1]) / steps,
     }
     nodes = []
-    for pid, (c0, n0, t0, r0, d0), (c1, n1, t1, r1, d1) in zip(
+    for pid, (c0, n0, t0, r0, d0, w0), (c1, n1, t1, r1, d1, w1) in zip(
         a["node_pids"], a["nodes"], b["nodes"]
     ):
         roles = {k: v / steps for k, v in node_threads_delta(pid, t0, t1).items()}
@@ -228,6 +249,7 @@ def _window(a: dict, b: dict, steps: int, ours: set[int]) -> dict:
                 "rx_bytes_per_step": (n1[0] - n0[0]) / steps,
                 "tx_bytes_per_step": (n1[1] - n0[1]) / steps,
                 "disk_bytes_per_step": (d1[0] - d0[0] + d1[1] - d0[1]) / steps,
+                "io_wait_s_per_step": (w1 - w0) / steps,
             }
         )
     out["nodes"] = nodes
