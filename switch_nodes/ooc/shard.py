@@ -36,12 +36,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
 from luwu.protocol.errors import ConfigError, RollbackError
 from luwu.protocol.layout import Bucket
 from luwu.switch_nodes.context import NodeContext
+from luwu.switch_nodes.ooc import disk_probe
 from luwu.switch_nodes.ooc.bucket import OocBucket, WindowState
 from luwu.switch_nodes.ooc.io import IOEngine
 from luwu.switch_nodes.ooc.layout import STEP_SHIFT
@@ -169,8 +171,30 @@ class OocShard(Shard):
             )
         write_meta(folder, ctx, order)  # before the header: a folder with a header has its job.json
         self._engine = IOEngine()
+        self._log_disk(folder)
         self._files = StateFile.open(folder, layout, self._engine)
         self._start_window(order)
+
+    def _log_disk(self, folder: Path) -> None:
+        """Log what the state folder's disk moves (:mod:`.disk_probe`), once, as the files open."""
+        got = disk_probe.measure(self._engine, folder)
+        if got is None:
+            log.info(
+                "node %s: %s refuses O_DIRECT: its disk bandwidth not measured",
+                self.ctx.index,
+                folder,
+            )
+        else:
+            log.info(
+                "node %s: state disk at %s: O_DIRECT writes %.0f MB/s, reads %.0f MB/s "
+                "(%d MiB, %d requests of %d KiB in flight)",
+                self.ctx.index,
+                folder,
+                *got,
+                disk_probe.PROBE_BYTES >> 20,
+                self._engine.num_threads,
+                self._engine.request_bytes >> 10,
+            )
 
     def _start_window(self, order: list[BucketState], spill: bool = True) -> None:
         ctx, files = self.ctx, self._files
@@ -219,6 +243,7 @@ class OocShard(Shard):
         ctx.inflight.check(-1, specs, meta.get("world_size") or 1)  # (sizes the window's share)
         order = [self.make(spec, kind) for spec in specs]
         self._engine = IOEngine()
+        self._log_disk(folder)
         try:
             self._files = open_files(
                 folder, ctx, layout_of(ctx, order, kind, self._held), self._engine

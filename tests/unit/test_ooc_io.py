@@ -6,7 +6,10 @@ the same values, or files written by one would be refused as corrupt by the othe
 
 from __future__ import annotations
 
+import logging
+import os
 import random
+import re
 import struct
 import zlib
 
@@ -53,5 +56,34 @@ def test_a_written_transfers_checksum_is_its_datas(tmp_path):
         ext.view[:] = bytes(nbytes)
         t = engine.read(fh, 0, ext.view, checksum=True).wait(30)
         assert bytes(ext.view) == data and t.checksum == zlib_checksum(data)
+    finally:
+        engine.close()
+
+
+def test_the_disk_probe_measures_both_ways_and_leaves_nothing(tmp_path, caplog):
+    """What a node logs of its state disk as the files open (``OocShard._log_disk``)."""
+    from types import SimpleNamespace
+
+    from luwu.switch_nodes.ooc import disk_probe
+    from luwu.switch_nodes.ooc.shard import OocShard
+
+    engine = IOEngine()
+    try:
+        fh = engine.open(str(tmp_path / "direct"), 4096)
+        os.close(fh.fd)
+        os.unlink(fh.path)
+        got = disk_probe.measure(engine, tmp_path, nbytes=8 << 20)
+        if not fh.direct:
+            assert got is None
+            pytest.skip(f"{tmp_path} refuses O_DIRECT")
+        assert got is not None and min(got) > 0, got
+        assert list(tmp_path.iterdir()) == []
+        with caplog.at_level(logging.INFO, logger="luwu.switch_nodes.ooc.shard"):
+            OocShard._log_disk(
+                SimpleNamespace(_engine=engine, ctx=SimpleNamespace(index=3)), tmp_path
+            )
+        assert re.search(
+            r"node 3: state disk at .*: O_DIRECT writes \d+ MB/s, reads \d+ MB/s", caplog.text
+        )
     finally:
         engine.close()
