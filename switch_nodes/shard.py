@@ -155,6 +155,7 @@ class Shard:
         if not skip:
             self.before_write(b.id)  # the last fp32 reply may still be leaving from the shard
             b.apply(acc, divisor)
+            b.drop_sum(acc)
         self.store(b.id, step + 1)
 
     def step_bucket(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -104,6 +104,18 @@ class AccumulatorPool:
                 self._free.setdefault(buf.numel(), []).append(buf)
                 self.free_bytes += n
 
+    def zeros(self, numel: int) -> torch.Tensor:
+        """A zeroed tensor of ``numel`` that leaves the pool for good (a bucket's optimizer state, made
+        at its first step): a kept free buffer if there is one, else a new one. A first step whose
+        sums waited for the global round gives each bucket's sum back just before the next bucket's
+        state is made, so that state takes the sums' memory instead of growing the node by it."""
+        with self._lock:
+            free = self._free.get(numel)
+            buf = free.pop() if free else None
+            if buf is not None:
+                self.free_bytes -= numel * 4
+        return buf.zero_() if buf is not None else torch.zeros(numel, dtype=torch.float32)
+
     def fit(self, room: int) -> None:
         """Keep no more than ``room`` bytes (the budget's room after a new ticket)."""
         with self._lock:
@@ -114,11 +126,19 @@ class AccumulatorPool:
 
 class FlatState(Mapping):
     """A bucket's flat optimizer state by name: every name the kind declares, each a zero-initialised fp32
-    tensor of the bucket's numel, allocated when first read. The optimizer step reads only the names
-    its hyperparameters use (``kind.state_for``), so optional state costs no memory while unused."""
+    tensor of the bucket's numel, allocated when first read (``zeros``: where from). The optimizer step
+    reads only the names its hyperparameters use (``kind.state_for``), so state costs no memory before
+    the bucket's first step (as torch creates it lazily), and optional state none while unused."""
 
-    def __init__(self, names: tuple[str, ...], numel: int, allocate: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        numel: int,
+        allocate: tuple[str, ...] = (),
+        zeros: Callable[[int], torch.Tensor] | None = None,
+    ):
         self._names, self._numel = names, numel
+        self._zeros = zeros or (lambda n: torch.zeros(n, dtype=torch.float32))
         self._tensors: dict[str, torch.Tensor] = {}
         for n in allocate:
             self[n]
@@ -128,7 +148,7 @@ class FlatState(Mapping):
         if t is None:
             if name not in self._names:
                 raise KeyError(name)
-            t = self._tensors[name] = torch.zeros(self._numel, dtype=torch.float32)
+            t = self._tensors[name] = self._zeros(self._numel)
         return t
 
     def __iter__(self) -> Iterator[str]:
@@ -259,11 +279,12 @@ class BucketState:
             segments,
             kind,
         )
+        self._pool = pool if pool is not None else AccumulatorPool()
         self.params = torch.zeros(numel, dtype=torch.float32)
         self.state = (
             SegmentState(kind, segments, numel)
             if kind.whole_params
-            else FlatState(kind.state_names, numel, allocate=kind.state_for({}))
+            else FlatState(kind.state_names, numel, zeros=self._pool.zeros)
         )
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in segments]
         self.version = 0  # steps processed (applied or skipped)
@@ -273,7 +294,6 @@ class BucketState:
         self.held: list[
             tuple[int, int, str]
         ] = []  # async mode: replies waiting for the slowest worker
-        self._pool = pool if pool is not None else AccumulatorPool()
         self.pviews = self._views(self.params)
         self._sviews: dict[str, list[torch.Tensor]] = {}
 
@@ -392,6 +412,14 @@ class BucketState:
         self.give_back(acc)
         return acc
 
+    def drop_sum(self, acc: Accumulator) -> None:
+        """The step's sum was applied: its buffer back to the pool at once, on the optimizer thread, so
+        the next bucket's first step makes its state in it (:meth:`AccumulatorPool.zeros`) rather than
+        in new memory while the event loop has not yet released this step."""
+        if acc.buf is not None:
+            buf, acc.buf = acc.buf, None
+            self._pool.give(buf)
+
     def give_back(self, acc: Accumulator) -> None:
         """Return the accumulator's buffer to the pool (its step is applied), and what it counted in
         flight."""
@@ -405,8 +433,12 @@ class BucketState:
             acc.ticket.release()
             acc.ticket = None
 
+    def _kept(self, acc: Accumulator) -> list[int]:
+        """The segments with a gradient this step."""
+        return [i for i in range(len(self.segments)) if i not in acc.nograd]
+
     def grad_views(self, acc: Accumulator) -> tuple[list, list, dict, list]:
-        keep = [i for i in range(len(self.segments)) if i not in acc.nograd]
+        keep = self._kept(acc)
         g = self._views(self.buffer(acc))
         sv = {n: self.state_views(n) for n in self.kind.state_for(acc.hyper or {})}
         return (
@@ -418,12 +450,12 @@ class BucketState:
 
     def sqnorm(self, acc: Accumulator, divisor: float) -> tuple[float, bool]:
         """Squared L2 norm of the gradient sum / ``divisor`` (segments with a gradient) and whether any
-        is non-finite."""
+        is non-finite. It reads the sum alone: a first step's state is made only when it is applied."""
         self.settle(acc)
-        _, grads, _, _ = self.grad_views(acc)
+        g = self._views(self.buffer(acc))
         total = 0.0
-        for g in grads:
-            total += float(torch.dot(g, g))
+        for i in self._kept(acc):
+            total += float(torch.dot(g[i], g[i]))
         finite = total == total and total != float("inf")
         k = acc.prescale / divisor
         return total * k * k, not finite

@@ -272,6 +272,36 @@ def test_accumulators_are_shared_by_the_buckets_and_sized_by_those_in_flight():
     assert pool.free_bytes == numel * 4, "the one buffer is kept for the next step"
 
 
+def test_a_first_step_that_waits_for_the_round_makes_the_state_in_the_sums_memory():
+    """The first step's sums all wait for COMMIT (the round a first step asks for, in case the user
+    clips), then the buckets step one after another: each bucket's state is made at its first step from
+    the sums already given back, so the node grows by one bucket's moment a bucket, not two (a node's
+    peak is the floor, 12 B/param, not the floor plus the sums)."""
+    numel, nb = 2048, 8
+    pool = AccumulatorPool()
+    buckets = [
+        BucketState(i, 0, numel, [SegmentSpec(i, 0, 0, numel)], ADAMW, pool) for i in range(nb)
+    ]
+    assert all(b.state.allocated() == () for b in buckets)
+    g = torch.Generator().manual_seed(5)
+    accs = []
+    for b in buckets:  # every sum held at once, as before COMMIT
+        acc = b.accumulator(0, 0)
+        b.add_push(acc, *_push("none", torch.randn(numel, generator=g)), (0,), 0)
+        acc.workers.add(0)
+        acc.hyper = HYPER
+        accs.append(acc)
+    sums = {acc.buf.data_ptr() for acc in accs}
+    for b, acc in zip(buckets, accs):
+        b.apply(acc, 1.0)
+        b.release(0)
+    state_ptrs = [b.state[n].data_ptr() for b in buckets for n in ("exp_avg", "exp_avg_sq")]
+    assert len(set(state_ptrs)) == 2 * nb
+    recycled = sum(p in sums for p in state_ptrs)
+    assert recycled == nb - 1, f"{recycled} of {2 * nb} moments took a given-back sum's memory"
+    assert pool.free_bytes == numel * 4, "only the last bucket's sum is left in the pool"
+
+
 def test_the_pool_keeps_no_more_than_its_budget():
     pool = AccumulatorPool(keep_bytes=4 * 1000)
     bufs = [pool.take(1000) for _ in range(3)]
