@@ -39,14 +39,37 @@ class LocalCluster:
     """The command-line arguments each node was started with (``restart`` reuses them)."""
     metrics_urls: list[str] = field(default_factory=list)
     """http://host:port of each node's /metrics endpoint (when started with --metrics.port)."""
+    aggregators: list[str] = field(default_factory=list)
+    """The bound address of each aggregator (``local_cluster(aggregators=k)``), in group order."""
+    groups: list[tuple[int, ...]] = field(default_factory=list)
+    """The worker ranks each aggregator serves: a worker of rank r passes
+    ``RemoteOptimizer(..., aggregator=cluster.aggregator_for(r))``."""
+    aggregator_procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
     join_secret: str = field(default="", repr=False)
     """The join secret the nodes ask for, unless node_args give them CURVE keys, a secret of their own, or
     node.insecure_open. While the cluster is open it is LUWU_TRANSPORT__JOIN_SECRET in this process's
     environment, so workers started here or in child processes show it without being told; hand it to a
     worker started elsewhere the same way, never in argv."""
 
+    def aggregator_for(self, rank: int) -> str | None:
+        """The address of the aggregator of worker ``rank`` (None: the cluster has no switch tier)."""
+        for addr, group in zip(self.aggregators, self.groups):
+            if rank in group:
+                return addr
+        return None
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop every node: SIGTERM (a node then writes its checkpoint), SIGKILL after ``timeout_s``."""
+        """Stop every aggregator and node: SIGTERM (a node then writes its checkpoint), SIGKILL after
+        ``timeout_s``."""
+        for p in self.aggregator_procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.aggregator_procs:
+            try:
+                p.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
@@ -128,10 +151,11 @@ def _gate_env(args: list[str]) -> dict[str, str]:
     return {"LUWU_NODE__JOIN_SECRET": os.environ[WORKER_SECRET_VAR]}
 
 
-def _spawn(args: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **_gate_env(args))
+def _spawn(args: list[str], command: str = "node") -> tuple[subprocess.Popen, queue.Queue]:
+    gate = _gate_env(args) if command == "node" else {}  # (an aggregator: the env's secret)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **gate)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "luwu", "node", *args],
+        [sys.executable, "-m", "luwu", command, *args],
         stdout=subprocess.PIPE,
         stderr=None,
         env=env,
@@ -186,6 +210,8 @@ def local_cluster(
     node_args: list[str] | None = None,
     per_node_args: Callable[[int], list[str]] | None = None,
     start_timeout_s: float = 60.0,
+    aggregators: int = 0,
+    world_size: int = 0,
 ):
     """Start ``num_nodes`` real node daemons on 127.0.0.1 and yield a :class:`LocalCluster`.
 
@@ -201,8 +227,17 @@ def local_cluster(
         per_node_args: ``index -> list of arguments`` for settings that differ between nodes.
         start_timeout_s: how long each node may take to report its address; past it,
             ``NodeTimeoutError`` with the node's output.
+        aggregators: the switch tier: this many ``luwu aggregator`` daemons in front of the nodes,
+            each for a contiguous group of the ``world_size`` ranks (:attr:`LocalCluster.groups`;
+            a worker connects to :meth:`LocalCluster.aggregator_for` its rank).
+        world_size: the job's workers, with ``aggregators``.
     """
+    if aggregators and not 0 < aggregators <= world_size:
+        raise ValueError(
+            f"aggregators={aggregators} needs 1 <= aggregators <= world_size, got world_size={world_size}"
+        )
     procs, addrs, all_args, murls = [], [], [], []
+    agg_procs: list[subprocess.Popen] = []
     with _job_secret() as secret:
         try:
             spawned = []
@@ -225,6 +260,38 @@ def local_cluster(
                 _, addr = _await_ready(proc, lines, args, start_timeout_s, murls)
                 addrs.append(addr)
                 all_args.append(args)
-            yield LocalCluster(addrs, procs, job, all_args, murls, join_secret=secret)
+            groups = _groups(world_size, aggregators)
+            spawned = []
+            for g in groups:
+                args = ["--ranks", f"{g[0]}-{g[-1]}", "--cluster.nodes", ",".join(addrs)]
+                args += ["--cluster.job", job, "--node.bind", "tcp://127.0.0.1:0"]
+                proc, lines = _spawn(args, "aggregator")
+                agg_procs.append(proc)
+                spawned.append((proc, lines, args))
+            agg_addrs = [_await_ready(*sp, start_timeout_s, None)[1] for sp in spawned]
+            yield LocalCluster(
+                addrs,
+                procs,
+                job,
+                all_args,
+                murls,
+                aggregators=agg_addrs,
+                groups=groups,
+                aggregator_procs=agg_procs,
+                join_secret=secret,
+            )
         finally:
-            LocalCluster(addrs, procs).stop()
+            LocalCluster(addrs, procs, aggregator_procs=agg_procs).stop()
+
+
+def _groups(world_size: int, aggregators: int) -> list[tuple[int, ...]]:
+    """``world_size`` ranks in ``aggregators`` contiguous groups, as even as can be, larger first."""
+    if not aggregators:
+        return []
+    size, extra = divmod(world_size, aggregators)
+    out, first = [], 0
+    for i in range(aggregators):
+        n = size + (i < extra)
+        out.append(tuple(range(first, first + n)))
+        first += n
+    return out

@@ -45,6 +45,9 @@ class ClusterConfig:
     """Relative capacity of each node (bandwidth x memory); weights the layout. Empty = all equal."""
     world_size: int = 0
     """Number of workers; 0 = from the WORLD_SIZE variable that torchrun sets."""
+    aggregator: str = ""
+    """This worker's aggregator (``luwu aggregator``, the switch tier), tcp://host:port: the worker talks
+    to the nodes through it. Empty = to the nodes directly."""
 
     def __post_init__(self) -> None:
         if not self.job or len(self.job) > 128:
@@ -64,6 +67,10 @@ class ClusterConfig:
             raise ConfigError(f"cluster.capacities must be positive, got {self.capacities}")
         if self.world_size < 0:
             raise ConfigError(f"cluster.world_size must be >= 0, got {self.world_size}")
+        if self.aggregator and "://" not in self.aggregator:
+            raise ConfigError(
+                f"cluster.aggregator must be an address like tcp://host:port, got {self.aggregator!r}"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -334,6 +341,7 @@ KEYWORD_SETTINGS = {
     "capacities": "cluster.capacities",
     "world_size": "cluster.world_size",
     "job": "cluster.job",
+    "aggregator": "cluster.aggregator",
     "mode": "node.mode",
     "delayed_update": "optimizer.delayed_update",
     "delayed_update_warmup": "optimizer.delayed_update_warmup",

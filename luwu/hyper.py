@@ -9,6 +9,7 @@ hyperparameters alone.
 from __future__ import annotations
 
 import difflib
+import inspect
 
 import torch
 
@@ -29,10 +30,13 @@ def travelling(v):
     return float(v.item()) if isinstance(v, torch.Tensor) else v
 
 
-def defaults_of(kind: OptimizerKind, hyper: dict, keywords: list[str]) -> dict:
+def defaults_of(kind: OptimizerKind, hyper: dict, constructor) -> dict:
     """The optimizer's defaults with ``hyper`` applied: torch's implementation switches (``foreach``,
     ``fused``, ``capturable``) and None are ignored; anything else unknown is a ConfigError naming the
-    closest of ``keywords`` (RemoteOptimizer's own) and the optimizer's hyperparameters."""
+    closest of ``constructor``'s keyword-only arguments (RemoteOptimizer's own) and the optimizer's
+    hyperparameters."""
+    params = inspect.signature(constructor).parameters.items()
+    keywords = [n for n, p in params if p.kind is p.KEYWORD_ONLY]
     defaults = dict(kind.defaults)
     for k, v in hyper.items():
         if k == "differentiable" and v:

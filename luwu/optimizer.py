@@ -19,7 +19,6 @@ from which the metrics are recorded.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import os
 import warnings
@@ -77,6 +76,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         rank: this worker's rank; default torchrun's ``RANK``.
         world_size: the number of workers (``cluster.world_size``); default torchrun's ``WORLD_SIZE``.
         job: ``cluster.job``, the job id the nodes serve.
+        aggregator: ``cluster.aggregator``, the address of this worker's aggregator (``luwu aggregator``,
+            the switch tier: it sums its group's pushes before the nodes); None: the nodes directly.
         capacities: ``cluster.capacities``, relative node capacities for the layout.
         mode: ``node.mode``, the nodes' aggregation mode (``sync`` or ``async``).
         delayed_update: ZeRO-Offload's DPU: ``step()`` returns at once, the weights land at the next step.
@@ -126,6 +127,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
         rank: int | None = None,
         world_size: int | None = None,
         job: str | None = None,
+        aggregator: str | None = None,
         mode: str | None = None,
         delayed_update: bool | None = None,
         delayed_update_warmup: int | None = None,
@@ -158,6 +160,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             capacities=capacities,
             world_size=world_size,
             job=job,
+            aggregator=aggregator,
             mode=mode,
             delayed_update=delayed_update,
             delayed_update_warmup=delayed_update_warmup,
@@ -180,12 +183,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
             params if model is None else model, stream_units, cfg.optimizer, model is not None
         )
         kind = get_kind(cfg.optimizer.name)
-        keywords = [
-            n
-            for n, p in inspect.signature(RemoteOptimizer.__init__).parameters.items()
-            if p.kind is p.KEYWORD_ONLY
-        ]
-        defaults = hyperparameters.defaults_of(kind, hyper, keywords)
+        defaults = hyperparameters.defaults_of(kind, hyper, RemoteOptimizer.__init__)
         params, self._names, self._model = assembly.named_params(params, model)
         self.kind = kind  # before torch's constructor: add_param_group validates each group with it
         super().__init__(params, defaults)
@@ -223,9 +221,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _start(self) -> None:
         """Connect to the nodes and join the job. A refused start holds no rank there: BYE to the nodes that
         welcomed this worker before another refused it."""
-        self.client = WorkerClient(
-            self.nodes, job=self.job, rank=self.rank, cfg=self.config.transport
-        )
+        via = self.config.cluster.aggregator  # the switch tier: every node link goes through it
+        nodes = [via] * len(self.nodes) if via else self.nodes
+        self.client = WorkerClient(nodes, job=self.job, rank=self.rank, cfg=self.config.transport)
         try:
             self._build()
         except BaseException:

@@ -104,6 +104,9 @@ OPTIONAL: dict[str, tuple] = {
     "partial": (B,),
     "resume": (B,),
     "in_order": (B,),
+    "relay": (B,),
+    "ranks": (L,),
+    "prescaled": (I,),
 }
 """``partial`` (PUSH): a micro-batch's gradient under ``no_sync()`` in streaming mode; the node adds it
 to the step's sum and answers nothing; the worker's last push of the step comes without it. ``resume``
@@ -111,7 +114,11 @@ to the step's sum and answers nothing; the worker's last push of the step comes 
 ``recover()``); without it, nodes holding the job at a step past 0 with no live worker refuse the HELLO.
 ``in_order`` (WELCOME): the node bounds its pushes in flight (``node.push_memory_bytes``); the worker sends
 it its pushes in the order it made them, the same order on every worker, so the node opens a step's
-buckets one after another instead of all of them at once."""
+buckets one after another instead of all of them at once. The switch tier (``luwu aggregator``):
+``relay`` (HELLO) says the connection is an aggregator's, standing for every rank that says HELLO
+through it; ``ranks`` (PUSH) names the ranks whose pushes an aggregator summed into this one, an aligned
+block of the step's ranks, each decoded times ``1 / prescaled`` (the job's world size) as the node would;
+``ranks`` (UPDATE, NORM) names the ranks a relayed reply answers, sent once to their aggregator."""
 
 
 @dataclass(slots=True)

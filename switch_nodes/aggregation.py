@@ -88,9 +88,18 @@ class Aggregator:
         if self.ctx.cfg.mode == "async":
             return self._on_push_async(b, h, msg)
         w, step = h["worker"], h["step"]
+        block = self._block(ident, b, h) if "ranks" in h else None
         if step < b.version and step not in b.accs:
-            return self._on_retried_push(b, h)
+            return self._on_retried_push(b, h, block)
         acc = b.accumulator(step, max_ahead=2 + self.ctx.cfg.staleness)
+        if block is not None and acc.workers.intersection(block):
+            self.ctx.metrics.duplicates.inc()
+            if not acc.workers.issuperset(block):
+                raise StepMismatchError(
+                    f"bucket {b.id} step {step}: the aggregator's sum of ranks {list(block)} "
+                    f"overlaps pushes already in from ranks {sorted(acc.workers & set(block))}"
+                )
+            return []
         if w in acc.workers:
             self.ctx.metrics.duplicates.inc()
             if h.get("partial"):
@@ -114,21 +123,60 @@ class Aggregator:
         members = self.ctx.members
         partial = bool(h.get("partial"))
         ranks = acc.tree.ranks if acc.tree is not None else tuple(sorted(members))
-        b.add_push(acc, codec, msg.tensors(), h["cmeta"], ranks, w, partial=partial)
+        b.add_push(
+            acc,
+            codec,
+            msg.tensors(),
+            h["cmeta"],
+            ranks,
+            w,
+            partial=partial,
+            block=block,
+            scaled_by=h.get("prescaled", 0),
+        )
         self._count_push(b, h)
         if (
             partial
         ):  # no_sync() micro-batch: summed, unanswered; the worker's last push completes it
             acc.partial[w] = acc.partial.get(w, 0) + 1
             return []
-        acc.workers.add(w)
+        acc.workers.update(block or (w,))
         acc.pull = h["pull"]
         if acc.workers >= members:
             self.ctx.metrics.agg_wait.observe(time.monotonic() - acc.first_at)
             return self.complete(b, step, acc)
         return []
 
-    def _on_retried_push(self, b: BucketState, h: dict) -> list[Effect]:
+    def _block(self, ident: bytes, b: BucketState, h: dict) -> tuple[int, ...]:
+        """The ranks an aggregator's PUSH sums (``ranks``): two or more, in order and contiguous, each
+        a member that said HELLO through this connection; fp32, scaled by ``1 / prescaled``."""
+        ranks, ctx = h["ranks"], self.ctx
+        if (
+            len(ranks) < 2
+            or not all(type(r) is int for r in ranks)
+            or ranks != list(range(ranks[0], ranks[0] + len(ranks)))
+        ):
+            raise ProtocolError(
+                f"bucket {b.id}: a summed push names ranks {ranks[:16]}: two or more, in order, contiguous"
+            )
+        stranger = [r for r in ranks if ctx.peers.get(r) != ident]
+        if stranger:
+            raise ProtocolError(
+                f"bucket {b.id}: a summed push names ranks {stranger[:16]} that did not say HELLO "
+                "through this connection"
+            )
+        if h["codec"] != "none" or not 1 <= h.get("prescaled", 0) <= (ctx.world_size or 0):
+            raise ProtocolError(
+                f"bucket {b.id}: a summed push is fp32 (codec 'none') scaled by 1 / prescaled, "
+                f"1 <= prescaled <= world size; got codec {h['codec']!r}, prescaled {h.get('prescaled')}"
+            )
+        if h.get("partial"):
+            raise ProtocolError(f"bucket {b.id}: a summed push is never partial")
+        return tuple(ranks)
+
+    def _on_retried_push(
+        self, b: BucketState, h: dict, block: tuple[int, ...] | None = None
+    ) -> list[Effect]:
         """A push of a step already applied: answer the last step's retry with the weights, count
         nothing."""
         w, step = h["worker"], h["step"]
@@ -137,7 +185,7 @@ class Aggregator:
             raise StepMismatchError(
                 f"bucket {b.id}: push of worker {w} for step {step}, node is at step {b.version}"
             )
-        return [SendCurrent(b, [w], full_codec(h["pull"]), seq=step)]
+        return [SendCurrent(b, list(block or (w,)), full_codec(h["pull"]), seq=step)]
 
     def _check_same_nograd(self, b: BucketState, h: dict, acc: Accumulator, nograd: tuple) -> None:
         if nograd == acc.nograd:

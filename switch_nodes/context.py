@@ -113,6 +113,8 @@ class NodeContext:
     peers: dict[int, bytes] = field(default_factory=dict)  # worker rank -> ZeroMQ routing id
     last_seen: dict[int, float] = field(default_factory=dict)
     members: set[int] = field(default_factory=set)  # expected in each step (elastic drops some)
+    #: connections of aggregators (HELLO ``relay``): each stands for the ranks that said HELLO through it
+    relays: set[bytes] = field(default_factory=set)
     #: the pushes in flight against node.push_memory_bytes (:mod:`.inflight`)
     inflight: PushBudget = field(init=False)
 

@@ -245,6 +245,8 @@ class Membership:
         ctx.param_names.update(names)
         ctx.layout_hash = h["layout"]
         ctx.peers[w] = ident
+        if h.get("relay"):  # an aggregator's connection: its ranks' replies go to it once
+            ctx.relays.add(ident)
         if not ctx.members:
             ctx.members = set(range(ctx.world_size))
         ctx.members.add(w)

@@ -58,9 +58,14 @@ class Outbox:
             return None
 
     def send_to(self, worker: int, frames: list, track: bool = False, priority=None):
-        """:meth:`send` to a connected worker rank (nothing if it is not connected)."""
+        """:meth:`send` to a connected worker rank (nothing if it is not connected); through an
+        aggregator, the header names the rank (``ranks``) so that it reaches that worker."""
         ident = self.ctx.peers.get(worker)
-        return None if ident is None else self.send(ident, frames, track, priority)
+        if ident is None:
+            return None
+        if ident in self.ctx.relays:
+            frames = addressed(frames, [worker])
+        return self.send(ident, frames, track, priority)
 
     def answer(self, ident: bytes, op: Op, worker: int, step: int, **fields: Any) -> None:
         """A header-only reply carrying the node's step."""
@@ -122,8 +127,13 @@ class Outbox:
         # a step's weights: the next forward reads the buckets from the highest id down, so a
         # worker's queued replies go in that order (a PULL's answer, a streaming fetch, keeps its place)
         priority = (b.version, -b.id) if payload.frames and seq is not None else None
+        relayed: dict[bytes, list[int]] = {}  # an aggregator's ranks get one message, once
         for w in workers:
-            if w not in self.ctx.peers:
+            ident = self.ctx.peers.get(w)
+            if ident is None:
+                continue
+            if ident in self.ctx.relays:
+                relayed.setdefault(ident, []).append(w)
                 continue
             later = (
                 self.held.hold(w, seq, b.id, data, priority)
@@ -134,4 +144,17 @@ class Outbox:
             metrics.bytes_out.labels("update").inc(nbytes)
             if payload.frames:  # (an ack carries no weights)
                 metrics.raw_out.labels("update").inc(b.numel * 4)
+        for ident, ranks in relayed.items():
+            tracker = self.send(ident, addressed(data, ranks), True, priority)
+            trackers += [(w, tracker) for w in ranks]
+            metrics.bytes_out.labels("update").inc(nbytes)
+            if payload.frames:
+                metrics.raw_out.labels("update").inc(b.numel * 4)
         return trackers
+
+
+def addressed(frames: list, ranks: list[int]) -> list:
+    """``frames`` with ``ranks`` in the header: the workers an aggregator passes a reply on to."""
+    header = msgpack.unpackb(frames[0], raw=False, strict_map_key=False)
+    header["ranks"] = ranks
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]

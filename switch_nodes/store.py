@@ -27,7 +27,7 @@ from luwu.protocol.errors import ConfigError, StepMismatchError
 from luwu.protocol.layout import Bucket
 from luwu.switch_nodes.kept_frames import mapped
 from luwu.switch_nodes.optimizers import OptimizerKind, apply_
-from luwu.switch_nodes.summation import RankTree
+from luwu.switch_nodes.summation import RankTree, Summed
 
 
 @dataclass(slots=True)
@@ -368,6 +368,8 @@ class BucketState:
         rank: int,
         *,
         partial: bool = False,
+        block: tuple[int, ...] | None = None,
+        scaled_by: int = 0,
     ) -> None:
         """Sum rank ``rank``'s push into the accumulator, times 1/n, n = len(``ranks``) (the workers
         the step waits for): the average costs no pass of its own, and :meth:`apply` needs no
@@ -378,12 +380,25 @@ class BucketState:
         until its left neighbours are in. A ``partial`` push (a micro-batch's gradient under
         ``no_sync()``, more of that worker's to come), or one of a rank the step's first push did not
         count, is added at once, in arrival order: its frames belong to a message the worker does not
-        wait an answer for."""
+        wait an answer for.
+
+        A ``block`` push is an aggregator's sum of those ranks' pushes, each decoded times
+        ``1 / scaled_by``: where it is one of the tree's subtrees it stands in for them (bit for bit
+        the sum without the aggregator); else (a step that waits for other ranks than the
+        aggregator's count, elastic mode) it is added as it comes, rescaled."""
         if not acc.workers and not acc.partial and acc.tree is None:
             acc.prescale = float(len(ranks))
-            if not partial and rank in ranks:
+            if not partial and (block or (rank,))[0] in ranks:
                 acc.tree = RankTree(ranks, 1.0 / acc.prescale)
         tree = acc.tree
+        if block is not None:
+            codec = Summed(codec, scaled_by / acc.prescale, len(block))
+            if tree is not None and codec.scale == 1.0 and tree.fits(block):
+                tree.add_block(block, (codec, frames, meta), self._take, self._pool.give)
+                if tree.complete:
+                    self.settle(acc)
+                return
+            rank = -1  # (added as it comes, below)
         if tree is not None and not partial and rank in tree.ranks:
             tree.add(rank, (codec, frames, meta), self._take, self._pool.give)
             if tree.complete:

@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from luwu.cli import config, demo, keys, node, plan, status, top, updown
+from luwu.cli import aggregator, config, demo, keys, node, plan, status, top, updown
 from luwu.cli.common import VersionAction, split_overrides
 from luwu.protocol.errors import LuwuError
 
@@ -23,7 +23,7 @@ Settings come from a TOML cluster file (--config), LUWU_SECTION__FIELD environme
 variables and --section.field=value flags, in that order of precedence (lowest first).
 """
 
-COMMANDS = (node, updown, status, top, config, keys, plan, demo)
+COMMANDS = (node, aggregator, updown, status, top, config, keys, plan, demo)
 """Modules that register the subcommands, in the order of ``luwu --help``."""
 
 

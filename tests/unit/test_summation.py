@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from luwu.protocol.codecs import get_codec
-from luwu.switch_nodes.summation import RankTree
+from luwu.switch_nodes.summation import RankTree, Summed, aligned_blocks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -156,3 +156,55 @@ def test_a_step_that_goes_on_without_some_ranks_sums_those_that_came():
     assert bufs.live == 2  # (the first result, and this pair)
     tree.release(bufs.give)
     assert bufs.live == 1
+
+
+def test_a_group_is_cut_into_the_trees_aligned_blocks():
+    ranks = tuple(range(8))
+    assert aligned_blocks(ranks, (0, 1, 2, 3)) == [(0, 1, 2, 3)]
+    assert aligned_blocks(ranks, (2, 3, 4, 5, 6)) == [(2, 3), (4, 5), (6,)]
+    assert aligned_blocks(ranks, (3, 4, 5, 6, 7)) == [(3,), (4, 5, 6, 7)]
+    assert aligned_blocks(tuple(range(6)), (4, 5)) == [(4, 5)]
+    with pytest.raises(ValueError, match="contiguous"):
+        aligned_blocks(ranks, (1, 3))
+
+
+@pytest.mark.parametrize("codec_name", ["none", "int8"])
+@pytest.mark.parametrize("n,groups", [(4, [2, 2]), (8, [4, 4]), (7, [3, 4]), (5, [5]), (6, [4, 2])])
+def test_aggregators_sums_folded_in_give_the_flat_trees_bits(codec_name, n, groups):
+    """Each group's blocks summed apart (as an aggregator does, times the node's 1/n) and sent as fp32:
+    the node's tree with those blocks folded in, in any order, has the flat tree's bits."""
+    pushes, alpha, none = _pushes(codec_name, n, seed=n), 1.0 / n, get_codec("none")
+    want, _ = _tree_sum(pushes, list(range(n)), alpha)
+    ranks = tuple(range(10, 10 + n))
+    items, first = [], 0
+    for size in groups:
+        for block in aligned_blocks(ranks, ranks[first : first + size]):
+            pos = [ranks.index(r) for r in block]
+            if len(block) == 1:
+                items.append((block, pushes[pos[0]]))
+                continue
+            sub = RankTree(block, alpha)
+            for r, p in zip(block, pos):
+                sub.add(r, pushes[p], Buffers().take, lambda b: None)
+            total = sub.result(Buffers().take, lambda b: None)
+            frames = [total.view(torch.uint8)]
+            items.append((block, (Summed(none, 1.0, len(block)), frames, {})))
+        first += size
+    for order in (items, items[::-1]):
+        bufs, tree = Buffers(), RankTree(ranks, alpha)
+        for block, push in order:
+            if len(block) == 1:
+                tree.add(block[0], push, bufs.take, bufs.give)
+            else:
+                assert tree.fits(block)
+                tree.add_block(block, push, bufs.take, bufs.give)
+        assert tree.complete
+        assert tree.result(bufs.take, bufs.give).equal(want)
+
+
+def test_a_block_that_is_no_subtree_does_not_fit():
+    tree = RankTree(tuple(range(8)), 0.125)
+    assert tree.fits((0, 1)) and tree.fits((4, 5, 6, 7))
+    assert not tree.fits((1, 2)), "not aligned"
+    assert not tree.fits((0, 1, 2)), "not a power of two"
+    assert not tree.fits((8, 9)), "not the tree's ranks"

@@ -41,6 +41,7 @@ DEFAULTS = {
     "step_sleep": 0.0,
     "late_ranks": [],  # ranks that sleep 30 ms before each backward: their pushes arrive last
     "clip_call": None,  # call opt.clip_grad_norm_(clip_call) after backward (torch's clip_grad_norm_ in the reference)
+    "aggregators": None,  # per rank, the address of its aggregator (the switch tier), or None
 }
 
 
@@ -176,6 +177,7 @@ def main(path: str) -> None:
         mode=spec["mode"],
         compression=compression,
         job=spec.get("job", "luwu"),
+        aggregator=(spec["aggregators"] or {}).get(str(rank)),
         amp=scaler if scaler is not None and spec["clip_call"] is not None else spec["amp"],
         **spec["hyper"],
     )

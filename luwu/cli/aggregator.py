@@ -1,0 +1,74 @@
+"""``luwu aggregator``: one aggregator of the switch tier in the foreground."""
+
+from __future__ import annotations
+
+import sys
+
+from luwu.cli.common import add_command
+from luwu.protocol.errors import ConfigError
+
+
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """``"4-7"`` (or ``"4"``) as the ranks 4, 5, 6, 7."""
+    first, _, last = text.partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise ConfigError(f"--ranks takes FIRST-LAST (e.g. 0-3), got {text!r}") from None
+    if not 0 <= a <= b:
+        raise ConfigError(f"--ranks takes FIRST-LAST with 0 <= FIRST <= LAST, got {text!r}")
+    return tuple(range(a, b + 1))
+
+
+def cmd_aggregator(args) -> int:
+    from luwu.config import load_config
+
+    cfg = load_config(args.config, argv=args.overrides)  # a bad setting is told before torch loads
+    group = parse_ranks(args.ranks)
+    if not cfg.cluster.nodes:
+        raise ConfigError(
+            "an aggregator needs the job's nodes: [cluster] nodes in --config, or "
+            "--cluster.nodes=tcp://HOST:PORT,..."
+        )
+    from luwu.switch_nodes.tier import run_aggregator
+
+    node = cfg.node
+    if not node.join_secret and cfg.transport.join_secret:  # the workers show the job's secret
+        import dataclasses
+
+        node = dataclasses.replace(node, join_secret=cfg.transport.join_secret)
+    print(
+        f"luwu aggregator: ranks {group[0]}-{group[-1]} in front of {len(cfg.cluster.nodes)} nodes",
+        file=sys.stderr,
+        flush=True,
+    )
+    return run_aggregator(
+        node,
+        job=cfg.cluster.job,
+        nodes=list(cfg.cluster.nodes),
+        group=group,
+        upstream_secret=cfg.transport.join_secret,
+    )
+
+
+def register(subparsers) -> None:
+    s = add_command(
+        subparsers,
+        "aggregator",
+        func=cmd_aggregator,
+        settings=True,
+        help="run one aggregator of the switch tier in the foreground",
+        description=(
+            "Run one aggregator in front of the nodes of [cluster] nodes, for the workers of --ranks. It prints "
+            "'LUWU_NODE_READY <address>' once bound (node.bind, default tcp://127.0.0.1:0: any free port); the "
+            "group's workers connect to it (RemoteOptimizer(..., aggregator=ADDRESS), cluster.aggregator) instead "
+            "of to the nodes. It asks its workers for the job's join secret (node.join_secret, else "
+            "transport.join_secret) and shows the nodes transport.join_secret."
+        ),
+    )
+    s.add_argument(
+        "--ranks",
+        required=True,
+        metavar="FIRST-LAST",
+        help="the worker ranks it serves, a contiguous run (e.g. 0-3)",
+    )

@@ -1,0 +1,129 @@
+"""An aggregator's sums: its group's pushes of each (node, step, bucket), summed as the node would.
+
+The node sums a (step, bucket)'s pushes as a pairwise tree over the job's ranks
+(:class:`luwu.switch_nodes.summation.RankTree`). The group's ranks are cut into that tree's aligned
+blocks (:func:`~luwu.switch_nodes.summation.aligned_blocks`); each block of two or more is summed here
+with the same tree, every push decoded times ``1 / world_size`` as on the node, and goes up as one
+fp32 PUSH naming the block's ``ranks``: the node folds it in where it would have built it, so the
+sum has the same bits as without the aggregator. A block of one rank is the worker's push, passed
+up as it came (its codec kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from luwu.protocol import messages as wire
+from luwu.protocol.codecs import get_codec
+from luwu.protocol.errors import ProtocolError, StepMismatchError
+from luwu.protocol.messages import Op
+from luwu.switch_nodes.summation import RankTree, aligned_blocks
+
+__all__ = ["GroupSums"]
+
+#: How many steps back a block's finished sum is remembered (a retried push of it then goes up as it
+#: came, for the node to recognise).
+KEEP_DONE_STEPS = 4
+
+
+@dataclass(slots=True)
+class _Open:
+    """One block's pushes of one (node, step, bucket) so far."""
+
+    tree: RankTree
+    header: dict  # the first push's header: what the summed push carries
+    two_phase: bool = False
+    pushed: set = field(default_factory=set)
+
+
+class GroupSums:
+    """The sums of one aggregator's group (``group``: its ranks, contiguous) in a job of
+    ``world_size`` ranks."""
+
+    def __init__(self, group: tuple[int, ...], world_size: int):
+        self.group, self.world_size = group, world_size
+        self._blocks = aligned_blocks(tuple(range(world_size)), group)
+        self._block_of = {r: b for b in self._blocks for r in b}
+        self._open: dict[tuple, _Open] = {}
+        self._done: set[tuple] = set()
+        self._newest = 0
+
+    @property
+    def blocks(self) -> list[tuple[int, ...]]:
+        return self._blocks
+
+    def add(self, node: int, numel: int, msg: wire.Message, body: list) -> list | None:
+        """Rank ``msg``'s push to ``node`` (of a bucket of ``numel``): the frames to send up now (the
+        push itself, a block's finished sum) or None while its block waits for more pushes."""
+        h = msg.header
+        r, step, bid = h["worker"], h["step"], h["bucket"]
+        block = self._block_of.get(r)
+        if block is None:
+            raise ProtocolError(f"worker rank {r} is not in this aggregator's group {self.group}")
+        key = (node, step, bid, block)
+        if len(block) == 1 or key in self._done or h.get("partial"):
+            return body  # a leaf of the tree, a retry after the sum left, a micro-batch: as it came
+        codec = get_codec(h["codec"])
+        if codec.pull_only:
+            raise ProtocolError(
+                f"bucket {bid}: codec {codec.name!r} carries weights, not gradients"
+            )
+        codec.validate(numel, h["nbytes"], h["cmeta"])
+        frames = msg.tensors()
+        codec.check_payload(numel, frames, h["cmeta"])
+        rec = self._open.get(key)
+        if rec is None:
+            rec = self._open[key] = _Open(RankTree(block, 1.0 / self.world_size), h)
+        elif h["nograd"] != rec.header["nograd"]:
+            raise StepMismatchError(
+                f"bucket {bid} step {step}: worker {r} disagrees with worker "
+                f"{rec.header['worker']} on which parameters have a gradient (nograd "
+                f"{h['nograd']} against {rec.header['nograd']})"
+            )
+        if r in rec.pushed:
+            return None  # a retry while the block waits: counted once
+        rec.pushed.add(r)
+        rec.two_phase = rec.two_phase or bool(h["two_phase"])
+
+        def take() -> torch.Tensor:
+            return torch.empty(numel, dtype=torch.float32)
+
+        rec.tree.add(r, (codec, frames, h["cmeta"]), take, lambda buf: None)
+        if not rec.tree.complete:
+            return None
+        del self._open[key]
+        self._finished(key)
+        return self._summed(rec, block, rec.tree.result(take, lambda buf: None))
+
+    def _summed(self, rec: _Open, block: tuple[int, ...], total: torch.Tensor) -> list:
+        h = rec.header
+        header = {
+            "op": Op.PUSH,
+            "job": h["job"],
+            "step": h["step"],
+            "worker": block[0],
+            "bucket": h["bucket"],
+            "codec": "none",
+            "cmeta": {},
+            "hyper": h["hyper"],
+            "nograd": h["nograd"],
+            "two_phase": rec.two_phase,
+            "pull": h["pull"],
+            "ranks": list(block),
+            "prescaled": self.world_size,
+        }
+        return wire.encode(header, [total])
+
+    def _finished(self, key: tuple) -> None:
+        self._done.add(key)
+        step = key[1]
+        if step > self._newest:
+            self._newest = step
+            self._done = {k for k in self._done if k[1] > step - KEEP_DONE_STEPS}
+
+    def forget(self) -> None:
+        """Drop every open sum (a node rolled back: its pushes come again)."""
+        self._open.clear()
+        self._done.clear()

@@ -1,0 +1,269 @@
+"""``AggregatorServer``: the switch tier's daemon, in front of the nodes for one group of workers.
+
+The group's workers connect to it as they would to the nodes (one connection per node, each saying
+HELLO with its node index). It holds one connection per node and speaks for the group there:
+
+- HELLO goes up marked ``relay``: the node binds the rank to the aggregator's connection, and checks
+  it as it checks any worker (job, layout, world size, resume). Until a rank's WELCOME came back, its
+  connection may say nothing else; a peer without the job's join secret never gets that far (the
+  same listener as the node's, :mod:`luwu.switch_nodes.zmtp`, with the same bounds).
+- PUSH: the group's pushes of a (step, bucket) are summed (:mod:`.group_sums`) and go up once.
+- Every other op goes up as it came, and the node's answers come back to the rank they name: a
+  reply that answers several of the group's ranks (``ranks``: an UPDATE, which the node sends the
+  aggregator once) is passed to each of them, as it came, never re-encoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from luwu.protocol import messages as wire
+from luwu.protocol.errors import LuwuError, ProtocolError
+from luwu.protocol.messages import Op
+from luwu.switch_nodes.config import NodeConfig
+from luwu.switch_nodes.lines import READY_LINE
+from luwu.switch_nodes.tier.group_sums import GroupSums
+from luwu.switch_nodes.zmtp import ZmtpListener
+
+__all__ = ["AggregatorServer"]
+
+log = logging.getLogger(__name__)
+
+
+def _header(frame) -> dict:
+    return msgpack.unpackb(getattr(frame, "bytes", frame), raw=False, strict_map_key=False)
+
+
+def _readdressed(frames: list, worker: int) -> list:
+    """A reply that named several ranks, as the one worker ``worker`` gets it."""
+    header = _header(frames[0])
+    header.pop("ranks", None)
+    header["worker"] = worker
+    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+
+
+class AggregatorServer:
+    """One aggregator: ``cfg`` its listener's settings (a node's: bind, join secret, bounds), ``nodes``
+    the job's node addresses in index order, ``group`` the worker ranks it serves."""
+
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        *,
+        job: str,
+        nodes: list[str],
+        group: tuple[int, ...],
+        upstream_secret: str = "",
+    ) -> None:
+        if not nodes:
+            raise ProtocolError("an aggregator needs the job's node addresses")
+        if not group or list(group) != list(range(group[0], group[0] + len(group))):
+            raise ProtocolError(f"an aggregator's ranks are a contiguous run, got {list(group)}")
+        self.cfg, self.job, self.nodes, self.group = cfg, job, nodes, tuple(group)
+        self.upstream_secret = upstream_secret
+        self._route: dict[tuple[int, int], bytes] = {}  # (node, rank) -> the worker's connection
+        self._welcomed: dict[
+            bytes, tuple[int, int]
+        ] = {}  # connection -> (node, rank) it speaks for
+        self._numel: dict[tuple[int, int], int] = {}  # (node, bucket) -> elements
+        self._sums: GroupSums | None = None
+        self.listener: ZmtpListener | None = None
+        self.address: str | None = None
+        self._up: list[zmq.asyncio.Socket] = []
+
+    # ----------------------------------------------------------------- life
+    def bind(self) -> str:
+        cfg = self.cfg
+        self.listener = ZmtpListener(
+            cfg.bind,
+            max_message_bytes=cfg.max_message_bytes,
+            max_frames=cfg.max_message_frames,
+            budget=lambda i: cfg.peer_budget if i in self._welcomed else cfg.stranger_bytes,
+            who=self._who,
+            max_connections=cfg.max_connections,
+            sndhwm=cfg.rcvhwm,
+            join_secret=cfg.join_secret,
+            member=lambda i: i in self._welcomed,
+            total_bytes=cfg.peers_total_budget,
+        )
+        self.address = self.listener.address
+        return self.address
+
+    def _who(self, ident: bytes) -> str:
+        at = self._welcomed.get(ident)
+        return "a peer that did not say HELLO" if at is None else f"worker rank {at[1]}"
+
+    async def serve(self) -> None:
+        if self.listener is None:
+            self.bind()
+        await self.listener.start()
+        zctx = zmq.asyncio.Context.instance()
+        for addr in self.nodes:
+            s = zctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, self.cfg.rcvhwm)
+            s.setsockopt(zmq.RCVHWM, self.cfg.rcvhwm)
+            if self.upstream_secret:
+                s.setsockopt(zmq.METADATA, wire.join_metadata(self.upstream_secret))
+            s.connect(addr)
+            self._up.append(s)
+        print(f"{READY_LINE} {self.address}", flush=True)
+        log.info(
+            "aggregator for ranks %s of job %r at %s, in front of %d nodes",
+            list(self.group),
+            self.job,
+            self.address,
+            len(self.nodes),
+        )
+        tasks = [asyncio.ensure_future(self._down_loop())]
+        tasks += [asyncio.ensure_future(self._up_loop(i)) for i in range(len(self.nodes))]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in self._up:
+                s.close(0)
+            self.listener.close()
+
+    # ----------------------------------------------------------------- workers -> nodes
+    async def _down_loop(self) -> None:
+        listener = self.listener
+        while True:
+            ident, body, dropped = await listener.recv()
+            try:
+                msg = wire.decode(
+                    body,
+                    job=self.job,
+                    max_message_bytes=self.cfg.max_message_bytes,
+                    header_only=dropped,
+                )
+                if dropped:
+                    raise ProtocolError(
+                        f"{msg.op.name} with a payload of more than node.stranger_bytes from a peer "
+                        "that did not say HELLO"
+                    )
+                await self._from_worker(ident, msg, body)
+            except LuwuError as exc:
+                self._refuse(ident, body, exc)
+            except Exception as exc:  # an aggregator never dies of a message
+                log.exception("aggregator: internal error handling a message")
+                self._refuse(ident, body, ProtocolError(f"internal error: {exc}"))
+
+    async def _from_worker(self, ident: bytes, msg: wire.Message, body: list) -> None:
+        h, op = msg.header, msg.op
+        if op == Op.HELLO:
+            await self._hello(ident, msg)
+            return
+        at = self._welcomed.get(ident)
+        if at is None:
+            raise ProtocolError(f"{op.name} from a peer that did not say HELLO: say HELLO first")
+        node, rank = at
+        if h["worker"] != rank:
+            raise ProtocolError(
+                f"worker {h['worker']}: message on the connection of worker rank {rank}"
+            )
+        if op == Op.PUSH and self._sums is not None:
+            numel = self._numel.get((node, h["bucket"]))
+            if numel is None:
+                raise ProtocolError(f"bucket {h['bucket']} is not one of node {node}'s")
+            frames = self._sums.add(node, numel, msg, body)
+            if frames is None:
+                return
+            body = frames
+        await self._up[node].send_multipart(body, copy=False)
+
+    async def _hello(self, ident: bytes, msg: wire.Message) -> None:
+        h = msg.header
+        rank, node = h["worker"], h["node_index"]
+        if rank not in self.group:
+            raise ProtocolError(
+                f"worker rank {rank} said HELLO to the aggregator of ranks {list(self.group)}: "
+                "connect it to its own group's aggregator"
+            )
+        if not 0 <= node < len(self.nodes):
+            raise ProtocolError(
+                f"worker {rank} addressed node {node}; this aggregator serves nodes "
+                f"0..{len(self.nodes) - 1}"
+            )
+        if self._sums is None or self._sums.world_size != h["world_size"]:
+            self._sums = GroupSums(self.group, h["world_size"])
+        for b in h["buckets"]:
+            if isinstance(b, list) and len(b) >= 3 and type(b[0]) is int and type(b[2]) is int:
+                self._numel[(node, b[0])] = b[2]
+        self._route[(node, rank)] = ident  # its answers come back here (the WELCOME admits it)
+        header = dict(h, relay=True)
+        header.pop("nbytes", None)
+        await self._up[node].send_multipart(wire.encode(header), copy=False)
+
+    def _refuse(self, ident: bytes, body: list, exc: LuwuError) -> None:
+        h: dict = {}
+        try:
+            h = _header(body[0]) if body else {}
+        except Exception:
+            pass
+        h = h if isinstance(h, dict) else {}
+
+        def num(k: str, d: int) -> int:
+            v = h.get(k, d)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else d
+
+        frames = wire.error_message(
+            self.job,
+            getattr(exc, "code", "luwu"),
+            f"aggregator: {exc}",
+            ref_op=num("op", 0),
+            step=num("step", 0),
+            worker=num("worker", 0),
+            bucket=num("bucket", -1) if "bucket" in h else -1,
+        )
+        self._send(ident, frames)
+
+    def _send(self, ident: bytes, frames: list) -> None:
+        try:
+            self.listener.send(ident, frames)
+        except Exception:  # a full queue: the worker does not read (its rank's timeouts name it)
+            log.warning(
+                "aggregator: a reply to %s was dropped (its queue is full)", self._who(ident)
+            )
+
+    # ----------------------------------------------------------------- nodes -> workers
+    async def _up_loop(self, node: int) -> None:
+        sock = self._up[node]
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            try:
+                h = _header(frames[0])
+                ranks = h.get("ranks")
+                worker = h.get("worker")
+            except Exception:
+                log.warning("aggregator: an unreadable message from node %d was dropped", node)
+                continue
+            body = [frames[0].bytes, *(f.buffer for f in frames[1:])]
+            if h.get("op") == Op.WELCOME:
+                ident = self._route.get((node, worker))
+                if ident is not None:
+                    self._welcomed[ident] = (node, worker)
+            if h.get("op") == Op.BYE:  # its rank is free on the node: the connection says no more
+                ident = self._route.pop((node, worker), None)
+                self._welcomed.pop(ident, None)
+                if ident is not None:
+                    self._send(ident, body)
+                continue
+            if isinstance(ranks, list):
+                for r in ranks:
+                    ident = self._route.get((node, r))
+                    if ident is not None:
+                        self._send(ident, _readdressed(body, r))
+                continue
+            ident = self._route.get((node, worker))
+            if ident is not None:
+                self._send(ident, body)

@@ -1,0 +1,50 @@
+"""The switch tier: real ``luwu aggregator`` daemons in front of real nodes, real worker processes.
+
+An aggregator sums its group's pushes of each (step, bucket) in the node's own order and sends one,
+and passes each reply on to its workers: with compression off, a job trained through aggregators
+ends with the bits of the same job trained without them, and the nodes receive one push per bucket
+from each aggregator instead of one from each worker (their own ``/metrics``)."""
+
+import pytest
+from harness import assert_params_close, run_training
+from support.node_metrics import scrape
+from workers.train import reference
+
+import luwu
+
+SPEC = {"optimizer": "adamw", "hyper": {"lr": 0.01}, "steps": 5, "batch": 4, "bucket_bytes": 2048}
+METRICS = ["--metrics.port", "0"]
+
+
+def _pushes(cluster) -> tuple[float, float]:
+    """(pushes, push bytes) the nodes received, from their /metrics."""
+    n = b = 0.0
+    for url in cluster.metrics_urls:
+        got = scrape(int(url.rsplit(":", 1)[1]), "luwu_node_pushes_total", "luwu_node_bytes_rec")
+        n += got["luwu_node_pushes_total"]
+        b += got['luwu_node_bytes_received_total{op="push"}']
+    return n, b
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,aggregators", [(4, 2), (3, 1)])
+def test_training_through_aggregators_equals_training_without_them(tmp_path, world, aggregators):
+    with luwu.local_cluster(2, node_args=METRICS) as flat:
+        want = run_training(SPEC, flat.addresses, tmp_path, world_size=world)
+        flat_pushes = _pushes(flat)
+    with luwu.local_cluster(
+        2, node_args=METRICS, aggregators=aggregators, world_size=world
+    ) as tier:
+        spec = dict(SPEC, aggregators={str(r): tier.aggregator_for(r) for r in range(world)})
+        got = run_training(spec, tier.addresses, tmp_path, world_size=world)
+        tier_pushes = _pushes(tier)
+    for rank in range(world):
+        for i, (a, b) in enumerate(zip(got[rank]["params"], want[rank]["params"])):
+            assert a.equal(b), f"rank {rank} parameter {i}: not the bits of the flat run"
+    ref, _ = reference(dict(SPEC, world_size=world))
+    assert_params_close(got[0]["params"], ref, rtol=1e-5, atol=1e-6)
+    # groups of 2 (2, 2) go up as one push each; a group of 3 as a sum of 2 and one push as it came
+    per_group = {(4, 2): 1, (3, 1): 2}[(world, aggregators)]
+    expect = flat_pushes[0] * aggregators * per_group / world
+    assert tier_pushes[0] == pytest.approx(expect, rel=0.05), (tier_pushes, flat_pushes)
+    assert tier_pushes[1] < flat_pushes[1] * 0.75
