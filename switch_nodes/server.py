@@ -451,7 +451,8 @@ class NodeServer:
 
     # ----------------------------------------------------------------- stats
     def _on_stats(self, ident: bytes, msg: wire.Message) -> list[Effect]:
-        return [Answer(ident, Op.STATS, 0, {"detail": self.stats()})]
+        # (to the rank that asked: an aggregator passes the answer on to it)
+        return [Answer(ident, Op.STATS, msg.header["worker"], {"detail": self.stats()})]
 
     def stats(self) -> dict:
         ctx, shard = self.ctx, self.shard

@@ -48,3 +48,18 @@ def test_training_through_aggregators_equals_training_without_them(tmp_path, wor
     expect = flat_pushes[0] * aggregators * per_group / world
     assert tier_pushes[0] == pytest.approx(expect, rel=0.05), (tier_pushes, flat_pushes)
     assert tier_pushes[1] < flat_pushes[1] * 0.75
+
+
+@pytest.mark.timeout(300)
+def test_a_model_whose_links_are_probed_trains_through_aggregators(tmp_path):
+    """Buckets of a few MiB a node: each worker probes its links (STATS with a payload, answered to
+    the rank that asked, which the aggregator passes back to it) before the first step. Before the
+    node named the asking rank in its answer, every answer went to rank 0 and the others waited."""
+    spec = dict(SPEC, steps=2, hidden=20000, bucket_bytes=4 << 20)
+    with luwu.local_cluster(2) as flat:
+        want = run_training(spec, flat.addresses, tmp_path, world_size=4, timeout_s=90)
+    with luwu.local_cluster(2, aggregators=2, world_size=4) as tier:
+        spec["aggregators"] = {str(r): tier.aggregator_for(r) for r in range(4)}
+        got = run_training(spec, tier.addresses, tmp_path, world_size=4, timeout_s=90)
+    for i, (a, b) in enumerate(zip(got[3]["params"], want[3]["params"])):
+        assert a.equal(b), f"parameter {i}: not the bits of the flat run"

@@ -42,14 +42,16 @@ DEFAULTS = {
     "late_ranks": [],  # ranks that sleep 30 ms before each backward: their pushes arrive last
     "clip_call": None,  # call opt.clip_grad_norm_(clip_call) after backward (torch's clip_grad_norm_ in the reference)
     "aggregators": None,  # per rank, the address of its aggregator (the switch tier), or None
+    "hidden": 64,  # the mlp's hidden width
 }
 
 
 def make_model(spec) -> torch.nn.Module:
     torch.manual_seed(spec["seed"])
     if spec["model"] == "mlp":
+        h = spec["hidden"]
         return torch.nn.Sequential(
-            torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 5)
+            torch.nn.Linear(20, h), torch.nn.Tanh(), torch.nn.LayerNorm(h), torch.nn.Linear(h, 5)
         )
     if spec["model"] == "digits":  # real data: scikit-learn's handwritten digits
         from luwu.demo import make_model as digits_model
