@@ -15,6 +15,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 TRAIN = ROOT / "workers" / "train.py"
+STREAM = ROOT / "workers" / "stream.py"
 
 
 def job_secret() -> str:
@@ -100,6 +101,18 @@ def run_training(
         spec, nodes=nodes, world_size=world_size, out=str(tmp / f"result-{time.monotonic_ns()}")
     )
     wait_all(start_workers(TRAIN, spec, world_size, tmp), timeout_s)
+    return [torch.load(f"{spec['out']}.rank{r}") for r in range(world_size)]
+
+
+def run_streaming(
+    spec: dict, nodes: list[str], tmp: Path, world_size: int = 2, timeout_s: float = 150
+) -> list[dict]:
+    """Train in streaming mode (``workers/stream.py``) in ``world_size`` real processes; returns each
+    rank's saved result."""
+    spec = dict(
+        spec, nodes=nodes, world_size=world_size, out=str(tmp / f"result-{time.monotonic_ns()}")
+    )
+    wait_all(start_workers(STREAM, spec, world_size, tmp), timeout_s)
     return [torch.load(f"{spec['out']}.rank{r}") for r in range(world_size)]
 
 

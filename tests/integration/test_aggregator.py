@@ -6,7 +6,7 @@ ends with the bits of the same job trained without them, and the nodes receive o
 from each aggregator instead of one from each worker (their own ``/metrics``)."""
 
 import pytest
-from harness import assert_params_close, run_training
+from harness import assert_params_close, run_streaming, run_training
 from support.node_metrics import scrape
 from workers.train import reference
 
@@ -63,3 +63,20 @@ def test_a_model_whose_links_are_probed_trains_through_aggregators(tmp_path):
         got = run_training(spec, tier.addresses, tmp_path, world_size=4, timeout_s=90)
     for i, (a, b) in enumerate(zip(got[3]["params"], want[3]["params"])):
         assert a.equal(b), f"parameter {i}: not the bits of the flat run"
+
+
+@pytest.mark.timeout(300)
+def test_streaming_workers_through_aggregators_equal_the_flat_run(tmp_path):
+    """Streaming mode (weights fetched per unit, pushes answered with an ack, the next units' weights
+    sent unasked): its PULLs and their answers pass through by rank, its pushes are summed."""
+    spec = {"steps": 4}
+    with luwu.local_cluster(2) as flat:
+        want = run_streaming(spec, flat.addresses, tmp_path, world_size=4)
+    with luwu.local_cluster(2, aggregators=2, world_size=4) as tier:
+        spec["aggregators"] = {str(r): tier.aggregator_for(r) for r in range(4)}
+        got = run_streaming(spec, tier.addresses, tmp_path, world_size=4, timeout_s=120)
+    for rank in (0, 3):
+        for name, w in want[rank]["params"].items():
+            assert got[rank]["params"][name].equal(w), (
+                f"rank {rank} {name}: not the flat run's bits"
+            )

@@ -5,21 +5,8 @@ import time
 
 import pytest
 import torch
-from harness import ROOT, kill_node_after_step, start_workers, wait_all
+from harness import STREAM, kill_node_after_step, run_streaming, start_workers, wait_all
 from workers.stream import reference  # noqa: E402
-
-STREAM = ROOT / "workers" / "stream.py"
-
-
-def run_streaming(
-    spec: dict, nodes: list[str], tmp, world_size: int = 2, timeout_s: float = 150
-) -> list[dict]:
-    spec = dict(
-        spec, nodes=nodes, world_size=world_size, out=str(tmp / f"result-{time.monotonic_ns()}")
-    )
-    wait_all(start_workers(STREAM, spec, world_size, tmp), timeout_s)
-    return [torch.load(f"{spec['out']}.rank{r}") for r in range(world_size)]
-
 
 RTOL, ATOL = 1e-6, 1e-6
 

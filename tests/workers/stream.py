@@ -167,6 +167,7 @@ def main(path: str) -> None:
         max_grad_norm=spec["max_grad_norm"],
         stream_weights=True,
         prefetch=spec["prefetch"],
+        aggregator=(spec.get("aggregators") or {}).get(str(rank)),
         **spec["hyper"],
     )
     counts = count_ops(opt.client)
