@@ -45,6 +45,8 @@ class LocalCluster:
     """The worker ranks each aggregator serves: a worker of rank r passes
     ``RemoteOptimizer(..., aggregator=cluster.aggregator_for(r))``."""
     aggregator_procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    aggregator_metrics_urls: list[str] = field(default_factory=list)
+    """http://host:port of each aggregator's /metrics (when started with --metrics.port)."""
     join_secret: str = field(default="", repr=False)
     """The join secret the nodes ask for, unless node_args give them CURVE keys, a secret of their own, or
     node.insecure_open. While the cluster is open it is LUWU_TRANSPORT__JOIN_SECRET in this process's
@@ -212,6 +214,7 @@ def local_cluster(
     start_timeout_s: float = 60.0,
     aggregators: int = 0,
     world_size: int = 0,
+    aggregator_args: list[str] | None = None,
 ):
     """Start ``num_nodes`` real node daemons on 127.0.0.1 and yield a :class:`LocalCluster`.
 
@@ -231,6 +234,7 @@ def local_cluster(
             each for a contiguous group of the ``world_size`` ranks (:attr:`LocalCluster.groups`;
             a worker connects to :meth:`LocalCluster.aggregator_for` its rank).
         world_size: the job's workers, with ``aggregators``.
+        aggregator_args: extra arguments for every aggregator (``["--metrics.port", "0"]``).
     """
     if aggregators and not 0 < aggregators <= world_size:
         raise ValueError(
@@ -265,10 +269,11 @@ def local_cluster(
             for g in groups:
                 args = ["--ranks", f"{g[0]}-{g[-1]}", "--cluster.nodes", ",".join(addrs)]
                 args += ["--cluster.job", job, "--node.bind", "tcp://127.0.0.1:0"]
-                proc, lines = _spawn(args, "aggregator")
+                proc, lines = _spawn([*args, *(aggregator_args or [])], "aggregator")
                 agg_procs.append(proc)
                 spawned.append((proc, lines, args))
-            agg_addrs = [_await_ready(*sp, start_timeout_s, None)[1] for sp in spawned]
+            agg_murls: list[str] = []
+            agg_addrs = [_await_ready(*sp, start_timeout_s, agg_murls)[1] for sp in spawned]
             yield LocalCluster(
                 addrs,
                 procs,
@@ -278,6 +283,7 @@ def local_cluster(
                 aggregators=agg_addrs,
                 groups=groups,
                 aggregator_procs=agg_procs,
+                aggregator_metrics_urls=agg_murls,
                 join_secret=secret,
             )
         finally:

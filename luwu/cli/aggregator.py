@@ -48,6 +48,7 @@ def cmd_aggregator(args) -> int:
         nodes=list(cfg.cluster.nodes),
         group=group,
         upstream_secret=cfg.transport.join_secret,
+        metrics=cfg.metrics,
     )
 
 

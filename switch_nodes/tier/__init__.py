@@ -15,6 +15,7 @@ import signal
 
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.daemon import check_gate
+from luwu.switch_nodes.lines import METRICS_LINE
 from luwu.switch_nodes.tier.server import AggregatorServer
 
 __all__ = ["AggregatorServer", "run_aggregator"]
@@ -23,14 +24,29 @@ log = logging.getLogger(__name__)
 
 
 def run_aggregator(
-    cfg: NodeConfig, *, job: str, nodes: list[str], group: tuple[int, ...], upstream_secret: str
+    cfg: NodeConfig,
+    *,
+    job: str,
+    nodes: list[str],
+    group: tuple[int, ...],
+    upstream_secret: str,
+    metrics=None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code. Like a node, an aggregator without a
-    gate (its listener's join secret, ``cfg.join_secret``) refuses to start unless ``cfg.insecure_open``."""
+    gate (its listener's join secret, ``cfg.join_secret``) refuses to start unless ``cfg.insecure_open``.
+    ``metrics`` (a ``MetricsConfig``): its ``/metrics`` on ``metrics.port`` (-1: none)."""
     open_warning = check_gate(cfg)
     server = AggregatorServer(
         cfg, job=job, nodes=nodes, group=group, upstream_secret=upstream_secret
     )
+    if metrics is not None and metrics.port >= 0:
+        from luwu.protocol.metrics import serve_metrics
+
+        def health():
+            return server.address is not None, {"workers": server.num_workers}
+
+        _, port = serve_metrics(server.metrics.registry, metrics.host, metrics.port, health)
+        print(f"{METRICS_LINE} http://{metrics.host}:{port}", flush=True)
 
     async def main() -> None:
         server.bind()

@@ -11,6 +11,7 @@ up as it came (its codec kept).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ class _Open:
 
     tree: RankTree
     header: dict  # the first push's header: what the summed push carries
+    first_at: float = field(default_factory=time.monotonic)
     two_phase: bool = False
     pushed: set = field(default_factory=set)
 
@@ -42,8 +44,9 @@ class GroupSums:
     """The sums of one aggregator's group (``group``: its ranks, contiguous) in a job of
     ``world_size`` ranks."""
 
-    def __init__(self, group: tuple[int, ...], world_size: int):
-        self.group, self.world_size = group, world_size
+    def __init__(self, group: tuple[int, ...], world_size: int, metrics=None):
+        """``metrics``: an :class:`.metrics.AggregatorMetrics` to count into."""
+        self.group, self.world_size, self.metrics = group, world_size, metrics
         self._blocks = aligned_blocks(tuple(range(world_size)), group)
         self._block_of = {r: b for b in self._blocks for r in b}
         self._open: dict[tuple, _Open] = {}
@@ -64,6 +67,8 @@ class GroupSums:
             raise ProtocolError(f"worker rank {r} is not in this aggregator's group {self.group}")
         key = (node, step, bid, block)
         if len(block) == 1 or key in self._done or h.get("partial"):
+            if self.metrics is not None:
+                self.metrics.passed.inc()
             return body  # a leaf of the tree, a retry after the sum left, a micro-batch: as it came
         codec = get_codec(h["codec"])
         if codec.pull_only:
@@ -91,9 +96,14 @@ class GroupSums:
             return torch.empty(numel, dtype=torch.float32)
 
         rec.tree.add(r, (codec, frames, h["cmeta"]), take, lambda buf: None)
+        if self.metrics is not None:
+            self.metrics.summed.inc()
         if not rec.tree.complete:
             return None
         del self._open[key]
+        if self.metrics is not None:
+            self.metrics.sums.inc()
+            self.metrics.group_wait.observe(time.monotonic() - rec.first_at)
         self._finished(key)
         return self._summed(rec, block, rec.tree.result(take, lambda buf: None))
 

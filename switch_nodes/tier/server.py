@@ -28,6 +28,7 @@ from luwu.protocol.messages import Op
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.lines import READY_LINE
 from luwu.switch_nodes.tier.group_sums import GroupSums
+from luwu.switch_nodes.tier.metrics import AggregatorMetrics
 from luwu.switch_nodes.zmtp import ZmtpListener
 
 __all__ = ["AggregatorServer"]
@@ -59,6 +60,7 @@ class AggregatorServer:
         nodes: list[str],
         group: tuple[int, ...],
         upstream_secret: str = "",
+        registry=None,
     ) -> None:
         if not nodes:
             raise ProtocolError("an aggregator needs the job's node addresses")
@@ -75,6 +77,7 @@ class AggregatorServer:
         self.listener: ZmtpListener | None = None
         self.address: str | None = None
         self._up: list[zmq.asyncio.Socket] = []
+        self.metrics = AggregatorMetrics(registry)
 
     # ----------------------------------------------------------------- life
     def bind(self) -> str:
@@ -93,6 +96,11 @@ class AggregatorServer:
         )
         self.address = self.listener.address
         return self.address
+
+    @property
+    def num_workers(self) -> int:
+        """Worker connections welcomed through this aggregator."""
+        return len(self._welcomed)
 
     def _who(self, ident: bytes) -> str:
         at = self._welcomed.get(ident)
@@ -151,6 +159,7 @@ class AggregatorServer:
                         f"{msg.op.name} with a payload of more than node.stranger_bytes from a peer "
                         "that did not say HELLO"
                     )
+                self._count(self.metrics.bytes_in, msg.header, "workers")
                 await self._from_worker(ident, msg, body)
             except LuwuError as exc:
                 self._refuse(ident, body, exc)
@@ -179,7 +188,17 @@ class AggregatorServer:
             if frames is None:
                 return
             body = frames
-        await self._up[node].send_multipart(body, copy=False)
+        await self._send_up(node, body)
+
+    async def _send_up(self, node: int, frames: list) -> None:
+        await self._up[node].send_multipart(frames, copy=False)
+        self._count(self.metrics.bytes_out, _header(frames[0]), "nodes")
+
+    @staticmethod
+    def _count(counter, h: dict, direction: str) -> None:
+        n = sum(h.get("nbytes", ()))
+        if n:
+            counter.labels(Op(h["op"]).name.lower(), direction).inc(n)
 
     async def _hello(self, ident: bytes, msg: wire.Message) -> None:
         h = msg.header
@@ -195,14 +214,14 @@ class AggregatorServer:
                 f"0..{len(self.nodes) - 1}"
             )
         if self._sums is None or self._sums.world_size != h["world_size"]:
-            self._sums = GroupSums(self.group, h["world_size"])
+            self._sums = GroupSums(self.group, h["world_size"], self.metrics)
         for b in h["buckets"]:
             if isinstance(b, list) and len(b) >= 3 and type(b[0]) is int and type(b[2]) is int:
                 self._numel[(node, b[0])] = b[2]
         self._route[(node, rank)] = ident  # its answers come back here (the WELCOME admits it)
         header = dict(h, relay=True)
         header.pop("nbytes", None)
-        await self._up[node].send_multipart(wire.encode(header), copy=False)
+        await self._send_up(node, wire.encode(header))
 
     def _refuse(self, ident: bytes, body: list, exc: LuwuError) -> None:
         h: dict = {}
@@ -216,6 +235,7 @@ class AggregatorServer:
             v = h.get(k, d)
             return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else d
 
+        self.metrics.errors.labels(getattr(exc, "code", "luwu")).inc()
         frames = wire.error_message(
             self.job,
             getattr(exc, "code", "luwu"),
@@ -227,9 +247,11 @@ class AggregatorServer:
         )
         self._send(ident, frames)
 
-    def _send(self, ident: bytes, frames: list) -> None:
+    def _send(self, ident: bytes, frames: list, h: dict | None = None) -> None:
         try:
             self.listener.send(ident, frames)
+            if h is not None:
+                self._count(self.metrics.bytes_out, h, "workers")
         except Exception:  # a full queue: the worker does not read (its rank's timeouts name it)
             log.warning(
                 "aggregator: a reply to %s was dropped (its queue is full)", self._who(ident)
@@ -248,22 +270,27 @@ class AggregatorServer:
                 log.warning("aggregator: an unreadable message from node %d was dropped", node)
                 continue
             body = [frames[0].bytes, *(f.buffer for f in frames[1:])]
+            self._count(self.metrics.bytes_in, h, "nodes")
             if h.get("op") == Op.WELCOME:
                 ident = self._route.get((node, worker))
                 if ident is not None:
                     self._welcomed[ident] = (node, worker)
+                    self.metrics.workers.set(len(self._welcomed))
             if h.get("op") == Op.BYE:  # its rank is free on the node: the connection says no more
                 ident = self._route.pop((node, worker), None)
                 self._welcomed.pop(ident, None)
+                self.metrics.workers.set(len(self._welcomed))
                 if ident is not None:
-                    self._send(ident, body)
+                    self._send(ident, body, h)
                 continue
             if isinstance(ranks, list):
+                if len(ranks) > 1:
+                    self.metrics.fanned.inc()
                 for r in ranks:
                     ident = self._route.get((node, r))
                     if ident is not None:
-                        self._send(ident, _readdressed(body, r))
+                        self._send(ident, _readdressed(body, r), h)
                 continue
             ident = self._route.get((node, worker))
             if ident is not None:
-                self._send(ident, body)
+                self._send(ident, body, h)

@@ -33,11 +33,15 @@ def test_training_through_aggregators_equals_training_without_them(tmp_path, wor
         want = run_training(SPEC, flat.addresses, tmp_path, world_size=world)
         flat_pushes = _pushes(flat)
     with luwu.local_cluster(
-        2, node_args=METRICS, aggregators=aggregators, world_size=world
+        2, node_args=METRICS, aggregators=aggregators, world_size=world, aggregator_args=METRICS
     ) as tier:
         spec = dict(SPEC, aggregators={str(r): tier.aggregator_for(r) for r in range(world)})
         got = run_training(spec, tier.addresses, tmp_path, world_size=world)
         tier_pushes = _pushes(tier)
+        agg = [
+            scrape(int(u.rsplit(":", 1)[1]), "luwu_aggregator")
+            for u in tier.aggregator_metrics_urls
+        ]
     for rank in range(world):
         for i, (a, b) in enumerate(zip(got[rank]["params"], want[rank]["params"])):
             assert a.equal(b), f"rank {rank} parameter {i}: not the bits of the flat run"
@@ -48,6 +52,16 @@ def test_training_through_aggregators_equals_training_without_them(tmp_path, wor
     expect = flat_pushes[0] * aggregators * per_group / world
     assert tier_pushes[0] == pytest.approx(expect, rel=0.05), (tier_pushes, flat_pushes)
     assert tier_pushes[1] < flat_pushes[1] * 0.75
+    # the aggregators' own /metrics: what they summed, sent up and passed on
+    sent_up = sum(
+        a["luwu_aggregator_sums_sent_total"] + a["luwu_aggregator_pushes_passed_total"] for a in agg
+    )
+    assert sent_up == tier_pushes[0]
+    summed = sum(a["luwu_aggregator_pushes_summed_total"] for a in agg)
+    assert summed + sum(a["luwu_aggregator_pushes_passed_total"] for a in agg) == flat_pushes[0]
+    up = sum(a['luwu_aggregator_bytes_sent_total{direction="nodes",op="push"}'] for a in agg)
+    assert up == tier_pushes[1]
+    assert all(a["luwu_aggregator_group_wait_seconds_count"] > 0 for a in agg)
 
 
 @pytest.mark.timeout(300)
