@@ -149,7 +149,7 @@ class Aggregator:
 
     def _block(self, ident: bytes, b: BucketState, h: dict) -> tuple[int, ...]:
         """The ranks an aggregator's PUSH sums (``ranks``): two or more, in order and contiguous, each
-        a member that said HELLO through this connection; fp32, scaled by ``1 / prescaled``."""
+        a member that said HELLO through this connection; scaled by ``1 / prescaled``."""
         ranks, ctx = h["ranks"], self.ctx
         if (
             len(ranks) < 2
@@ -165,10 +165,10 @@ class Aggregator:
                 f"bucket {b.id}: a summed push names ranks {stranger[:16]} that did not say HELLO "
                 "through this connection"
             )
-        if h["codec"] != "none" or not 1 <= h.get("prescaled", 0) <= (ctx.world_size or 0):
+        if not 1 <= h.get("prescaled", 0) <= (ctx.world_size or 0):
             raise ProtocolError(
-                f"bucket {b.id}: a summed push is fp32 (codec 'none') scaled by 1 / prescaled, "
-                f"1 <= prescaled <= world size; got codec {h['codec']!r}, prescaled {h.get('prescaled')}"
+                f"bucket {b.id}: a summed push is scaled by 1 / prescaled, 1 <= prescaled <= "
+                f"world size; got prescaled {h.get('prescaled')}"
             )
         if h.get("partial"):
             raise ProtocolError(f"bucket {b.id}: a summed push is never partial")

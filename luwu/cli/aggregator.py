@@ -49,6 +49,7 @@ def cmd_aggregator(args) -> int:
         group=group,
         upstream_secret=cfg.transport.join_secret,
         metrics=cfg.metrics,
+        compression=cfg.compression,
     )
 
 

@@ -31,13 +31,20 @@ def run_aggregator(
     group: tuple[int, ...],
     upstream_secret: str,
     metrics=None,
+    compression=None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code. Like a node, an aggregator without a
     gate (its listener's join secret, ``cfg.join_secret``) refuses to start unless ``cfg.insecure_open``.
-    ``metrics`` (a ``MetricsConfig``): its ``/metrics`` on ``metrics.port`` (-1: none)."""
+    ``metrics`` (a ``MetricsConfig``): its ``/metrics`` on ``metrics.port`` (-1: none);
+    ``compression``: its uplink's policy (a ``CompressionConfig``)."""
     open_warning = check_gate(cfg)
     server = AggregatorServer(
-        cfg, job=job, nodes=nodes, group=group, upstream_secret=upstream_secret
+        cfg,
+        job=job,
+        nodes=nodes,
+        group=group,
+        upstream_secret=upstream_secret,
+        compression=compression,
     )
     if metrics is not None and metrics.port >= 0:
         from luwu.protocol.metrics import serve_metrics

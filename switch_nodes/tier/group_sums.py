@@ -7,6 +7,11 @@ with the same tree, every push decoded times ``1 / world_size`` as on the node, 
 fp32 PUSH naming the block's ``ranks``: the node folds it in where it would have built it, so the
 sum has the same bits as without the aggregator. A block of one rank is the worker's push, passed
 up as it came (its codec kept).
+
+Compression follows the workers: a block whose pushes all came fp32 (compression off, or a warm-up
+step's) goes up fp32, bit for bit the flat sum. Otherwise its sum goes up under the hybrid policy
+decided for the aggregator's own uplink (``compression``: its ``link_gbps``), with the error-feedback
+residual kept here, per (node, bucket), as a worker keeps its own; replies come back as they were.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import torch
 from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
 from luwu.protocol.errors import ProtocolError, StepMismatchError
+from luwu.protocol.feedback import ErrorFeedback
+from luwu.protocol.layout import Bucket
 from luwu.protocol.messages import Op
+from luwu.protocol.policy import CompressionConfig, choose_codec
 from luwu.switch_nodes.summation import RankTree, aligned_blocks
 
 __all__ = ["GroupSums"]
@@ -37,6 +45,7 @@ class _Open:
     header: dict  # the first push's header: what the summed push carries
     first_at: float = field(default_factory=time.monotonic)
     two_phase: bool = False
+    compressed: bool = False  # a push came in another codec than fp32
     pushed: set = field(default_factory=set)
 
 
@@ -44,9 +53,18 @@ class GroupSums:
     """The sums of one aggregator's group (``group``: its ranks, contiguous) in a job of
     ``world_size`` ranks."""
 
-    def __init__(self, group: tuple[int, ...], world_size: int, metrics=None):
-        """``metrics``: an :class:`.metrics.AggregatorMetrics` to count into."""
+    def __init__(
+        self,
+        group: tuple[int, ...],
+        world_size: int,
+        metrics=None,
+        compression: CompressionConfig | None = None,
+    ):
+        """``metrics``: an :class:`.metrics.AggregatorMetrics` to count into; ``compression``: the
+        policy of the uplink (None: the defaults)."""
         self.group, self.world_size, self.metrics = group, world_size, metrics
+        self.compression = compression or CompressionConfig()
+        self._feedback = ErrorFeedback()
         self._blocks = aligned_blocks(tuple(range(world_size)), group)
         self._block_of = {r: b for b in self._blocks for r in b}
         self._open: dict[tuple, _Open] = {}
@@ -57,9 +75,10 @@ class GroupSums:
     def blocks(self) -> list[tuple[int, ...]]:
         return self._blocks
 
-    def add(self, node: int, numel: int, msg: wire.Message, body: list) -> list | None:
-        """Rank ``msg``'s push to ``node`` (of a bucket of ``numel``): the frames to send up now (the
-        push itself, a block's finished sum) or None while its block waits for more pushes."""
+    def add(self, node: int, bucket: Bucket, msg: wire.Message, body: list) -> list | None:
+        """Rank ``msg``'s push to ``node`` (of ``bucket``): the frames to send up now (the push itself, a
+        block's finished sum) or None while its block waits for more pushes."""
+        numel = bucket.numel
         h = msg.header
         r, step, bid = h["worker"], h["step"], h["bucket"]
         block = self._block_of.get(r)
@@ -91,6 +110,7 @@ class GroupSums:
             return None  # a retry while the block waits: counted once
         rec.pushed.add(r)
         rec.two_phase = rec.two_phase or bool(h["two_phase"])
+        rec.compressed = rec.compressed or codec.name != "none"
 
         def take() -> torch.Tensor:
             return torch.empty(numel, dtype=torch.float32)
@@ -105,18 +125,28 @@ class GroupSums:
             self.metrics.sums.inc()
             self.metrics.group_wait.observe(time.monotonic() - rec.first_at)
         self._finished(key)
-        return self._summed(rec, block, rec.tree.result(take, lambda buf: None))
+        return self._summed(node, bucket, rec, block, rec.tree.result(take, lambda buf: None))
 
-    def _summed(self, rec: _Open, block: tuple[int, ...], total: torch.Tensor) -> list:
+    def _summed(
+        self, node: int, bucket: Bucket, rec: _Open, block: tuple[int, ...], total: torch.Tensor
+    ) -> list:
         h = rec.header
+        name, ef = "none", False
+        if rec.compressed:  # the workers compress: the uplink follows its own link's policy
+            name, ef = choose_codec(bucket, h["step"], self.compression)
+        codec = get_codec(name)
+        if ef:
+            enc = self._feedback.encode((node, bucket.id), codec, total, codec.alloc(bucket.numel))
+        else:
+            enc = codec.encode(total)
         header = {
             "op": Op.PUSH,
             "job": h["job"],
             "step": h["step"],
             "worker": block[0],
             "bucket": h["bucket"],
-            "codec": "none",
-            "cmeta": {},
+            "codec": name,
+            "cmeta": enc.meta,
             "hyper": h["hyper"],
             "nograd": h["nograd"],
             "two_phase": rec.two_phase,
@@ -124,7 +154,7 @@ class GroupSums:
             "ranks": list(block),
             "prescaled": self.world_size,
         }
-        return wire.encode(header, [total])
+        return wire.encode(header, enc.frames)
 
     def _finished(self, key: tuple) -> None:
         self._done.add(key)

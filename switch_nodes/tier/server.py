@@ -7,7 +7,8 @@ HELLO with its node index). It holds one connection per node and speaks for the 
   it as it checks any worker (job, layout, world size, resume). Until a rank's WELCOME came back, its
   connection may say nothing else; a peer without the job's join secret never gets that far (the
   same listener as the node's, :mod:`luwu.switch_nodes.zmtp`, with the same bounds).
-- PUSH: the group's pushes of a (step, bucket) are summed (:mod:`.group_sums`) and go up once.
+- PUSH: the group's pushes of a (step, bucket) are summed (:mod:`.group_sums`) and go up once,
+  fp32 when they came fp32, else under the uplink's own compression policy (``compression``).
 - Every other op goes up as it came, and the node's answers come back to the rank they name: a
   reply that answers several of the group's ranks (``ranks``: an UPDATE, which the node sends the
   aggregator once) is passed to each of them, as it came, never re-encoded.
@@ -24,7 +25,9 @@ import zmq.asyncio
 
 from luwu.protocol import messages as wire
 from luwu.protocol.errors import LuwuError, ProtocolError
+from luwu.protocol.layout import Bucket
 from luwu.protocol.messages import Op
+from luwu.protocol.policy import CompressionConfig
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.lines import READY_LINE
 from luwu.switch_nodes.tier.group_sums import GroupSums
@@ -61,18 +64,19 @@ class AggregatorServer:
         group: tuple[int, ...],
         upstream_secret: str = "",
         registry=None,
+        compression: CompressionConfig | None = None,
     ) -> None:
         if not nodes:
             raise ProtocolError("an aggregator needs the job's node addresses")
         if not group or list(group) != list(range(group[0], group[0] + len(group))):
             raise ProtocolError(f"an aggregator's ranks are a contiguous run, got {list(group)}")
         self.cfg, self.job, self.nodes, self.group = cfg, job, nodes, tuple(group)
-        self.upstream_secret = upstream_secret
+        self.upstream_secret, self.compression = upstream_secret, compression
         self._route: dict[tuple[int, int], bytes] = {}  # (node, rank) -> the worker's connection
         self._welcomed: dict[
             bytes, tuple[int, int]
         ] = {}  # connection -> (node, rank) it speaks for
-        self._numel: dict[tuple[int, int], int] = {}  # (node, bucket) -> elements
+        self._buckets: dict[tuple[int, int], Bucket] = {}  # (node, bucket id) -> its layout
         self._sums: GroupSums | None = None
         self.listener: ZmtpListener | None = None
         self.address: str | None = None
@@ -181,10 +185,10 @@ class AggregatorServer:
                 f"worker {h['worker']}: message on the connection of worker rank {rank}"
             )
         if op == Op.PUSH and self._sums is not None:
-            numel = self._numel.get((node, h["bucket"]))
-            if numel is None:
+            bucket = self._buckets.get((node, h["bucket"]))
+            if bucket is None:
                 raise ProtocolError(f"bucket {h['bucket']} is not one of node {node}'s")
-            frames = self._sums.add(node, numel, msg, body)
+            frames = self._sums.add(node, bucket, msg, body)
             if frames is None:
                 return
             body = frames
@@ -213,11 +217,11 @@ class AggregatorServer:
                 f"worker {rank} addressed node {node}; this aggregator serves nodes "
                 f"0..{len(self.nodes) - 1}"
             )
+        buckets = [Bucket.from_wire(b) for b in h["buckets"]]  # (checked: a bad one is refused)
         if self._sums is None or self._sums.world_size != h["world_size"]:
-            self._sums = GroupSums(self.group, h["world_size"], self.metrics)
-        for b in h["buckets"]:
-            if isinstance(b, list) and len(b) >= 3 and type(b[0]) is int and type(b[2]) is int:
-                self._numel[(node, b[0])] = b[2]
+            self._sums = GroupSums(self.group, h["world_size"], self.metrics, self.compression)
+        for b in buckets:
+            self._buckets[(node, b.id)] = b
         self._route[(node, rank)] = ident  # its answers come back here (the WELCOME admits it)
         header = dict(h, relay=True)
         header.pop("nbytes", None)

@@ -94,3 +94,35 @@ def test_streaming_workers_through_aggregators_equal_the_flat_run(tmp_path):
             assert got[rank]["params"][name].equal(w), (
                 f"rank {rank} {name}: not the flat run's bits"
             )
+
+
+@pytest.mark.timeout(300)
+def test_compressed_pushes_go_up_compressed_under_the_uplinks_policy(tmp_path):
+    """Workers that compress (int8 with error feedback after the warm-up, told 1 Gbit/s): each
+    aggregator sums their pushes in fp32 and sends the sum under its own uplink's policy (told 1
+    Gbit/s: int8, its own error feedback), so the nodes receive ~1 B a parameter a block, not 4;
+    the run trains as the flat compressed run does."""
+    comp = {"link_gbps": 1.0, "warmup_steps": 2}
+    spec = dict(SPEC, steps=8, hidden=512, compression=comp)
+    with luwu.local_cluster(2, node_args=METRICS) as flat:
+        want = run_training(spec, flat.addresses, tmp_path, world_size=4)
+    link = ["--compression.link_gbps", "1", "--compression.warmup_steps", "2", *METRICS]
+    with luwu.local_cluster(
+        2, node_args=METRICS, aggregators=2, world_size=4, aggregator_args=link
+    ) as tier:
+        spec["aggregators"] = {str(r): tier.aggregator_for(r) for r in range(4)}
+        got = run_training(spec, tier.addresses, tmp_path, world_size=4)
+        agg = [
+            scrape(int(u.rsplit(":", 1)[1]), "luwu_aggregator")
+            for u in tier.aggregator_metrics_urls
+        ]
+        node_in = _pushes(tier)[1]
+    got_in = sum(
+        a['luwu_aggregator_bytes_received_total{direction="workers",op="push"}'] for a in agg
+    )
+    # 4 workers' compressed pushes in, 2 compressed sums out: about half, not 2x (fp32 sums would be)
+    assert node_in < 0.7 * got_in, (node_in, got_in)
+    ref, _ = reference(dict(spec, world_size=4, compression=None))
+    for i, (a, b, r) in enumerate(zip(got[0]["params"], want[0]["params"], ref)):
+        # as close to the fp32 reference as the flat compressed run is (compression's own error)
+        assert (a - r).norm() <= 1.5 * (b - r).norm() + 1e-6, f"parameter {i}"
