@@ -36,6 +36,8 @@ DTYPES = {
     "int32": torch.int32,
     "uint8": torch.uint8,
 }
+#: bytes an element of each dtype takes (TensorSpec.nbytes is asked at every read, write, eviction)
+ITEMSIZE = {name: torch.empty((), dtype=dt).element_size() for name, dt in DTYPES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +50,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+        return self.numel * ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)

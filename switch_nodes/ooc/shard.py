@@ -23,8 +23,9 @@ A reply outside a step (a PULL: a streaming worker fetches a unit's weights befo
 again before its backward) reads the bucket's weights alone, not its whole slot
 (:class:`~.weights.WeightsReader`). Out of core, a step's reply is encoded before its bucket is
 stored, and its fp32 frames that are views of the window are copied (the window reuses that memory
-once the bucket is released). A bucket whose load failed half-way is discarded from the window, so
-the disk's version stays.
+once the bucket is released), into the buffers a budgeted node keeps for reuse
+(:mod:`..kept_frames`), as the weights-only reads are: pages already touched, not fresh ones. A
+bucket whose load failed half-way is discarded from the window, so the disk's version stays.
 
 The journal version of a write is ``version << STEP_SHIFT`` for a step to ``version``, and one past
 the bucket's last write for a change outside a step (a seed, STATE set, IMPORT), so the versions only
@@ -61,7 +62,7 @@ from luwu.switch_nodes.ooc.recovery import (
 from luwu.switch_nodes.ooc.relay import finish_swap, relay
 from luwu.switch_nodes.ooc.spill import AlignedPool, Spill
 from luwu.switch_nodes.ooc.state_file import StateFile
-from luwu.switch_nodes.ooc.weights import WeightsReader
+from luwu.switch_nodes.ooc.weights import WeightsReader, take_kept
 from luwu.switch_nodes.ooc.window import StateWindow
 from luwu.switch_nodes.optimizers import OptimizerKind
 from luwu.switch_nodes.replies import Payload, PullCodec, encode_reply
@@ -209,7 +210,7 @@ class OocShard(Shard):
         )
         if self._weights is not None:  # (a rollback's new window)
             self._weights.close()
-        self._weights = WeightsReader(self.window, files)
+        self._weights = WeightsReader(self.window, files, self._take)
         self._written = {bid: c.version for bid, c in files.committed.items() if c is not None}
         self._stepped = {b.id: b.version for b in order}
         if ctx.inflight.spill is not None and spill:
@@ -469,8 +470,17 @@ class OocShard(Shard):
         inside = [isinstance(f, torch.Tensor) and self.window.holds(f) for f in p.frames]
         if not any(inside):
             return p
-        frames = [f.clone() if w else f for f, w in zip(p.frames, inside)]
+        frames = [self._copy(f) if w else f for f, w in zip(p.frames, inside)]
         return p._replace(frames=frames, borrowed=p.borrowed and not all(inside))
+
+    def _take(self, nbytes: int) -> torch.Tensor | None:
+        """Memory for what leaves in a reply (:func:`.weights.take_kept`)."""
+        return take_kept(self.ctx.listener, nbytes)
+
+    def _copy(self, f: torch.Tensor) -> torch.Tensor:
+        """A copy of ``f`` (a view of the window) that a reply may keep, in kept memory."""
+        raw = self._take(f.numel() * f.element_size()) if f.is_contiguous() else None
+        return f.clone() if raw is None else raw.view(f.dtype).view(f.shape).copy_(f)
 
     def _report(self) -> None:
         """The window's counters into the node's metrics (what moved since the last report)."""

@@ -2,7 +2,8 @@
 
 A slot's checksum is the CRC32 of its 256 KiB blocks' CRC32s (``io.combine_checksums``). The blocks
 are summed with ISA-L's CRC32 where ``isal`` is installed and zlib's otherwise: the two must give
-the same values, or files written by one would be refused as corrupt by the other."""
+the same values, or files written by one would be refused as corrupt by the other. Also: the
+engine's own threads and the pool's memory, and where a reply's copy of the window lands."""
 
 from __future__ import annotations
 
@@ -87,3 +88,60 @@ def test_the_disk_probe_measures_both_ways_and_leaves_nothing(tmp_path, caplog):
         )
     finally:
         engine.close()
+
+
+def test_the_pools_memory_is_zeroed_and_the_engines_threads_stop(tmp_path):
+    """The arena (huge pages asked for, then populated) reads as zeros; the engine's own threads
+    finish what is queued at close, then refuse new transfers, and a done-callback's error is
+    logged, not the end of the thread that ran it."""
+    pool = BufferPool(3 << 20)
+    ext = pool.alloc(3 << 20)
+    assert not any(bytes(ext.view))
+    ext.view[:] = random.Random(3).randbytes(3 << 20)
+    engine = IOEngine(num_threads=2, request_bytes=1 << 20)
+    fh = engine.open(str(tmp_path / "slots.bin"), 3 << 20)
+    try:
+        t = engine.write(fh, 0, ext.view)
+        t.add_done_callback(lambda t: 1 / 0)  # (logged by the I/O thread, which serves on)
+        t.wait(30)
+        writes = [engine.write(fh, 0, ext.view) for _ in range(4)]
+        threads = [th for th in engine._threads if th.is_alive()]
+        assert len(threads) == 2
+    finally:
+        engine.close()
+    assert all(w.done and w.error is None for w in writes)
+    assert not any(th.is_alive() for th in engine._threads)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.read(fh, 0, ext.view)
+    engine.close()  # (twice: nothing more)
+    os.close(fh.fd)
+
+
+def test_a_replys_copy_of_the_window_lands_in_a_kept_buffer():
+    """Out of core, a step's fp32 reply is a copy of the window's weights: on a budgeted node it is
+    made into the buffers the node keeps for reuse (the pushes'), taken again once the reply let go
+    of it; a node that keeps none clones."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from luwu.switch_nodes.kept_frames import KeptFrames
+    from luwu.switch_nodes.ooc.shard import OocShard
+
+    def shard(frames):
+        s = SimpleNamespace(ctx=SimpleNamespace(listener=SimpleNamespace(frames=frames)))
+        s._take = lambda nbytes: OocShard._take(s, nbytes)
+        return s
+
+    src = torch.randn(3, 1024)
+    kept = shard(KeptFrames())
+    a = OocShard._copy(kept, src)
+    assert torch.equal(a, src) and a.shape == src.shape and a.data_ptr() != src.data_ptr()
+    first = a.data_ptr()
+    b = OocShard._copy(kept, src)  # (the first is still held: another buffer)
+    assert b.data_ptr() != first
+    del a
+    c = OocShard._copy(kept, src * 2)
+    assert c.data_ptr() == first and torch.equal(c, src * 2)
+    plain = OocShard._copy(shard(None), src)
+    assert torch.equal(plain, src) and plain.data_ptr() != src.data_ptr()
