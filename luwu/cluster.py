@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from luwu.groups import even_groups
 from luwu.protocol.errors import NodeTimeoutError
 from luwu.switch_nodes.lines import METRICS_LINE, READY_LINE
 
@@ -264,16 +265,11 @@ def local_cluster(
                 _, addr = _await_ready(proc, lines, args, start_timeout_s, murls)
                 addrs.append(addr)
                 all_args.append(args)
-            groups = _groups(world_size, aggregators)
-            spawned = []
-            for g in groups:
-                args = ["--ranks", f"{g[0]}-{g[-1]}", "--cluster.nodes", ",".join(addrs)]
-                args += ["--cluster.job", job, "--node.bind", "tcp://127.0.0.1:0"]
-                proc, lines = _spawn([*args, *(aggregator_args or [])], "aggregator")
-                agg_procs.append(proc)
-                spawned.append((proc, lines, args))
-            agg_murls: list[str] = []
-            agg_addrs = [_await_ready(*sp, start_timeout_s, agg_murls)[1] for sp in spawned]
+            runs = even_groups(world_size, aggregators) if aggregators else []
+            groups = [tuple(range(a, b + 1)) for a, b in runs]
+            agg_addrs, agg_murls = _start_aggregators(
+                groups, addrs, job, aggregator_args, agg_procs, start_timeout_s
+            )
             yield LocalCluster(
                 addrs,
                 procs,
@@ -290,14 +286,23 @@ def local_cluster(
             LocalCluster(addrs, procs, aggregator_procs=agg_procs).stop()
 
 
-def _groups(world_size: int, aggregators: int) -> list[tuple[int, ...]]:
-    """``world_size`` ranks in ``aggregators`` contiguous groups, as even as can be, larger first."""
-    if not aggregators:
-        return []
-    size, extra = divmod(world_size, aggregators)
-    out, first = [], 0
-    for i in range(aggregators):
-        n = size + (i < extra)
-        out.append(tuple(range(first, first + n)))
-        first += n
-    return out
+def _start_aggregators(
+    groups: list[tuple[int, ...]],
+    nodes: list[str],
+    job: str,
+    extra: list[str] | None,
+    procs: list[subprocess.Popen],
+    timeout_s: float,
+) -> tuple[list[str], list[str]]:
+    """One ``luwu aggregator`` for each group in front of ``nodes``, started together, then waited
+    for (each appended to ``procs`` at once, so the caller stops it whatever happens): their
+    addresses and /metrics URLs."""
+    spawned = []
+    for g in groups:
+        args = ["--ranks", f"{g[0]}-{g[-1]}", "--cluster.nodes", ",".join(nodes)]
+        args += ["--cluster.job", job, "--node.bind", "tcp://127.0.0.1:0", *(extra or [])]
+        proc, lines = _spawn(args, "aggregator")
+        procs.append(proc)
+        spawned.append((proc, lines, args))
+    murls: list[str] = []
+    return [_await_ready(*sp, timeout_s, murls)[1] for sp in spawned], murls

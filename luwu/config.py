@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from luwu.gpu_workers.config import PrefetchConfig, TransportConfig
+from luwu.groups import checked_groups, group_entries
 from luwu.protocol.errors import ConfigError
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.optimizers.kinds import OPTIMIZER_NAMES, UNSUPPORTED
@@ -47,7 +48,11 @@ class ClusterConfig:
     """Number of workers; 0 = from the WORLD_SIZE variable that torchrun sets."""
     aggregator: str = ""
     """This worker's aggregator (``luwu aggregator``, the switch tier), tcp://host:port: the worker talks
-    to the nodes through it. Empty = to the nodes directly."""
+    to the nodes through it. Empty = the one of its rank's group (``groups``), else the nodes directly."""
+    groups: list[dict] = field(default_factory=list)
+    """The switch tier's groups, ``[[groups]]`` tables of the cluster file: ``ranks = "0-3"`` (a contiguous
+    run) and ``aggregator = "tcp://host:port"``; a worker of those ranks talks through that aggregator
+    (luwu.groups.aggregator_for) and ``luwu up`` starts it. Flags and env: ``0-3=tcp://h:p,...``."""
 
     def __post_init__(self) -> None:
         if not self.job or len(self.job) > 128:
@@ -71,6 +76,7 @@ class ClusterConfig:
             raise ConfigError(
                 f"cluster.aggregator must be an address like tcp://host:port, got {self.aggregator!r}"
             )
+        self.groups = checked_groups(self.groups, self.world_size)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -292,6 +298,8 @@ def _build(section: str, make, *args, **values):
 def _coerce(section: str, name: str, typ, value, source: str):
     """Turn a TOML / env / CLI value into the field's type; strings are parsed."""
     key = f"{section}.{name}"
+    if key == "cluster.groups":
+        return group_entries(value, source)
     typ = typing.get_type_hints(_sections()[section]).get(name, typ)
     origin = typing.get_origin(typ)
     try:
@@ -428,6 +436,9 @@ def _file_settings(path: str):
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"cluster file {path!r} is not valid TOML: {exc}") from None
     for section, table in data.items():
+        if section == "groups" and isinstance(table, list):  # [[groups]]: cluster.groups
+            yield "cluster", "groups", table
+            continue
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
         for name, value in table.items():

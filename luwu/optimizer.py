@@ -35,6 +35,7 @@ from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers.links import LinkSpeeds
 from luwu.gpu_workers.metrics import StepReport, WorkerMetrics
 from luwu.gpu_workers.streamer import Streamer
+from luwu.groups import aggregator_for
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
 from luwu.protocol.layout import ParamSpec
 from luwu.protocol.memory import trim_heap
@@ -221,7 +222,7 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _start(self) -> None:
         """Connect to the nodes and join the job. A refused start holds no rank there: BYE to the nodes that
         welcomed this worker before another refused it."""
-        via = self.config.cluster.aggregator  # the switch tier: every node link goes through it
+        via = aggregator_for(self.config, self.rank)  # the switch tier: every node link through it
         nodes = [via] * len(self.nodes) if via else self.nodes
         self.client = WorkerClient(nodes, job=self.job, rank=self.rank, cfg=self.config.transport)
         try:

@@ -5,26 +5,16 @@ from __future__ import annotations
 import sys
 
 from luwu.cli.common import add_command
+from luwu.groups import rank_run
 from luwu.protocol.errors import ConfigError
-
-
-def parse_ranks(text: str) -> tuple[int, ...]:
-    """``"4-7"`` (or ``"4"``) as the ranks 4, 5, 6, 7."""
-    first, _, last = text.partition("-")
-    try:
-        a, b = int(first), int(last or first)
-    except ValueError:
-        raise ConfigError(f"--ranks takes FIRST-LAST (e.g. 0-3), got {text!r}") from None
-    if not 0 <= a <= b:
-        raise ConfigError(f"--ranks takes FIRST-LAST with 0 <= FIRST <= LAST, got {text!r}")
-    return tuple(range(a, b + 1))
 
 
 def cmd_aggregator(args) -> int:
     from luwu.config import load_config
 
     cfg = load_config(args.config, argv=args.overrides)  # a bad setting is told before torch loads
-    group = parse_ranks(args.ranks)
+    first, last = rank_run(args.ranks, "--ranks")
+    group = tuple(range(first, last + 1))
     if not cfg.cluster.nodes:
         raise ConfigError(
             "an aggregator needs the job's nodes: [cluster] nodes in --config, or "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from luwu.cli.common import add_command
@@ -27,6 +27,8 @@ class Target:
     """transport.join_secret, for nodes that ask for one."""
     run_dir: Path | None
     """The ``luwu up`` run dir the cluster file belongs to, if any."""
+    groups: list = field(default_factory=list)
+    """The switch tier's groups (cluster.groups): their aggregators are listed too."""
 
 
 def _run_dir_file(run_dir: str) -> str:
@@ -78,6 +80,7 @@ def resolve_cluster(args) -> Target:
         curve,
         t.join_secret,
         _run_dir_of(files[0] if files else None),
+        list(cfg.cluster.groups),
     )
 
 
@@ -138,18 +141,17 @@ def cmd_status(args) -> int:
         statuses = query_many(
             addresses, job, args.timeout, curve=target.curve, join_secret=target.join_secret
         )
+    from luwu.ops.tier_status import probe_aggregators, render_tier
+
     restarts = restarts_of(target)
     warnings = warnings_of(target)
-    if args.json:
-        print(
-            json.dumps(
-                [
-                    row(st, (prev or {}).get(st.address), restarts=restarts.get(st.address))
-                    for st in statuses
-                ],
-                indent=2,
-            )
-        )
+    tier = probe_aggregators(target.groups, target.run_dir, args.timeout)
+    if args.json:  # the nodes' rows, then one per aggregator ("role": "aggregator")
+        rows = [
+            row(st, (prev or {}).get(st.address), restarts=restarts.get(st.address))
+            for st in statuses
+        ]
+        print(json.dumps(rows + tier, indent=2))
     else:
         how = (
             f"rates over the last {args.sample:g} s"
@@ -166,11 +168,18 @@ def cmd_status(args) -> int:
                 width=out.width,
             )
         )
+        if tier:
+            out.print(render_tier(tier))
+            for r in tier:
+                if not r["up"]:
+                    out.print(
+                        f"aggregator a{r['index']} ({r['address']}): {r['error']}", markup=False
+                    )
         for line in warnings:
             out.print(
                 f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True
             )
-    return 0 if all(st.up for st in statuses) else 1
+    return 0 if all(st.up for st in statuses) and all(r["up"] for r in tier) else 1
 
 
 def add_cluster_arguments(p) -> None:
@@ -193,7 +202,9 @@ def register(subparsers) -> None:
             "Ask every node of a cluster (STATS over its ZeroMQ address, all at once with one deadline) and print one row "
             "per node: address, UP/DOWN, step, connected workers, bytes/s in and out, uptime, restarts, last checkpoint. "
             "A node that does not answer within --timeout is DOWN; a note under the table says why a node that answers holds no bucket yet. "
-            "Exit code 0 when every node answers, 1 otherwise. "
+            "With the switch tier (the cluster file's [[groups]]), one row per aggregator too: UP when its address takes "
+            "a TCP connection within --timeout (and its pid and restarts under luwu up). "
+            "Exit code 0 when every node answers and every aggregator is up, 1 otherwise. "
             "Without --config, the cluster file that `luwu up` wrote for the job is used. "
             "Extra --section.field=value flags override the file (e.g. --cluster.job=myjob)."
         ),

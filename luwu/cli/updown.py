@@ -35,7 +35,6 @@ def _example_script() -> str:
 
 def cmd_up(args) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from luwu.config import load_config
     from luwu.ops import daemons
@@ -48,7 +47,9 @@ def cmd_up(args) -> int:
     job = cfg.cluster.job
     run_dir = Path(args.run_dir or default_run_dir(job)).resolve()
     nodes = daemons.plan_nodes(args, cfg, args.overrides)
+    aggregators, cfg = daemons.plan_aggregators(args, cfg, args.overrides)
     secrets, keys, warnings = daemons.node_secrets(args, cfg, args.overrides, nodes)
+    daemons.check_tier(cfg, aggregators, keys)
     if argv_secret_warning(cfg):
         warnings.append(argv_secret_warning(cfg))
     for line in warnings:
@@ -60,11 +61,18 @@ def cmd_up(args) -> int:
             soft_wrap=True,
         )
     plan = Plan(
-        job=job, cwd=os.getcwd(), nodes=nodes, stop_timeout_s=args.stop_timeout, warnings=warnings
+        job=job,
+        cwd=os.getcwd(),
+        nodes=nodes,
+        aggregators=aggregators,
+        stop_timeout_s=args.stop_timeout,
+        warnings=warnings,
     )
     daemons.launch(run_dir, plan, secrets)
     try:
-        state, problem = daemons.wait_ready(run_dir, len(plan.nodes), args.timeout, err)
+        state, problem = daemons.wait_ready(
+            run_dir, len(plan.nodes), args.timeout, err, aggregators=len(aggregators)
+        )
     except KeyboardInterrupt:
         err.print("luwu up: interrupted: stopping what was started", highlight=False)
         daemons.stop_run_dir(run_dir, timeout_s=args.stop_timeout, console=err)
@@ -79,19 +87,10 @@ def cmd_up(args) -> int:
         err.print("luwu up: stopping what was started", highlight=False)
         daemons.stop_run_dir(run_dir, timeout_s=args.stop_timeout, console=err)
         return 1
-    nodes = state["nodes"]
+    nodes, tier = state["nodes"], state.get("aggregators", [])
     join_secret = secrets.get("LUWU_NODE__JOIN_SECRET", "")
-    daemons.write_outputs(run_dir, cfg, nodes, keys, join_secret)
-    table = Table(
-        title=f"LuWu job [bold]{job}[/]: {len(nodes)} nodes up",
-        title_justify="left",
-        header_style="bold",
-    )
-    for col in ("#", "address", "metrics", "pid"):
-        table.add_column(col, no_wrap=True)
-    for n in nodes:
-        table.add_row(str(n["index"]), n["address"], n["metrics_url"] or "-", str(n["pid"]))
-    console.print(table)
+    daemons.write_outputs(run_dir, cfg, nodes, keys, join_secret, aggregators=tier)
+    console.print(_up_table(job, nodes, tier))
     made = keys is not None and bool(keys.workers)
     if made:
         console.print(
@@ -108,6 +107,25 @@ def cmd_up(args) -> int:
     for line in next_steps(run_dir, made, join=bool(join_secret)):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0
+
+
+def _up_table(job: str, nodes: list[dict], tier: list[dict]):
+    """What ``up`` started: one row per node, then one per aggregator (a<i>, its ranks)."""
+    from rich.table import Table
+
+    also = f", {len(tier)} aggregators" if tier else ""
+    table = Table(
+        title=f"LuWu job [bold]{job}[/]: {len(nodes)} nodes{also} up",
+        title_justify="left",
+        header_style="bold",
+    )
+    for col in ("#", "address", "metrics", "pid"):
+        table.add_column(col, no_wrap=True)
+    for n in nodes:
+        table.add_row(str(n["index"]), n["address"], n["metrics_url"] or "-", str(n["pid"]))
+    for a in tier:  # the switch tier: workers of these ranks talk to the nodes through it
+        table.add_row(f"a{a['index']}", a["address"], f"ranks {a['ranks']}", str(a["pid"]))
+    return table
 
 
 def next_steps(run_dir: Path, curve: bool = False, *, join: bool = False) -> list[str]:
@@ -146,6 +164,7 @@ def cmd_down(args) -> int:
         console.print(f"luwu down: nothing to stop: no run dir {run_dir}", highlight=False)
         return 0
     before = sum(1 for _ in run_dir.glob("node-*.pid"))
+    tier = sum(1 for _ in run_dir.glob("aggregator-*.pid"))
     stopped, left = daemons.stop_run_dir(run_dir.resolve(), timeout_s=args.timeout, console=console)
     if left:
         console.print(
@@ -157,7 +176,10 @@ def cmd_down(args) -> int:
         console.print(f"luwu down: nothing was running in {run_dir}", highlight=False)
     else:
         console.print(
-            f"luwu down: stopped the supervisor and {before} node(s) of {run_dir}", highlight=False
+            f"luwu down: stopped the supervisor and {before} node(s)"
+            + (f" and {tier} aggregator(s)" if tier else "")
+            + f" of {run_dir}",
+            highlight=False,
         )
     return 0
 
@@ -187,6 +209,8 @@ def _register_up(subparsers) -> None:
             "rank, one for status) and writes <run dir>/keys/worker<r>.toml for rank r; node.insecure_public_bind = true "
             "opts out, with a warning. Other nodes (loopback) ask for a join secret that up makes: workers use "
             "<run dir>/keys/join.toml (the cluster file plus the secret); node.insecure_open = true serves anyone instead. "
+            "The switch tier: the cluster file's [[groups]] (or --aggregators K --world-size W) start once the nodes "
+            "are up, supervised alike (aggregator-<i>.log/.pid), and the run dir's cluster files list them. "
             "The run dir is mode 700, its plan, state, logs and keys mode 600."
         ),
     )
@@ -237,12 +261,32 @@ def _register_up(subparsers) -> None:
         metavar="N",
         help=f"worker key files to make when up makes CURVE keys (default cluster.world_size, else {DEFAULT_WORKER_KEYS})",
     )
+    _tier_arguments(s)
     s.add_argument(
         "--stop-timeout",
         type=float,
         default=30.0,
         metavar="S",
         help="SIGTERM to SIGKILL when stopping a node, leaving time for its checkpoint (default 30)",
+    )
+
+
+def _tier_arguments(s) -> None:
+    s.add_argument(
+        "--aggregators",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="the switch tier: K aggregators on loopback, one per even contiguous group of the "
+        "--world-size ranks, written into the run dir's cluster files as [[groups]] (default: "
+        "the cluster file's [[groups]])",
+    )
+    s.add_argument(
+        "--world-size",
+        type=positive_int,
+        default=None,
+        metavar="W",
+        help="the job's worker ranks, with --aggregators (written as cluster.world_size)",
     )
 
 
@@ -254,7 +298,7 @@ def _register_down(subparsers) -> None:
         settings=True,
         help="stop the cluster that `luwu up` started (supervisor first, then the nodes)",
         description=(
-            "Stop the supervisor (so that nothing is restarted), which stops its nodes with SIGTERM and, after --timeout, "
+            "Stop the supervisor (so that nothing is restarted), which stops its nodes and aggregators with SIGTERM and, after --timeout, "
             "SIGKILL; then stop any node whose pid file outlived its supervisor, and remove the pid files. Logs and "
             "cluster.toml stay in the run dir. --config and --cluster.job name the default run dir."
         ),

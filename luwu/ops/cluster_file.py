@@ -15,6 +15,7 @@ import socket
 
 import tomli_w
 
+from luwu.groups import groups_toml
 from luwu.ops.keyset import is_secret
 from luwu.protocol.errors import ConfigError
 
@@ -64,12 +65,15 @@ def _comment(text: str) -> list[str]:
     return [f"# {line}".rstrip() for line in text.splitlines()]
 
 
-def cluster_sections(cfg, nodes: list[str], *, server_key: str = "") -> dict[str, dict]:
+def cluster_sections(
+    cfg, nodes: list[str], *, server_key: str = "", groups: list[dict] | None = None
+) -> dict:
     """[cluster] with ``nodes``, plus every setting given that nodes and workers share (file, env,
     flags: not the defaults, not the per-node ones, no secret, not the nodes' keys). The nodes'
     public key (``server_key``, else node.curve_public_key of ``cfg``) goes in as
-    transport.curve_server_key."""
-    sections: dict[str, dict] = {"cluster": {"job": cfg.cluster.job, "nodes": list(nodes)}}
+    transport.curve_server_key; the switch tier's ``groups`` (default: cluster.groups of ``cfg``)
+    as ``[[groups]]`` tables."""
+    sections: dict = {"cluster": {"job": cfg.cluster.job, "nodes": list(nodes)}}
     if cfg.cluster.capacities:
         sections["cluster"]["capacities"] = list(cfg.cluster.capacities)
     if cfg.cluster.world_size:
@@ -89,14 +93,32 @@ def cluster_sections(cfg, nodes: list[str], *, server_key: str = "") -> dict[str
     server_key = server_key or cfg.node.curve_public_key or cfg.transport.curve_server_key
     if server_key:
         sections.setdefault("transport", {})["curve_server_key"] = server_key
+    groups = cfg.cluster.groups if groups is None else groups
+    if groups:
+        sections["groups"] = [dict(g) for g in groups]
     return sections
 
 
-def cluster_file_text(cfg, nodes: list[str], *, header: str = "", server_key: str = "") -> str:
+def cluster_file_text(
+    cfg,
+    nodes: list[str],
+    *,
+    header: str = "",
+    server_key: str = "",
+    groups: list[dict] | None = None,
+) -> str:
     """:func:`cluster_sections` as TOML, under a comment ``header``."""
-    return "\n".join(
-        [*_comment(header), _dumps(cluster_sections(cfg, nodes, server_key=server_key))]
-    ).lstrip("\n")
+    sections = cluster_sections(cfg, nodes, server_key=server_key, groups=groups)
+    return "\n".join([*_comment(header), dumps_sections(sections)]).lstrip("\n")
+
+
+def dumps_sections(sections: dict) -> str:
+    """A cluster file's sections as TOML, the switch tier's groups as ``[[groups]]`` tables at the
+    end (tomli_w would write them as one inline array above [cluster])."""
+    groups = sections.get("groups", [])
+    text = _dumps({k: v for k, v in sections.items() if k != "groups"})
+    tables = [f"[[groups]]\n{_dumps(dict(g))}" for g in groups]
+    return "\n".join([text, *tables]) if tables else text
 
 
 def config_text(cfg, *, header: str = "") -> str:
@@ -114,6 +136,10 @@ def config_text(cfg, *, header: str = "") -> str:
                 out.append(f"# {name} is unset (from {source})")
             elif is_secret(name) and value:
                 out.append(f"# {name} = <hidden> (set, from {source})")
+            elif (
+                f"{section}.{name}" == "cluster.groups"
+            ):  # one line: [[groups]] would end [cluster]
+                out.append(f"{name} = {groups_toml(value)}  # from {source}")
             else:
                 text = _dumps({name: value}).rstrip("\n")
                 out.append(f"{text}  # from {source}")

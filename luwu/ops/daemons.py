@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from secrets import token_hex
 
+from luwu.groups import even_groups
 from luwu.ops.cluster_file import cluster_file_text, cluster_sections, reachable
 from luwu.ops.keyset import (
     DEFAULT_WORKER_KEYS,
@@ -39,9 +40,9 @@ from luwu.ops.rundir import (
     NODE_ENV_FILE,
     SUPERVISOR_LOG,
     SUPERVISOR_PID,
+    daemon_log,
     is_luwu,
     make_run_dir,
-    node_log,
     open_log,
     pid_alive,
     read_pid,
@@ -98,6 +99,62 @@ def plan_nodes(options, cfg, overrides: list[str]) -> list[NodeSpec]:
         )
         for i, b in enumerate(binds)
     ]
+
+
+def plan_aggregators(options, cfg, overrides: list[str]) -> tuple[list[NodeSpec], object]:
+    """The switch tier's daemons, one per group, and ``cfg`` with those groups: ``options.aggregators``
+    K even contiguous groups of ``options.world_size`` ranks on loopback (any free port; cfg then
+    says that world size), else the cluster file's ``[[groups]]`` (each binds its aggregator's
+    address). None: ``[]`` and ``cfg``."""
+    count, world = getattr(options, "aggregators", None), getattr(options, "world_size", None)
+    if count is not None or world is not None:
+        if count is None or world is None:
+            raise ConfigError(
+                "--aggregators K and --world-size W go together (K groups of W ranks)"
+            )
+        groups = [
+            {"ranks": f"{a}-{b}", "aggregator": "tcp://127.0.0.1:0"}
+            for a, b in even_groups(world, count)
+        ]
+        cfg = cfg.replace(
+            {"cluster.world_size": world, "cluster.groups": groups}, "--aggregators/--world-size"
+        )
+    overrides, _ = split_secrets(overrides, to_env=ENV_SETTINGS)
+    base = [sys.executable, "-m", "luwu", "-v", "aggregator"]
+    for path in options.config or ():
+        base += ["--config", os.path.abspath(path)]
+    specs = [
+        NodeSpec(
+            index=i,
+            args=[*base, *overrides, "--ranks", g["ranks"], "--cluster.job", cfg.cluster.job],
+            bind=g["aggregator"],
+            metrics_port=-1,
+            kind="aggregator",
+            ranks=g["ranks"],
+        )
+        for i, g in enumerate(cfg.cluster.groups)
+    ]
+    return specs, cfg
+
+
+def check_tier(cfg, aggregators: list[NodeSpec], keys: KeySet | None) -> None:
+    """Refuse what the switch tier cannot do yet: it has no CURVE of its own (nodes with keys), and
+    an aggregator other hosts reach serves without encryption (node.insecure_public_bind opts in)."""
+    if not aggregators:
+        return
+    if keys is not None:
+        raise ConfigError(
+            "the switch tier has no CURVE keys yet: aggregators need nodes that ask for the job's "
+            "join secret instead (loopback nodes, or node.insecure_public_bind = true on a trusted "
+            "network)"
+        )
+    public = [a.bind for a in aggregators if not is_loopback(a.bind)]
+    if public and not (cfg.node.insecure_public_bind or cfg.node.insecure_open):
+        raise ConfigError(
+            f"aggregators at {', '.join(public)} would serve other hosts without encryption (the "
+            "switch tier has no CURVE yet): bind them to loopback, or set "
+            "node.insecure_public_bind = true (a trusted network only)"
+        )
 
 
 def node_secrets(
@@ -161,6 +218,7 @@ def launch(run_dir: Path, plan: Plan, secrets: dict[str, str] | None = None) -> 
         "targets.json",
         NODE_ENV_FILE,
         *(p.name for p in run_dir.glob("node-*.pid")),
+        *(p.name for p in run_dir.glob("aggregator-*.pid")),
     ):
         (run_dir / stale).unlink(missing_ok=True)
     for stale in (run_dir / KEYS_DIR).glob("*"):  # the keys of an earlier run of this dir
@@ -168,8 +226,8 @@ def launch(run_dir: Path, plan: Plan, secrets: dict[str, str] | None = None) -> 
     if secrets:
         write_atomic(run_dir / NODE_ENV_FILE, env_file_text(secrets), 0o600)
         plan.env_file = NODE_ENV_FILE
-    for i in range(len(plan.nodes)):  # keep the previous run's log for a post-mortem
-        logf = node_log(run_dir, i)
+    for spec in [*plan.nodes, *plan.aggregators]:  # keep the previous run's log for a post-mortem
+        logf = daemon_log(run_dir, spec.index, spec.kind)
         if logf.exists():
             os.replace(logf, logf.with_suffix(".log.prev"))
     plan.save(run_dir / "plan.json")
@@ -185,8 +243,17 @@ def launch(run_dir: Path, plan: Plan, secrets: dict[str, str] | None = None) -> 
     starter.wait(30)  # the intermediate exits at once; the supervisor lives on, detached
 
 
-def wait_ready(run_dir: Path, num: int, timeout_s: float, console) -> tuple[dict | None, str]:
-    """Until every node is up: (state, '') or (last state, why not)."""
+def _daemons(state: dict | None) -> list[dict]:
+    """The nodes and aggregators of a supervisor's state, each row with its ``kind``."""
+    rows = [dict(n, kind="node") for n in (state or {}).get("nodes", [])]
+    return rows + [dict(a, kind="aggregator") for a in (state or {}).get("aggregators", [])]
+
+
+def wait_ready(
+    run_dir: Path, num: int, timeout_s: float, console, aggregators: int = 0
+) -> tuple[dict | None, str]:
+    """Until every node (and each of the ``aggregators``) is up: (state, '') or (last state, why
+    not)."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -207,21 +274,21 @@ def wait_ready(run_dir: Path, num: int, timeout_s: float, console) -> tuple[dict
         console=console,
         transient=True,
     ) as progress:
-        task = progress.add_task("starting nodes", total=num)
+        task = progress.add_task("starting nodes", total=num + aggregators)
         while True:
             state = read_state(run_dir) or state
-            nodes = (state or {}).get("nodes", [])
+            nodes = _daemons(state)
             progress.update(task, completed=sum(n["state"] == "up" for n in nodes))
             failed = [n for n in nodes if n["state"] in ("failed", "exited")]
             if failed:
                 n = failed[0]
-                log = node_log(run_dir, n["index"])
+                log = daemon_log(run_dir, n["index"], n["kind"])
                 why = _up_port_hint(_node_error(tail(log)))
                 return (
                     state,
-                    f"node {n['index']} {n['last_exit'] or 'exited'} before printing {READY_LINE}{why}; its log {log} ends with:\n{tail(log)}",
+                    f"{n['kind']} {n['index']} {n['last_exit'] or 'exited'} before printing {READY_LINE}{why}; its log {log} ends with:\n{tail(log)}",
                 )
-            if len(nodes) == num and all(n["state"] == "up" for n in nodes):
+            if len(nodes) == num + aggregators and all(n["state"] == "up" for n in nodes):
                 return state, ""
             pid = read_pid(run_dir / SUPERVISOR_PID)
             if state is not None and (pid is None or not pid_alive(pid)):
@@ -231,16 +298,15 @@ def wait_ready(run_dir: Path, num: int, timeout_s: float, console) -> tuple[dict
                 )
             if time.monotonic() > deadline:
                 waiting = [n for n in nodes if n["state"] != "up"] or [
-                    {"index": i} for i in range(num)
+                    {"index": i, "kind": "node"} for i in range(num)
                 ]
                 logs = "\n".join(
-                    f"--- node {n['index']} ({node_log(run_dir, n['index'])}):\n{tail(node_log(run_dir, n['index']), 10)}"
+                    f"--- {n['kind']} {n['index']} ({daemon_log(run_dir, n['index'], n['kind'])}):\n"
+                    f"{tail(daemon_log(run_dir, n['index'], n['kind']), 10)}"
                     for n in waiting
                 )
-                return (
-                    state,
-                    f"nodes {[n['index'] for n in waiting]} not ready within {timeout_s:g} s (--timeout):\n{logs}",
-                )
+                names = ", ".join(f"{n['kind']} {n['index']}" for n in waiting)
+                return state, f"{names} not ready within {timeout_s:g} s (--timeout):\n{logs}"
             time.sleep(0.1)
 
 
@@ -270,7 +336,12 @@ def _up_port_hint(why: str) -> str:
 
 
 def write_outputs(
-    run_dir: Path, cfg, nodes: list[dict], keys: KeySet | None = None, join_secret: str = ""
+    run_dir: Path,
+    cfg,
+    nodes: list[dict],
+    keys: KeySet | None = None,
+    join_secret: str = "",
+    aggregators: list[dict] | None = None,
 ) -> None:
     """``cluster.toml`` with the bound addresses (no secret: mode 0644) and ``targets.json`` for
     Prometheus; with ``keys``, ``keys/worker<r>.toml`` for each rank ``up`` made keys for and
@@ -282,6 +353,9 @@ def write_outputs(
         reachable(n["address"]) for n in nodes
     ]  # a node bound to 0.0.0.0 is listed by this host's name
     server_key = keys.node[0] if keys else ""
+    groups = None
+    if aggregators:
+        groups = [{"ranks": a["ranks"], "aggregator": reachable(a["address"])} for a in aggregators]
     if join_secret:
         point = f"Nodes ask for the job's join secret: workers use --config {run_dir / KEYS_DIR}/join.toml (this file plus the secret)"
     elif server_key:
@@ -295,18 +369,19 @@ def write_outputs(
     header = f"Written by `luwu up` at {time.strftime('%Y-%m-%d %H:%M:%S')} for job {job!r}; run dir {run_dir}.\n{point} and `luwu status --run-dir` the run dir."
     write_atomic(
         run_dir / CLUSTER_FILE,
-        cluster_file_text(cfg, addresses, header=header, server_key=server_key),
+        cluster_file_text(cfg, addresses, header=header, server_key=server_key, groups=groups),
         0o644,
     )
     if keys is not None:
         write_keyset(
             run_dir / KEYS_DIR,
             keys,
-            shared=cluster_sections(cfg, addresses, server_key=server_key),
+            shared=cluster_sections(cfg, addresses, server_key=server_key, groups=groups),
             node_files=False,
         )
     if join_secret:
-        write_join_files(run_dir / KEYS_DIR, join_secret, cluster_sections(cfg, addresses))
+        shared = cluster_sections(cfg, addresses, groups=groups)
+        write_join_files(run_dir / KEYS_DIR, join_secret, shared)
     targets = [
         {
             "targets": [reachable(n["metrics_url"]).split("://", 1)[1]],
@@ -363,7 +438,7 @@ def stop_run_dir(
         stopped.append(f"supervisor (pid {pid})")
     (run_dir / SUPERVISOR_PID).unlink(missing_ok=True)
     nodes = {}
-    for pid_file in sorted(run_dir.glob("node-*.pid")):
+    for pid_file in sorted([*run_dir.glob("node-*.pid"), *run_dir.glob("aggregator-*.pid")]):
         npid = read_pid(pid_file)
         if npid is not None and pid_alive(npid) and is_luwu(npid):
             nodes[pid_file.stem] = npid
@@ -379,7 +454,7 @@ def stop_run_dir(
                 (run_dir / f"{name}.pid").unlink(missing_ok=True)
     state = read_state(run_dir)
     if state is not None and not left:
-        for n in state.get("nodes", []):
+        for n in [*state.get("nodes", []), *state.get("aggregators", [])]:
             if n["state"] not in ("failed", "exited"):
                 n["state"], n["pid"] = "stopped", None
         write_state(run_dir, state)

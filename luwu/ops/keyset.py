@@ -172,9 +172,24 @@ class KeySet:
         }
 
 
+def _toml(sections: dict) -> str:
+    from luwu.ops.cluster_file import dumps_sections  # here: cluster_file imports this module
+
+    return dumps_sections(sections)
+
+
+def _copied(shared: dict) -> dict:
+    """A copy of a cluster file's sections: each [section] a dict of its own; an array of tables
+    (``[[groups]]``) a list of them."""
+    return {
+        name: [dict(t) for t in table] if isinstance(table, list) else dict(table)
+        for name, table in shared.items()
+    }
+
+
 def client_file_sections(keys: KeySet, pair: tuple[str, str], shared: dict | None) -> dict:
     """A client's whole file: the cluster's shared sections (if any) plus its own [transport] keys."""
-    sections = {name: dict(table) for name, table in (shared or {}).items()}
+    sections = _copied(shared or {})
     sections["transport"] = {**sections.get("transport", {}), **keys.client_settings(pair)}
     return sections
 
@@ -200,19 +215,18 @@ def write_keyset(
         else {}
     )
     for rank, pair in enumerate(keys.workers):
-        files[f"worker{rank}.toml"] = tomli_w.dumps(client_file_sections(keys, pair, shared))
-    files["monitor.toml"] = tomli_w.dumps(client_file_sections(keys, keys.monitor, shared))
+        files[f"worker{rank}.toml"] = _toml(client_file_sections(keys, pair, shared))
+    files["monitor.toml"] = _toml(client_file_sections(keys, keys.monitor, shared))
     return _write_private(out, files)
 
 
 def write_join_files(out: Path | str, secret: str, shared: dict) -> list[Path]:
     """``join.toml`` (every worker rank's) and ``monitor.toml`` (``luwu status``/``top``): the cluster
     file's ``shared`` sections plus transport.join_secret, each 0600 in ``out`` (0700)."""
-    import tomli_w
 
-    sections = {name: dict(table) for name, table in shared.items()}
+    sections = _copied(shared)
     sections["transport"] = {**sections.get("transport", {}), "join_secret": secret}
-    text = tomli_w.dumps(sections)
+    text = _toml(sections)
     return _write_private(_private_dir(out), {"join.toml": text, "monitor.toml": text})
 
 

@@ -8,6 +8,7 @@
     state.json        what the supervisor sees: pid, address, restarts of each node
     supervisor.pid    supervisor.log
     node-<i>.pid      node-<i>.log   (the daemon's stdout and stderr; kept across restarts)
+    aggregator-<i>.pid  aggregator-<i>.log   (the switch tier: one per group of cluster.groups)
     cluster.toml      [cluster] job, nodes = [...] and the settings given to up; no secret
     keys/             the job's CURVE keys when up made them: worker<r>.toml (one per rank), monitor.toml
     targets.json      Prometheus file_sd_configs targets of the nodes' /metrics
@@ -46,6 +47,15 @@ def node_log(run_dir: Path, index: int) -> Path:
 
 def node_pid_file(run_dir: Path, index: int) -> Path:
     return run_dir / f"node-{index}.pid"
+
+
+def daemon_log(run_dir: Path, index: int, kind: str = "node") -> Path:
+    """``node-<i>.log``, or ``aggregator-<i>.log`` for the switch tier's aggregator i."""
+    return run_dir / f"{kind}-{index}.log"
+
+
+def daemon_pid_file(run_dir: Path, index: int, kind: str = "node") -> Path:
+    return run_dir / f"{kind}-{index}.pid"
 
 
 def pid_alive(pid: int) -> bool:

@@ -25,9 +25,9 @@ from luwu.ops.keyset import read_env_file, redact_args
 from luwu.ops.rundir import (
     PLAN_FILE,
     SUPERVISOR_PID,
+    daemon_log,
+    daemon_pid_file,
     exit_text,
-    node_log,
-    node_pid_file,
     open_log,
     write_atomic,
     write_state,
@@ -49,6 +49,15 @@ class NodeSpec:
     """Address to bind; port 0 on the first start only: restarts reuse the bound address."""
     metrics_port: int
     """Port of /metrics: -1 off, 0 any (restarts reuse the bound port)."""
+    kind: str = "node"
+    """``node``, or ``aggregator`` (the switch tier: started once every node is up, with
+    --cluster.nodes their addresses; no /metrics)."""
+    ranks: str = ""
+    """An aggregator's worker ranks, FIRST-LAST."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.index}"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,6 +77,8 @@ class Plan:
     """An environment file (mode 0600, relative to the run dir) whose LUWU_SECTION__FIELD variables
     every daemon gets: the secrets (CURVE keys), kept out of argv, this plan and the logs."""
     warnings: list[str] = dataclasses.field(default_factory=list)
+    aggregators: list[NodeSpec] = dataclasses.field(default_factory=list)
+    """The switch tier's aggregators, one per group of cluster.groups (``luwu aggregator``)."""
     """What ``up`` warned about when it started the run (checkpoints off, no encryption): ``luwu status`` repeats it."""
 
     def __post_init__(self) -> None:
@@ -80,7 +91,7 @@ class Plan:
     def save(self, path: Path) -> None:
         """Write the plan (0600), any secret flag of a command line as <hidden>."""
         data = dataclasses.asdict(self)
-        for node in data["nodes"]:
+        for node in [*data["nodes"], *data["aggregators"]]:
             node["args"] = redact_args(node["args"])
         write_atomic(path, json.dumps(data, indent=2))
 
@@ -88,6 +99,7 @@ class Plan:
     def load(cls, path: Path) -> Plan:
         data = json.loads(path.read_text())
         data["nodes"] = [NodeSpec(**n) for n in data["nodes"]]
+        data["aggregators"] = [NodeSpec(**n) for n in data.get("aggregators", [])]
         return cls(**data)
 
 
@@ -115,14 +127,17 @@ class Supervisor:
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
         self.plan = Plan.load(run_dir / PLAN_FILE)
-        self.daemons = [_Daemon(spec) for spec in self.plan.nodes]
+        self.daemons = [_Daemon(spec) for spec in [*self.plan.nodes, *self.plan.aggregators]]
+        for d in self.daemons:
+            if d.spec.kind == "aggregator":
+                d.state = "waiting"  # for the nodes' addresses
         self.stopping = False
 
     def log_path(self, d: _Daemon) -> Path:
-        return node_log(self.run_dir, d.spec.index)
+        return daemon_log(self.run_dir, d.spec.index, d.spec.kind)
 
     def pid_path(self, d: _Daemon) -> Path:
-        return node_pid_file(self.run_dir, d.spec.index)
+        return daemon_pid_file(self.run_dir, d.spec.index, d.spec.kind)
 
     def _start(self, d: _Daemon) -> None:
         bind = d.address or d.spec.bind
@@ -134,10 +149,15 @@ class Supervisor:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.plan.env_file:  # read at every start: the file may have been rotated since
             env.update(read_env_file(self.run_dir / self.plan.env_file))
+        if d.spec.kind == "aggregator":
+            nodes = ",".join(n.address for n in self.daemons if n.spec.kind == "node")
+            cmd = [*d.spec.args, "--cluster.nodes", nodes, "--node.bind", bind]
+            if env.get("LUWU_NODE__JOIN_SECRET"):  # it asks its workers for it, shows it the nodes
+                env.setdefault("LUWU_TRANSPORT__JOIN_SECRET", env["LUWU_NODE__JOIN_SECRET"])
         with open_log(path) as fh:
             what = f"restart #{d.restarts}" if d.restarts else "start"
             fh.write(
-                f"---- luwu supervisor: {what} of node {d.spec.index} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(redact_args(cmd))}\n".encode()
+                f"---- luwu supervisor: {what} of {d.spec.name} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(redact_args(cmd))}\n".encode()
             )
             fh.flush()
             d.log_offset = fh.tell()
@@ -155,7 +175,7 @@ class Supervisor:
         d.state = "starting"
         d.started_at = time.monotonic()
         write_atomic(self.pid_path(d), f"{d.pid}\n", 0o644)
-        log.info("node %d: started pid %d (%s)", d.spec.index, d.pid, what)
+        log.info("%s: started pid %d (%s)", d.spec.name, d.pid, what)
 
     def _scan_log(self, d: _Daemon) -> None:
         """Read what the daemon printed since its start, looking for the READY lines."""
@@ -176,8 +196,8 @@ class Supervisor:
                 d.state = "up"
                 d.ever_ready = True
                 log.info(
-                    "node %d: up at %s (pid %d)%s",
-                    d.spec.index,
+                    "%s: up at %s (pid %d)%s",
+                    d.spec.name,
                     d.address,
                     d.pid,
                     f", metrics {d.metrics_url}" if d.metrics_url else "",
@@ -191,8 +211,8 @@ class Supervisor:
         if not d.ever_ready:
             d.state = "failed"
             log.error(
-                "node %d (pid %d): %s before it was ready; not restarting (see %s)",
-                d.spec.index,
+                "%s (pid %d): %s before it was ready; not restarting (see %s)",
+                d.spec.name,
                 d.pid,
                 d.last_exit,
                 self.log_path(d),
@@ -201,8 +221,8 @@ class Supervisor:
         if rc == 0:
             d.state = "exited"
             log.warning(
-                "node %d (pid %d) exited cleanly after %.1f s (stopped by someone); not restarting",
-                d.spec.index,
+                "%s (pid %d) exited cleanly after %.1f s (stopped by someone); not restarting",
+                d.spec.name,
                 d.pid,
                 ran_s,
             )
@@ -213,8 +233,8 @@ class Supervisor:
         d.state = "backoff"
         d.next_start_at = time.monotonic() + delay
         log.warning(
-            "node %d (pid %d) died: %s; restart #%d in %.1f s",
-            d.spec.index,
+            "%s (pid %d) died: %s; restart #%d in %.1f s",
+            d.spec.name,
             d.pid,
             d.last_exit,
             d.restarts,
@@ -222,22 +242,26 @@ class Supervisor:
         )
 
     def state(self) -> dict:
+        rows = {"node": [], "aggregator": []}
+        for d in self.daemons:
+            row = {
+                "index": d.spec.index,
+                "state": d.state,
+                "pid": d.pid if d.proc is not None else None,
+                "address": d.address,
+                "metrics_url": d.metrics_url,
+                "restarts": d.restarts,
+                "last_exit": d.last_exit,
+            }
+            if d.spec.kind == "aggregator":
+                row["ranks"] = d.spec.ranks
+            rows[d.spec.kind].append(row)
         return {
             "job": self.plan.job,
             "supervisor_pid": os.getpid(),
             "stopping": self.stopping,
-            "nodes": [
-                {
-                    "index": d.spec.index,
-                    "state": d.state,
-                    "pid": d.pid if d.proc is not None else None,
-                    "address": d.address,
-                    "metrics_url": d.metrics_url,
-                    "restarts": d.restarts,
-                    "last_exit": d.last_exit,
-                }
-                for d in self.daemons
-            ],
+            "nodes": rows["node"],
+            "aggregators": rows["aggregator"],
         }
 
     def _save_state(self) -> None:
@@ -246,7 +270,7 @@ class Supervisor:
     def _stop_all(self) -> None:
         live = [d for d in self.daemons if d.proc is not None and d.proc.poll() is None]
         for d in live:
-            log.info("node %d: SIGTERM to pid %d", d.spec.index, d.pid)
+            log.info("%s: SIGTERM to pid %d", d.spec.name, d.pid)
             d.proc.terminate()
         deadline = time.monotonic() + self.plan.stop_timeout_s
         for d in live:
@@ -254,8 +278,8 @@ class Supervisor:
                 d.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning(
-                    "node %d: no exit %.0f s after SIGTERM; SIGKILL to pid %d",
-                    d.spec.index,
+                    "%s: no exit %.0f s after SIGTERM; SIGKILL to pid %d",
+                    d.spec.name,
                     self.plan.stop_timeout_s,
                     d.pid,
                 )
@@ -265,9 +289,14 @@ class Supervisor:
             if d.proc is not None:
                 d.last_exit = exit_text(d.proc.returncode)
                 d.proc = None
-            if d.state not in ("failed", "exited"):
+            if d.state not in ("failed", "exited", "waiting"):
                 d.state = "stopped"
             self.pid_path(d).unlink(missing_ok=True)
+
+    def _nodes_bound(self) -> bool:
+        """Every node has printed its address once (an aggregator is told them all at its start;
+        a restarted node binds the same one)."""
+        return all(d.address for d in self.daemons if d.spec.kind == "node")
 
     def run(self) -> int:
         def on_signal(signum, frame):
@@ -277,11 +306,16 @@ class Supervisor:
             signal.signal(sig, on_signal)
         write_atomic(self.run_dir / SUPERVISOR_PID, f"{os.getpid()}\n", 0o644)
         log.info(
-            "supervisor of job %r (pid %d): %d nodes", self.plan.job, os.getpid(), len(self.daemons)
+            "supervisor of job %r (pid %d): %d nodes, %d aggregators",
+            self.plan.job,
+            os.getpid(),
+            len(self.plan.nodes),
+            len(self.plan.aggregators),
         )
         try:
             for d in self.daemons:
-                self._start(d)
+                if d.state != "waiting":
+                    self._start(d)
             self._save_state()
             while not self.stopping:
                 before = json.dumps(self.state())
@@ -290,6 +324,8 @@ class Supervisor:
                         break
                     if d.proc is None:
                         if d.state == "backoff" and time.monotonic() >= d.next_start_at:
+                            self._start(d)
+                        elif d.state == "waiting" and self._nodes_bound():
                             self._start(d)
                         continue
                     if d.state == "starting":

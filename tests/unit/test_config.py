@@ -1,5 +1,6 @@
 """Config precedence: defaults < TOML file < LUWU_SECTION__FIELD < --section.field; bad input is named."""
 
+import re
 import subprocess
 import sys
 
@@ -293,3 +294,72 @@ def test_the_nodes_own_listener_serves_curve_too():
     )
     with pytest.raises(ConfigError, match="with CURVE keys, the authorized keys do this"):
         NodeConfig(join_secret="x", **keys)
+
+
+# ----------------------------------------------------------------- the switch tier's [[groups]]
+
+
+def _groups_file(tmp_path, body: str) -> str:
+    path = tmp_path / "tier.toml"
+    path.write_text('[cluster]\nnodes = ["tcp://127.0.0.1:5555"]\nworld_size = 8\n' + body)
+    return str(path)
+
+
+GROUPS = """
+[[groups]]
+ranks = "0-3"
+aggregator = "tcp://10.0.0.1:7100"
+
+[[groups]]
+ranks = "4-7"
+aggregator = "tcp://10.0.0.2:7100"
+"""
+
+
+def test_groups_load_and_each_rank_finds_its_aggregator(tmp_path):
+    from luwu.groups import aggregator_for
+    from luwu.ops.cluster_file import cluster_file_text
+
+    cfg = load_config(_groups_file(tmp_path, GROUPS), env={})
+    assert [aggregator_for(cfg, r) for r in (0, 3, 4, 7)] == [
+        "tcp://10.0.0.1:7100",
+        "tcp://10.0.0.1:7100",
+        "tcp://10.0.0.2:7100",
+        "tcp://10.0.0.2:7100",
+    ]
+    assert aggregator_for(cfg, 8) == ""  # a rank in no group talks to the nodes directly
+    explicit = load_config(
+        _groups_file(tmp_path, GROUPS), env={}, argv=["--cluster.aggregator=tcp://h:1"]
+    )
+    assert aggregator_for(explicit, 0) == "tcp://h:1"  # set explicitly, it wins
+    written = tmp_path / "written.toml"
+    written.write_text(cluster_file_text(cfg, cfg.cluster.nodes))
+    assert "[[groups]]" in written.read_text()
+    assert load_config(str(written), env={}).cluster.groups == cfg.cluster.groups
+    env = {"LUWU_CLUSTER__GROUPS": "0-3=tcp://10.0.0.1:7100,4-7=tcp://10.0.0.2:7100"}
+    assert load_config(None, env=env).cluster.groups == cfg.cluster.groups
+
+
+@pytest.mark.parametrize(
+    "flag, words",
+    [
+        ("0-3=tcp://h:1,3-5=tcp://h:2", "ranks 3-5 (aggregator tcp://h:2) overlap ranks 0-3"),
+        ("5-2=tcp://h:1", "'5-2'"),
+        ("0-8=tcp://h:1", "ranks 0-8 are past cluster.world_size = 8"),
+        ("0-3=h:1", "got 'h:1'"),
+        ("0-3", "'0-3' (from --cluster.groups) is not RANKS=ADDRESS"),
+        ("0-1=tcp://h:1,2-3=tcp://h:1", "the same aggregator tcp://h:1"),
+    ],
+)
+def test_bad_groups_are_refused_naming_the_value(tmp_path, flag, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        load_config(_groups_file(tmp_path, ""), env={}, argv=[f"--cluster.groups={flag}"])
+
+
+def test_a_group_table_with_a_wrong_key_or_run_is_refused(tmp_path):
+    body = '\n[[groups]]\nranks = [0, 2]\naggregator = "tcp://h:1"\n'
+    with pytest.raises(ConfigError, match=re.escape("contiguous run, got [0, 2]")):
+        load_config(_groups_file(tmp_path, body), env={})
+    body = '\n[[groups]]\nranks = "0-1"\naddress = "tcp://h:1"\n'
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config(_groups_file(tmp_path, body), env={})

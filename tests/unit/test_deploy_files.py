@@ -47,6 +47,7 @@ def test_deploy_tree_is_complete():
         "systemd/luwu-node@.service",
         "k8s/luwu-nodes.yaml",
         "k8s/luwu-train-job.yaml",
+        "k8s/luwu-aggregators.yaml",
         "docker/Dockerfile",
         "prometheus/prometheus.yml",
         "grafana/luwu-dashboard.json",
@@ -593,3 +594,48 @@ def test_join_files_give_the_nodes_workers_and_status_one_secret(tmp_path, monke
     )  # readable by others: the secret may be known, so it is not reused
     assert main([str(keys), str(cluster)]) == 1
     assert main([str(keys)]) == 2
+
+
+# ----------------------------------------------------------------- the switch tier (aggregators)
+
+
+@needs_yaml
+def test_k8s_aggregator_daemonset_finds_each_hosts_group(tmp_path, capsys):
+    """The DaemonSet's selector matches its pods, its groups layer over the nodes' cluster file and
+    load, each group's port is the hostPort, and the pod's lookup finds each host's ranks."""
+    from luwu.groups import main as group_of
+
+    docs = _k8s_docs()
+    ds = docs[("DaemonSet", "luwu-aggregator")]
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    pod = ds["spec"]["template"]["spec"]
+    (tmp_path / "cluster.toml").write_text(
+        docs[("ConfigMap", "luwu-cluster")]["data"]["cluster.toml"]
+    )
+    (tmp_path / "groups.toml").write_text(docs[("ConfigMap", "luwu-tier")]["data"]["groups.toml"])
+    files = [str(tmp_path / "cluster.toml"), str(tmp_path / "groups.toml")]
+    cfg = load_config(files, env={})
+    assert cfg.cluster.nodes and len(cfg.cluster.groups) == 2
+    port = pod["containers"][0]["ports"][0]
+    assert port["hostPort"] == port["containerPort"]
+    for g in cfg.cluster.groups:
+        host, _, gport = g["aggregator"][len("tcp://") :].rpartition(":")
+        assert int(gport) == port["hostPort"]
+        capsys.readouterr()
+        assert group_of([*files, host]) == 0
+        assert capsys.readouterr().out.split() == [g["ranks"], gport]
+    assert group_of([*files, "no-such-host"]) == 3
+    args = " ".join(pod["containers"][0]["args"])
+    assert "python -m luwu.groups" in args and "aggregator --config" in args
+    assert "/etc/luwu-keys/node.env" in args and "LUWU_TRANSPORT__JOIN_SECRET" in args
+    mounts = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["tier"]["configMap"]["name"] == "luwu-tier"
+    assert mounts["keys"]["secret"]["secretName"] == "luwu-keys"
+
+
+def test_sbatch_runs_one_aggregator_per_worker_host_only_with_the_join_secret():
+    code = "\n".join(_code_lines(DEPLOY / "slurm" / "luwu.sbatch"))
+    assert "LUWU_AGGREGATORS" in code and "--overlap" in code and "-m luwu -v aggregator" in code
+    assert "--cluster.groups=" in code and '--node-rank="$SLURM_PROCID"' in code
+    assert "LUWU_AGGREGATORS=1 needs LUWU_INSECURE_PUBLIC_BIND=1" in code
