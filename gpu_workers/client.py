@@ -76,12 +76,19 @@ def _key_where(key: tuple) -> tuple:
 
 
 class WorkerClient:
-    def __init__(self, nodes: list[str], *, job: str, rank: int, cfg: TransportConfig):
+    def __init__(
+        self, nodes: list[str], *, job: str, rank: int, cfg: TransportConfig, via: str = ""
+    ):
+        """``via``: the address of this worker's aggregator (the switch tier): every node's socket
+        connects there, and what is said of a node names both."""
         if not nodes:
             raise ValueError("no node addresses given")
-        for addr in nodes:
+        connect = [via] * len(nodes) if via else list(nodes)
+        for addr in connect:
             check_resolves(addr)
-        self.nodes, self.job, self.rank, self.cfg = list(nodes), job, rank, cfg
+        self.job, self.rank, self.cfg = job, rank, cfg
+        #: how each node is named in messages (its address, and the aggregator it is reached through)
+        self.nodes = [f"{a} through aggregator {via}" for a in nodes] if via else list(nodes)
         if cfg.retain_freed_memory:
             retain_freed_memory()
         self._out: list[collections.deque] = [collections.deque() for _ in nodes]
@@ -103,7 +110,7 @@ class WorkerClient:
         self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=f"luwu-io-r{rank}", daemon=True)
         self._ctx = zmq.Context()
-        self._socks = [self._connect(a) for a in nodes]
+        self._socks = [self._connect(a) for a in connect]
         self._thread.start()
         _OPEN_CLIENTS.add(self)
 

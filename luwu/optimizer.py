@@ -223,8 +223,8 @@ class RemoteOptimizer(torch.optim.Optimizer):
         """Connect to the nodes and join the job. A refused start holds no rank there: BYE to the nodes that
         welcomed this worker before another refused it."""
         via = aggregator_for(self.config, self.rank)  # the switch tier: every node link through it
-        nodes = [via] * len(self.nodes) if via else self.nodes
-        self.client = WorkerClient(nodes, job=self.job, rank=self.rank, cfg=self.config.transport)
+        cfg = self.config.transport
+        self.client = WorkerClient(self.nodes, job=self.job, rank=self.rank, cfg=cfg, via=via)
         try:
             self._build()
         except BaseException:

@@ -362,6 +362,8 @@ class Membership:
         With no worker connected nobody waits; a rank that left (BYE) is not waited for unless a step needs it."""
         ctx = self.ctx
         absent = sorted(set(range(ctx.world_size)) - set(ctx.peers) - self._left)
+        absent += [r for r in ctx.peers if ctx.peers[r] in ctx.relays and not ctx.connected(r)]
+        absent.sort()  # (an aggregator's ranks count as gone once its connection closed)
         waiting = sorted(
             {
                 w

@@ -5,9 +5,12 @@ and passes each reply on to its workers: with compression off, a job trained thr
 ends with the bits of the same job trained without them, and the nodes receive one push per bucket
 from each aggregator instead of one from each worker (their own ``/metrics``)."""
 
+import time
+
 import pytest
-from harness import assert_params_close, run_streaming, run_training
+from harness import TRAIN, assert_params_close, run_streaming, run_training, start_workers
 from support.node_metrics import scrape
+from support.worker_output import read_until_step
 from workers.train import reference
 
 import luwu
@@ -126,3 +129,25 @@ def test_compressed_pushes_go_up_compressed_under_the_uplinks_policy(tmp_path):
     for i, (a, b, r) in enumerate(zip(got[0]["params"], want[0]["params"], ref)):
         # as close to the fp32 reference as the flat compressed run is (compression's own error)
         assert (a - r).norm() <= 1.5 * (b - r).norm() + 1e-6, f"parameter {i}"
+
+
+@pytest.mark.timeout(300)
+def test_an_aggregator_killed_mid_training_fails_its_workers_steps_by_name_never_a_hang(tmp_path):
+    """No fallback yet: a SIGKILLed aggregator's workers, and in strict mode the other group's too,
+    fail their step within timeout_s, naming the node and the aggregator they reached it through."""
+    spec = dict(SPEC, steps=400, timeout_s=10.0, step_sleep=0.02)
+    with luwu.local_cluster(2, aggregators=2, world_size=4) as tier:
+        spec |= {"nodes": tier.addresses, "world_size": 4, "out": str(tmp_path / "r")}
+        spec["aggregators"] = {str(r): tier.aggregator_for(r) for r in range(4)}
+        procs = start_workers(TRAIN, spec, 4, tmp_path)
+        seen: list[str] = []
+        read_until_step(procs[0], 3, seen)
+        tier.aggregator_procs[0].kill()
+        t0 = time.monotonic()
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+        took = time.monotonic() - t0
+    assert all(p.returncode != 0 for p in procs), seen
+    assert took < 10.0 + 15, took
+    for rank in (0, 1):
+        assert f"through aggregator {tier.aggregators[0]}" in outs[rank], outs[rank][-600:]
+        assert "NodeTimeoutError" in outs[rank]
