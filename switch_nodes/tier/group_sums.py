@@ -59,10 +59,13 @@ class GroupSums:
         world_size: int,
         metrics=None,
         compression: CompressionConfig | None = None,
+        max_open: int = 64,
     ):
         """``metrics``: an :class:`.metrics.AggregatorMetrics` to count into; ``compression``: the
-        policy of the uplink (None: the defaults)."""
+        policy of the uplink (None: the defaults); ``max_open``: the most blocks that may wait for
+        pushes at once (what the group's workers can make this process hold is bounded by it)."""
         self.group, self.world_size, self.metrics = group, world_size, metrics
+        self.max_open = max_open
         self.compression = compression or CompressionConfig()
         self._feedback = ErrorFeedback()
         self._blocks = aligned_blocks(tuple(range(world_size)), group)
@@ -99,6 +102,12 @@ class GroupSums:
         codec.check_payload(numel, frames, h["cmeta"])
         rec = self._open.get(key)
         if rec is None:
+            if len(self._open) >= self.max_open:
+                raise ProtocolError(
+                    f"worker {r}: push of bucket {bid} step {step} would open a sum past the "
+                    f"{self.max_open} that may wait for the rest of their pushes at once (steps "
+                    f"open: {sorted({k[1] for k in self._open})[:8]}): a worker far ahead of its group"
+                )
             rec = self._open[key] = _Open(RankTree(block, 1.0 / self.world_size), h)
         elif h["nograd"] != rec.header["nograd"]:
             raise StepMismatchError(

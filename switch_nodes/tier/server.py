@@ -222,6 +222,8 @@ class AggregatorServer:
             self._sums = GroupSums(self.group, h["world_size"], self.metrics, self.compression)
         for b in buckets:
             self._buckets[(node, b.id)] = b
+        # a worker may push a few steps ahead of its group, not without bound: 4 steps of every bucket
+        self._sums.max_open = max(64, 4 * len(self._buckets))
         self._route[(node, rank)] = ident  # its answers come back here (the WELCOME admits it)
         header = dict(h, relay=True)
         header.pop("nbytes", None)
