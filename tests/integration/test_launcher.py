@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.cli import luwu as run_luwu
 
 from luwu.cli import main as launcher_main
 from luwu.cli import main as status_main
@@ -30,15 +31,7 @@ EXAMPLE = ROOT / "deploy" / "cluster.example.toml"
 
 def luwu(module: str, *args: str, timeout_s: float = 90) -> subprocess.CompletedProcess:
     """`python -m luwu.launcher up ...` is `luwu up ...` (the CLI registers the same parsers)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=ROOT,
-        env=env,
-    )
+    return run_luwu(*args, module=module, timeout_s=timeout_s)
 
 
 def pids_of(run_dir: Path) -> dict[str, int]:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.cli import luwu
 
 from luwu.config import load_config
 from luwu.ops.cluster_file import reachable
@@ -22,20 +23,6 @@ from luwu.ops.monitor import query_many
 from luwu.ops.rundir import pid_alive, read_pid
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def luwu(
-    *args: str, timeout_s: float = 120, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    full = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200", **(env or {}))
-    return subprocess.run(
-        [sys.executable, "-m", "luwu", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=ROOT,
-        env=full,
-    )
 
 
 def mode(path: Path) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from harness import wait_all
+from support.cli import luwu
 from support.node_metrics import scrape
 
 from luwu.config import load_config
@@ -26,18 +27,6 @@ from luwu.ops.rundir import pid_alive, read_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "deploy" / "train_example.py"
-
-
-def luwu(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "luwu", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=ROOT,
-        env=env,
-    )
 
 
 def pids_of(run_dir: Path) -> dict[str, int]:
