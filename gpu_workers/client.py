@@ -29,6 +29,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from luwu.gpu_workers.channel import Channels, Reply, resolved
 from luwu.gpu_workers.config import TransportConfig
+from luwu.gpu_workers.fallback import Fallback
 from luwu.gpu_workers.reach import WATCHED, Reach, check_resolves
 from luwu.gpu_workers.send_order import SendOrder
 from luwu.gpu_workers.wake import Wake
@@ -57,9 +58,8 @@ _OPEN_CLIENTS: weakref.WeakSet = weakref.WeakSet()
 def _close_open_clients() -> None:
     """At interpreter exit (Ctrl-C, a script that never closed its optimizer): every client still open says
     BYE, while its I/O thread still runs (atexit comes before daemon threads stop)."""
-    for client in [
-        c for c in list(_OPEN_CLIENTS) if c.pid == os.getpid()
-    ]:  # (not a forked copy: its sockets are the parent's)
+    mine = [c for c in list(_OPEN_CLIENTS) if c.pid == os.getpid()]  # (not a forked copy's)
+    for client in mine:
         try:
             client.close()
         except Exception:  # exiting anyway: a failed goodbye leaves the rank to the node's timeout
@@ -77,16 +77,17 @@ def _key_where(key: tuple) -> tuple:
 
 class WorkerClient:
     def __init__(
-        self, nodes: list[str], *, job: str, rank: int, cfg: TransportConfig, via: str = ""
+        self, nodes: list[str], *, job: str, rank: int, cfg: TransportConfig, via="", via_key=""
     ):
-        """``via``: the address of this worker's aggregator (the switch tier): every node's socket
-        connects there, and what is said of a node names both."""
+        """``via``: this worker's aggregator (the switch tier; ``via_key`` its CURVE server key): every
+        node's socket connects there, what is said of a node names both, and when the aggregator's
+        connection closes the socket falls back to the node itself (:mod:`.fallback`)."""
         if not nodes:
             raise ValueError("no node addresses given")
         connect = [via] * len(nodes) if via else list(nodes)
         for addr in connect:
             check_resolves(addr)
-        self.job, self.rank, self.cfg = job, rank, cfg
+        self.job, self.rank, self.cfg, self._via_key = job, rank, cfg, via_key
         #: how each node is named in messages (its address, and the aggregator it is reached through)
         self.nodes = [f"{a} through aggregator {via}" for a in nodes] if via else list(nodes)
         if cfg.retain_freed_memory:
@@ -105,16 +106,20 @@ class WorkerClient:
         self._last_heard = [time.monotonic()] * len(nodes)
         self._welcomed: set[int] = set()  # nodes that answered HELLO: told BYE on close
         self._reach = Reach(self.nodes, rank, cfg)  # what each socket's connection events said
-        self._monitors: list[zmq.Socket | None] = []  # each socket's, until a handshake succeeds
+        # each socket's connection events, until a handshake succeeds (through an aggregator: on)
+        self._monitors: list[zmq.Socket | None] = []
+        self.fallback = Fallback(self, list(nodes), via) if via else None
         self._closed = False
         self.pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name=f"luwu-io-r{rank}", daemon=True)
         self._ctx = zmq.Context()
-        self._socks = [self._connect(a) for a in connect]
+        self._socks = [self._connect(a, bool(via)) for a in connect]
+        self._poller, self._waiting_out = zmq.Poller(), set()  # (sockets waiting for POLLOUT)
         self._thread.start()
         _OPEN_CLIENTS.add(self)
 
-    def _connect(self, addr: str) -> zmq.Socket:
+    def _connect(self, addr: str, via: bool = False) -> zmq.Socket:
+        """A DEALER connected to ``addr`` and its monitor (``via``: watching for its end too)."""
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.SNDHWM, self.cfg.sndhwm)
@@ -125,10 +130,10 @@ class WorkerClient:
         if self.cfg.join_secret:
             s.setsockopt(zmq.METADATA, wire.join_metadata(self.cfg.join_secret))
         if self.cfg.curve_server_key:
-            s.curve_serverkey = self.cfg.curve_server_key.encode()
+            s.curve_serverkey = ((via and self._via_key) or self.cfg.curve_server_key).encode()
             s.curve_publickey = self.cfg.curve_public_key.encode()
             s.curve_secretkey = self.cfg.curve_secret_key.encode()
-        mon = s.get_monitor_socket(WATCHED)
+        mon = s.get_monitor_socket(WATCHED | (zmq.EVENT_DISCONNECTED if via else 0))
         mon.setsockopt(zmq.LINGER, 0)
         self._monitors.append(mon)
         s.connect(addr)
@@ -146,7 +151,10 @@ class WorkerClient:
         header.setdefault("worker", self.rank)
         header.setdefault("step", 0)
         frames = wire.encode(header, payload)
-        self._out[node].append((priority, frames))
+        if self.fallback is not None:  # (kept until answered, to go again if the aggregator dies)
+            self.fallback.queue(node, header, priority, frames)
+        else:
+            self._out[node].append((priority, frames))
         self.wake.queued()
 
     def release(self, step: int) -> None:
@@ -214,16 +222,10 @@ class WorkerClient:
                     if k in self._inbox:
                         out[k] = self._inbox.pop(k)
                         continue
-                    i = next(
-                        (
-                            i
-                            for i, (n, e) in enumerate(self._errors)
-                            if n == k[1] and getattr(e, "ref_op", None) == ref_op
-                        ),
-                        None,
-                    )
-                    if i is not None:
-                        out[k] = self._errors.pop(i)[1]
+                    errs = self._errors
+                    i = [j for j, (n, e) in enumerate(errs) if n == k[1] and e.ref_op == ref_op]
+                    if i:
+                        out[k] = errs.pop(i[0])[1]
                 missing = [k for k in keys if k not in out]
                 if missing:
                     left = deadline - time.monotonic()
@@ -237,15 +239,7 @@ class WorkerClient:
         return [k for k in keys if k in self._inbox]
 
     def _await_any(
-        self,
-        missing: list,
-        ready_of,
-        where,
-        deadline: float,
-        timeout_s: float,
-        what: str,
-        errors_of,
-        total: int,
+        self, missing: list, ready_of, where, deadline, timeout_s, what, errors_of, total
     ) -> list:
         """With the lock held: wait until ``ready_of(missing)`` (control keys filed, futures
         resolved) is not empty and return it; ``where(m)``: (node, step, bucket) of ``m``."""
@@ -370,17 +364,19 @@ class WorkerClient:
 
     # ----------------------------------------------------------------- the I/O thread
     def _run(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller
         for s in self._socks:
             poller.register(s, zmq.POLLIN)
         poller.register(self.wake.fd, zmq.POLLIN)
         for m in self._monitors:
             poller.register(m, zmq.POLLIN)
-        waiting_out: set[int] = set()
+        waiting_out = self._waiting_out
         hb = self.cfg.heartbeat_s
         last_sent = [time.monotonic()] * len(self._socks)
         while self._running:
             events = dict(poller.poll(200))
+            if self.fallback is not None:
+                self.fallback.tick()
             if self.wake.fd in events:
                 self.wake.drain()  # (before reading the queues)
             for i, s in enumerate(self._socks):
@@ -414,9 +410,8 @@ class WorkerClient:
                     last_sent[i] = time.monotonic()
 
     def _watch(self, node: int, mon: zmq.Socket, poller: zmq.Poller) -> None:
-        """A node socket's connection events, until a ZeroMQ handshake with the node first succeeds: when each
-        attempt was refused, and each handshake the node cut (waiters check :meth:`Reach.raise_refused`), then
-        that it was reached and let in (the monitor is closed)."""
+        """A node socket's connection events until a handshake first succeeds (the monitor is then closed;
+        through an aggregator, watched until its end): refusals and cut handshakes (:class:`.Reach`)."""
         while True:
             try:
                 event = recv_monitor_message(mon, flags=zmq.NOBLOCK)["event"]
@@ -425,12 +420,34 @@ class WorkerClient:
             with self._cv:
                 self._reach.note(node, event)
                 self._cv.notify_all()
+            fallback = self.fallback
+            if fallback is not None and node not in fallback.fell_back:
+                if event == zmq.EVENT_DISCONNECTED and self._reach.joined[node]:
+                    fallback.start(node)  # (the aggregator is gone: the node itself, from now on)
+                    return
+                continue  # (its monitor stays: the end of the aggregator's connection is watched)
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 poller.unregister(mon)
                 self._socks[node].disable_monitor()
                 mon.close(0)
                 self._monitors[node] = None
                 return
+
+    def reconnect(self, node: int, addr: str) -> None:
+        """Replace ``node``'s socket by one connected to ``addr`` (the I/O thread: a fallback)."""
+        poller, old, mon = self._poller, self._socks[node], self._monitors[node]
+        for sock in (old, mon):
+            if sock is not None:
+                poller.unregister(sock)
+                sock.close(0)
+        self._waiting_out.discard(node)
+        self._socks[node] = self._connect(addr)
+        self._monitors[node] = self._monitors.pop()
+        poller.register(self._socks[node], zmq.POLLIN)
+        poller.register(self._monitors[node], zmq.POLLIN)
+        with self._cv:
+            self.nodes[node] = addr
+            self._reach.forget(node)
 
     def _drain(self, node: int, s: zmq.Socket) -> None:
         while True:
@@ -453,6 +470,8 @@ class WorkerClient:
             self.bytes_received += n
             self.node_bytes[node][1] += n
             h = msg.header
+            if self.fallback is not None and self.fallback.reply(node, h):
+                continue  # (the fallback's own HELLO answered)
             op = h["op"]
             if op == Op.ERROR:
                 err = error_for_code(

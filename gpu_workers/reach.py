@@ -65,11 +65,19 @@ class Reach:
         self.reached = [False] * len(nodes)  # a connection was made (TCP/IPC), since the start
         self.refused_since: list[float | None] = [None] * len(nodes)  # first refusal, never reached
         self.shut_out = [0] * len(nodes)  # handshakes the node cut, none succeeding yet
+        self.joined = [False] * len(nodes)  # a handshake succeeded
+
+    def forget(self, node: int) -> None:
+        """``node``'s socket was connected anew (a fallback from its aggregator): nothing said yet."""
+        self.reached[node], self.refused_since[node] = False, None
+        self.shut_out[node], self.joined[node] = 0, False
 
     def note(self, node: int, event: int) -> None:
         """A connection event of ``node``'s socket."""
         if event == zmq.EVENT_CONNECTED:
             self.reached[node] = True
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.joined[node] = True
         elif event & HANDSHAKE_FAILED:
             self.shut_out[node] += 1
         elif (

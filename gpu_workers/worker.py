@@ -385,7 +385,7 @@ class Worker:
             ),
         }
         if partial:  # unanswered, and the next micro-batch refills the buffers: the frames copied
-            header["partial"] = True
+            header["partial"], header["micro"] = True, buf.partials
         frames = [f.clone() for f in enc.frames] if partial else enc.frames
         self.channels[b.id].push(header, frames, priority=self._priority(b))
         if self.views is not None:  # (a zero-copy frame is the buffer: changing it is refused)

@@ -107,6 +107,9 @@ OPTIONAL: dict[str, tuple] = {
     "relay": (B,),
     "ranks": (L,),
     "prescaled": (I,),
+    "micro": (I,),
+    "retry": (B,),
+    "pulls": (D,),
 }
 """``partial`` (PUSH): a micro-batch's gradient under ``no_sync()`` in streaming mode; the node adds it
 to the step's sum and answers nothing; the worker's last push of the step comes without it. ``resume``
@@ -118,7 +121,11 @@ buckets one after another instead of all of them at once. The switch tier (``luw
 ``relay`` (HELLO) says the connection is an aggregator's, standing for every rank that says HELLO
 through it; ``ranks`` (PUSH) names the ranks whose pushes an aggregator summed into this one, an aligned
 block of the step's ranks, each decoded times ``1 / prescaled`` (the job's world size) as the node would;
-``ranks`` (UPDATE, NORM) names the ranks a relayed reply answers, sent once to their aggregator."""
+``ranks`` (UPDATE, NORM) names the ranks a relayed reply answers, sent once to their aggregator. A worker
+whose aggregator died sends its unanswered requests again to the nodes (:mod:`luwu.gpu_workers.fallback`):
+``micro`` (a ``partial`` PUSH) is the micro-batch's index in its step, so a node counts each once;
+``retry`` (COMMIT) asks for the weights of each bucket named in ``pulls`` (bucket -> reply codec) that
+the node stepped already, whole."""
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ from luwu.protocol import messages as wire
 from luwu.protocol.codecs import Codec, get_codec
 from luwu.protocol.errors import ConfigError, ProtocolError, StepMismatchError
 from luwu.protocol.feedback import WORKER_MOMENTUM
+from luwu.protocol.messages import Op
 from luwu.switch_nodes.context import NodeContext
 from luwu.switch_nodes.effects import (
     ApplyPush,
@@ -29,6 +30,7 @@ from luwu.switch_nodes.effects import (
     Effect,
     Norm,
     Ready,
+    Reply,
     SendCurrent,
     SendWeights,
 )
@@ -90,7 +92,7 @@ class Aggregator:
         w, step = h["worker"], h["step"]
         block = self._block(ident, b, h) if "ranks" in h else None
         if step < b.version and step not in b.accs:
-            return self._on_retried_push(b, h, block)
+            return self._on_retried_push(ident, b, h, block)
         acc = b.accumulator(step, max_ahead=2 + self.ctx.cfg.staleness)
         if block is not None and acc.workers.intersection(block):
             self.ctx.metrics.duplicates.inc()
@@ -100,6 +102,9 @@ class Aggregator:
                     f"overlaps pushes already in from ranks {sorted(acc.workers & set(block))}"
                 )
             return []
+        if h.get("partial") and 0 <= h.get("micro", -1) < acc.partial.get(w, 0):
+            self.ctx.metrics.duplicates.inc()  # (a micro-batch push sent again: counted once)
+            return []
         if w in acc.workers:
             self.ctx.metrics.duplicates.inc()
             if h.get("partial"):
@@ -107,7 +112,7 @@ class Aggregator:
                     f"bucket {b.id} step {step}: micro-batch push of worker {w} after its last "
                     "push of the step"
                 )
-            return []
+            return self._norm_again(ident, b, w, step)
         codec, nograd, hyper = self.check_push(
             b, h, msg.tensors(), first=not acc.workers and not acc.partial
         )
@@ -175,7 +180,7 @@ class Aggregator:
         return tuple(ranks)
 
     def _on_retried_push(
-        self, b: BucketState, h: dict, block: tuple[int, ...] | None = None
+        self, ident: bytes, b: BucketState, h: dict, block: tuple[int, ...] | None = None
     ) -> list[Effect]:
         """A push of a step already applied: answer the last step's retry with the weights, count
         nothing."""
@@ -185,7 +190,19 @@ class Aggregator:
             raise StepMismatchError(
                 f"bucket {b.id}: push of worker {w} for step {step}, node is at step {b.version}"
             )
-        return [SendCurrent(b, list(block or (w,)), full_codec(h["pull"]), seq=step)]
+        if h.get("partial"):
+            return []  # (its step's last push is answered)
+        norm = self._norm_again(ident, b, w, step) if h["two_phase"] and block is None else []
+        return [*norm, SendCurrent(b, list(block or (w,)), full_codec(h["pull"]), seq=step)]
+
+    def _norm_again(self, ident: bytes, b: BucketState, w: int, step: int) -> list[Effect]:
+        """A push sent again (its aggregator died) of a two-phase step whose NORM went out: the NORM
+        again, to this worker; nothing else (the step's reply reaches it as the others')."""
+        if b.last_norm is None or b.last_norm[0] != step:
+            return []
+        _, sq, nonfinite = b.last_norm
+        header = {"op": Op.NORM, "job": self.ctx.job, "step": step, "worker": w, "bucket": b.id}
+        return [Reply(ident, wire.encode(header | {"sqnorm": sq, "nonfinite": nonfinite}))]
 
     def _check_same_nograd(self, b: BucketState, h: dict, acc: Accumulator, nograd: tuple) -> None:
         if nograd == acc.nograd:
@@ -289,10 +306,19 @@ class Aggregator:
             return self.complete(b, step, acc)
         return []
 
+    @staticmethod
+    def _stepped_again(b: BucketState, h: dict, bid: int) -> list[Effect]:
+        """A retried COMMIT (its aggregator died) names a bucket stepped since: its weights whole to
+        the worker, when it says it still waits for them (``pulls``: bucket -> reply codec)."""
+        pull = h.get("pulls", {}).get(bid)
+        if not isinstance(pull, str):
+            return []
+        return [SendCurrent(b, [h["worker"]], full_codec(pull), seq=h["step"])]
+
     def on_commit(self, ident: bytes, msg: wire.Message) -> list[Effect]:
         """The workers' global coefficient of a two-phase step: the buckets it names step."""
         h = msg.header
-        step, out = h["step"], []
+        step, out, again = h["step"], [], []
         for bid in h["buckets"]:
             b = self.shard.buckets.get(bid) if isinstance(bid, int) else None
             if b is None:
@@ -300,6 +326,9 @@ class Aggregator:
                     f"COMMIT names bucket {bid!r}, not owned by node {self.ctx.index}"
                 )
             acc = b.accs.get(step)
+            if h.get("retry") and acc is None and step == b.version - 1:
+                again += self._stepped_again(b, h, bid)
+                continue
             if acc is None or not acc.norm_sent or acc.started or step != b.version:
                 continue  # already committed by another worker's COMMIT, or not yet complete
             coef = h["coef"]
@@ -311,4 +340,4 @@ class Aggregator:
         if not h["skip"]:  # the sums in RAM step first (room), then the spilled ones come back
             out.sort(key=lambda e: self.ctx.inflight.spilled(e.acc))
             self.ctx.inflight.prefetch([(e.bucket, e.acc) for e in out])
-        return out
+        return out + again

@@ -135,6 +135,13 @@ class Membership:
         ctx = self.ctx
         if bound is None or bound == ident:
             return
+        if bound in ctx.relays and not ctx.connected(w):
+            log.warning(  # (its workers fall back to the nodes: gpu_workers.fallback)
+                "node %s: worker rank %d comes back directly, its aggregator's connection closed",
+                ctx.index,
+                w,
+            )
+            return
         ago, timeout = time.monotonic() - ctx.last_seen.get(w, 0.0), ctx.cfg.worker_timeout_s
         if ago < timeout:
             raise ProtocolError(

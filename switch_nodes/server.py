@@ -367,6 +367,7 @@ class NodeServer:
         """A queued job (two-phase step): the gradient's squared norm to the workers (NORM)."""
         b = e.bucket
         sq, nonfinite = await self.ctx.queue.run(b.sqnorm, e.acc, e.divisor)
+        b.last_norm = (e.step, sq, nonfinite)
         for w in e.acc.workers:
             header = {"op": Op.NORM, "job": self.ctx.job, "step": e.step, "worker": w}
             header |= {"bucket": b.id, "sqnorm": sq, "nonfinite": nonfinite}

@@ -290,6 +290,8 @@ class BucketState:
         self.version = 0  # steps processed (applied or skipped)
         self.initialized = False
         self.accs: dict[int, Accumulator] = {}
+        #: (step, squared norm, nonfinite) of the last two-phase step's NORM: a retried push gets it again
+        self.last_norm: tuple | None = None
         self.worker_steps: dict[int, int] = {}  # async mode: the last step each worker pushed
         self.held: list[
             tuple[int, int, str]
