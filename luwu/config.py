@@ -49,6 +49,9 @@ class ClusterConfig:
     aggregator: str = ""
     """This worker's aggregator (``luwu aggregator``, the switch tier), tcp://host:port: the worker talks
     to the nodes through it. Empty = the one of its rank's group (``groups``), else the nodes directly."""
+    aggregator_key: str = ""
+    """The Z85 CURVE public key of ``aggregator`` (its ``luwu keys`` pair), shown it as the server key
+    instead of transport.curve_server_key (the nodes'); a group's is its ``aggregator_key``."""
     groups: list[dict] = field(default_factory=list)
     """The switch tier's groups, ``[[groups]]`` tables of the cluster file: ``ranks = "0-3"`` (a contiguous
     run) and ``aggregator = "tcp://host:port"``; a worker of those ranks talks through that aggregator

@@ -35,7 +35,7 @@ from luwu.gpu_workers.config import TransportConfig
 from luwu.gpu_workers.links import LinkSpeeds
 from luwu.gpu_workers.metrics import StepReport, WorkerMetrics
 from luwu.gpu_workers.streamer import Streamer
-from luwu.groups import aggregator_for
+from luwu.groups import worker_route
 from luwu.protocol.errors import ConfigError, LuwuError, RollbackError
 from luwu.protocol.layout import ParamSpec
 from luwu.protocol.memory import trim_heap
@@ -222,9 +222,9 @@ class RemoteOptimizer(torch.optim.Optimizer):
     def _start(self) -> None:
         """Connect to the nodes and join the job. A refused start holds no rank there: BYE to the nodes that
         welcomed this worker before another refused it."""
-        via = aggregator_for(self.config, self.rank)  # the switch tier: every node link through it
-        cfg = self.config.transport
-        self.client = WorkerClient(self.nodes, job=self.job, rank=self.rank, cfg=cfg, via=via)
+        via, key = worker_route(self.config, self.rank)  # the switch tier: nodes through it
+        kw = {"job": self.job, "rank": self.rank, "cfg": self.config.transport}
+        self.client = WorkerClient(self.nodes, **kw, via=via, via_key=key)
         try:
             self._build()
         except BaseException:

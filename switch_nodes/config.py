@@ -116,6 +116,11 @@ class NodeConfig:
     curve_monitor_keys: list[str] = field(default_factory=list)
     """Z85 public keys of tools (luwu status, luwu top) allowed in to ask STATS: they hold at most stranger_bytes
     and never say HELLO (`luwu keys` writes the monitor's here)."""
+    curve_aggregator_keys: list[str] = field(default_factory=list)
+    """The switch tier's aggregators, ``FIRST-LAST=KEY`` each (``luwu keys``, ``luwu up``): the Z85 public key
+    of the aggregator of worker ranks FIRST..LAST. A connection with that key may only say HELLO marked
+    ``relay`` (an aggregator's), for a rank of its run, and holds one connection at a time (a newer one
+    replaces it); a worker's key never relays. Needs CURVE (curve_secret_key)."""
     curve_keys_by_rank: bool = True
     """With CURVE: the i-th of curve_authorized_keys may only say HELLO as worker rank i, holds one connection at
     a time (a newer one replaces it: a worker's reconnect), and keys past the job's world size (such as a
@@ -135,6 +140,11 @@ class NodeConfig:
     """Keep freed memory in the process (glibc mallopt) so received messages land in recycled, already
     touched memory instead of fresh pages (~10x slower to fill); costs resident memory up to the peak.
     A node with a push budget gives freed buffers back instead (:mod:`.budget_memory`)."""
+
+    @property
+    def aggregator_ranks(self) -> dict[str, tuple[int, int]]:
+        """curve_aggregator_keys as {key: (first rank, last rank)}."""
+        return {key: ranks for ranks, key in map(_aggregator_key, self.curve_aggregator_keys)}
 
     @property
     def uses_zmtp(self) -> bool:
@@ -293,6 +303,7 @@ class NodeConfig:
             raise ConfigError(
                 "node.curve_public_key and node.curve_secret_key must be given together"
             )
+        self._check_aggregator_keys()
         if self.curve_secret_key and not self.curve_authorized_keys:
             raise ConfigError(
                 "node.curve_authorized_keys is empty: with CURVE on, list the workers' public keys (luwu keys)"
@@ -316,3 +327,44 @@ class NodeConfig:
                 f"node.listener = 'libzmq' cannot ask for a join secret, and no CURVE keys are set: configure CURVE keys "
                 f"(luwu keys), use listener = 'zmtp' with a join secret, or set node.insecure_open = true to serve anyone who reaches {self.bind}"
             )
+
+    def _check_aggregator_keys(self) -> None:
+        """curve_aggregator_keys: CURVE on, each a run of ranks and a key of no other role, runs apart."""
+        if not self.curve_aggregator_keys:
+            return
+        if not self.curve_secret_key:
+            raise ConfigError(
+                "node.curve_aggregator_keys needs CURVE keys (node.curve_public_key and "
+                "curve_secret_key: luwu keys)"
+            )
+        runs = sorted((r, k) for r, k in map(_aggregator_key, self.curve_aggregator_keys))
+        for (prev, key), (run, _) in zip(runs, runs[1:]):
+            if run[0] <= prev[1]:
+                raise ConfigError(
+                    f"node.curve_aggregator_keys: ranks {run[0]}-{run[1]} overlap ranks "
+                    f"{prev[0]}-{prev[1]} (key {key}): a rank has one aggregator"
+                )
+        others = {*self.curve_authorized_keys, *self.curve_monitor_keys}
+        for _, key in runs:
+            if key in others:
+                raise ConfigError(
+                    f"node.curve_aggregator_keys: {key} is a worker's or a monitor's key too "
+                    "(curve_authorized_keys, curve_monitor_keys): a key has one role"
+                )
+        if len({k for _, k in runs}) < len(runs):
+            raise ConfigError("node.curve_aggregator_keys: a key is listed for two groups")
+
+
+def _aggregator_key(item: str) -> tuple[tuple[int, int], str]:
+    """``FIRST-LAST=KEY`` (one of node.curve_aggregator_keys) -> ((first, last), key)."""
+    ranks, eq, key = str(item).strip().partition("=")
+    first, dash, last = ranks.partition("-")
+    last = last if dash else first
+    if not (eq and first.strip().isdigit() and last.strip().isdigit() and len(key) == 40):
+        raise ConfigError(
+            f"node.curve_aggregator_keys entry {item!r} is not FIRST-LAST=KEY (the ranks of the "
+            "aggregator's group, then its 40-character Z85 public key: luwu keys writes them)"
+        )
+    if int(first) > int(last):
+        raise ConfigError(f"node.curve_aggregator_keys entry {item!r}: {first} > {last}")
+    return (int(first), int(last)), key

@@ -8,7 +8,8 @@ per message, as it does without CURVE. The handshake proves, in this order:
   it opens);
 - WELCOME: the node's short-term key and a cookie, boxed to the client's short-term key;
 - INITIATE: the cookie comes back, and a vouch boxed by the client's long-term key binds that key to
-  this connection; the key must be one of ``node.curve_authorized_keys`` or ``node.curve_monitor_keys``;
+  this connection; the key must be one of ``node.curve_authorized_keys``, ``node.curve_monitor_keys`` or
+  ``node.curve_aggregator_keys``;
 - READY: metadata, boxed with the connection's key.
 
 After it every ZMTP frame is a MESSAGE: ``"\\x07MESSAGE"``, an 8-octet nonce that grows by one per
@@ -50,14 +51,21 @@ class CurveError(Refused):
 
 class CurveKeys:
     """The node's long-term key pair and the client keys it lets in (z85 strings, as configured): the
-    workers' and the monitors' (what each may do is the node's to say, not the handshake's)."""
+    workers', the monitors' and the switch tier's aggregators' (what each may do is the node's to say,
+    not the handshake's: :mod:`.peer_roles`)."""
 
     def __init__(
-        self, public: str, secret: str, authorized: list[str], monitors: list[str] = ()
+        self,
+        public: str,
+        secret: str,
+        authorized: list[str],
+        monitors: list[str] = (),
+        aggregators: list[str] = (),
     ) -> None:
         self.public = zmq.utils.z85.decode(public.encode())
         self.secret = zmq.utils.z85.decode(secret.encode())
-        self.authorized = {zmq.utils.z85.decode(k.encode()): k for k in [*authorized, *monitors]}
+        clients = [*authorized, *monitors, *aggregators]
+        self.authorized = {zmq.utils.z85.decode(k.encode()): k for k in clients}
 
 
 def _open(box: bytes, nonce: bytes, pk: bytes, sk: bytes, what: str) -> bytes:

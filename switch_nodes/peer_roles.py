@@ -7,6 +7,10 @@
 - A **monitor**: a key of ``node.curve_monitor_keys`` (``luwu status``, ``luwu top``), or with
   ``node.curve_keys_by_rank`` an authorized key past the job's world size (the order `luwu up` lists the
   monitor's key in): it asks STATS, holds what a stranger does, and its HELLO is refused.
+- An **aggregator** (the switch tier): a key of ``node.curve_aggregator_keys``, bound to its group's run of
+  ranks as a worker's key is to its rank. It may say HELLO only marked ``relay`` and only for a rank of its
+  run; a worker's key never relays. It holds what a worker does (per connection: it speaks for its group),
+  one connection at a time (a newer one replaces it, and every rank bound to the old one goes on with it).
 - A **stranger**: any other connection (NULL, with or without the join secret) that has not said HELLO:
   ``node.stranger_bytes`` and ``node.stranger_reply_bytes``.
 
@@ -35,6 +39,8 @@ class PeerRoles:
         self._monitors = set(ctx.cfg.curve_monitor_keys)
         self._rank_of_key = {k: i for i, k in enumerate(ctx.cfg.curve_authorized_keys)}
         self._told: set[str] = set()  # monitor keys named in the log for saying HELLO
+        # the switch tier: an aggregator's key -> the (first, last) rank it may relay
+        self._groups = ctx.cfg.aggregator_ranks
 
     def key(self, ident: bytes) -> str | None:
         return self.ctx.peer_key(ident)
@@ -72,23 +78,35 @@ class PeerRoles:
         return self.cfg.control_reply_bytes if self.member(ident) else self.cfg.stranger_reply_bytes
 
     def exclusive(self, key: str) -> bool:
-        """A worker's key with node.curve_keys_by_rank: one connection at a time."""
+        """A worker's key with node.curve_keys_by_rank, or an aggregator's: one connection at a time."""
+        if key in self._groups:
+            return True
         return self.cfg.curve_keys_by_rank and key in self._rank_of_key and not self.is_monitor(key)
 
     def replaced(self, old: bytes, new: bytes) -> None:
-        """A worker key's newer connection replaced ``old``: the rank ``old`` said HELLO as goes on with it."""
-        rank = self.rank(old)
-        if rank is not None:
-            self.ctx.peers[rank] = new
+        """A key's newer connection replaced ``old``: the ranks ``old`` said HELLO as (a worker's one, an
+        aggregator's group) go on with it."""
+        ctx = self.ctx
+        ranks = sorted(r for r, ident in ctx.peers.items() if ident == old)
+        for rank in ranks:
+            ctx.peers[rank] = new
+        if old in ctx.relays:
+            ctx.relays.discard(old)
+            ctx.relays.add(new)
+        if ranks:
             log.info(
-                "node %s: worker rank %d goes on with its key's new connection",
-                self.ctx.index,
-                rank,
+                "node %s: worker rank(s) %s go on with their key's new connection",
+                ctx.index,
+                ranks,
             )
 
-    def check_hello(self, ident: bytes) -> None:
-        """A monitor key never says HELLO (refused, named in the log once per key)."""
+    def check_hello(self, ident: bytes, header: dict | None = None) -> None:
+        """A monitor key never says HELLO (refused, named in the log once per key); with aggregator keys
+        (node.curve_aggregator_keys), a HELLO marked ``relay`` needs the key of the aggregator of its
+        rank, and an aggregator's key says nothing but such a HELLO (:meth:`_check_relay`)."""
         key = self.key(ident)
+        if header is not None and self.cfg.curve_secret_key:
+            self._check_relay(key, header["worker"], bool(header.get("relay")))
         if not self.is_monitor(key):
             return
         if key not in self._told:
@@ -102,6 +120,28 @@ class PeerRoles:
             f"HELLO with the CURVE key {key}, a monitor key (node.curve_monitor_keys, or listed past the job's world size with "
             "node.curve_keys_by_rank): it may ask STATS, never say HELLO; train with a worker's key (luwu keys: keys/worker<rank>.toml)"
         )
+
+    def _check_relay(self, key: str | None, rank: int, relay: bool) -> None:
+        """Who may speak for ``rank`` marked relay, and who may not speak as a plain worker."""
+        run = self._groups.get(key)
+        if relay and run is None:
+            raise ProtocolError(
+                f"HELLO marked relay for worker rank {rank} with the CURVE key {key}, which is no "
+                "aggregator's (node.curve_aggregator_keys): only the aggregator of the rank's group "
+                "relays it; a worker's key speaks as its own rank, without relay"
+            )
+        if relay and not run[0] <= rank <= run[1]:
+            raise ProtocolError(
+                f"HELLO relaying worker rank {rank} with the CURVE key {key} of the aggregator of "
+                f"ranks {run[0]}-{run[1]} (node.curve_aggregator_keys): rank {rank} is outside its "
+                "group"
+            )
+        if not relay and run is not None:
+            raise ProtocolError(
+                f"HELLO as plain worker rank {rank} with the CURVE key {key} of the aggregator of "
+                f"ranks {run[0]}-{run[1]} (node.curve_aggregator_keys): an aggregator's key only "
+                "relays its group's ranks (HELLO marked relay); a worker uses its own key"
+            )
 
     def stuck(self, ident: bytes) -> None:
         """``ident``'s replies stayed unsent for worker_timeout_s / 4: a worker that does not read (its
@@ -123,6 +163,7 @@ class PeerRoles:
                     cfg.curve_secret_key,
                     cfg.curve_authorized_keys,
                     cfg.curve_monitor_keys,
+                    list(self._groups),
                 )
                 if cfg.curve_secret_key
                 else None
@@ -152,7 +193,7 @@ class PeerRoles:
                 (
                     cfg.curve_public_key,
                     cfg.curve_secret_key,
-                    [*cfg.curve_authorized_keys, *cfg.curve_monitor_keys],
+                    [*cfg.curve_authorized_keys, *cfg.curve_monitor_keys, *self._groups],
                 )
                 if cfg.curve_secret_key
                 else None

@@ -277,7 +277,7 @@ class NodeServer:
         if op not in _OPEN and ident not in self.ctx.peers.values():
             raise self._stranger_error(op)
         if op == Op.HELLO:
-            self.roles.check_hello(ident)
+            self.roles.check_hello(ident, msg.header)
         if op in _RANKED:
             self.membership.check_worker(ident, msg.header)
         handler = self._handlers.get(op)

@@ -2,9 +2,11 @@
 # Start, stop or check LuWu node daemons on the hosts of a hosts file, over ssh.
 #
 #   deploy/ssh/launch.sh start  HOSTS_FILE [BASE_CLUSTER_FILE]   write the cluster file, copy it to every host,
-#                                                                start one node per line, wait until all answer
+#                                                                start one node per line (and one aggregator per
+#                                                                [[groups]] of the base file), wait until all answer
 #   deploy/ssh/launch.sh status HOSTS_FILE                       luwu status on the cluster file
-#   deploy/ssh/launch.sh stop   HOSTS_FILE                       SIGTERM every node (it checkpoints), SIGKILL after
+#   deploy/ssh/launch.sh stop   HOSTS_FILE                       SIGTERM every aggregator, then every node (it
+#                                                                checkpoints), SIGKILL after
 #                                                                LUWU_STOP_TIMEOUT seconds
 #
 # HOSTS_FILE: one node per line, "SSH_TARGET PORT [METRICS_PORT]" (see hosts.example); the node index is
@@ -24,13 +26,23 @@
 # (LUWU_NODE__JOIN_SECRET) goes to every host as above, every worker rank uses keys/join.toml (the
 # cluster file plus the secret) as its --config, and status uses keys/monitor.toml.
 #
+# The switch tier: when the base cluster file has [[groups]] (ranks = "0-3", aggregator = "tcp://HOST:PORT",
+# optional metrics = "http://HOST:PORT"), start runs one aggregator per group on the host of its address
+# (ssh target [LUWU_SSH_USER@]HOST; one per worker host, for that host's ranks), in front of the nodes,
+# with pid file and log aggregator-<i>.* in the same remote dir; stop stops them before the nodes, and
+# status lists them (their rates read from each group's metrics address). A group with no metrics key
+# gets http://HOST:$LUWU_AGGREGATOR_METRICS_PORT when that is set, else serves no /metrics. The tier has
+# no CURVE keys yet: it needs LUWU_INSECURE_PUBLIC_BIND=1 (each aggregator asks its workers for the
+# job's join secret of node.env and shows it the nodes).
+#
 # Environment: LUWU_SSH (default "ssh -o BatchMode=yes"), LUWU_SCP (default "scp -q -o BatchMode=yes"),
 # LUWU_PYTHON (here, default python3), LUWU_REMOTE_PYTHON (on the hosts, default python3),
 # LUWU_RUN_DIR (here, default .luwu-run/ssh), LUWU_REMOTE_DIR (on the hosts, default .luwu-run/ssh,
 # relative to the remote home), LUWU_START_TIMEOUT (default 120), LUWU_STOP_TIMEOUT (default 60),
 # LUWU_WORKERS (worker key files to make, default 8), LUWU_INSECURE_PUBLIC_BIND=1 (no keys, no encryption:
 # anyone who can read the network sees the traffic and the join secret; a trusted private network
-# only, with a warning).
+# only, with a warning), LUWU_SSH_USER (the aggregators' ssh user, default none: ssh's own),
+# LUWU_AGGREGATOR_METRICS_PORT (the aggregators' /metrics port where a group names none).
 set -euo pipefail
 
 read -r -a ssh_cmd <<<"${LUWU_SSH:-ssh -o BatchMode=yes}"
@@ -43,6 +55,7 @@ start_timeout=${LUWU_START_TIMEOUT:-120}
 stop_timeout=${LUWU_STOP_TIMEOUT:-60}
 workers=${LUWU_WORKERS:-8}
 insecure=${LUWU_INSECURE_PUBLIC_BIND:-0}
+ssh_user=${LUWU_SSH_USER:-}
 keys_dir=$run_dir/keys
 
 usage() {
@@ -107,18 +120,55 @@ write_cluster_file() {
   local base=${1:-}
   mkdir -p "$run_dir"
   chmod 700 "$run_dir"
-  "$py" - "$run_dir/cluster.toml" "$(node_list)" "$base" <<'PY'
+  "$py" - "$run_dir/cluster.toml" "$(node_list)" "$base" "${LUWU_AGGREGATOR_METRICS_PORT:-}" <<'PY'
 import sys
 from luwu.config import load_config
 from luwu.ops.cluster_file import cluster_file_text
 
-out, nodes, base = sys.argv[1], sys.argv[2], sys.argv[3] or None
+out, nodes, base, mport = sys.argv[1], sys.argv[2], sys.argv[3] or None, sys.argv[4]
 cfg = load_config(base, argv=[f"--cluster.nodes={nodes}"])  # validates the base file and the addresses
-text = cluster_file_text(cfg, nodes.split(","), header=f"Written by deploy/ssh/launch.sh from {base or 'defaults'} and the hosts file.")
+groups = [dict(g) for g in cfg.cluster.groups]
+for g in groups:  # an aggregator's /metrics, where luwu status and top read it
+    if mport and "metrics" not in g:
+        g["metrics"] = f"http://{g['aggregator'][len('tcp://'):].rpartition(':')[0]}:{int(mport)}"
+text = cluster_file_text(cfg, nodes.split(","), groups=groups, header=f"Written by deploy/ssh/launch.sh from {base or 'defaults'} and the hosts file.")
 with open(out, "w") as fh:
     fh.write(text)
-print(f"cluster file {out}: job {cfg.cluster.job!r}, {len(cfg.cluster.nodes)} nodes")
+print(f"cluster file {out}: job {cfg.cluster.job!r}, {len(cfg.cluster.nodes)} nodes, {len(groups)} aggregators")
 PY
+}
+
+# The switch tier of the written cluster file: per group, its ranks, host and what its aggregator binds.
+g_ranks=()
+g_hosts=()
+g_binds=()
+read_groups() {
+  local ranks host bind mhost mport
+  [ -f "$run_dir/cluster.toml" ] || return 0
+  while read -r ranks host bind mhost mport; do
+    g_ranks+=("$ranks")
+    g_hosts+=("$host")
+    g_binds+=("$bind $mhost $mport")
+  done < <("$py" - "$run_dir/cluster.toml" <<'PY'
+import sys
+from luwu.config import load_config
+from luwu.groups import bind_line
+
+for g in load_config(sys.argv[1], env={}).cluster.groups:
+    host = g["aggregator"][len("tcp://"):].rpartition(":")[0].strip("[]")
+    print(g["ranks"], host, bind_line(g))
+PY
+  )
+}
+
+check_tier() {
+  if [ ${#g_ranks[@]} -gt 0 ] && [ "$insecure" != 1 ]; then
+    die "the cluster file has [[groups]]: the switch tier has no CURVE keys yet, so it needs LUWU_INSECURE_PUBLIC_BIND=1 (a trusted private network only)"
+  fi
+}
+
+agg_target() {
+  printf '%s' "${ssh_user:+$ssh_user@}${g_hosts[$1]}"
 }
 
 # The job's CURVE keys (once: a restart keeps the workers' files valid), or the warned opt-out with
@@ -178,32 +228,70 @@ start_node() {
     --metrics.host "${addrs[$i]}" --metrics.port "${mports[$i]}"
 }
 
-stop_node() {
-  local i=$1 target=${targets[$1]}
+# One aggregator of the switch tier, for group i, on the host of its address; like a node, it reads
+# node.env (the job's join secret: asked of its workers, shown to the nodes).
+start_aggregator() {
+  local i=$1 target dir=$remote_dir bind mhost mport
+  target=$(agg_target "$i")
+  read -r bind mhost mport <<<"${g_binds[$i]}"
+  # shellcheck disable=SC2016 # expanded by the remote shell
+  remote_sh "$target" 'umask 077 && mkdir -p "$1" && chmod 700 "$1"' "$dir"
+  "${scp_cmd[@]}" "$run_dir/cluster.toml" "$target:$dir/cluster.toml"
+  "${scp_cmd[@]}" "$keys_dir/node.env" "$target:$dir/node.env"
   # shellcheck disable=SC2016 # expanded by the remote shell
   remote_sh "$target" '
-    cd "$1" 2>/dev/null || { echo "node $2: no run dir"; exit 0; }
-    [ -f "node-$2.pid" ] || { echo "node $2: not running (no pid file)"; exit 0; }
-    pid=$(cat "node-$2.pid")
+    cd "$1" || exit 1
+    if [ -f "aggregator-$2.pid" ] && kill -0 "$(cat "aggregator-$2.pid")" 2>/dev/null; then
+      echo "aggregator $2 already running (pid $(cat "aggregator-$2.pid"))"; exit 0
+    fi
+    shift
+    i=$1 py=$2; shift 2
+    chmod 600 node.env
+    set -a; . ./node.env; set +a
+    export LUWU_TRANSPORT__JOIN_SECRET="$LUWU_NODE__JOIN_SECRET" LUWU_NODE__INSECURE_PUBLIC_BIND=true
+    umask 077
+    nohup setsid "$py" -m luwu -v aggregator --config cluster.toml "$@" >"aggregator-$i.log" 2>&1 </dev/null &
+    echo $! >"aggregator-$i.pid"
+    echo "aggregator $i started (pid $!)"
+  ' "$dir" "$i" "$remote_py" --ranks "${g_ranks[$i]}" --node.bind "$bind" \
+    --metrics.host "$mhost" --metrics.port "$mport"
+}
+
+# SIGTERM the pid in NAME.pid of the remote run dir, SIGKILL after stop_timeout seconds.
+stop_daemon() {
+  local target=$1 name=$2
+  # shellcheck disable=SC2016 # expanded by the remote shell
+  remote_sh "$target" '
+    cd "$1" 2>/dev/null || { echo "$2: no run dir"; exit 0; }
+    [ -f "$2.pid" ] || { echo "$2: not running (no pid file)"; exit 0; }
+    pid=$(cat "$2.pid")
     if kill -TERM "$pid" 2>/dev/null; then
       t=0
       while kill -0 "$pid" 2>/dev/null && [ "$t" -lt "$(($3 * 10))" ]; do sleep 0.1; t=$((t + 1)); done
-      if kill -0 "$pid" 2>/dev/null; then echo "node $2: SIGKILL after $3 s"; kill -KILL "$pid"; fi
+      if kill -0 "$pid" 2>/dev/null; then echo "$2: SIGKILL after $3 s"; kill -KILL "$pid"; fi
     fi
-    rm -f "node-$2.pid"
-    echo "node $2 stopped (pid $pid)"
-  ' "$remote_dir" "$i" "$stop_timeout"
+    rm -f "$2.pid"
+    echo "$2 stopped (pid $pid)"
+  ' "$remote_dir" "$name" "$stop_timeout"
 }
 
-# Until every node answers; prints the status table once they do.
+stop_node() {
+  stop_daemon "${targets[$1]}" "node-$1"
+}
+
+# Until every node (and aggregator) answers; prints the status table once they do.
 wait_ready() {
   local deadline=$((SECONDS + start_timeout)) i out
   until out=$("$py" -m luwu.status status --config "$(status_file)" --timeout 2 2>&1); do
     if [ "$SECONDS" -ge "$deadline" ]; then
-      echo "launch.sh: not every node answered within ${start_timeout}s (LUWU_START_TIMEOUT); their logs:" >&2
+      echo "launch.sh: not every node and aggregator answered within ${start_timeout}s (LUWU_START_TIMEOUT); their logs:" >&2
       for i in "${!targets[@]}"; do
         echo "--- node $i on ${targets[$i]}:" >&2
         remote "${targets[$i]}" tail -n 15 "$remote_dir/node-$i.log" >&2 || true
+      done
+      for i in "${!g_ranks[@]}"; do
+        echo "--- aggregator $i (ranks ${g_ranks[$i]}) on $(agg_target "$i"):" >&2
+        remote "$(agg_target "$i")" tail -n 15 "$remote_dir/aggregator-$i.log" >&2 || true
       done
       "$py" -m luwu.status status --config "$(status_file)" --timeout 2 >&2 || true
       return 1
@@ -219,15 +307,29 @@ case "$cmd" in
     [ $# -ge 2 ] || usage 2
     read_hosts "$2"
     write_cluster_file "${3:-}"
+    read_groups
+    check_tier
     make_keys
     for i in "${!targets[@]}"; do
       start_node "$i"
+    done
+    for i in "${!g_ranks[@]}"; do
+      start_aggregator "$i"
     done
     wait_ready
     ;;
   stop)
     [ $# -ge 2 ] || usage 2
     read_hosts "$2"
+    read_groups
+    pids=()
+    for i in "${!g_ranks[@]}"; do  # the aggregators first: their workers' pushes stop there
+      stop_daemon "$(agg_target "$i")" "aggregator-$i" &
+      pids+=("$!")
+    done
+    for pid in "${pids[@]}"; do
+      wait "$pid" || true
+    done
     pids=()
     for i in "${!targets[@]}"; do
       stop_node "$i" &

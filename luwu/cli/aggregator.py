@@ -22,11 +22,14 @@ def cmd_aggregator(args) -> int:
         )
     from luwu.switch_nodes.tier import run_aggregator
 
-    node = cfg.node
-    if not node.join_secret and cfg.transport.join_secret:  # the workers show the job's secret
-        import dataclasses
+    node, tc = cfg.node, cfg.transport
+    if not node.join_secret and not node.curve_secret_key and tc.join_secret:
+        import dataclasses  # the workers show the job's secret
 
-        node = dataclasses.replace(node, join_secret=cfg.transport.join_secret)
+        node = dataclasses.replace(node, join_secret=tc.join_secret)
+    upstream_curve = None
+    if tc.curve_server_key:  # its own key to the nodes (their node.curve_aggregator_keys)
+        upstream_curve = (tc.curve_server_key, tc.curve_public_key, tc.curve_secret_key)
     print(
         f"luwu aggregator: ranks {group[0]}-{group[-1]} in front of {len(cfg.cluster.nodes)} nodes",
         file=sys.stderr,
@@ -37,7 +40,8 @@ def cmd_aggregator(args) -> int:
         job=cfg.cluster.job,
         nodes=list(cfg.cluster.nodes),
         group=group,
-        upstream_secret=cfg.transport.join_secret,
+        upstream_secret="" if upstream_curve else tc.join_secret,
+        upstream_curve=upstream_curve,
         metrics=cfg.metrics,
         compression=cfg.compression,
     )
@@ -55,7 +59,10 @@ def register(subparsers) -> None:
             "'LUWU_NODE_READY <address>' once bound (node.bind, default tcp://127.0.0.1:0: any free port); the "
             "group's workers connect to it (RemoteOptimizer(..., aggregator=ADDRESS), cluster.aggregator) instead "
             "of to the nodes. It asks its workers for the job's join secret (node.join_secret, else "
-            "transport.join_secret) and shows the nodes transport.join_secret."
+            "transport.join_secret) and shows the nodes transport.join_secret; with CURVE (luwu keys: "
+            "--config keys/aggregator<i>.toml) it serves its workers with its own key pair "
+            "(node.curve_*: the group's worker keys let in, bound by rank) and shows the nodes its "
+            "aggregator key (transport.curve_*: the nodes list it in node.curve_aggregator_keys)."
         ),
     )
     s.add_argument(

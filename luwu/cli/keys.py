@@ -6,20 +6,32 @@ from luwu.cli.common import add_command, positive_int
 
 
 def cmd_keys(args) -> int:
-    """One key pair for the nodes, one per worker rank, one for ``luwu status``; files 0600 in a 0700 folder."""
-    from luwu.ops.keyset import KeySet, write_keyset
+    """One key pair for the nodes, one per worker rank, one for ``luwu status`` and one per aggregator of
+    the cluster file's ``[[groups]]``; files 0600 in a 0700 folder."""
+    from luwu.ops.keyset import KeySet, with_aggregator_keys, write_keyset
 
-    shared = None
+    shared, groups = None, []
     if args.cluster:
         from luwu.config import load_config
         from luwu.ops.cluster_file import cluster_sections
 
         cfg = load_config(args.cluster)
-        shared = cluster_sections(cfg, list(cfg.cluster.nodes))
-    write_keyset(args.out, KeySet.generate(args.workers), shared=shared)
+        groups = cfg.cluster.groups
+    keys = KeySet.generate(args.workers, groups=[g["ranks"] for g in groups])
+    if args.cluster:
+        shared = cluster_sections(
+            cfg, list(cfg.cluster.nodes), groups=with_aggregator_keys(groups, keys)
+        )
+    write_keyset(args.out, keys, shared=shared)
+    tier = (
+        f", aggregator<i>.toml and .env for each of the {len(groups)} groups (its aggregator's keys "
+        "to its workers and to the nodes; the worker files' [[groups]] carry its public key)"
+        if groups
+        else ""
+    )
     print(
         f"wrote {args.out}/node.toml and node.env (node keys + authorized worker keys), worker0..{args.workers - 1}.toml "
-        f"(rank r's keys{', with the settings of ' + args.cluster if args.cluster else ''}) and monitor.toml (for luwu status); mode 600"
+        f"(rank r's keys{', with the settings of ' + args.cluster if args.cluster else ''}) and monitor.toml (for luwu status){tier}; mode 600"
     )
     return 0
 
@@ -35,7 +47,9 @@ def register(subparsers) -> None:
             "Generate a CURVE key pair for the nodes, one per worker rank and one for `luwu status`/`top`; nodes then accept "
             "only the listed keys, and all traffic is encrypted. Files are written mode 600 into a mode 700 folder. Give the "
             "nodes node.toml (--config) or node.env (environment: systemd EnvironmentFile, `set -a; . node.env`), and worker "
-            "rank r its own worker<r>.toml."
+            "rank r its own worker<r>.toml. With a --cluster file that has [[groups]] (the switch tier), one pair per "
+            "aggregator too: the nodes let it relay its group's ranks only (node.curve_aggregator_keys), and it runs "
+            "with --config aggregator<i>.toml."
         ),
     )
     s.add_argument(

@@ -124,28 +124,28 @@ def console():
 
 def cmd_status(args) -> int:
     from luwu.ops.monitor import query_many, render_table, row
+    from luwu.ops.tier_status import probe_aggregators, render_tier
 
     target = resolve_cluster(args)
-    addresses, job, source = target.addresses, target.job, target.source
+    job, source = target.job, target.source
     if args.sample < 0:
         raise ConfigError(f"--sample must be >= 0 seconds, got {args.sample}")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout must be > 0 seconds, got {args.timeout}")
-    statuses = query_many(
-        addresses, job, args.timeout, curve=target.curve, join_secret=target.join_secret
-    )
+
+    def ask(tier_prev=None):
+        statuses = query_many(
+            target.addresses, job, args.timeout, curve=target.curve, join_secret=target.join_secret
+        )
+        return statuses, *probe_aggregators(target.groups, target.run_dir, args.timeout, tier_prev)
+
+    statuses, tier, samples = ask()
     prev = None
     if args.sample > 0:
         prev = {st.address: st for st in statuses}
         time.sleep(args.sample)
-        statuses = query_many(
-            addresses, job, args.timeout, curve=target.curve, join_secret=target.join_secret
-        )
-    from luwu.ops.tier_status import probe_aggregators, render_tier
-
+        statuses, tier, _ = ask(samples)
     restarts = restarts_of(target)
-    warnings = warnings_of(target)
-    tier = probe_aggregators(target.groups, target.run_dir, args.timeout)
     if args.json:  # the nodes' rows, then one per aggregator ("role": "aggregator")
         rows = [
             row(st, (prev or {}).get(st.address), restarts=restarts.get(st.address))
@@ -169,13 +169,8 @@ def cmd_status(args) -> int:
             )
         )
         if tier:
-            out.print(render_tier(tier))
-            for r in tier:
-                if not r["up"]:
-                    out.print(
-                        f"aggregator a{r['index']} ({r['address']}): {r['error']}", markup=False
-                    )
-        for line in warnings:
+            out.print(render_tier(tier, width=out.width))
+        for line in warnings_of(target):
             out.print(
                 f"warning: {line}", style="yellow", markup=False, highlight=False, soft_wrap=True
             )
@@ -203,7 +198,9 @@ def register(subparsers) -> None:
             "per node: address, UP/DOWN, step, connected workers, bytes/s in and out, uptime, restarts, last checkpoint. "
             "A node that does not answer within --timeout is DOWN; a note under the table says why a node that answers holds no bucket yet. "
             "With the switch tier (the cluster file's [[groups]]), one row per aggregator too: UP when its address takes "
-            "a TCP connection within --timeout (and its pid and restarts under luwu up). "
+            "a TCP connection within --timeout (and its pid and restarts under luwu up), with its workers, bytes/s "
+            "from the workers and to the nodes, pushes summed/s and the wait for a block's last push, read from "
+            "its /metrics (the group's metrics key, or luwu up's state) in the same --timeout. "
             "Exit code 0 when every node answers and every aggregator is up, 1 otherwise. "
             "Without --config, the cluster file that `luwu up` wrote for the job is used. "
             "Extra --section.field=value flags override the file (e.g. --cluster.job=myjob)."

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from luwu.cli.common import add_command
 from luwu.cli.status import (
@@ -88,10 +89,23 @@ def with_state_lines(table, statuses, prev: dict):
     return Group(table, Text("\n".join(lines))) if lines else table
 
 
+def with_tier(table, rows: list[dict], width: int):
+    """The nodes' table, and under it the switch tier's (none without ``[[groups]]``): one row per
+    aggregator with its rates between refreshes, read from its /metrics."""
+    if not rows:
+        return table
+    from rich.console import Group
+
+    from luwu.ops.tier_status import render_tier
+
+    return Group(table, render_tier(rows, width=width))
+
+
 def cmd_top(args) -> int:
     from rich.live import Live
 
     from luwu.ops.monitor import NodeStatus, query_many, render_table
+    from luwu.ops.tier_status import probe_aggregators
 
     target = resolve_cluster(args)
     if not args.interval > 0:
@@ -105,25 +119,31 @@ def cmd_top(args) -> int:
     )
     out = console()
     prev: dict[str, NodeStatus] = {}
+    tier_prev: dict = {}
     n = 0
 
     def frame():
-        nonlocal prev, target
+        nonlocal prev, tier_prev, target
         target, stale = reread(args, target)
-        statuses = query_many(
-            target.addresses,
-            target.job,
-            timeout_s,
-            curve=target.curve,
-            join_secret=target.join_secret,
-        )
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="luwu-top") as pool:
+            tier = pool.submit(
+                probe_aggregators, target.groups, target.run_dir, timeout_s, tier_prev
+            )
+            statuses = query_many(
+                target.addresses,
+                target.job,
+                timeout_s,
+                curve=target.curve,
+                join_secret=target.join_secret,
+            )
+            tier_rows, tier_prev = tier.result()
         title = f"luwu top - job [bold]{target.job}[/] ({target.source}) - {time.strftime('%H:%M:%S')} - every {args.interval:g} s, Ctrl-C quits{stale}"
         table = render_table(
             statuses, prev, title=title, restarts=restarts_of(target), width=out.width
         )
         table = with_state_lines(table, statuses, prev)
         prev = {st.address: st for st in statuses if st.up}
-        return table
+        return with_tier(table, tier_rows, out.width)
 
     try:
         if out.is_terminal:
@@ -154,7 +174,9 @@ def register(subparsers) -> None:
         help="live view of the cluster that refreshes, like htop",
         description=(
             "A table of every node that refreshes every --interval seconds, with bytes/s and updates/s computed between "
-            "refreshes. Ctrl-C quits. When stdout is not a terminal it prints one table per refresh (like `top -b`). "
+            "refreshes; with the switch tier ([[groups]]), a table of its aggregators under it, their bytes/s from the "
+            "workers and to the nodes, pushes summed/s and the wait for a block's last push, from each one's /metrics "
+            "(the group's metrics key, or luwu up's state). Ctrl-C quits. When stdout is not a terminal it prints one table per refresh (like `top -b`). "
             "Extra --section.field=value flags override the cluster file."
         ),
     )

@@ -38,7 +38,7 @@ def cmd_up(args) -> int:
 
     from luwu.config import load_config
     from luwu.ops import daemons
-    from luwu.ops.keyset import argv_secret_warning
+    from luwu.ops.keyset import aggregator_envs, argv_secret_warning
     from luwu.ops.supervisor import Plan
 
     console, err = Console(), Console(stderr=True)
@@ -68,7 +68,8 @@ def cmd_up(args) -> int:
         stop_timeout_s=args.stop_timeout,
         warnings=warnings,
     )
-    daemons.launch(run_dir, plan, secrets)
+    agg_env = aggregator_envs(cfg, keys, len(aggregators))  # with CURVE: each one's own keys
+    daemons.launch(run_dir, plan, secrets, agg_env)
     try:
         state, problem = daemons.wait_ready(
             run_dir, len(plan.nodes), args.timeout, err, aggregators=len(aggregators)
@@ -210,8 +211,8 @@ def _register_up(subparsers) -> None:
             "opts out, with a warning. Other nodes (loopback) ask for a join secret that up makes: workers use "
             "<run dir>/keys/join.toml (the cluster file plus the secret); node.insecure_open = true serves anyone instead. "
             "The switch tier: the cluster file's [[groups]] (or --aggregators K --world-size W) start once the nodes "
-            "are up, supervised alike (aggregator-<i>.log/.pid), and the run dir's cluster files list them. "
-            "The run dir is mode 700, its plan, state, logs and keys mode 600."
+            "are up, supervised alike (aggregator-<i>.log/.pid; with CURVE, keys of its own: aggregator-<i>.env), "
+            "and the run dir's cluster files list them. The run dir is mode 700, its plan, state, logs and keys mode 600."
         ),
     )
     s.add_argument(

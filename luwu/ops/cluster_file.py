@@ -54,6 +54,16 @@ def reachable(address: str, host: str | None = None) -> str:
     return f"{scheme}{sep}{host}:{port}"
 
 
+def group_table(aggregator: dict) -> dict:
+    """An aggregator of a supervisor's state (``ranks``, ``address``, ``metrics_url``) as its
+    ``[[groups]]`` table, as other hosts reach it: the address it bound and, when it serves one, its
+    /metrics (where ``luwu top`` and ``luwu status`` read its numbers)."""
+    group = {"ranks": aggregator["ranks"], "aggregator": reachable(aggregator["address"])}
+    if aggregator.get("metrics_url"):
+        group["metrics"] = reachable(aggregator["metrics_url"])
+    return group
+
+
 def _dumps(table: dict) -> str:
     try:
         return tomli_w.dumps(table)

@@ -24,13 +24,14 @@ from pathlib import Path
 from secrets import token_hex
 
 from luwu.groups import even_groups
-from luwu.ops.cluster_file import cluster_file_text, cluster_sections, reachable
+from luwu.ops.cluster_file import cluster_file_text, cluster_sections, group_table, reachable
 from luwu.ops.keyset import (
     DEFAULT_WORKER_KEYS,
     KeySet,
     env_file_text,
     is_loopback,
     split_secrets,
+    with_aggregator_keys,
     write_join_files,
     write_keyset,
 )
@@ -128,7 +129,7 @@ def plan_aggregators(options, cfg, overrides: list[str]) -> tuple[list[NodeSpec]
             index=i,
             args=[*base, *overrides, "--ranks", g["ranks"], "--cluster.job", cfg.cluster.job],
             bind=g["aggregator"],
-            metrics_port=-1,
+            metrics_port=-1 if _metrics_off(options, cfg) else 0,  # /metrics: any free port
             kind="aggregator",
             ranks=g["ranks"],
         )
@@ -137,22 +138,26 @@ def plan_aggregators(options, cfg, overrides: list[str]) -> tuple[list[NodeSpec]
     return specs, cfg
 
 
+def _metrics_off(options, cfg) -> bool:
+    """The nodes serve no /metrics (``--metrics-port -1``, or metrics.port = -1 set in the config):
+    nor do the aggregators."""
+    port = getattr(options, "metrics_port", None)
+    if port is None and cfg.sources.get("metrics.port", "default") != "default":
+        port = cfg.metrics.port
+    return port == -1
+
+
 def check_tier(cfg, aggregators: list[NodeSpec], keys: KeySet | None) -> None:
-    """Refuse what the switch tier cannot do yet: it has no CURVE of its own (nodes with keys), and
-    an aggregator other hosts reach serves without encryption (node.insecure_public_bind opts in)."""
-    if not aggregators:
+    """Refuse an aggregator other hosts reach serving without encryption: with CURVE nodes it has keys
+    of its own (:func:`~luwu.ops.keyset.aggregator_envs`); else node.insecure_public_bind opts in."""
+    if not aggregators or keys is not None:
         return
-    if keys is not None:
-        raise ConfigError(
-            "the switch tier has no CURVE keys yet: aggregators need nodes that ask for the job's "
-            "join secret instead (loopback nodes, or node.insecure_public_bind = true on a trusted "
-            "network)"
-        )
     public = [a.bind for a in aggregators if not is_loopback(a.bind)]
     if public and not (cfg.node.insecure_public_bind or cfg.node.insecure_open):
         raise ConfigError(
             f"aggregators at {', '.join(public)} would serve other hosts without encryption (the "
-            "switch tier has no CURVE yet): bind them to loopback, or set "
+            "nodes run without CURVE keys): bind them to loopback, let the nodes run CURVE (a "
+            "network address without node.insecure_public_bind), or set "
             "node.insecure_public_bind = true (a trusted network only)"
         )
 
@@ -175,15 +180,20 @@ def node_secrets(
     warnings: list[str] = []
     keys = None
     public = [n.bind for n in nodes if not is_loopback(n.bind)]
+    groups = [g["ranks"] for g in cfg.cluster.groups]  # an aggregator's pair each
     if cfg.node.curve_secret_key:
-        keys = KeySet.generate(0, node=(cfg.node.curve_public_key, cfg.node.curve_secret_key))
+        node = (cfg.node.curve_public_key, cfg.node.curve_secret_key)
+        keys = KeySet.generate(0, node=node, groups=groups)
         env["LUWU_NODE__CURVE_AUTHORIZED_KEYS"] = ",".join(cfg.node.curve_authorized_keys)
         env["LUWU_NODE__CURVE_MONITOR_KEYS"] = ",".join(
             [*cfg.node.curve_monitor_keys, keys.monitor[0]]
         )
+        if groups:
+            env["LUWU_NODE__CURVE_AGGREGATOR_KEYS"] = ",".join(keys.aggregator_entries())
     elif public and not cfg.node.insecure_public_bind:
         keys = KeySet.generate(
-            getattr(options, "workers", None) or cfg.cluster.world_size or DEFAULT_WORKER_KEYS
+            getattr(options, "workers", None) or cfg.cluster.world_size or DEFAULT_WORKER_KEYS,
+            groups=groups,
         )
         env.update(keys.node_env())
     elif cfg.node.insecure_open:
@@ -203,9 +213,15 @@ def node_secrets(
     return env, keys, warnings
 
 
-def launch(run_dir: Path, plan: Plan, secrets: dict[str, str] | None = None) -> None:
+def launch(
+    run_dir: Path,
+    plan: Plan,
+    secrets: dict[str, str] | None = None,
+    aggregator_env: list[dict] | None = None,
+) -> None:
     """Clear what a previous run left, write the plan (and ``secrets``, the nodes' LUWU_* variables,
-    into a 0600 environment file) and start its supervisor, detached."""
+    into a 0600 environment file; each of ``aggregator_env`` into aggregator i's own) and start its
+    supervisor, detached."""
     make_run_dir(run_dir)
     pid = supervisor_running(run_dir)
     if pid is not None:
@@ -219,6 +235,7 @@ def launch(run_dir: Path, plan: Plan, secrets: dict[str, str] | None = None) -> 
         NODE_ENV_FILE,
         *(p.name for p in run_dir.glob("node-*.pid")),
         *(p.name for p in run_dir.glob("aggregator-*.pid")),
+        *(p.name for p in run_dir.glob("aggregator-*.env")),
     ):
         (run_dir / stale).unlink(missing_ok=True)
     for stale in (run_dir / KEYS_DIR).glob("*"):  # the keys of an earlier run of this dir
@@ -226,6 +243,10 @@ def launch(run_dir: Path, plan: Plan, secrets: dict[str, str] | None = None) -> 
     if secrets:
         write_atomic(run_dir / NODE_ENV_FILE, env_file_text(secrets), 0o600)
         plan.env_file = NODE_ENV_FILE
+    for spec, env in zip(plan.aggregators, aggregator_env or ()):
+        if env:  # its own keys, not the nodes'
+            spec.env_file = f"aggregator-{spec.index}.env"
+            write_atomic(run_dir / spec.env_file, env_file_text(env), 0o600)
     for spec in [*plan.nodes, *plan.aggregators]:  # keep the previous run's log for a post-mortem
         logf = daemon_log(run_dir, spec.index, spec.kind)
         if logf.exists():
@@ -355,7 +376,7 @@ def write_outputs(
     server_key = keys.node[0] if keys else ""
     groups = None
     if aggregators:
-        groups = [{"ranks": a["ranks"], "aggregator": reachable(a["address"])} for a in aggregators]
+        groups = with_aggregator_keys([group_table(a) for a in aggregators], keys)
     if join_secret:
         point = f"Nodes ask for the job's join secret: workers use --config {run_dir / KEYS_DIR}/join.toml (this file plus the secret)"
     elif server_key:
@@ -389,6 +410,14 @@ def write_outputs(
         }
         for n in nodes
         if n["metrics_url"]
+    ]
+    targets += [
+        {
+            "targets": [reachable(a["metrics_url"]).split("://", 1)[1]],
+            "labels": {"luwu_job": job, "luwu_aggregator": a["ranks"], "luwu_role": "aggregator"},
+        }
+        for a in aggregators or []
+        if a.get("metrics_url")
     ]
     write_atomic(run_dir / "targets.json", json.dumps(targets, indent=2), 0o644)
 

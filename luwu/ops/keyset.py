@@ -1,17 +1,23 @@
 """CURVE key sets for a job, and keeping secrets out of files, logs and command lines.
 
-A key set is one key pair for the nodes, one per worker rank and one for the
-operator's tools (``luwu status``/``top``); the nodes authorize the worker keys
-in rank order (``node.curve_authorized_keys``: the i-th may only be rank i, on
-one connection at a time) and the operator key as a monitor's
-(``node.curve_monitor_keys``: it asks STATS, holds little, never trains).
-``luwu keys``, ``luwu up`` and the deploy recipes write it as files that only
-their owner can read:
+A key set is one key pair for the nodes, one per worker rank, one for the
+operator's tools (``luwu status``/``top``) and one per aggregator of the switch
+tier; the nodes authorize the worker keys in rank order
+(``node.curve_authorized_keys``: the i-th may only be rank i, on one connection
+at a time), the operator key as a monitor's (``node.curve_monitor_keys``: it
+asks STATS, holds little, never trains) and each aggregator's key for its
+group's ranks (``node.curve_aggregator_keys``: it only relays them). An
+aggregator serves its workers with its own pair and shows it to the nodes; the
+workers of its group find its public key in their ``[[groups]]`` entry
+(``aggregator_key``). ``luwu keys``, ``luwu up`` and the deploy recipes write it
+as files that only their owner can read:
 
-    node.toml       [node] keys: the node's pair, the workers' and the monitor's public keys
-    node.env        the same as LUWU_NODE__* variables (for scripts, systemd, k8s)
-    worker<r>.toml  [transport] keys of rank r (plus the cluster's settings when given)
-    monitor.toml    [transport] keys of the operator's tools
+    node.toml           [node] keys: the node's pair, the workers', the monitor's and the aggregators' public keys
+    node.env            the same as LUWU_NODE__* variables (for scripts, systemd, k8s)
+    worker<r>.toml      [transport] keys of rank r (plus the cluster's settings when given)
+    monitor.toml        [transport] keys of the operator's tools
+    aggregator<i>.toml  [node] (to its workers) and [transport] (to the nodes) keys of aggregator i
+    aggregator<i>.env   the same as LUWU_NODE__* / LUWU_TRANSPORT__* variables
 
 A secret is any setting whose name contains ``secret``. Secrets reach a node
 daemon through its environment, never its argv (which every local user can
@@ -24,7 +30,7 @@ Nothing here imports ZeroMQ at module level: the supervisor stays light.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from luwu.ops.rundir import write_atomic
@@ -133,27 +139,63 @@ class KeySet:
     """One pair per worker rank, in rank order."""
     monitor: tuple[str, str]
     """The operator's tools (``luwu status``, ``luwu top``)."""
+    aggregators: list[tuple[str, tuple[str, str]]] = field(default_factory=list)
+    """The switch tier: (the group's ranks ``FIRST-LAST``, its aggregator's pair), in group order."""
 
     @classmethod
-    def generate(cls, num_workers: int, *, node: tuple[str, str] | None = None) -> KeySet:
-        """New pairs for ``num_workers`` ranks and the monitor; new node pair unless ``node`` is given."""
-        import zmq
-
-        def pair() -> tuple[str, str]:
-            public, secret = zmq.curve_keypair()
-            return public.decode(), secret.decode()
-
+    def generate(
+        cls, num_workers: int, *, node: tuple[str, str] | None = None, groups: list[str] = ()
+    ) -> KeySet:
+        """New pairs for ``num_workers`` ranks, the monitor and the aggregator of each of ``groups``
+        (their ranks, ``FIRST-LAST``); new node pair unless ``node`` is given."""
         return cls(
-            node=node or pair(), workers=[pair() for _ in range(num_workers)], monitor=pair()
+            node=node or _pair(),
+            workers=[_pair() for _ in range(num_workers)],
+            monitor=_pair(),
+            aggregators=[(ranks, _pair()) for ranks in groups],
         )
 
     def node_settings(self) -> dict:
-        """The [node] keys: the node's pair, the workers' public keys (in rank order) and the monitor's."""
-        return {
+        """The [node] keys: the node's pair, the workers' public keys (in rank order), the monitor's,
+        and each aggregator's for its group's ranks."""
+        out = {
             "curve_public_key": self.node[0],
             "curve_secret_key": self.node[1],
             "curve_authorized_keys": [w[0] for w in self.workers],
             "curve_monitor_keys": [self.monitor[0]],
+        }
+        if self.aggregators:
+            out["curve_aggregator_keys"] = self.aggregator_entries()
+        return out
+
+    def aggregator_entries(self) -> list[str]:
+        """node.curve_aggregator_keys: ``FIRST-LAST=KEY`` per aggregator."""
+        return [f"{ranks}={pair[0]}" for ranks, pair in self.aggregators]
+
+    def aggregator_key(self, ranks: str) -> str:
+        """The public key of the aggregator of ``ranks`` ('' when there is none)."""
+        return next((pair[0] for r, pair in self.aggregators if r == ranks), "")
+
+    def aggregator_settings(self, i: int, workers: list[str] | None = None) -> dict:
+        """Aggregator ``i``'s sections: [node] its pair as its workers' server and the worker keys it
+        lets in (``workers``, default this set's, in rank order), [transport] its pair to the nodes."""
+        _, (public, secret) = self.aggregators[i]
+        authorized = [w[0] for w in self.workers] if workers is None else list(workers)
+        return {
+            "node": {
+                "curve_public_key": public,
+                "curve_secret_key": secret,
+                "curve_authorized_keys": authorized,
+            },
+            "transport": {"curve_server_key": self.node[0], **_client(public, secret)},
+        }
+
+    def aggregator_env(self, i: int, workers: list[str] | None = None) -> dict[str, str]:
+        """Aggregator ``i``'s settings as LUWU_NODE__* and LUWU_TRANSPORT__* variables."""
+        return {
+            f"LUWU_{section.upper()}__{k.upper()}": ",".join(v) if isinstance(v, list) else v
+            for section, table in self.aggregator_settings(i, workers).items()
+            for k, v in table.items()
         }
 
     def node_env(self) -> dict[str, str]:
@@ -165,11 +207,39 @@ class KeySet:
 
     def client_settings(self, pair: tuple[str, str]) -> dict:
         """The [transport] keys of one client (a worker rank or the monitor)."""
-        return {
-            "curve_server_key": self.node[0],
-            "curve_public_key": pair[0],
-            "curve_secret_key": pair[1],
-        }
+        return {"curve_server_key": self.node[0], **_client(*pair)}
+
+
+def aggregator_envs(cfg, keys: KeySet | None, count: int) -> list[dict[str, str]]:
+    """The LUWU_* variables of each of ``count`` aggregators ``luwu up`` starts: with CURVE (``keys``),
+    its own pair to its workers (the workers' keys let in: the key set's, else
+    node.curve_authorized_keys) and to the nodes. Without, none (it reads the nodes' environment file:
+    the join secret)."""
+    if keys is None or not keys.aggregators:
+        return [{} for _ in range(count)]
+    workers = None if keys.workers else list(cfg.node.curve_authorized_keys)
+    return [keys.aggregator_env(i, workers) for i in range(count)]
+
+
+def _pair() -> tuple[str, str]:
+    import zmq
+
+    public, secret = zmq.curve_keypair()
+    return public.decode(), secret.decode()
+
+
+def _client(public: str, secret: str) -> dict:
+    return {"curve_public_key": public, "curve_secret_key": secret}
+
+
+def with_aggregator_keys(groups: list[dict], keys: KeySet | None) -> list[dict]:
+    """``[[groups]]`` tables with each group's ``aggregator_key`` from ``keys`` (where it has one)."""
+    out = [dict(g) for g in groups]
+    for g in out:
+        key = keys.aggregator_key(g["ranks"]) if keys is not None else ""
+        if key:
+            g["aggregator_key"] = key
+    return out
 
 
 def _toml(sections: dict) -> str:
@@ -200,8 +270,9 @@ def write_keyset(
     """Write the files of a key set into ``out`` (created 0700), each 0600; returns their paths.
 
     With ``shared`` (the sections of a cluster file), every worker file and the monitor file
-    hold those settings too, so a worker needs a single ``--config``. Without ``node_files``,
-    node.toml and node.env are left out (``luwu up`` hands the node keys over by itself).
+    hold those settings too, so a worker needs a single ``--config`` (give ``shared`` the groups'
+    ``aggregator_key``: :func:`with_aggregator_keys`). Without ``node_files``, node.toml, node.env and
+    the aggregators' files are left out (``luwu up`` hands those keys over by itself).
     """
     import tomli_w
 
@@ -217,6 +288,13 @@ def write_keyset(
     for rank, pair in enumerate(keys.workers):
         files[f"worker{rank}.toml"] = _toml(client_file_sections(keys, pair, shared))
     files["monitor.toml"] = _toml(client_file_sections(keys, keys.monitor, shared))
+    for i in range(len(keys.aggregators) if node_files else 0):
+        own = keys.aggregator_settings(i)
+        sections = _copied(shared or {})
+        for name, table in own.items():
+            sections[name] = {**sections.get(name, {}), **table}
+        files[f"aggregator{i}.toml"] = _toml(sections)
+        files[f"aggregator{i}.env"] = env_file_text(keys.aggregator_env(i))
     return _write_private(out, files)
 
 

@@ -51,9 +51,12 @@ class NodeSpec:
     """Port of /metrics: -1 off, 0 any (restarts reuse the bound port)."""
     kind: str = "node"
     """``node``, or ``aggregator`` (the switch tier: started once every node is up, with
-    --cluster.nodes their addresses; no /metrics)."""
+    --cluster.nodes their addresses)."""
     ranks: str = ""
     """An aggregator's worker ranks, FIRST-LAST."""
+    env_file: str = ""
+    """This daemon's own environment file (mode 0600, relative to the run dir), read instead of
+    :attr:`Plan.env_file`: an aggregator's CURVE keys, which must not be the nodes'."""
 
     @property
     def name(self) -> str:
@@ -147,11 +150,13 @@ class Supervisor:
         cmd = [*d.spec.args, "--node.bind", bind, "--metrics.port", str(mport)]
         path = self.log_path(d)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if self.plan.env_file:  # read at every start: the file may have been rotated since
-            env.update(read_env_file(self.run_dir / self.plan.env_file))
+        env_file = d.spec.env_file or self.plan.env_file
+        if env_file:  # read at every start: the file may have been rotated since
+            env.update(read_env_file(self.run_dir / env_file))
         if d.spec.kind == "aggregator":
             nodes = ",".join(n.address for n in self.daemons if n.spec.kind == "node")
             cmd = [*d.spec.args, "--cluster.nodes", nodes, "--node.bind", bind]
+            cmd += ["--metrics.port", str(mport)]
             if env.get("LUWU_NODE__JOIN_SECRET"):  # it asks its workers for it, shows it the nodes
                 env.setdefault("LUWU_TRANSPORT__JOIN_SECRET", env["LUWU_NODE__JOIN_SECRET"])
         with open_log(path) as fh:

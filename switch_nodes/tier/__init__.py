@@ -30,11 +30,14 @@ def run_aggregator(
     nodes: list[str],
     group: tuple[int, ...],
     upstream_secret: str,
+    upstream_curve: tuple[str, str, str] | None = None,
     metrics=None,
     compression=None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code. Like a node, an aggregator without a
-    gate (its listener's join secret, ``cfg.join_secret``) refuses to start unless ``cfg.insecure_open``.
+    gate (its listener's join secret ``cfg.join_secret``, or its CURVE keys) refuses to start unless
+    ``cfg.insecure_open``. ``upstream_curve``: (the nodes' public key, its own public and secret key) to
+    show the nodes instead of ``upstream_secret``.
     ``metrics`` (a ``MetricsConfig``): its ``/metrics`` on ``metrics.port`` (-1: none);
     ``compression``: its uplink's policy (a ``CompressionConfig``)."""
     open_warning = check_gate(cfg)
@@ -44,6 +47,7 @@ def run_aggregator(
         nodes=nodes,
         group=group,
         upstream_secret=upstream_secret,
+        upstream_curve=upstream_curve,
         compression=compression,
     )
     if metrics is not None and metrics.port >= 0:

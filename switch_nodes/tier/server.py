@@ -7,6 +7,10 @@ HELLO with its node index). It holds one connection per node and speaks for the 
   it as it checks any worker (job, layout, world size, resume). Until a rank's WELCOME came back, its
   connection may say nothing else; a peer without the job's join secret never gets that far (the
   same listener as the node's, :mod:`luwu.switch_nodes.zmtp`, with the same bounds).
+- Keys (CURVE): with ``cfg.curve_secret_key`` the listener is a CURVE server with the aggregator's own
+  key pair, letting in the group's worker keys only (``cfg.curve_authorized_keys`` in rank order: rank
+  r says HELLO with the r-th), and with ``upstream_curve`` each node connection is a CURVE client with
+  the aggregator's key (one of the nodes' ``node.curve_aggregator_keys``, bound to this group).
 - PUSH: the group's pushes of a (step, bucket) are summed (:mod:`.group_sums`) and go up once,
   fp32 when they came fp32, else under the uplink's own compression policy (``compression``).
 - Every other op goes up as it came, and the node's answers come back to the rank they name: a
@@ -29,6 +33,7 @@ from luwu.protocol.layout import Bucket
 from luwu.protocol.messages import Op
 from luwu.protocol.policy import CompressionConfig
 from luwu.switch_nodes.config import NodeConfig
+from luwu.switch_nodes.curve import CurveKeys
 from luwu.switch_nodes.lines import READY_LINE
 from luwu.switch_nodes.tier.group_sums import GroupSums
 from luwu.switch_nodes.tier.metrics import AggregatorMetrics
@@ -52,8 +57,10 @@ def _readdressed(frames: list, worker: int) -> list:
 
 
 class AggregatorServer:
-    """One aggregator: ``cfg`` its listener's settings (a node's: bind, join secret, bounds), ``nodes``
-    the job's node addresses in index order, ``group`` the worker ranks it serves."""
+    """One aggregator: ``cfg`` its listener's settings (a node's: bind, join secret or CURVE keys,
+    bounds), ``nodes`` the job's node addresses in index order, ``group`` the worker ranks it serves;
+    ``upstream_secret`` the join secret it shows the nodes, or ``upstream_curve`` its CURVE keys to them
+    (the nodes' public key, its own public and secret key, Z85)."""
 
     def __init__(
         self,
@@ -63,6 +70,7 @@ class AggregatorServer:
         nodes: list[str],
         group: tuple[int, ...],
         upstream_secret: str = "",
+        upstream_curve: tuple[str, str, str] | None = None,
         registry=None,
         compression: CompressionConfig | None = None,
     ) -> None:
@@ -72,6 +80,7 @@ class AggregatorServer:
             raise ProtocolError(f"an aggregator's ranks are a contiguous run, got {list(group)}")
         self.cfg, self.job, self.nodes, self.group = cfg, job, nodes, tuple(group)
         self.upstream_secret, self.compression = upstream_secret, compression
+        self.upstream_curve = upstream_curve
         self._route: dict[tuple[int, int], bytes] = {}  # (node, rank) -> the worker's connection
         self._welcomed: dict[
             bytes, tuple[int, int]
@@ -97,9 +106,57 @@ class AggregatorServer:
             join_secret=cfg.join_secret,
             member=lambda i: i in self._welcomed,
             total_bytes=cfg.peers_total_budget,
+            curve=self._curve_keys(),
         )
         self.address = self.listener.address
         return self.address
+
+    def _curve_keys(self) -> CurveKeys | None:
+        """The listener's CURVE keys: its own pair, and the group's worker keys (by rank: only theirs)."""
+        cfg = self.cfg
+        if not cfg.curve_secret_key:
+            return None
+        keys = cfg.curve_authorized_keys
+        if cfg.curve_keys_by_rank:
+            keys = [keys[r] for r in self.group if r < len(keys)]
+            if not keys:
+                raise ProtocolError(
+                    f"the aggregator of ranks {self.group[0]}-{self.group[-1]} lists no key of its "
+                    f"ranks: node.curve_authorized_keys has {len(cfg.curve_authorized_keys)} (rank "
+                    "r's is the r-th: luwu keys writes them)"
+                )
+        return CurveKeys(cfg.curve_public_key, cfg.curve_secret_key, keys)
+
+    def _check_key(self, ident: bytes, rank: int) -> None:
+        """With CURVE and curve_keys_by_rank, rank ``rank`` says HELLO with the rank-th key only."""
+        cfg = self.cfg
+        if not cfg.curve_secret_key or not cfg.curve_keys_by_rank:
+            return
+        key, keys = self.listener.peer_key(ident), cfg.curve_authorized_keys
+        if rank < len(keys) and key == keys[rank]:
+            return
+        owner = keys.index(key) if key in keys else None
+        raise ProtocolError(
+            f"HELLO as worker rank {rank} with the CURVE key {key}, which is not rank {rank}'s: it is "
+            + (f"rank {owner}'s" if owner is not None else "no rank's")
+            + " (the i-th of the aggregator's node.curve_authorized_keys is rank i's)"
+        )
+
+    def _dealer(self, zctx, addr: str) -> zmq.asyncio.Socket:
+        """A connection to one node, showing it the join secret or the aggregator's CURVE key."""
+        s = zctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.SNDHWM, self.cfg.rcvhwm)
+        s.setsockopt(zmq.RCVHWM, self.cfg.rcvhwm)
+        if self.upstream_curve:
+            server, public, secret = self.upstream_curve
+            s.setsockopt(zmq.CURVE_SERVERKEY, server.encode())
+            s.setsockopt(zmq.CURVE_PUBLICKEY, public.encode())
+            s.setsockopt(zmq.CURVE_SECRETKEY, secret.encode())
+        elif self.upstream_secret:
+            s.setsockopt(zmq.METADATA, wire.join_metadata(self.upstream_secret))
+        s.connect(addr)
+        return s
 
     @property
     def num_workers(self) -> int:
@@ -115,15 +172,7 @@ class AggregatorServer:
             self.bind()
         await self.listener.start()
         zctx = zmq.asyncio.Context.instance()
-        for addr in self.nodes:
-            s = zctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.setsockopt(zmq.SNDHWM, self.cfg.rcvhwm)
-            s.setsockopt(zmq.RCVHWM, self.cfg.rcvhwm)
-            if self.upstream_secret:
-                s.setsockopt(zmq.METADATA, wire.join_metadata(self.upstream_secret))
-            s.connect(addr)
-            self._up.append(s)
+        self._up = [self._dealer(zctx, addr) for addr in self.nodes]
         print(f"{READY_LINE} {self.address}", flush=True)
         log.info(
             "aggregator for ranks %s of job %r at %s, in front of %d nodes",
@@ -217,6 +266,7 @@ class AggregatorServer:
                 f"worker {rank} addressed node {node}; this aggregator serves nodes "
                 f"0..{len(self.nodes) - 1}"
             )
+        self._check_key(ident, rank)
         buckets = [Bucket.from_wire(b) for b in h["buckets"]]  # (checked: a bad one is refused)
         if self._sums is None or self._sums.world_size != h["world_size"]:
             self._sums = GroupSums(self.group, h["world_size"], self.metrics, self.compression)

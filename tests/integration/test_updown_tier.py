@@ -83,7 +83,9 @@ def test_up_starts_the_tier_workers_train_through_it_and_down_ends_everything(tm
         cfg = load_config(str(join), env={})
         agg = state(run_dir)["aggregators"][0]
         assert cfg.cluster.world_size == 2
-        assert cfg.cluster.groups == [{"ranks": "0-1", "aggregator": agg["address"]}]
+        assert cfg.cluster.groups == [
+            {"ranks": "0-1", "aggregator": agg["address"], "metrics": agg["metrics_url"]}
+        ]  # (its /metrics, where luwu top reads it)
         assert (
             load_config(str(run_dir / "cluster.toml"), env={}).cluster.groups == cfg.cluster.groups
         )
