@@ -2,7 +2,8 @@
 
 A worker that reaches the nodes through an aggregator (the switch tier) keeps, per node, each request
 the node has not answered yet, in the order it was queued: a push until its UPDATE (a two-phase push
-until its NORM: from then on only which step, bucket and reply codec it was, for a retried COMMIT),
+until its NORM: from then on only which step, bucket and reply codec it was, for its COMMIT to ask
+for the weights: the one sent again, or the first made after the fallback),
 its micro-batch pushes with it, a PULL, a STATE request or a control request until its answer, INIT
 until its bucket is answered, a COMMIT until its step's pushes are; and the last HELLO and the last
 release word. The frames kept are the ones queued: a push's payload stays untouched until its reply
@@ -90,6 +91,9 @@ class Fallback:
         self._hello: list[dict | None] = [None] * len(nodes)
         self._release: list[tuple | None] = [None] * len(nodes)  # (priority, frames)
         self._pending: dict[int, tuple[float, float]] = {}  # node -> (deadline, next HELLO at)
+        # per node, after its fallback: step -> {bucket: reply codec} of two-phase pushes whose NORM came
+        # but whose UPDATE did not, and whose COMMIT was not sent yet (it asks for them when it goes)
+        self._owed: list[dict[int, dict]] = [{} for _ in nodes]
         self.fell_back: set[int] = set()  # nodes reached directly now
 
     # ----------------------------------------------------------------- the training thread's side
@@ -99,6 +103,9 @@ class Fallback:
         with self._lock:
             if node not in self.fell_back:
                 self._keep(node, header, priority, frames)
+            elif header["op"] == Op.COMMIT and header["step"] in self._owed[node]:
+                pulls = self._owed[node].pop(header["step"])
+                frames = wire.encode({**header, "retry": True, "pulls": pulls})
             if node not in self._pending:
                 self.client._out[node].append((priority, frames))
 
@@ -215,14 +222,13 @@ class Fallback:
         """The node welcomed the rank back: every unanswered request goes again, in order."""
         del self._pending[node]
         self.fell_back.add(node)
-        kept, out = self._kept[node], []
+        kept, out, owed = self._kept[node], [], self._owed[node]
+        for key, sent in kept.items():  # (a push answered by its NORM only: its COMMIT asks for it)
+            if key[0] == "push" and sent.frames is None:
+                owed.setdefault(key[1], {})[key[2]] = sent.pull
         for key, sent in kept.items():
             if key[0] == "commit":
-                pulls = {
-                    k[2]: s.pull
-                    for k, s in kept.items()
-                    if k[:2] == ("push", key[1]) and s.frames is None
-                }
+                pulls = owed.pop(key[1], {})
                 out.append(
                     (sent.priority, wire.encode({**sent.header, "retry": True, "pulls": pulls}))
                 )

@@ -147,3 +147,22 @@ def test_pulls_state_and_control_requests_are_kept_until_their_answers():
     fb.reply(0, {"op": Op.STATS, "step": 0})
     assert _fall_back(fb, client) == [pull, ckpt]
     assert state not in client._out[0] and stats not in client._out[0]
+
+
+def test_a_commit_made_after_the_fallback_asks_for_the_weights_whose_norm_came_before_it():
+    """The NORMs of a step came through the aggregator, not yet the UPDATEs, and the COMMIT was not
+    sent: the one sent after the fallback asks for those buckets' weights (they may be stepped)."""
+    fb, client = _fallback()
+    _push(fb, 5, 0, two_phase=True)
+    _push(fb, 5, 1, two_phase=True)
+    fb.reply(0, {"op": Op.NORM, "step": 5, "bucket": 0})
+    fb.reply(0, {"op": Op.NORM, "step": 5, "bucket": 1})
+    fb.reply(0, {"op": Op.UPDATE, "step": 6, "bucket": 1, "seq": 5})  # (one came: not asked for)
+    assert _fall_back(fb, client) == []
+    client._out[0].clear()
+    _send(fb, {"op": Op.COMMIT, "step": 5, "coef": 1.0, "skip": False, "buckets": [0, 1]}, "c")
+    (commit,) = [msgpack.unpackb(f[0], strict_map_key=False) for _, f in client._out[0]]
+    assert commit["retry"] is True and commit["pulls"] == {0: "bf16"}
+    client._out[0].clear()
+    _send(fb, {"op": Op.COMMIT, "step": 6, "coef": 1.0, "skip": False, "buckets": [0]}, "next")
+    assert [f for _, f in client._out[0]] == [[b"next"]], "the next step's goes as it is"

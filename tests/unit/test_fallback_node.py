@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.node_messages import push_message
 
 from luwu.protocol import messages as wire
 from luwu.protocol.layout import Bucket
@@ -42,22 +43,7 @@ def _room():
 
 
 def _push(worker: int, grad: torch.Tensor, **extra) -> wire.Message:
-    header = {
-        "op": Op.PUSH,
-        "job": "j",
-        "step": 0,
-        "worker": worker,
-        "bucket": 0,
-        "codec": "none",
-        "cmeta": {},
-        "nbytes": [grad.numel() * 4],
-        "hyper": HYPER,
-        "nograd": [],
-        "two_phase": False,
-        "pull": "none",
-        **extra,
-    }
-    return wire.decode(wire.encode(header, [grad]), job="j", max_message_bytes=1 << 30)
+    return push_message(worker, grad, HYPER, **{"pull": "none", **extra})
 
 
 def _commit(worker: int, **extra) -> wire.Message:

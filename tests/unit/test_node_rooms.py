@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.node_messages import push_message
 
-from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
 from luwu.protocol.layout import Bucket
-from luwu.protocol.messages import Op
 from luwu.switch_nodes.aggregation import Aggregator
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.context import NodeContext, OptimizerQueue
@@ -95,24 +94,6 @@ def test_no_room_holds_a_node_server():
     assert not holders, f"these modules hold or type a reference as NodeServer: {holders}"
 
 
-def _push(worker: int, grad: torch.Tensor, hyper: dict) -> wire.Message:
-    header = {
-        "op": Op.PUSH,
-        "job": "j",
-        "step": 0,
-        "worker": worker,
-        "bucket": 0,
-        "codec": "none",
-        "cmeta": {},
-        "nbytes": [grad.numel() * 4],
-        "hyper": hyper,
-        "nograd": [],
-        "two_phase": False,
-        "pull": "bf16",
-    }
-    return wire.decode(wire.encode(header, [grad]), job="j", max_message_bytes=1 << 30)
-
-
 def test_one_gradient_walks_aggregator_shard_and_encoder_without_a_server():
     """Two workers' pushes: the aggregator says the step is ready (an effect, nothing sent), the
     shard steps the bucket as torch's AdamW does on the average, and the encoder gives the bf16
@@ -131,8 +112,8 @@ def test_one_gradient_walks_aggregator_shard_and_encoder_without_a_server():
     grads = [torch.randn(numel), torch.randn(numel)]
     agg = Aggregator(ctx, shard)
 
-    assert agg.on_push(b"w0", _push(0, grads[0], hyper)) == []
-    (ready,) = agg.on_push(b"w1", _push(1, grads[1], hyper))
+    assert agg.on_push(b"w0", push_message(0, grads[0], hyper)) == []
+    (ready,) = agg.on_push(b"w1", push_message(1, grads[1], hyper))
     assert isinstance(ready, Ready) and isinstance(ready.then, ApplyStep)
     step = ready.then
     assert (step.bucket, step.step, step.divisor) == (b, 0, 2.0)
