@@ -16,12 +16,12 @@ import os
 import time
 from pathlib import Path
 
-from luwu.switch_nodes.ooc.io import IOEngine
+from luwu.switch_nodes.ooc.io import DEFAULT_NUM_THREADS, DEFAULT_REQUEST_BYTES, IOEngine
 
 __all__ = ["PROBE_BYTES", "BUFFER_BYTES", "measure"]
 
 PROBE_BYTES = 64 << 20
-BUFFER_BYTES = 4 << 20  # 4 requests of 1 MiB: the engine's default depth
+BUFFER_BYTES = DEFAULT_NUM_THREADS * DEFAULT_REQUEST_BYTES  # the engine's default depth
 
 
 def measure(

@@ -22,9 +22,10 @@ zero-copy replies included), with no durability of its own.
 A reply outside a step (a PULL: a streaming worker fetches a unit's weights before its forward and
 again before its backward) reads the bucket's weights alone, not its whole slot
 (:class:`~.weights.WeightsReader`). Out of core, a step's reply is encoded before its bucket is
-stored, and its fp32 frames that are views of the window are copied (the window reuses that memory
-once the bucket is released), into the buffers a budgeted node keeps for reuse
-(:mod:`..kept_frames`), as the weights-only reads are: pages already touched, not fresh ones. A
+stored; its fp32 frames, views of the window, go zero-copy from there in sync mode (the window
+lends that memory until the reply lets go of it: :mod:`.lend`); otherwise they are copied (the
+window reuses that memory once the bucket is released), into the buffers a budgeted node keeps for
+reuse (:mod:`..kept_frames`), as the weights-only reads are: pages already touched, not fresh ones. A
 bucket whose load failed half-way is discarded from the window, so the disk's version stays.
 
 The journal version of a write is ``version << STEP_SHIFT`` for a step to ``version``, and one past
@@ -48,6 +49,7 @@ from luwu.switch_nodes.ooc import disk_probe
 from luwu.switch_nodes.ooc.bucket import OocBucket, WindowState
 from luwu.switch_nodes.ooc.io import IOEngine
 from luwu.switch_nodes.ooc.layout import STEP_SHIFT
+from luwu.switch_nodes.ooc.lend import Lender
 from luwu.switch_nodes.ooc.recovery import (
     file_state,
     folder_of,
@@ -211,6 +213,7 @@ class OocShard(Shard):
         if self._weights is not None:  # (a rollback's new window)
             self._weights.close()
         self._weights = WeightsReader(self.window, files, self._take)
+        self._lender = Lender(self.window)
         self._written = {bid: c.version for bid, c in files.committed.items() if c is not None}
         self._stepped = {b.id: b.version for b in order}
         if ctx.inflight.spill is not None and spill:
@@ -398,9 +401,10 @@ class OocShard(Shard):
         try:
             codec.before_step(b)
             if not skip:
+                self.before_write(b.id)  # (its last reply may go zero-copy from the window still)
                 b.apply(acc, divisor)
             b.version = step + 1
-            payload = self._owned(encode_reply(b, codec, self.lent(b.id)))
+            payload = self._owned(encode_reply(b, codec, self.lent(b.id)), b.id)
         except BaseException:
             b.version = was
             self.discard(b.id)
@@ -465,13 +469,11 @@ class OocShard(Shard):
         finally:
             self.store(b.id)
 
-    def _owned(self, p: Payload) -> Payload:
-        """``p`` with its frames that are views of the window copied (they change once released)."""
-        inside = [isinstance(f, torch.Tensor) and self.window.holds(f) for f in p.frames]
-        if not any(inside):
-            return p
-        frames = [self._copy(f) if w else f for f, w in zip(p.frames, inside)]
-        return p._replace(frames=frames, borrowed=p.borrowed and not all(inside))
+    def _owned(self, p: Payload, lend_from: int | None = None) -> Payload:
+        """``p`` with its frames that are views of the window (they change once released) lent from
+        bucket ``lend_from``'s slot (a step's reply in sync mode: :mod:`.lend`), or else copied."""
+        lend = lend_from if self.ctx.cfg.mode == "sync" else None
+        return self._lender.own(p, lend, self._copy)
 
     def _take(self, nbytes: int) -> torch.Tensor | None:
         """Memory for what leaves in a reply (:func:`.weights.take_kept`)."""

@@ -1,24 +1,22 @@
 """Memory as a window over a shard's state files: read ahead, step, write back, commit.
 
-The node knows the order in which its buckets will step (layout, push priority,
-the units' fetch order in streaming mode). :class:`StateWindow` keeps at most
-``budget_bytes`` of bucket slots in RAM, all of it in one :class:`BufferPool`
-allocated once: while the caller steps bucket k, the slots of k+1..k+d are being
-read (as far ahead as the budget allows, or ``readahead`` buckets) and the slot
-of k-1 written back, by the :class:`IOEngine`'s threads, so the disk works
-while the caller computes.
+The node knows the order in which its buckets will step (layout, push priority, the units' fetch
+order in streaming mode). :class:`StateWindow` keeps at most ``budget_bytes`` of bucket slots in
+RAM, all of it in one :class:`BufferPool` allocated once: while the caller steps bucket k, the
+slots of k+1..k+d are being read (as far ahead as the budget allows, or ``readahead`` buckets) and
+the slot of k-1 written back, by the :class:`IOEngine`'s threads, so the disk works while the
+caller computes.
 
-``acquire(b)`` returns bucket b's tensors (views into the pool) once they are
-read; ``release(b, version)`` starts writing them into the slot that does not
-hold b's committed version; when the write completes, a committer thread makes
-it durable (``StateFile.commit``: data synced, then the journal record), at most
-every ``commit_interval_s``, so that the buckets written meanwhile share the two
-syncs; ``flush`` commits at once. A bucket's next write waits for
-its previous commit, so one of its two slots always holds a committed version (with ``keep_step``,
-also until its other slot does not hold the step all buckets hold: StateFile.may_overwrite).
-A slot whose write completed stays in RAM as a clean copy until its memory is
-needed by a bucket that will step sooner (the one needed furthest ahead goes
-first), so a shard that fits the budget is read once.
+``acquire(b)`` returns bucket b's tensors (views into the pool) once they are read; ``release(b,
+version)`` starts writing them into the slot that does not hold b's committed version; when the
+write completes, a committer thread makes it durable (``StateFile.commit``: data synced, then the
+journal record), at most every ``commit_interval_s``, so that the buckets written meanwhile share
+the two syncs; ``flush`` commits at once. A bucket's next write waits for its previous commit, so
+one of its two slots always holds a committed version (with ``keep_step``, also until its other
+slot does not hold the step all buckets hold: StateFile.may_overwrite). A slot whose write
+completed stays in RAM as a clean copy until its memory is needed by a bucket that will step sooner
+(the one needed furthest ahead goes first), so a shard that fits the budget is read once; a slot
+whose memory is lent to a reply in flight (:mod:`.lend`) stays until the reply lets go of it.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from luwu.switch_nodes.ooc.state_file import Commit, StateFile
 log = logging.getLogger(__name__)
 
 READING, READY, HELD, WRITING, FAILED = "reading", "ready", "held", "writing", "failed"
+MOVING = (READING, WRITING)
 #: group commit: at most one journal commit (a data sync, then a journal sync) per interval, shared by
 #: every bucket written meanwhile; each sync flushes the device's cache, which stalls the writes in
 #: flight, so fewer of them stream faster, and a step is durable this much later at most
@@ -84,6 +83,7 @@ class _Entry:
     error: BaseException | None = None
     write_version: int = -1
     deferred: bool = False  # released while its previous commit is not durable: written after it
+    pins: int = 0  # its memory lent to replies in flight (:mod:`.lend`): not evicted meanwhile
 
 
 class StateWindow:
@@ -127,8 +127,7 @@ class StateWindow:
         self.timeout_s, self.commit_interval_s = timeout_s, commit_interval_s
         self.stats = WindowStats()
         self._pool = BufferPool(budget_bytes // ALIGN * ALIGN)
-        # the newest data of each bucket: committed or written
-        self._latest: dict[int, Commit | None] = dict(state.committed)
+        self._latest: dict[int, Commit | None] = dict(state.committed)  # committed or written
         self._entries: dict[int, _Entry] = {}
         self._pending: set[int] = set()  # written, commit not durable yet
         self._verified: set[int] = set()
@@ -286,7 +285,7 @@ class StateWindow:
             if e is None:
                 e = self._start_read(bucket, evict_beyond=-1)
                 if e is None:
-                    if not any(x.state in (READING, WRITING) for x in self._entries.values()):
+                    if not any(x.state in MOVING or x.pins for x in self._entries.values()):
                         held = sorted(b for b, x in self._entries.items() if x.state == HELD)
                         raise ConfigError(
                             f"out-of-core state: bucket {bucket} ({self.state.layout.bucket(bucket).slot_bytes} B) does not fit node.state_memory_bytes="
@@ -329,6 +328,7 @@ class StateWindow:
             for e in self._entries.values()
             if e.state == READY
             and e.bucket not in self._wanted
+            and not e.pins
             and self._distance(e.bucket) > evict_beyond
         ]
         if not self._pool.fits_after_freeing(nbytes, [e.extent for e in clean]):
