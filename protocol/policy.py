@@ -115,12 +115,19 @@ def _first_paying(candidates: list[str], numel: int, cfg: CompressionConfig) -> 
 
 
 def choose_codec(
-    bucket: Bucket, step: int, cfg: CompressionConfig, *, residual: bool = True
+    bucket: Bucket,
+    step: int,
+    cfg: CompressionConfig,
+    *,
+    residual: bool = True,
+    small: bool | None = None,
 ) -> tuple[str, bool]:
     """(codec name, use error feedback) for pushing ``bucket``'s gradient at ``step``. ``residual=False``
     (a streamed unit's bucket: the worker keeps nothing of it between uses, and an error-feedback residual
     would be a copy of the unit kept for the whole run): where the policy would pick an error-feedback
-    codec, ``cfg.stream_codec`` without feedback."""
+    codec, ``cfg.stream_codec`` without feedback. ``small``: whether the bucket holds a small or 1-D
+    parameter, where its segments do not say (an aggregator knows a bucket's positions, not its
+    parameters' shapes: its workers' codec says it)."""
     if not cfg.enabled or bucket.numel == 0:
         return "none", False
     name = _rule_codec(bucket, cfg)
@@ -129,7 +136,7 @@ def choose_codec(
             [name if name in ROUNDING_CODECS else cfg.warmup_codec], bucket.numel, cfg
         ), False
     if name is None:
-        if any(is_small(s, cfg) for s in bucket.segments):
+        if small if small is not None else any(is_small(s, cfg) for s in bucket.segments):
             candidates = ["bf16"]
         else:
             large = cfg.codec_name(cfg.large_codec)

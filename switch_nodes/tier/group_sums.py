@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from luwu.protocol import codec_facts
 from luwu.protocol import messages as wire
 from luwu.protocol.codecs import get_codec
 from luwu.protocol.errors import ProtocolError, StepMismatchError
@@ -46,6 +47,7 @@ class _Open:
     first_at: float = field(default_factory=time.monotonic)
     two_phase: bool = False
     compressed: bool = False  # a push came in another codec than fp32
+    codec: str = "none"  # the last compressed push's codec (its workers' policy for the bucket)
     pushed: set = field(default_factory=set)
 
 
@@ -119,7 +121,8 @@ class GroupSums:
             return None  # a retry while the block waits: counted once
         rec.pushed.add(r)
         rec.two_phase = rec.two_phase or bool(h["two_phase"])
-        rec.compressed = rec.compressed or codec.name != "none"
+        if codec.name != "none":
+            rec.compressed, rec.codec = True, h["codec"]
 
         def take() -> torch.Tensor:
             return torch.empty(numel, dtype=torch.float32)
@@ -142,7 +145,10 @@ class GroupSums:
         h = rec.header
         name, ef = "none", False
         if rec.compressed:  # the workers compress: the uplink follows its own link's policy
-            name, ef = choose_codec(bucket, h["step"], self.compression)
+            # (the bucket's shapes are its workers': a large codec of theirs says it holds no small
+            # or 1-D parameter, which the positions HELLO carries cannot say)
+            small = codec_facts.base_name(rec.codec) in codec_facts.ROUNDING_CODECS
+            name, ef = choose_codec(bucket, h["step"], self.compression, small=small)
         codec = get_codec(name)
         if ef:
             enc = self._feedback.encode((node, bucket.id), codec, total, codec.alloc(bucket.numel))

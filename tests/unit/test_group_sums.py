@@ -13,6 +13,7 @@ from luwu.protocol.codecs import get_codec
 from luwu.protocol.errors import ProtocolError
 from luwu.protocol.layout import Bucket, Segment
 from luwu.protocol.messages import Op
+from luwu.protocol.policy import CompressionConfig
 from luwu.switch_nodes.tier.group_sums import GroupSums
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,3 +58,24 @@ def test_a_worker_far_ahead_of_its_group_is_refused_past_the_bound():
         sums.add(0, BUCKET, *_push(0, 3, 1.0))
     assert sums.add(0, BUCKET, *_push(1, 0, 1.0)) is not None, "the group catches up"
     assert sums.add(0, BUCKET, *_push(0, 3, 1.0)) is None
+
+
+def test_the_uplink_of_a_bucket_that_cuts_a_tensor_follows_its_workers_large_codec():
+    """A bucket that holds part of a matrix arrives in HELLO as positions only (no shape): the policy
+    alone would call it 1-D and send bf16 up. Its workers pushed int8, so they know it is large: the
+    sum goes up int8 too (told 1 Gbit/s), and bf16 where the workers pushed bf16."""
+    numel = 1 << 16
+    part = Bucket.from_wire([0, 0, numel, [[0, 4096, 0, numel]]])  # (a slice of parameter 0)
+    assert part.segments[0].shape == (), "what an aggregator knows of it"
+    config = CompressionConfig(link_gbps=1.0, warmup_steps=0)
+    for codec, want in (("int8", "int8"), ("bf16", "bf16")):
+        sums = GroupSums((0, 1), world_size=2, compression=config)
+        got = None
+        for rank in (0, 1):
+            enc = get_codec(codec).encode(torch.randn(numel))
+            h = {"op": Op.PUSH, "job": "j", "step": 5, "worker": rank, "bucket": 0, "codec": codec}
+            h |= {"cmeta": enc.meta, "hyper": {}, "nograd": [], "two_phase": False, "pull": "none"}
+            body = wire.encode(h, enc.frames)
+            got = sums.add(0, part, wire.decode(body), body)
+        up = msgpack.unpackb(got[0], raw=False, strict_map_key=False)
+        assert up["codec"].partition(":")[0] == want, (codec, up["codec"])
