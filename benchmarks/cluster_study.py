@@ -290,7 +290,7 @@ def _start_nodes(
     hosts: Hosts, rc: RunConfig, cluster_file: Path, run_dir: Path, timeout_s: float = 90.0
 ) -> list:
     """Start the node daemons on their hosts; return their Popen objects once every one printed READY."""
-    procs, lines = [], queue.Queue()
+    daemons = []
     for j in range(rc.nodes):
         addr = hosts.cluster.addr(hosts.node(j))
         argv = [
@@ -303,14 +303,24 @@ def _start_nodes(
             f"--node.bind=tcp://{addr}:{NODE_PORT}",
             f"--node.index={j}",
         ]
-        err = open(run_dir / f"node{j}.err", "w")
-        p = hosts.cluster.popen(
-            hosts.node(j), argv, stdout=subprocess.PIPE, stderr=err, text=True, env=_env()
-        )
+        daemons.append((hosts.node(j), argv, f"node{j}"))
+    return start_daemons(hosts.cluster, daemons, run_dir, timeout_s)
+
+
+def start_daemons(
+    cluster: Cluster, daemons: list[tuple[str, list[str], str]], run_dir: Path, timeout_s: float
+) -> list:
+    """Start each ``(host, argv, name)`` on its host (stderr into ``run_dir/<name>.err``); return their
+    Popen objects once every one printed READY (the node's line: nodes and aggregators alike)."""
+    procs, lines = [], queue.Queue()
+    names = [name for _, _, name in daemons]
+    for j, (host, argv, name) in enumerate(daemons):
+        err = open(run_dir / f"{name}.err", "w")
+        p = cluster.popen(host, argv, stdout=subprocess.PIPE, stderr=err, text=True, env=_env())
         err.close()
         procs.append(p)
 
-        def pump(p=p, j=j) -> None:  # drain stdout for the node's whole life
+        def pump(p=p, j=j) -> None:  # drain stdout for the daemon's whole life
             for line in p.stdout:
                 lines.put((j, line))
             lines.put((j, None))
@@ -318,16 +328,17 @@ def _start_nodes(
         threading.Thread(target=pump, daemon=True).start()
     ready: set[int] = set()
     deadline = time.monotonic() + timeout_s
-    while len(ready) < rc.nodes:
+    while len(ready) < len(daemons):
         try:
             j, line = lines.get(timeout=max(0.01, deadline - time.monotonic()))
         except queue.Empty:
-            raise RuntimeError(
-                f"nodes {sorted(set(range(rc.nodes)) - ready)} not ready in {timeout_s:.0f} s"
-            ) from None
+            missing = [names[k] for k in range(len(daemons)) if k not in ready]
+            _stop(procs)
+            raise RuntimeError(f"{missing} not ready in {timeout_s:.0f} s") from None
         if line is None:
-            tail = (run_dir / f"node{j}.err").read_text()[-2000:]
-            raise RuntimeError(f"node {j} exited before it was ready: {tail}")
+            tail = (run_dir / f"{names[j]}.err").read_text()[-2000:]
+            _stop(procs)
+            raise RuntimeError(f"{names[j]} exited before it was ready: {tail}")
         if line.startswith(READY_LINE):
             ready.add(j)
     return procs
@@ -345,11 +356,13 @@ def _stop(procs: list) -> None:
             p.wait(timeout=5)
 
 
-def run_config(hosts: Hosts, rc: RunConfig, s: Settings, tmp: Path) -> dict:
-    """Run one configuration to the end; return the summary row (raises with the processes' errors)."""
+def run_config(hosts: Hosts, rc: RunConfig, s: Settings, tmp: Path, setup=None) -> dict:
+    """Run one configuration to the end; return the summary row (raises with the processes' errors).
+    ``setup(run_dir, spec)`` (nodes up, no worker yet) starts more daemons (returns them) and adds to
+    the workers' spec (e.g. ``watch``: more processes rank 0 reads, ``cluster_task._snapshot``)."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"{rc.name}-", dir=tmp))
     job = f"study-{rc.name}-{os.getpid()}-{time.monotonic_ns() % 10**9}"
-    node_procs, workers = [], []
+    node_procs, workers, extra = [], [], []  # extra: setup's daemons
     base = {
         "kind": rc.kind,
         "variant": rc.variant,
@@ -381,6 +394,7 @@ def run_config(hosts: Hosts, rc: RunConfig, s: Settings, tmp: Path) -> dict:
             node_procs = _start_nodes(hosts, rc, cluster_file, run_dir)
             base["cluster_file"] = str(cluster_file)
             base["node_pids"] = [p.pid for p in node_procs]
+        extra = setup(run_dir, base) if setup is not None else []
         for r in range(rc.workers):
             spec = dict(base, rank=r, result_path=str(run_dir / f"result{r}.json"))
             path = run_dir / f"spec{r}.json"
@@ -415,6 +429,7 @@ def run_config(hosts: Hosts, rc: RunConfig, s: Settings, tmp: Path) -> dict:
             results.append(res)
     finally:
         _stop(workers)
+        _stop(extra)
         _stop(node_procs)
     row = summarize(rc, s, results, hosts)
     row["run_wall_s"] = time.monotonic() - t0
@@ -491,6 +506,7 @@ def summarize(rc: RunConfig, s: Settings, results: list[dict], hosts: Hosts) -> 
         "node_rx_bytes": [n["rx_bytes_per_step"] for n in win[0]["nodes"]],
         "node_tx_bytes": [n["tx_bytes_per_step"] for n in win[0]["nodes"]],
         "node_cpu_share": [n["cpu_share"] for n in win[0]["nodes"]],
+        "watched": win[0].get("watched", {}),  # run_config's setup: spec["watch"]
         # the state files' traffic (out-of-core nodes), all nodes together: one disk here
         "node_disk_mb": sum(n.get("disk_bytes_per_step", 0) for n in win[0]["nodes"]) / 1e6,
         # the longest any node waited for its state a step (STATS state_io_wait_s)

@@ -195,9 +195,16 @@ def node_io_wait_s(client, node: int) -> float:
     return float(msg.header.get("detail", {}).get("state_io_wait_s", 0.0))
 
 
-def _snapshot(node_pids: list[int], client=None, *, machine: bool = False) -> dict:
-    """Counters at one point of the run; ``node_pids`` in the nodes' index order (rank 0 only)."""
+def _snapshot(
+    node_pids: list[int], client=None, *, machine: bool = False, watch: list[dict] = ()
+) -> dict:
+    """Counters at one point of the run; ``node_pids`` in the nodes' index order (rank 0 only);
+    ``watch``: more processes to read (``{"name", "pid", "iface"}``: its CPU and the counters of
+    ``iface`` in its network namespace), e.g. aggregators, or an idle process beside a switch."""
     return {
+        "watch": [
+            (w["name"], cpu_seconds(w["pid"]), net_bytes(w["pid"], w["iface"])) for w in watch
+        ],
         "procs": all_processes_cpu() if machine else {},
         "node_pids": list(node_pids),
         "payload": (client.bytes_sent, client.bytes_received) if client is not None else (0, 0),
@@ -253,6 +260,7 @@ def _window(a: dict, b: dict, steps: int, ours: set[int]) -> dict:
             }
         )
     out["nodes"] = nodes
+    out["watched"] = _watched(a, b, steps, wall)
     (busy0, tot0), (busy1, tot1) = a["machine"], b["machine"]
     out["machine_busy_cores"] = (busy1 - busy0) / max(1, tot1 - tot0) * (os.cpu_count() or 1)
     # everyone else's CPU: user processes not in this run, and kernel threads (softirq work of the
@@ -267,6 +275,18 @@ def _window(a: dict, b: dict, steps: int, ours: set[int]) -> dict:
         else:
             other += used
     out["other_user_cores"], out["kernel_thread_cores"] = other / wall, kernel / wall
+    return out
+
+
+def _watched(a: dict, b: dict, steps: int, wall: float) -> dict:
+    """The watched processes between two snapshots, by name: CPU share, bytes per step."""
+    out = {}
+    for (name, c0, n0), (_, c1, n1) in zip(a["watch"], b["watch"]):
+        out[name] = {
+            "cpu_share": (c1 - c0) / wall,
+            "rx_bytes_per_step": (n1[0] - n0[0]) / steps,
+            "tx_bytes_per_step": (n1[1] - n0[1]) / steps,
+        }
     return out
 
 
@@ -482,6 +502,7 @@ def train(spec: dict) -> dict:
     )
     tl = Timeline(opt, at) if spec["kind"] == "luwu" and rank == 0 and steps > at + 1 else None
     node_pids = spec.get("node_pids", []) if rank == 0 else []
+    watch = spec.get("watch", []) if rank == 0 else []
     client = opt.client if spec["kind"] == "luwu" else None
     _barrier(run_dir, "start", rank, world)
 
@@ -495,7 +516,7 @@ def train(spec: dict) -> dict:
                 opt.synchronize()  # the replies of the steps before arrived (per-layer waits): exact byte counters
             # every rank between the same two steps: the byte counters of all hosts cover the same steps
             _barrier(run_dir, "window", rank, world)
-            start = _snapshot(node_pids, client, machine=rank == 0)
+            start = _snapshot(node_pids, client, machine=rank == 0, watch=watch)
             _barrier(
                 run_dir, "window_go", rank, world
             )  # nobody sends step `warmup` before every snapshot
@@ -534,10 +555,11 @@ def train(spec: dict) -> dict:
         opt.synchronize()  # the last step's weights (delayed update, per-layer waits)
     clock += time.perf_counter() - t0
     _barrier(run_dir, "window_end", rank, world)
-    end = _snapshot(node_pids, client, machine=rank == 0)
+    end = _snapshot(node_pids, client, machine=rank == 0, watch=watch)
     ours = (
         {int((run_dir / f"start.{r}").read_text()) for r in range(world)}
         | set(node_pids)
+        | {w["pid"] for w in watch}
         | {spec["study_pid"]}
     )
     if (w := _weights(spec, model, opt)) is not None:

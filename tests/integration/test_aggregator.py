@@ -157,7 +157,7 @@ def _kill_one_aggregator_at(spec: dict, tmp_path, step: int, script=TRAIN) -> li
             for p in procs:
                 p.kill()
         failed = [
-            f"rank {r}:\n{t[-3000:]}" for r, (p, t) in enumerate(zip(procs, outs)) if p.returncode
+            f"rank {r}:\n{t[-6000:]}" for r, (p, t) in enumerate(zip(procs, outs)) if p.returncode
         ]
         assert not failed, "".join(seen) + "\n".join(failed)
         for rank in (0, 1):  # (its workers said what they did)

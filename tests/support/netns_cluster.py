@@ -222,74 +222,51 @@ class Cluster:
             },
         )
         run_cmd(["ip", "-n", br, "link", "set", "lo", "up"])
-        run_cmd(
-            [
-                "ip",
-                "-n",
-                br,
-                "link",
-                "add",
-                BRIDGE_IF,
-                "mtu",
-                str(self.config.mtu),
-                "type",
-                "bridge",
-            ]
-        )
-        run_cmd(["ip", "-n", br, "link", "set", BRIDGE_IF, "up"])
-        for i, host in enumerate(self.hosts):
-            ns = self.ns(i)
-            run_cmd(["ip", "netns", "add", ns])
-            settings: dict[str, object] = {
-                "net.ipv6.conf.all.disable_ipv6": 1,
-                "net.ipv6.conf.default.disable_ipv6": 1,
-            }
-            if self.config.congestion_control:
-                settings["net.ipv4.tcp_congestion_control"] = self.config.congestion_control
-            self._sysctl(ns, settings, strict=bool(self.config.congestion_control))
-            run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
-            mtu = str(self.config.mtu)
-            # Both ends are born inside our namespaces: nothing appears in the root one.
-            run_cmd(
-                [
-                    "ip",
-                    "-n",
-                    ns,
-                    "link",
-                    "add",
-                    HOST_IF,
-                    "mtu",
-                    mtu,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    host,
-                    "mtu",
-                    mtu,
-                    "netns",
-                    br,
-                ]
-            )
-            run_cmd(
-                [
-                    "ip",
-                    "-n",
-                    ns,
-                    "addr",
-                    "add",
-                    f"{self._addrs[i]}/{self._prefixlen}",
-                    "dev",
-                    HOST_IF,
-                ]
-            )
-            run_cmd(["ip", "-n", br, "link", "set", host, "master", BRIDGE_IF])
-            rate = self._rates[i]
-            if rate is not None:
-                self._tbf(ns, HOST_IF, rate)  # host -> switch
-                self._tbf(br, host, rate)  # switch -> host
-            run_cmd(["ip", "-n", br, "link", "set", host, "up"])
-            run_cmd(["ip", "-n", ns, "link", "set", HOST_IF, "up"])
+        self._add_bridge(BRIDGE_IF)
+        self._build_fabric()
+        for i in range(len(self.hosts)):
+            self._add_host(i, self._bridge_of(i))
+
+    def _add_bridge(self, name: str) -> None:
+        """One Linux bridge ``name`` in the bridge namespace, up."""
+        br = self.bridge_ns
+        mtu = str(self.config.mtu)
+        run_cmd(["ip", "-n", br, "link", "add", name, "mtu", mtu, "type", "bridge"])
+        run_cmd(["ip", "-n", br, "link", "set", name, "up"])
+
+    def _build_fabric(self) -> None:
+        """Hook: more bridges and the links between them, before the hosts join (none here: one
+        bridge for every host)."""
+
+    def _bridge_of(self, i: int) -> str:
+        """Hook: the bridge host ``i`` is plugged into (here always the one bridge)."""
+        return BRIDGE_IF
+
+    def _add_host(self, i: int, bridge: str) -> None:
+        """Host ``i``'s namespace and its veth to ``bridge``, limited by tbf both ways."""
+        host, ns, br = self.hosts[i], self.ns(i), self.bridge_ns
+        run_cmd(["ip", "netns", "add", ns])
+        settings: dict[str, object] = {
+            "net.ipv6.conf.all.disable_ipv6": 1,
+            "net.ipv6.conf.default.disable_ipv6": 1,
+        }
+        if self.config.congestion_control:
+            settings["net.ipv4.tcp_congestion_control"] = self.config.congestion_control
+        self._sysctl(ns, settings, strict=bool(self.config.congestion_control))
+        run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+        mtu = str(self.config.mtu)
+        # Both ends are born inside our namespaces: nothing appears in the root one.
+        veth = ["link", "add", HOST_IF, "mtu", mtu, "type", "veth"]
+        run_cmd(["ip", "-n", ns, *veth, "peer", "name", host, "mtu", mtu, "netns", br])
+        addr = f"{self._addrs[i]}/{self._prefixlen}"
+        run_cmd(["ip", "-n", ns, "addr", "add", addr, "dev", HOST_IF])
+        run_cmd(["ip", "-n", br, "link", "set", host, "master", bridge])
+        rate = self._rates[i]
+        if rate is not None:
+            self._tbf(ns, HOST_IF, rate)  # host -> switch
+            self._tbf(br, host, rate)  # switch -> host
+        run_cmd(["ip", "-n", br, "link", "set", host, "up"])
+        run_cmd(["ip", "-n", ns, "link", "set", HOST_IF, "up"])
 
     def tbf_args(self, rate_bps: int) -> list[str]:
         """tc arguments of one link's tbf: bucket ``burst_s`` of rate, queue ``queue_s``."""
