@@ -337,9 +337,9 @@ class WorkerClient:
         self._running = False
         self.wake.stop()
         self._thread.join(5)
-        for s in [*self._socks, *self._monitors]:
-            if s is not None:
-                s.close(0)
+        for node, s in enumerate(self._socks):
+            self._unwatch(node)
+            s.close(0)
         self._ctx.term()
         self.wake.close()
 
@@ -350,13 +350,9 @@ class WorkerClient:
             return
         for n in nodes:
             self.send(n, {"op": Op.BYE})
+        keys = [(Op.BYE, n, None, -1) for n in nodes]
         try:
-            self.answers(
-                [(Op.BYE, n, None, -1) for n in nodes],
-                Op.BYE,
-                timeout_s=BYE_LINGER_S,
-                what="answer to BYE",
-            )
+            self.answers(keys, Op.BYE, timeout_s=BYE_LINGER_S, what="answer to BYE")
         except LuwuError as exc:
             log.info(
                 "worker %d: %s; its rank frees there after node.worker_timeout_s", self.rank, exc
@@ -404,12 +400,12 @@ class WorkerClient:
                     self._drain(i, s)
                 mon = self._monitors[i]
                 if mon is not None and events.get(mon, 0) & zmq.POLLIN:
-                    self._watch(i, mon, poller)
+                    self._watch(i, mon)
                 if hb and time.monotonic() - last_sent[i] > hb and not q:
                     self.send(i, {"op": Op.HEARTBEAT})
                     last_sent[i] = time.monotonic()
 
-    def _watch(self, node: int, mon: zmq.Socket, poller: zmq.Poller) -> None:
+    def _watch(self, node: int, mon: zmq.Socket) -> None:
         """A node socket's connection events until a handshake first succeeds (the monitor is then closed;
         through an aggregator, watched until its end): refusals and cut handshakes (:class:`.Reach`)."""
         while True:
@@ -427,19 +423,24 @@ class WorkerClient:
                     return
                 continue  # (its monitor stays: the end of the aggregator's connection is watched)
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                poller.unregister(mon)
-                self._socks[node].disable_monitor()
-                mon.close(0)
-                self._monitors[node] = None
+                self._unwatch(node)
                 return
+
+    def _unwatch(self, node: int) -> None:
+        """Stop and close ``node``'s socket monitor, if any: stopped first, as an event for a closed monitor
+        would block libzmq's I/O thread, and every socket with it, for good (libzmq#3575)."""
+        mon, self._monitors[node] = self._monitors[node], None
+        if mon is not None:
+            self._poller.unregister(mon)
+            self._socks[node].disable_monitor()
+            mon.close(0)
 
     def reconnect(self, node: int, addr: str) -> None:
         """Replace ``node``'s socket by one connected to ``addr`` (the I/O thread: a fallback)."""
-        poller, old, mon = self._poller, self._socks[node], self._monitors[node]
-        for sock in (old, mon):
-            if sock is not None:
-                poller.unregister(sock)
-                sock.close(0)
+        poller = self._poller
+        self._unwatch(node)
+        poller.unregister(self._socks[node])
+        self._socks[node].close(0)
         self._waiting_out.discard(node)
         self._socks[node] = self._connect(addr)
         self._monitors[node] = self._monitors.pop()
@@ -491,10 +492,7 @@ class WorkerClient:
                     self.channels.deliver(node, msg)
                 elif op != Op.HEARTBEAT:
                     self.file(self.key_of(node, h), msg)
-            except Exception as exc:  # a bad reply must not kill the I/O thread
-                self.fail(
-                    node,
-                    exc
-                    if isinstance(exc, LuwuError)
-                    else ProtocolError(f"node {self.nodes[node]}: {exc}"),
-                )
+            except LuwuError as exc:  # a bad reply must not kill the I/O thread
+                self.fail(node, exc)
+            except Exception as exc:
+                self.fail(node, ProtocolError(f"node {self.nodes[node]}: {exc}"))
