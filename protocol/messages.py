@@ -110,6 +110,7 @@ OPTIONAL: dict[str, tuple] = {
     "micro": (I,),
     "retry": (B,),
     "pulls": (D,),
+    "wait_s": (F, I),
 }
 """``partial`` (PUSH): a micro-batch's gradient under ``no_sync()`` in streaming mode; the node adds it
 to the step's sum and answers nothing; the worker's last push of the step comes without it. ``resume``
@@ -121,7 +122,10 @@ buckets one after another instead of all of them at once. The switch tier (``luw
 ``relay`` (HELLO) says the connection is an aggregator's, standing for every rank that says HELLO
 through it; ``ranks`` (PUSH) names the ranks whose pushes an aggregator summed into this one, an aligned
 block of the step's ranks, each decoded times ``1 / prescaled`` (the job's world size) as the node would;
-``ranks`` (UPDATE, NORM) names the ranks a relayed reply answers, sent once to their aggregator. A worker
+``ranks`` (UPDATE, NORM) names the ranks a relayed reply answers, sent once to their aggregator;
+``wait_s`` (WELCOME to a ``relay``) is the node's ``worker_timeout_s``: an aggregator sends a block up as
+it is, without a late rank's push, well before it (``detail.dropped`` of an ERROR: the node dropped the
+rank, elastic mode; the aggregator stops waiting for it there). A worker
 whose aggregator died sends its unanswered requests again to the nodes (:mod:`luwu.gpu_workers.fallback`):
 ``micro`` (a ``partial`` PUSH) is the micro-batch's index in its step, so a node counts each once;
 ``retry`` (COMMIT) asks for the weights of each bucket named in ``pulls`` (bucket -> reply codec) that

@@ -62,6 +62,7 @@ class Tell:
     text: str
     step: int
     bucket: int
+    detail: dict | None = None  # (``dropped``: the rank left the step's members, elastic mode)
 
 
 @dataclass(frozen=True, slots=True)

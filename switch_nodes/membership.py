@@ -254,7 +254,8 @@ class Membership:
         ctx.param_names.update(names)
         ctx.layout_hash = h["layout"]
         ctx.peers[w] = ident
-        if h.get("relay"):  # an aggregator's connection: its ranks' replies go to it once
+        relay = bool(h.get("relay"))
+        if relay:  # an aggregator's connection: its ranks' replies go to it once
             ctx.relays.add(ident)
         if not ctx.members:
             ctx.members = set(range(ctx.world_size))
@@ -268,6 +269,8 @@ class Membership:
         fields = {"layout": ctx.layout_hash, "versions": versions, "initialized": initialized}
         if ctx.inflight.limit:
             fields["in_order"] = True  # the same push order on every worker: see gpu_workers.client
+        if relay:  # an aggregator sends a block up as it is before this deadline names its ranks
+            fields["wait_s"] = ctx.cfg.worker_timeout_s
         # a new connection: nothing held for the old one goes to it
         return [Drop(w), Answer(ident, Op.WELCOME, w, fields)]
 
@@ -438,5 +441,9 @@ class Membership:
         )
         text = f"dropped from step {step} after {ctx.cfg.worker_timeout_s:.0f} s without a push (elastic mode): call optimizer.recover() to rejoin"
         # a stalled worker learns it when it wakes up
-        out += [Tell(w, WorkerLostError.code, f"worker {w} {text}", step, bid) for w in missing]
+        # (``dropped`` tells an aggregator in front of it to stop waiting for it)
+        told = {"dropped": True}
+        out += [
+            Tell(w, WorkerLostError.code, f"worker {w} {text}", step, bid, told) for w in missing
+        ]
         return [*out, Recheck()]

@@ -72,10 +72,12 @@ class Outbox:
         header = {"op": op, "job": self.ctx.job, "step": step, "worker": worker, **fields}
         self.send(ident, wire.encode(header))
 
-    def tell(self, worker: int, code: str, text: str, *, step: int, bucket: int) -> None:
+    def tell(
+        self, worker: int, code: str, text: str, *, step: int, bucket: int, detail=None
+    ) -> None:
         """An ERROR to ``worker`` that answers no message of its own (a lost peer, a failed step)."""
         frames = wire.error_message(
-            self.ctx.job, code, text, step=step, worker=worker, bucket=bucket
+            self.ctx.job, code, text, step=step, worker=worker, bucket=bucket, detail=detail
         )
         self.send_to(worker, frames)
 

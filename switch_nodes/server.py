@@ -149,7 +149,7 @@ class NodeServer:
                 e.ident, e.op, e.worker, self.shard.step, **e.fields
             ),
             Tell: lambda e: self.outbox.tell(
-                e.worker, e.code, e.text, step=e.step, bucket=e.bucket
+                e.worker, e.code, e.text, step=e.step, bucket=e.bucket, detail=e.detail
             ),
             Ready: self._ready,
             ApplyStep: lambda e: self.ctx.queue.submit(lambda: self._apply_step(e)),

@@ -160,6 +160,22 @@ class RankTree:
         self._stack, self._leaves, self._front = [], {}, len(self.ranks)
         return out
 
+    def folded(self, rank: int) -> bool:
+        """Whether ``rank``'s push is folded into a partial sum (no longer waiting as received)."""
+        return self.ranks.index(rank) < self._front
+
+    def drain(self) -> tuple[list[tuple[tuple[int, ...], torch.Tensor]], list[int]]:
+        """What the tree holds so far, as an aggregator sends it when a rank of its block is late:
+        each partial sum with the ranks it covers (left to right: aligned subtrees of the tree), and
+        the ranks whose pushes wait unfolded. The tree is empty afterwards."""
+        sums, p = [], 0
+        for level, buf in self._stack:
+            sums.append((self.ranks[p : p + (1 << level)], buf))
+            p += 1 << level
+        waiting = [self.ranks[q] for q in sorted(self._leaves)]
+        self._stack, self._leaves, self._front = [], {}, len(self.ranks)
+        return sums, waiting
+
     def release(self, give: Give) -> None:
         """Give the partial sums back (the step is abandoned: a rollback)."""
         for _, buf in self._stack:

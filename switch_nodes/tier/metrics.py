@@ -31,6 +31,10 @@ class AggregatorMetrics:
             "pushes_passed_total",
             "Workers' pushes passed to the nodes as they came (a block of one)",
         )
+        self.late = f.counter(
+            "blocks_late_total",
+            "Blocks sent up as what they had (partial sums, pushes as they came): a rank was late",
+        )
         self.fanned = f.counter(
             "replies_fanned_out_total", "Replies received once and passed to several workers"
         )

@@ -13,6 +13,10 @@ HELLO with its node index). It holds one connection per node and speaks for the 
   the aggregator's key (one of the nodes' ``node.curve_aggregator_keys``, bound to this group).
 - PUSH: the group's pushes of a (step, bucket) are summed (:mod:`.group_sums`) and go up once,
   fp32 when they came fp32, else under the uplink's own compression policy (``compression``).
+- A late rank: a block that waited a quarter of the nodes' ``worker_timeout_s`` (their WELCOME says
+  it) goes up as what it has, so the node's watchdog names (strict) or drops (elastic) only the rank
+  that is missing; a rank a node dropped (its ERROR says ``dropped``) or that left is not waited for
+  there until it is welcomed again (:class:`.group_sums.GroupSums`).
 - Every other op goes up as it came, and the node's answers come back to the rank they name: a
   reply that answers several of the group's ranks (``ranks``: an UPDATE, which the node sends the
   aggregator once) is passed to each of them, as it came, never re-encoded.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import msgpack
 import zmq
@@ -91,6 +96,7 @@ class AggregatorServer:
         self.address: str | None = None
         self._up: list[zmq.asyncio.Socket] = []
         self.metrics = AggregatorMetrics(registry)
+        self._late_said: set[tuple] = set()  # (step, late ranks) logged once
 
     # ----------------------------------------------------------------- life
     def bind(self) -> str:
@@ -181,7 +187,7 @@ class AggregatorServer:
             self.address,
             len(self.nodes),
         )
-        tasks = [asyncio.ensure_future(self._down_loop())]
+        tasks = [asyncio.ensure_future(self._down_loop()), asyncio.ensure_future(self._late_loop())]
         tasks += [asyncio.ensure_future(self._up_loop(i)) for i in range(len(self.nodes))]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -237,11 +243,34 @@ class AggregatorServer:
             bucket = self._buckets.get((node, h["bucket"]))
             if bucket is None:
                 raise ProtocolError(f"bucket {h['bucket']} is not one of node {node}'s")
-            frames = self._sums.add(node, bucket, msg, body)
-            if frames is None:
-                return
-            body = frames
+            for frames in self._sums.add(node, bucket, msg, body) or ():
+                await self._send_up(node, frames)
+            return
         await self._send_up(node, body)
+
+    async def _late_loop(self) -> None:
+        """Send up, as what they have, the blocks that waited too long for a rank (named once a step)."""
+        while True:
+            sums = self._sums
+            wait = sums.late_after_s if sums is not None else None
+            await asyncio.sleep(min(1.0, wait / 4) if wait else 0.5)
+            if sums is None or sums is not self._sums:
+                continue
+            for node, step, pieces, late in sums.overdue(time.monotonic()):
+                if (step, tuple(late)) not in self._late_said:
+                    self._late_said = {k for k in self._late_said if k[0] > step - 4}
+                    self._late_said.add((step, tuple(late)))
+                    log.warning(
+                        "aggregator of ranks %d-%d: step %d waited %.1f s for ranks %s; sent the "
+                        "nodes what the rest pushed",
+                        self.group[0],
+                        self.group[-1],
+                        step,
+                        wait,
+                        late,
+                    )
+                for frames in pieces:
+                    await self._send_up(node, frames)
 
     async def _send_up(self, node: int, frames: list) -> None:
         await self._up[node].send_multipart(frames, copy=False)
@@ -314,6 +343,21 @@ class AggregatorServer:
             )
 
     # ----------------------------------------------------------------- nodes -> workers
+    def _welcome(self, node: int, rank: int, h: dict) -> None:
+        """A rank welcomed at ``node``: its blocks wait for it there, up to the node's deadline / 4."""
+        if self._sums is None:
+            return
+        self._sums.back(node, rank)
+        wait = h.get("wait_s")
+        if isinstance(wait, int | float) and wait > 0:
+            self._sums.late_after_s = wait / 4
+
+    async def _gone(self, node: int, rank) -> None:
+        """Node ``node`` dropped ``rank`` or freed it: the blocks that waited only for it go up."""
+        if self._sums is not None and isinstance(rank, int):
+            for frames in self._sums.gone(node, rank):
+                await self._send_up(node, frames)
+
     async def _up_loop(self, node: int) -> None:
         sock = self._up[node]
         while True:
@@ -332,13 +376,17 @@ class AggregatorServer:
                 if ident is not None:
                     self._welcomed[ident] = (node, worker)
                     self.metrics.workers.set(len(self._welcomed))
+                self._welcome(node, worker, h)
             if h.get("op") == Op.BYE:  # its rank is free on the node: the connection says no more
                 ident = self._route.pop((node, worker), None)
                 self._welcomed.pop(ident, None)
                 self.metrics.workers.set(len(self._welcomed))
                 if ident is not None:
                     self._send(ident, body, h)
+                await self._gone(node, worker)
                 continue
+            if h.get("op") == Op.ERROR and (h.get("detail") or {}).get("dropped"):
+                await self._gone(node, worker)
             if isinstance(ranks, list):
                 if len(ranks) > 1:
                     self.metrics.fanned.inc()
