@@ -111,7 +111,8 @@ def cmd_up(args) -> int:
 
 
 def _up_table(job: str, nodes: list[dict], tier: list[dict]):
-    """What ``up`` started: one row per node, then one per aggregator (a<i>, its ranks)."""
+    """What ``up`` started: one row per node, then one per aggregator (a<i>); with aggregators, a
+    ranks column holds the worker ranks each one serves (``-`` for a node)."""
     from rich.table import Table
 
     also = f", {len(tier)} aggregators" if tier else ""
@@ -120,12 +121,17 @@ def _up_table(job: str, nodes: list[dict], tier: list[dict]):
         title_justify="left",
         header_style="bold",
     )
-    for col in ("#", "address", "metrics", "pid"):
+    ranks = ["ranks"] if tier else []  # the worker ranks an aggregator serves ("-": a node)
+    for col in ("#", "address", *ranks, "metrics", "pid"):
         table.add_column(col, no_wrap=True)
+    no_group = ["-"] * len(ranks)
     for n in nodes:
-        table.add_row(str(n["index"]), n["address"], n["metrics_url"] or "-", str(n["pid"]))
+        table.add_row(
+            str(n["index"]), n["address"], *no_group, n["metrics_url"] or "-", str(n["pid"])
+        )
     for a in tier:  # the switch tier: workers of these ranks talk to the nodes through it
-        table.add_row(f"a{a['index']}", a["address"], f"ranks {a['ranks']}", str(a["pid"]))
+        metrics = a.get("metrics_url") or "-"
+        table.add_row(f"a{a['index']}", a["address"], a["ranks"], metrics, str(a["pid"]))
     return table
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,11 +78,21 @@ def test_up_starts_the_tier_workers_train_through_it_and_down_ends_everything(tm
         pids = pids_of(run_dir)
         seen |= set(pids.values())
         assert set(pids) == {"supervisor", "node-0", "node-1", "aggregator-0"}, pids
-        assert "ranks 0-1" in r.stdout
         # The workers' file names the group and its bound address; both ranks find it there.
         join = run_dir / "keys" / "join.toml"
         cfg = load_config(str(join), env={})
         agg = state(run_dir)["aggregators"][0]
+        # up's table: each column what its header says, for the aggregator's row as for a node's
+        table = _table(r.stdout)
+        assert table["a0"] == {
+            "#": "a0",
+            "address": agg["address"],
+            "ranks": "0-1",
+            "metrics": agg["metrics_url"],
+            "pid": str(agg["pid"]),
+        }, r.stdout
+        node = state(run_dir)["nodes"][1]
+        assert table["1"]["ranks"] == "-" and table["1"]["metrics"] == node["metrics_url"]
         assert cfg.cluster.world_size == 2
         assert cfg.cluster.groups == [
             {"ranks": "0-1", "aggregator": agg["address"], "metrics": agg["metrics_url"]}
@@ -135,6 +146,16 @@ def test_up_starts_the_tier_workers_train_through_it_and_down_ends_everything(tm
         for pid in seen | set(pids_of(run_dir).values()):
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _table(out: str) -> dict[str, dict[str, str]]:
+    """The rows of a table rich printed (cells between ┃ in the header, │ below), by their first
+    cell, as {header: cell}."""
+    bars = re.compile("[┃│]")
+    lines = [[c.strip() for c in bars.split(line)[1:-1]] for line in out.splitlines()]
+    lines = [cells for cells in lines if cells]
+    header, rows = lines[0], lines[1:]
+    return {row[0]: dict(zip(header, row)) for row in rows}
 
 
 def _status(run_dir: Path) -> tuple[int, list[dict]]:

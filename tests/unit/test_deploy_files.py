@@ -11,9 +11,11 @@ from __future__ import annotations
 import configparser
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -480,6 +482,7 @@ def _code_lines(path: Path) -> list[str]:
         DEPLOY / "docker" / "Dockerfile",
         DEPLOY / "systemd" / "luwu-node@.service",
         DEPLOY / "k8s" / "luwu-nodes.yaml",
+        DEPLOY / "k8s" / "luwu-aggregators.yaml",
     ],
     ids=lambda p: str(p.relative_to(DEPLOY)),
 )
@@ -628,14 +631,158 @@ def test_k8s_aggregator_daemonset_finds_each_hosts_group(tmp_path, capsys):
     assert group_of([*files, "no-such-host"]) == 3
     args = " ".join(pod["containers"][0]["args"])
     assert "python -m luwu.groups" in args and "aggregator --config" in args
-    assert "/etc/luwu-keys/node.env" in args and "LUWU_TRANSPORT__JOIN_SECRET" in args
+    assert "/etc/luwu-tier-keys/aggregator$i.env" in args and "LUWU_TRANSPORT__JOIN_SECRET" in args
+    assert "/etc/luwu-keys" not in args, "an aggregator never reads the nodes' node.env"
     mounts = {v["name"]: v for v in pod["volumes"]}
     assert mounts["tier"]["configMap"]["name"] == "luwu-tier"
-    assert mounts["keys"]["secret"]["secretName"] == "luwu-keys"
+    assert mounts["tier-keys"]["secret"]["secretName"] == "luwu-tier-keys"
 
 
-def test_sbatch_runs_one_aggregator_per_worker_host_only_with_the_join_secret():
+# The operator's steps of the tier's header: the keys (or the join secret) of the nodes' cluster file
+# with the groups appended; luwu-keys for nodes and workers, luwu-tier-keys for the aggregators.
+def _k8s_tier_secrets(tmp_path: Path, docs: dict, variant: str) -> dict[str, Path]:
+    from luwu.cli import main as luwu_main
+    from luwu.deploy.join import main as join_main
+
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(
+        docs[("ConfigMap", "luwu-cluster")]["data"]["cluster.toml"]
+        + docs[("ConfigMap", "luwu-tier")]["data"]["groups.toml"]
+    )
+    keys, tier_keys = tmp_path / "luwu-keys", tmp_path / "luwu-tier-keys"
+    tier_keys.mkdir(mode=0o700)
+    if variant == "curve":
+        assert (
+            luwu_main(["keys", "--out", str(keys), "--workers", "8", "--cluster", str(cluster)])
+            == 0
+        )
+        for f in keys.glob("aggregator*"):
+            f.rename(tier_keys / f.name)
+    else:
+        assert join_main([str(keys), str(cluster)]) == 0
+        shutil.copy(keys / "node.env", tier_keys / "node.env")
+    return {"luwu-keys": keys, "luwu-tier-keys": tier_keys}
+
+
+PYTHON_SHIM = """#!/bin/sh
+# python, except `python -m luwu -v aggregator ...`: its argv and LUWU_* environment to $OUT (JSON).
+if [ "$1 $2 $3 $4" = "-m luwu -v aggregator" ]; then
+  exec {python} -c 'import json, os, sys
+env = {{k: v for k, v in os.environ.items() if k.startswith("LUWU_")}}
+json.dump({{"argv": sys.argv[1:], "env": env}}, open(os.environ["OUT"], "w"))' "$@"
+fi
+exec {python} "$@"
+"""
+
+
+def _run_pod(pod: dict, root: Path, node_name: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """The DaemonSet's container command as its pod runs it on ``node_name``, its mounts under
+    ``root``: what `luwu aggregator` would have been started with."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python").write_text(PYTHON_SHIM.format(python=sys.executable))
+    (bin_dir / "sleep").write_text('#!/bin/sh\necho sleep "$@"\n')  # (sleep infinity)
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    container = pod["containers"][0]
+    script = container["args"][0].replace("/etc/", f"{root}/etc/")
+    out = root / f"{node_name}.json"
+    out.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LUWU_")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", NODE_NAME=node_name, OUT=str(out))
+    r = subprocess.run(
+        [*container["command"], script], capture_output=True, text=True, timeout=60, env=env
+    )
+    return r, (json.loads(out.read_text()) if out.exists() else {})
+
+
+def _mount(pod: dict, docs: dict, secrets: dict[str, Path], root: Path) -> None:
+    """The pod's volumes under ``root``: each ConfigMap one the manifests define, each Secret one
+    their headers make (``secrets``: its files); every path its command names lies in a mount."""
+    made = set()
+    for path in (DEPLOY / "k8s").glob("*.yaml"):
+        made |= set(re.findall(r"kubectl create secret generic (\S+)", path.read_text()))
+    assert made == set(secrets), made
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    container = pod["containers"][0]
+    for m in container["volumeMounts"]:
+        v, where = volumes[m["name"]], root / m["mountPath"].lstrip("/")
+        if "configMap" in v:
+            where.mkdir(parents=True)
+            for name, text in docs[("ConfigMap", v["configMap"]["name"])]["data"].items():
+                (where / name).write_text(text)
+        else:
+            shutil.copytree(secrets[v["secret"]["secretName"]], where)
+    mounted = {m["mountPath"] for m in container["volumeMounts"]}
+    for path in re.findall(r"/etc/[\w./$-]+", container["args"][0]):
+        assert str(Path(path).parent) in mounted, f"{path}: no mount holds it"
+
+
+@needs_yaml
+@pytest.mark.parametrize("variant", ["curve", "join-secret"])
+def test_k8s_aggregator_pods_get_their_own_keys(tmp_path, variant):
+    """Every ConfigMap and Secret the tier's pods mount is one the manifests define or their headers
+    make, and each file the pod's command reads lies under a mount; run as the pod runs it, the
+    command gives the aggregator of each host its own key pair (CURVE: aggregator<i>.env, the key the
+    nodes' node.env lists for its ranks and the workers' files name) or the job's join secret."""
+    from luwu.groups import aggregator_for, aggregator_key_for
+    from luwu.ops.keyset import read_env_file
+
+    docs = _k8s_docs()
+    pod = docs[("DaemonSet", "luwu-aggregator")]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"], (
+        "a 0440 Secret is readable by the fsGroup only"
+    )
+    secrets = _k8s_tier_secrets(tmp_path, docs, variant)
+    root = tmp_path / "pod"
+    _mount(pod, docs, secrets, root)
+    cfg = load_config(
+        [str(root / "etc/luwu/cluster.toml"), str(root / "etc/luwu-tier/groups.toml")], env={}
+    )
+    keys = secrets["luwu-keys"]
+    node_env = read_env_file(keys / "node.env")
+    agg_keys = dict(
+        e.split("=", 1)
+        for e in node_env.get("LUWU_NODE__CURVE_AGGREGATOR_KEYS", "").split(",")
+        if e
+    )
+    for g in cfg.cluster.groups:
+        host, _, port = g["aggregator"][len("tcp://") :].rpartition(":")
+        r, started = _run_pod(pod, root, host)
+        assert r.returncode == 0 and started, r.stdout + r.stderr
+        argv, env = started["argv"], started["env"]
+        assert argv[argv.index("--ranks") + 1] == g["ranks"]
+        assert argv[argv.index("--node.bind") + 1] == f"tcp://0.0.0.0:{port}"
+        assert not [a for a in argv if "secret" in a.lower()], argv
+        if variant == "join-secret":
+            assert env["LUWU_TRANSPORT__JOIN_SECRET"] == node_env["LUWU_NODE__JOIN_SECRET"]
+            assert env["LUWU_NODE__INSECURE_PUBLIC_BIND"] == "true"
+            continue
+        assert "LUWU_NODE__INSECURE_PUBLIC_BIND" not in env
+        own = env["LUWU_NODE__CURVE_PUBLIC_KEY"]
+        assert env["LUWU_TRANSPORT__CURVE_PUBLIC_KEY"] == own == agg_keys[g["ranks"]]
+        assert env["LUWU_TRANSPORT__CURVE_SERVER_KEY"] == node_env["LUWU_NODE__CURVE_PUBLIC_KEY"]
+        assert env["LUWU_NODE__CURVE_SECRET_KEY"] != node_env["LUWU_NODE__CURVE_SECRET_KEY"]
+        files = [argv[i + 1] for i, a in enumerate(argv) if a == "--config"]
+        resolved = load_config(files, env=env)  # what the aggregator runs with
+        assert resolved.node.curve_public_key == own and resolved.transport.curve_server_key
+        first = int(g["ranks"].split("-")[0])
+        worker = load_config(str(keys / f"worker{first}.toml"), env={})
+        assert aggregator_for(worker, first) == g["aggregator"]
+        assert aggregator_key_for(worker, first) == own
+    r, started = _run_pod(pod, root, "cpu-host")  # a host with no group runs no aggregator
+    assert r.returncode == 0 and not started and "no aggregator here" in r.stdout, r.stdout
+    assert "sleep infinity" in r.stdout
+
+
+def test_sbatch_runs_one_aggregator_per_worker_host_with_its_keys():
+    """Task j of the tier's srun step is group j: with CURVE it reads keys/aggregator<j>.env (luwu
+    keys --cluster), never node.env; the join secret only when LUWU_INSECURE_PUBLIC_BIND=1. (A whole
+    run: tests/integration/test_slurm_tier.py.)"""
     code = "\n".join(_code_lines(DEPLOY / "slurm" / "luwu.sbatch"))
     assert "LUWU_AGGREGATORS" in code and "--overlap" in code and "-m luwu -v aggregator" in code
     assert "--cluster.groups=" in code and '--node-rank="$SLURM_PROCID"' in code
-    assert "LUWU_AGGREGATORS=1 needs LUWU_INSECURE_PUBLIC_BIND=1" in code
+    assert '. "$4/aggregator$SLURM_PROCID.env"' in code
+    assert 'if [ "$5" = 1 ]; then . "$4/node.env"' in code
+    assert '"$keys_dir" "${LUWU_INSECURE_PUBLIC_BIND:-0}" &' in code
+    assert "needs LUWU_INSECURE_PUBLIC_BIND=1" not in code
