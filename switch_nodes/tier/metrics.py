@@ -35,6 +35,10 @@ class AggregatorMetrics:
             "blocks_late_total",
             "Blocks sent up as what they had (partial sums, pushes as they came): a rank was late",
         )
+        self.fetches_shared = f.counter(
+            "fetches_shared_total",
+            "Workers' PULLs answered with another's in flight (streaming fetches sent up once)",
+        )
         self.fanned = f.counter(
             "replies_fanned_out_total", "Replies received once and passed to several workers"
         )

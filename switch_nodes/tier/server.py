@@ -17,6 +17,8 @@ HELLO with its node index). It holds one connection per node and speaks for the 
   it) goes up as what it has, so the node's watchdog names (strict) or drops (elastic) only the rank
   that is missing; a rank a node dropped (its ERROR says ``dropped``) or that left is not waited for
   there until it is welcomed again (:class:`.group_sums.GroupSums`).
+- PULL (streaming mode's fetches): in sync mode, the group's PULLs of a bucket that come while one
+  is in flight wait for its answer and get it too (:mod:`.fetches`).
 - Every other op goes up as it came, and the node's answers come back to the rank they name: a
   reply that answers several of the group's ranks (``ranks``: an UPDATE, which the node sends the
   aggregator once) is passed to each of them, as it came, never re-encoded.
@@ -40,6 +42,7 @@ from luwu.protocol.policy import CompressionConfig
 from luwu.switch_nodes.config import NodeConfig
 from luwu.switch_nodes.curve import CurveKeys
 from luwu.switch_nodes.lines import READY_LINE
+from luwu.switch_nodes.tier.fetches import Fetches
 from luwu.switch_nodes.tier.group_sums import GroupSums
 from luwu.switch_nodes.tier.metrics import AggregatorMetrics
 from luwu.switch_nodes.zmtp import ZmtpListener
@@ -97,6 +100,8 @@ class AggregatorServer:
         self._up: list[zmq.asyncio.Socket] = []
         self.metrics = AggregatorMetrics(registry)
         self._late_said: set[tuple] = set()  # (step, late ranks) logged once
+        self._fetches = Fetches()
+        self._sync = True  # (the job's mode, from its HELLOs: async shares no fetch)
 
     # ----------------------------------------------------------------- life
     def bind(self) -> str:
@@ -246,6 +251,10 @@ class AggregatorServer:
             for frames in self._sums.add(node, bucket, msg, body) or ():
                 await self._send_up(node, frames)
             return
+        if op == Op.PULL and self._sync:
+            if not self._fetches.ask(node, h["bucket"], h["codec"], rank):
+                self.metrics.fetches_shared.inc()
+                return
         await self._send_up(node, body)
 
     async def _late_loop(self) -> None:
@@ -297,6 +306,7 @@ class AggregatorServer:
             )
         self._check_key(ident, rank)
         buckets = [Bucket.from_wire(b) for b in h["buckets"]]  # (checked: a bad one is refused)
+        self._sync = h["mode"] == "sync"
         if self._sums is None or self._sums.world_size != h["world_size"]:
             self._sums = GroupSums(self.group, h["world_size"], self.metrics, self.compression)
         for b in buckets:
@@ -387,10 +397,11 @@ class AggregatorServer:
                 continue
             if h.get("op") == Op.ERROR and (h.get("detail") or {}).get("dropped"):
                 await self._gone(node, worker)
+            shared = self._fetched(node, h, ranks if isinstance(ranks, list) else [worker])
             if isinstance(ranks, list):
                 if len(ranks) > 1:
                     self.metrics.fanned.inc()
-                for r in ranks:
+                for r in ranks + shared:
                     ident = self._route.get((node, r))
                     if ident is not None:
                         self._send(ident, _readdressed(body, r), h)
@@ -398,3 +409,18 @@ class AggregatorServer:
             ident = self._route.get((node, worker))
             if ident is not None:
                 self._send(ident, body, h)
+            for r in shared:
+                ident = self._route.get((node, r))
+                if ident is not None:
+                    self._send(ident, _readdressed(body, r), h)
+
+    def _fetched(self, node: int, h: dict, ranks: list) -> list[int]:
+        """The ranks that waited on the PULL of one of ``ranks`` that ``h`` (an UPDATE without ``seq``,
+        an ERROR answering a PULL) answers."""
+        op = h.get("op")
+        if not (
+            op == Op.UPDATE and "seq" not in h or op == Op.ERROR and h.get("ref_op") == Op.PULL
+        ):
+            return []
+        codec = h.get("codec") if op == Op.UPDATE else None
+        return [w for r in ranks for w in self._fetches.answered(node, h.get("bucket"), r, codec)]

@@ -37,6 +37,12 @@ def _pushes(cluster) -> tuple[float, float]:
     return n, b
 
 
+def _sent(cluster) -> float:
+    """Weight bytes (UPDATE payloads) the nodes sent, from their /metrics."""
+    got = [scrape(int(u.rsplit(":", 1)[1]), "luwu_node_bytes_sent") for u in cluster.metrics_urls]
+    return sum(g.get('luwu_node_bytes_sent_total{op="update"}', 0.0) for g in got)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world,aggregators", [(4, 2), (3, 1)])
 def test_training_through_aggregators_equals_training_without_them(tmp_path, world, aggregators):
@@ -93,13 +99,25 @@ def test_a_model_whose_links_are_probed_trains_through_aggregators(tmp_path):
 @pytest.mark.timeout(300)
 def test_streaming_workers_through_aggregators_equal_the_flat_run(tmp_path):
     """Streaming mode (weights fetched per unit, pushes answered with an ack, the next units' weights
-    sent unasked): its PULLs and their answers pass through by rank, its pushes are summed."""
+    sent unasked): its pushes are summed, and a group's PULLs of a bucket in flight at once go up
+    once, their answer passed to each: the nodes send fewer weight bytes."""
     spec = {"steps": 4}
-    with luwu.local_cluster(2) as flat:
+    with luwu.local_cluster(2, node_args=METRICS) as flat:
         want = run_streaming(spec, flat.addresses, tmp_path, world_size=4)
-    with luwu.local_cluster(2, aggregators=2, world_size=4) as tier:
+        flat_out = _sent(flat)
+    with luwu.local_cluster(
+        2, node_args=METRICS, aggregators=2, world_size=4, aggregator_args=METRICS
+    ) as tier:
         spec["aggregators"] = {str(r): tier.aggregator_for(r) for r in range(4)}
         got = run_streaming(spec, tier.addresses, tmp_path, world_size=4, timeout_s=120)
+        tier_out = _sent(tier)
+        shared = sum(
+            scrape(int(u.rsplit(":", 1)[1]), "luwu_aggregator_fetches")[
+                "luwu_aggregator_fetches_shared_total"
+            ]
+            for u in tier.aggregator_metrics_urls
+        )
+    assert shared > 0 and tier_out < 0.75 * flat_out, (flat_out, tier_out, shared)
     for rank in (0, 3):
         for name, w in want[rank]["params"].items():
             assert got[rank]["params"][name].equal(w), (
