@@ -19,7 +19,8 @@
 # (luwu keys, mode 600): node.env goes to every host (into a mode 700 dir) and is read by the node's
 # shell, never put on its command line; worker rank r uses keys/worker<r>.toml (the cluster file plus
 # its own key pair) as its --config; status uses keys/monitor.toml. A later start keeps the keys (and
-# the node list in the worker files): remove $LUWU_RUN_DIR/keys after changing the hosts file.
+# the node list and groups in the worker files): remove $LUWU_RUN_DIR/keys after changing the hosts
+# file or the base file's [[groups]] (start refuses keys made for other groups' ranks).
 # LUWU_INSECURE_PUBLIC_BIND=1 (a trusted private network only) runs the nodes without keys, and so
 # without encryption; they still ask for the job's join secret, made once here (python -m
 # luwu.deploy.join; LUWU_NODE__JOIN_SECRET if set, else the one of an earlier start): keys/node.env
@@ -31,9 +32,12 @@
 # (ssh target [LUWU_SSH_USER@]HOST; one per worker host, for that host's ranks), in front of the nodes,
 # with pid file and log aggregator-<i>.* in the same remote dir; stop stops them before the nodes, and
 # status lists them (their rates read from each group's metrics address). A group with no metrics key
-# gets http://HOST:$LUWU_AGGREGATOR_METRICS_PORT when that is set, else serves no /metrics. The tier has
-# no CURVE keys yet: it needs LUWU_INSECURE_PUBLIC_BIND=1 (each aggregator asks its workers for the
-# job's join secret of node.env and shows it the nodes).
+# gets http://HOST:$LUWU_AGGREGATOR_METRICS_PORT when that is set, else serves no /metrics. With CURVE,
+# luwu keys --cluster makes each aggregator a key pair of its own: aggregator i gets keys/aggregator<i>.env
+# (its pair to its workers and to the nodes) as aggregator-<i>.env (mode 600) in the remote dir, read by
+# its shell, never node.env; node.env lists its public key for its ranks and the workers' worker<r>.toml
+# name it (their group's aggregator_key). With LUWU_INSECURE_PUBLIC_BIND=1 each aggregator reads the
+# job's join secret of node.env instead (asked of its workers, shown to the nodes).
 #
 # Environment: LUWU_SSH (default "ssh -o BatchMode=yes"), LUWU_SCP (default "scp -q -o BatchMode=yes"),
 # LUWU_PYTHON (here, default python3), LUWU_REMOTE_PYTHON (on the hosts, default python3),
@@ -161,12 +165,6 @@ PY
   )
 }
 
-check_tier() {
-  if [ ${#g_ranks[@]} -gt 0 ] && [ "$insecure" != 1 ]; then
-    die "the cluster file has [[groups]]: the switch tier has no CURVE keys yet, so it needs LUWU_INSECURE_PUBLIC_BIND=1 (a trusted private network only)"
-  fi
-}
-
 agg_target() {
   printf '%s' "${ssh_user:+$ssh_user@}${g_hosts[$1]}"
 }
@@ -176,7 +174,8 @@ agg_target() {
 make_keys() {
   if [ "$insecure" = 1 ]; then
     echo "launch.sh: WARNING: LUWU_INSECURE_PUBLIC_BIND=1: the nodes run without encryption; anyone who can read their traffic learns the join secret and can join the job" >&2
-    rm -f "$keys_dir/node.toml" "$keys_dir"/worker*.toml  # a CURVE start's keys: those nodes are gone
+    # a CURVE start's keys: those nodes and aggregators are gone
+    rm -f "$keys_dir/node.toml" "$keys_dir"/worker*.toml "$keys_dir"/aggregator*.toml "$keys_dir"/aggregator*.env
     "$py" -m luwu.deploy.join "$keys_dir" "$run_dir/cluster.toml"
   else
     if [ -f "$keys_dir/join.toml" ]; then  # an insecure start's files: its node.env holds no keys
@@ -185,6 +184,25 @@ make_keys() {
     if [ ! -f "$keys_dir/node.env" ]; then
       "$py" -m luwu keys --out "$keys_dir" --workers "$workers" --cluster "$run_dir/cluster.toml"
     fi
+    check_kept_keys
+  fi
+}
+
+# Kept CURVE keys must be those of the cluster file's groups: node.env lists an aggregator key for
+# each group's ranks (in group order), and aggregator i's pair is keys/aggregator<i>.env.
+check_kept_keys() {
+  local want have
+  want=$(IFS=,; printf '%s' "${g_ranks[*]}")
+  have=$("$py" - "$keys_dir/node.env" <<'PY'
+import sys
+from luwu.ops.keyset import read_env_file
+
+entries = read_env_file(sys.argv[1]).get("LUWU_NODE__CURVE_AGGREGATOR_KEYS", "")
+print(",".join(e.partition("=")[0] for e in entries.split(",") if e))
+PY
+  )
+  if [ "$have" != "$want" ]; then
+    die "$keys_dir was made for the groups of ranks '${have}', the cluster file has '${want}': remove $keys_dir to make new keys (the workers then need their new worker<r>.toml)"
   fi
 }
 
@@ -228,16 +246,22 @@ start_node() {
     --metrics.host "${addrs[$i]}" --metrics.port "${mports[$i]}"
 }
 
-# One aggregator of the switch tier, for group i, on the host of its address; like a node, it reads
+# One aggregator of the switch tier, for group i, on the host of its address. With CURVE its shell
+# reads its own pair (keys/aggregator<i>.env, copied as aggregator-<i>.env), never node.env; opted out,
 # node.env (the job's join secret: asked of its workers, shown to the nodes).
 start_aggregator() {
   local i=$1 target dir=$remote_dir bind mhost mport
   target=$(agg_target "$i")
   read -r bind mhost mport <<<"${g_binds[$i]}"
   # shellcheck disable=SC2016 # expanded by the remote shell
-  remote_sh "$target" 'umask 077 && mkdir -p "$1" && chmod 700 "$1"' "$dir"
+  remote_sh "$target" 'umask 077 && mkdir -p "$1" && chmod 700 "$1" && rm -f "$1/aggregator-$2.env"' "$dir" "$i"
   "${scp_cmd[@]}" "$run_dir/cluster.toml" "$target:$dir/cluster.toml"
-  "${scp_cmd[@]}" "$keys_dir/node.env" "$target:$dir/node.env"
+  if [ "$insecure" = 1 ]; then
+    "${scp_cmd[@]}" "$keys_dir/node.env" "$target:$dir/node.env"
+  else
+    [ -f "$keys_dir/aggregator$i.env" ] || die "no $keys_dir/aggregator$i.env (luwu keys --cluster makes one per group)"
+    "${scp_cmd[@]}" "$keys_dir/aggregator$i.env" "$target:$dir/aggregator-$i.env"
+  fi
   # shellcheck disable=SC2016 # expanded by the remote shell
   remote_sh "$target" '
     cd "$1" || exit 1
@@ -245,15 +269,20 @@ start_aggregator() {
       echo "aggregator $2 already running (pid $(cat "aggregator-$2.pid"))"; exit 0
     fi
     shift
-    i=$1 py=$2; shift 2
-    chmod 600 node.env
-    set -a; . ./node.env; set +a
-    export LUWU_TRANSPORT__JOIN_SECRET="$LUWU_NODE__JOIN_SECRET" LUWU_NODE__INSECURE_PUBLIC_BIND=true
+    i=$1 py=$2 insecure=$3; shift 3
+    if [ "$insecure" = 1 ]; then
+      chmod 600 node.env
+      set -a; . ./node.env; set +a
+      export LUWU_TRANSPORT__JOIN_SECRET="$LUWU_NODE__JOIN_SECRET" LUWU_NODE__INSECURE_PUBLIC_BIND=true
+    else
+      chmod 600 "aggregator-$i.env"
+      set -a; . "./aggregator-$i.env"; set +a
+    fi
     umask 077
     nohup setsid "$py" -m luwu -v aggregator --config cluster.toml "$@" >"aggregator-$i.log" 2>&1 </dev/null &
     echo $! >"aggregator-$i.pid"
     echo "aggregator $i started (pid $!)"
-  ' "$dir" "$i" "$remote_py" --ranks "${g_ranks[$i]}" --node.bind "$bind" \
+  ' "$dir" "$i" "$remote_py" "$insecure" --ranks "${g_ranks[$i]}" --node.bind "$bind" \
     --metrics.host "$mhost" --metrics.port "$mport"
 }
 
@@ -308,7 +337,6 @@ case "$cmd" in
     read_hosts "$2"
     write_cluster_file "${3:-}"
     read_groups
-    check_tier
     make_keys
     for i in "${!targets[@]}"; do
       start_node "$i"

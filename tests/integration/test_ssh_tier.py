@@ -1,9 +1,13 @@
 """deploy/ssh/launch.sh with the switch tier, against this machine: ``ssh``/``scp`` are shims that run
 the command here (as in test_launcher.py), the base cluster file has two ``[[groups]]`` on loopback,
-so ``start`` runs two nodes and one aggregator per group; four ``train_example.py`` workers with
-``keys/join.toml`` find their aggregators in it and train; ``status --json`` shows each aggregator
-UP with the pushes it summed (read from the /metrics address the launcher wrote into the cluster
-file); ``stop`` ends the aggregators and the nodes."""
+so ``start`` runs two nodes and one aggregator per group. With CURVE (the default) aggregator i runs
+with its own pair (keys/aggregator<i>.env, copied as a mode 600 aggregator-<i>.env and read by its
+shell; never node.env), the nodes list its key for its ranks and the workers' files name it; four
+``train_example.py`` workers, rank r with ``keys/worker<r>.toml``, train through the aggregators;
+``status --json`` shows each aggregator UP with the pushes it summed (read from the /metrics address
+the launcher wrote into the cluster file); ``stop`` ends the aggregators and the nodes, and a start
+with other groups over the kept keys is refused. (slow) With ``LUWU_INSECURE_PUBLIC_BIND=1`` the
+same run with the job's join secret and ``keys/join.toml``."""
 
 from __future__ import annotations
 
@@ -19,10 +23,13 @@ import pytest
 from harness import wait_all
 
 from luwu.config import load_config
+from luwu.groups import aggregator_key_for
+from luwu.ops.keyset import read_env_file
 from luwu.ops.rundir import pid_alive, read_pid
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "deploy" / "ssh" / "launch.sh")
+NAMES = ["node-0", "node-1", "aggregator-0", "aggregator-1"]
 
 
 def _ports(n: int) -> list[int]:
@@ -39,10 +46,11 @@ def _launch(env: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=120, env=env)
 
 
-def _train(config: Path, world: int, env: dict) -> list[str]:
+def _train(configs: list[Path], env: dict) -> list[str]:
+    """One ``train_example.py`` per rank, rank r with ``--config configs[r]``; their outputs."""
     procs = []
-    for rank in range(world):
-        e = dict(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    for rank, config in enumerate(configs):
+        e = dict(env, RANK=str(rank), WORLD_SIZE=str(len(configs)), LOCAL_RANK=str(rank))
         cmd = [sys.executable, str(ROOT / "deploy" / "train_example.py"), "--config", str(config)]
         cmd += ["--steps", "5", "--batch", "8", "--metrics-port", "-1"]
         procs.append(
@@ -53,8 +61,44 @@ def _train(config: Path, world: int, env: dict) -> list[str]:
     return wait_all(procs, 180)
 
 
+def _environ(pid: int) -> dict[str, str]:
+    """The LUWU_* environment process ``pid`` started with (/proc: what its shell exported)."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    pairs = (item.decode().partition("=") for item in raw if item.startswith(b"LUWU_"))
+    return {k: v for k, _, v in pairs}
+
+
+def _check_aggregator_keys(here: Path, remote: Path, pids: dict[str, int]) -> None:
+    """Aggregator i runs with the pair of keys/aggregator<i>.env (its mode 600 copy on its host),
+    which the nodes list for its ranks and its workers' files name; nothing of node.env."""
+    keys = here / "keys"
+    node_env = read_env_file(keys / "node.env")
+    listed = dict(e.split("=", 1) for e in node_env["LUWU_NODE__CURVE_AGGREGATOR_KEYS"].split(","))
+    assert list(listed) == ["0-1", "2-3"], listed
+    for i, ranks in enumerate(listed):
+        copy = remote / f"aggregator-{i}.env"
+        assert (
+            copy.stat().st_mode & 0o777 == 0o600
+            and copy.read_text() == (keys / f"aggregator{i}.env").read_text()
+        )
+        env = _environ(pids[f"aggregator-{i}"])
+        own = read_env_file(copy)
+        assert {k: env.get(k) for k in own} == own, "its shell exported its own pair"
+        assert env["LUWU_NODE__CURVE_PUBLIC_KEY"] == listed[ranks]
+        assert env["LUWU_TRANSPORT__CURVE_SERVER_KEY"] == node_env["LUWU_NODE__CURVE_PUBLIC_KEY"]
+        assert env["LUWU_NODE__CURVE_SECRET_KEY"] != node_env["LUWU_NODE__CURVE_SECRET_KEY"]
+        assert "LUWU_NODE__CURVE_AGGREGATOR_KEYS" not in env, "node.env was read"
+        assert "LUWU_NODE__INSECURE_PUBLIC_BIND" not in env
+        first = int(ranks.split("-")[0])
+        worker = load_config(str(keys / f"worker{first}.toml"), env={})
+        assert aggregator_key_for(worker, first) == listed[ranks]
+
+
 @pytest.mark.timeout(400)
-def test_ssh_launcher_starts_one_aggregator_per_group_and_stops_them(tmp_path):
+@pytest.mark.parametrize(
+    "insecure", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["curve", "join-secret"]
+)
+def test_ssh_launcher_starts_one_aggregator_per_group_and_stops_them(tmp_path, insecure):
     for name, text in (
         ("ssh", '#!/bin/sh\nshift\nexec sh -c "$*"\n'),  # ssh HOST COMMAND -> COMMAND, here
         ("scp", '#!/bin/sh\nexec cp "$1" "${2#*:}"\n'),  # scp SRC HOST:DST -> cp SRC DST
@@ -82,32 +126,37 @@ def test_ssh_launcher_starts_one_aggregator_per_group_and_stops_them(tmp_path):
         LUWU_REMOTE_DIR=str(remote),
         LUWU_START_TIMEOUT="60",
         LUWU_STOP_TIMEOUT="10",
-        LUWU_INSECURE_PUBLIC_BIND="1",
+        LUWU_WORKERS="4",
         LUWU_AGGREGATOR_METRICS_PORT=str(_ports(1)[0]),  # for the group that names none
         COLUMNS="200",
     )
-    names = ["node-0", "node-1", "aggregator-0", "aggregator-1"]
-    pids: list[int] = []
+    if insecure:
+        env["LUWU_INSECURE_PUBLIC_BIND"] = "1"
+    pids: dict[str, int] = {}
     try:
-        refused = _launch(dict(env, LUWU_INSECURE_PUBLIC_BIND="0"), "start", str(hosts), str(base))
-        assert refused.returncode == 1 and "no CURVE keys yet" in refused.stderr, refused.stderr
-        assert not remote.exists() or not list(remote.glob("*.pid"))
-
         r = _launch(env, "start", str(hosts), str(base))
-        pids = [p for p in (read_pid(remote / f"{n}.pid") for n in names) if p is not None]
+        pids = {n: p for n in NAMES if (p := read_pid(remote / f"{n}.pid")) is not None}
         logs = "\n".join(f"--- {f}\n{f.read_text()[-1500:]}" for f in remote.glob("*.log"))
         assert r.returncode == 0, f"{r.stdout}\n{r.stderr}\n{logs}"
-        assert len(pids) == 4 and all(pid_alive(p) for p in pids), pids
-        join = here / "keys" / "join.toml"
-        groups = load_config(str(join), env={}).cluster.groups
+        assert len(pids) == 4 and all(pid_alive(p) for p in pids.values()), pids
+        keys = here / "keys"
+        configs = [keys / ("join.toml" if insecure else f"worker{r}.toml") for r in range(4)]
+        groups = load_config(str(configs[0]), env={}).cluster.groups
         metrics = [g["metrics"] for g in groups]
         assert metrics == [
             f"http://127.0.0.1:{m0}",
             f"http://127.0.0.1:{env['LUWU_AGGREGATOR_METRICS_PORT']}",
         ], groups
         assert r.stdout.count(" UP ") == 4, r.stdout  # two nodes, two aggregators
+        if insecure:
+            secret = read_env_file(keys / "node.env")["LUWU_NODE__JOIN_SECRET"]
+            agg_env = _environ(pids["aggregator-0"])
+            assert agg_env["LUWU_TRANSPORT__JOIN_SECRET"] == secret
+            assert not list(keys.glob("aggregator*")) and not list(remote.glob("aggregator-*.env"))
+        else:
+            _check_aggregator_keys(here, remote, pids)
 
-        outs = _train(join, 4, env)
+        outs = _train(configs, env)
         assert all("LUWU_WORKER_DONE" in out for out in outs), outs
 
         st = _launch(env, "status", str(hosts), "--json")
@@ -124,8 +173,15 @@ def test_ssh_launcher_starts_one_aggregator_per_group_and_stops_them(tmp_path):
         assert "aggregator-0 stopped" in stop.stdout and "node-1 stopped" in stop.stdout, (
             stop.stdout
         )
-        assert not [p for p in pids if pid_alive(p)] and not list(remote.glob("*.pid"))
+        assert not [p for p in pids.values() if pid_alive(p)] and not list(remote.glob("*.pid"))
+        if insecure:
+            return
+        other = tmp_path / "other.toml"  # other groups over the kept keys: refused, nothing started
+        other.write_text(base.read_text().replace('"2-3"', '"2"').replace("world_size = 4", ""))
+        refused = _launch(env, "start", str(hosts), str(other))
+        assert refused.returncode == 1 and f"remove {keys}" in refused.stderr, refused.stderr
+        assert not list(remote.glob("*.pid"))
     finally:
-        for p in pids:
+        for p in pids.values():
             if pid_alive(p):
                 os.kill(p, signal.SIGKILL)

@@ -786,3 +786,27 @@ def test_sbatch_runs_one_aggregator_per_worker_host_with_its_keys():
     assert 'if [ "$5" = 1 ]; then . "$4/node.env"' in code
     assert '"$keys_dir" "${LUWU_INSECURE_PUBLIC_BIND:-0}" &' in code
     assert "needs LUWU_INSECURE_PUBLIC_BIND=1" not in code
+
+
+def test_ssh_aggregators_read_their_own_keys():
+    """launch.sh gives aggregator i keys/aggregator<i>.env (luwu keys --cluster), copied as its
+    host's aggregator-<i>.env and read by its shell; node.env only when LUWU_INSECURE_PUBLIC_BIND=1.
+    (A whole run: tests/integration/test_ssh_tier.py.)"""
+    code = "\n".join(_code_lines(DEPLOY / "ssh" / "launch.sh"))
+    assert '"$keys_dir/aggregator$i.env" "$target:$dir/aggregator-$i.env"' in code
+    assert '. "./aggregator-$i.env"' in code and "check_kept_keys" in code
+    body = code[code.index("start_aggregator() {") : code.index("stop_daemon() {")]
+    insecure, _, curve = body.partition("else")
+    assert "node.env" in insecure and "node.env" not in curve.partition("fi")[0]
+    assert "no CURVE keys yet" not in code
+
+
+def test_systemd_aggregator_unit_reads_only_its_own_keys():
+    """luwu-aggregator@.service reads /etc/luwu/aggregator-%i.env alone (keys/aggregator<i>.env,
+    its own pair), never the nodes' keys.env. (Run as systemd would: test_systemd_tier.py.)"""
+    text = (DEPLOY / "systemd" / "luwu-aggregator@.service").read_text()
+    code = "\n".join(_code_lines(DEPLOY / "systemd" / "luwu-aggregator@.service"))
+    assert re.findall(r"^EnvironmentFile=(.*)$", code, re.M) == ["/etc/luwu/aggregator-%i.env"]
+    assert "keys.env" not in code
+    assert "install -m 600 keys/aggregator0.env /etc/luwu/aggregator-0-7.env" in text
+    assert "luwu keys --out keys" in text and "--cluster cluster.toml" in text
