@@ -369,6 +369,8 @@ class Worker:
     def _push(self, buf: _BucketBuf, parity: int, nograd: tuple, partial: bool = False) -> None:
         b, step, x, finite = buf.bucket, self.step_num, buf.grads[parity], buf.finite
         name, enc, hyper = self.encoder.encode(b, x, parity, step, self._hyper_of(b.group), finite)
+        streamed = b.id in self.streamed
+        pull = self.streamer.reply_codec(b, step) if streamed else self.codecs.pull(b, step)
         header = {
             "op": Op.PUSH,
             "step": step,
@@ -378,12 +380,10 @@ class Worker:
             "hyper": hyper,
             "nograd": list(nograd),
             "two_phase": self.two_phase,
-            "pull": (
-                self.streamer.reply_codec(b, step)
-                if b.id in self.streamed
-                else self.codecs.pull(b, step)
-            ),
+            "pull": pull,
         }
+        if streamed:  # (pushed without error feedback: an aggregator keeps no residual of it)
+            header["streamed"] = True
         if partial:  # unanswered, and the next micro-batch refills the buffers: the frames copied
             header["partial"], header["micro"] = True, buf.partials
         frames = [f.clone() for f in enc.frames] if partial else enc.frames
@@ -391,7 +391,7 @@ class Worker:
         if self.views is not None:  # (a zero-copy frame is the buffer: changing it is refused)
             self.views.note_push(b.id, enc.frames[0] is x and not partial)
         buf.filled, buf.partials, buf.finite = set(), buf.partials + 1 if partial else 0, True
-        if b.id in self.streamed:
+        if streamed:
             self._give_back(b.id) if partial else self._unacked.add(b.id)
             self.streamer.pushed(b)
 

@@ -111,6 +111,7 @@ OPTIONAL: dict[str, tuple] = {
     "retry": (B,),
     "pulls": (D,),
     "wait_s": (F, I),
+    "streamed": (B,),
 }
 """``partial`` (PUSH): a micro-batch's gradient under ``no_sync()`` in streaming mode; the node adds it
 to the step's sum and answers nothing; the worker's last push of the step comes without it. ``resume``
@@ -123,7 +124,9 @@ buckets one after another instead of all of them at once. The switch tier (``luw
 through it; ``ranks`` (PUSH) names the ranks whose pushes an aggregator summed into this one, an aligned
 block of the step's ranks, each decoded times ``1 / prescaled`` (the job's world size) as the node would;
 ``ranks`` (UPDATE, NORM) names the ranks a relayed reply answers, sent once to their aggregator;
-``wait_s`` (WELCOME to a ``relay``) is the node's ``worker_timeout_s``: an aggregator sends a block up as
+``streamed`` (PUSH) marks a streamed unit's bucket, pushed without error feedback (the worker keeps
+nothing of it between uses): an aggregator's sum of it goes up without feedback too; ``wait_s``
+(WELCOME to a ``relay``) is the node's ``worker_timeout_s``: an aggregator sends a block up as
 it is, without a late rank's push, well before it (``detail.dropped`` of an ERROR: the node dropped the
 rank, elastic mode; the aggregator stops waiting for it there). A worker
 whose aggregator died sends its unanswered requests again to the nodes (:mod:`luwu.gpu_workers.fallback`):

@@ -20,7 +20,9 @@ go up as they came, for the node to refuse or count.
 Compression follows the workers: a block whose pushes all came fp32 (compression off, or a warm-up
 step's) goes up fp32, bit for bit the flat sum. Otherwise its sum goes up under the hybrid policy
 decided for the aggregator's own uplink (``compression``: its ``link_gbps``), with the error-feedback
-residual kept here, per (node, bucket), as a worker keeps its own; replies come back as they were.
+residual kept here, per (node, bucket), as a worker keeps its own: except for a streamed unit's
+bucket (its pushes say ``streamed``), whose workers keep no residual and whose sum keeps none here
+either (it would be a copy of the model). Replies come back as they were.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class _Open:
     compressed: bool = False  # a push came in another codec than fp32
     codec: str = "none"  # the last compressed push's codec (its workers' policy for the bucket)
     pushed: set = field(default_factory=set)
+    streamed: bool = False  # a streamed unit's bucket: summed up without error feedback
     bodies: dict = field(default_factory=dict)  # rank -> its push as received, until folded
 
 
@@ -147,6 +150,7 @@ class GroupSums:
             return None  # a retry while the block waits: counted once
         rec.pushed.add(r)
         rec.two_phase = rec.two_phase or bool(h["two_phase"])
+        rec.streamed = rec.streamed or bool(h.get("streamed"))
         if codec.name != "none":
             rec.compressed, rec.codec = True, h["codec"]
 
@@ -219,7 +223,9 @@ class GroupSums:
             # (the bucket's shapes are its workers': a large codec of theirs says it holds no small
             # or 1-D parameter, which the positions HELLO carries cannot say)
             small = codec_facts.base_name(rec.codec) in codec_facts.ROUNDING_CODECS
-            name, ef = choose_codec(bucket, h["step"], self.compression, small=small)
+            name, ef = choose_codec(
+                bucket, h["step"], self.compression, small=small, residual=not rec.streamed
+            )
         codec = get_codec(name)
         if ef:
             enc = self._feedback.encode((node, bucket.id), codec, total, codec.alloc(bucket.numel))

@@ -167,3 +167,24 @@ def test_a_dropped_rank_is_not_waited_for_until_it_is_welcomed_again():
         assert sums.add(0, BUCKET, *_raw_push(r, 2, grads[r])) is None, "welcomed again: waited for"
     (up,) = sums.add(0, BUCKET, *_raw_push(2, 2, grads[2]))
     assert wire.decode(up).header["ranks"] == [0, 1, 2, 3]
+
+
+def test_a_streamed_buckets_sum_goes_up_without_error_feedback():
+    """Workers push a streamed unit's bucket int8 without error feedback (they keep nothing of it);
+    the aggregator's uplink follows: no residual kept, the codec the policy picks for streaming."""
+    numel = 1 << 16
+    big = Bucket(0, 0, 0, numel, (Segment(0, "w", (256, 256), 0, 0, numel),))
+    config = CompressionConfig(link_gbps=1.0, warmup_steps=0)
+    for streamed in (False, True):
+        sums = GroupSums((0, 1), world_size=2, compression=config)
+        for rank in (0, 1):
+            enc = get_codec("int8").encode(torch.randn(numel))
+            h = {"op": Op.PUSH, "job": "j", "step": 5, "worker": rank, "bucket": 0, "codec": "int8"}
+            h |= {"cmeta": enc.meta, "hyper": {}, "nograd": [], "two_phase": False, "pull": "none"}
+            if streamed:
+                h["streamed"] = True
+            body = wire.encode(h, enc.frames)
+            got = sums.add(0, big, wire.decode(body), body)
+        assert got is not None
+        kept = sums._feedback.residual((0, 0)) is not None
+        assert kept is not streamed, "a residual only for a resident bucket's sum"
