@@ -48,6 +48,15 @@ records the codec the policy picked for every bucket (the share of gradient
 bytes compressed is in the table). Learning rate: linear warm-up then cosine
 decay to zero, so the final loss is not one noisy point of a constant-lr run.
 
+The ``tier`` variants train the same way through the switch tier: both workers
+connect to one ``luwu aggregator`` (``local_cluster(aggregators=1)``, ranks
+0-1), which sums their pushes of each (step, bucket) in the nodes' order and
+sends one push up, under the workers' own ``CompressionConfig`` for its uplink
+(compressed pushes are decoded, summed in fp32 and re-encoded, with the
+uplink's error feedback kept at the aggregator). Each is compared with its
+baseline (the same target) and with the variant it is without the tier: with
+compression off, the same weights bit for bit (a SHA-256 of rank 0's).
+
     python3 benchmarks/convergence.py [--quick] [--tasks digits,charlm] [--variants hybrid,int8+EF] [--merge]
     python3 benchmarks/convergence.py --replot     # table and plot again from the saved JSON
 
@@ -59,15 +68,17 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import math
 import os
 import secrets
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -297,6 +308,12 @@ class Variant:
     stream: bool = False
     """Streaming mode (``stream_weights``, the default units): the optimizer takes the model, so every
     parameter has the task's weight decay (one group); compared with a streaming baseline."""
+    aggregators: int = 0
+    """The switch tier: this many ``luwu aggregator`` daemons in front of the nodes, each summing a
+    contiguous group of the ranks' pushes (0: the workers push to the nodes)."""
+    flat: str | None = None
+    """A tier variant: the variant it is without the tier (its final loss, weights and bytes are
+    compared with that one's too)."""
 
 
 FORCED = {
@@ -356,7 +373,28 @@ VARIANTS = [
     Variant("topk1%+EF SGD", TOPK1, baseline="uncompressed SGD", **SGD),
     Variant("topk1%+EF+MC SGD", MC, baseline="uncompressed SGD", **SGD),
 ]
+
+
+def tiered(v: Variant, aggregators: int = 1) -> Variant:
+    """``v`` trained through the switch tier: the same workers, batches and compression, each
+    group's pushes summed at its aggregator, whose uplink follows the same ``CompressionConfig``
+    (:func:`aggregator_args`); same baseline and target, and compared with ``v`` itself."""
+    return replace(v, name=f"{v.name} tier", aggregators=aggregators, flat=v.name)
+
+
+#: The variants also trained through the tier (both ranks summed at one aggregator).
+TIER_OF = ("uncompressed", "hybrid", "hybrid 1gbit", "uncompressed stream", "stream 1gbit")
+VARIANTS += [tiered(v) for v in VARIANTS if v.name in TIER_OF]
 VARIANT_BY_NAME = {v.name: v for v in VARIANTS}
+
+
+def aggregator_args(compression: dict | None) -> list[str]:
+    """An aggregator's command-line settings for a variant: its /metrics on a free port, and its
+    uplink's policy as the workers' (``--compression.FIELD VALUE`` for each keyword of theirs)."""
+    args = ["--metrics.port", "0"]
+    for key, value in (compression if compression is not None else {"enabled": False}).items():
+        args += [f"--compression.{key}", str(value)]
+    return args
 
 
 # ----------------------------------------------------------------------------- training
@@ -423,8 +461,37 @@ class CodecRecorder:
         return out
 
 
-def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, world: int) -> dict:
-    """Train one variant in this worker process; returns what the parent needs of this rank."""
+def aggregator_counters(url: str) -> dict[str, float]:
+    """What an aggregator's /metrics (``url``: http://host:port) says it sent up and refused: the
+    push bytes to the nodes, the blocks sent up partial (a rank late), the messages refused."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out = {"uplink_push_bytes": 0.0, "blocks_late": 0.0, "errors": 0.0}
+    for line in text.splitlines():
+        sample, _, value = line.rpartition(" ")
+        if sample.startswith("luwu_aggregator_bytes_sent_total{") and 'direction="nodes"' in sample:
+            if 'op="push"' in sample:
+                out["uplink_push_bytes"] += float(value)
+        elif sample == "luwu_aggregator_blocks_late_total":
+            out["blocks_late"] += float(value)
+        elif sample.startswith("luwu_aggregator_errors_total"):
+            out["errors"] += float(value)
+    return out
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the parameters' bytes, in order: equal digests, equal weights bit for bit."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_variant(run: TaskRun, variant: dict, cluster: dict, rank: int, world: int) -> dict:
+    """Train one variant in this worker process against the ``cluster`` the parent announced (its
+    ``nodes``, each rank's ``aggregator`` and, for the first rank of a group, its aggregator's
+    ``metrics`` URL); returns what the parent needs of this rank."""
     import luwu
     from luwu.protocol.policy import CompressionConfig
 
@@ -444,7 +511,8 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
     opt = luwu.RemoteOptimizer(
         groups,
         variant["optimizer"],
-        nodes=nodes,
+        nodes=cluster["nodes"],
+        aggregator=cluster["aggregator"][rank],
         rank=rank,
         world_size=world,
         job=variant["job"],
@@ -461,6 +529,10 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
         if rank == 0:
             evals.append((0, task.eval_loss(model)))
         mark = (0, 0)
+        # the first rank of a group reads its aggregator's counters: no sum of a step it has not
+        # pushed can have gone up, and all of those before its last reply have
+        metrics = cluster["metrics"][rank]
+        up_mark = None
         t0 = time.perf_counter()
         for step in range(run.steps):
             if (
@@ -468,6 +540,7 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
             ):  # every reply of the steps before has arrived: the counters are exact
                 opt.synchronize()
                 mark = (opt.client.bytes_sent, opt.client.bytes_received)
+                up_mark = aggregator_counters(metrics) if metrics else None
             batch = task.batch(step, rank, world)
             opt.zero_grad(set_to_none=True)
             loss = task.loss(model, batch)
@@ -481,6 +554,11 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
         opt.synchronize()  # (per-layer waits: the last step's replies are read at the next forward)
         wall = time.perf_counter() - t0
         measured = max(0, run.steps - MEASURE_FROM)
+        up = aggregator_counters(metrics) if metrics else None
+        if up is not None and up_mark is not None:
+            up["uplink_push_bytes_per_step"] = (
+                up["uplink_push_bytes"] - up_mark["uplink_push_bytes"]
+            ) / measured
         return {
             "rank": rank,
             "evals": evals,
@@ -495,6 +573,9 @@ def train_variant(run: TaskRun, variant: dict, nodes: list[str], rank: int, worl
             else None,
             "codec_raw_bytes": rec.raw_bytes,
             "buckets": rec.buckets(opt.layout),
+            # (a streaming model holds no weights of its units between uses: its eval curve tells)
+            "weights_sha256": None if variant.get("stream") else weights_digest(model),
+            "aggregator": up,
         }
     finally:
         opt.close()
@@ -556,11 +637,24 @@ def _serve_variant(
     deadline: float,
     stop,
 ) -> dict:
-    """Start variant ``i``'s cluster, announce it to the workers, wait for their results, stop it."""
+    """Start variant ``i``'s cluster (its nodes and aggregators), announce it to the workers, wait
+    for their results, stop it."""
     import luwu
 
-    with luwu.local_cluster(NUM_NODES, job=job) as cluster:
-        _write_atomic(folder / f"nodes{i}.json", json.dumps(cluster.addresses))
+    with luwu.local_cluster(
+        NUM_NODES,
+        job=job,
+        aggregators=variant.aggregators,
+        world_size=WORLD_SIZE,
+        aggregator_args=aggregator_args(variant.compression),
+    ) as cluster:
+        firsts = {g[0]: url for g, url in zip(cluster.groups, cluster.aggregator_metrics_urls)}
+        announced = {
+            "nodes": cluster.addresses,
+            "aggregator": [cluster.aggregator_for(r) for r in range(WORLD_SIZE)],
+            "metrics": [firsts.get(r) for r in range(WORLD_SIZE)],
+        }
+        _write_atomic(folder / f"nodes{i}.json", json.dumps(announced))
         paths = [folder / f"result{i}.rank{r}.json" for r in range(WORLD_SIZE)]
         while not all(p.exists() for p in paths):
             if stop.is_set():
@@ -683,6 +777,9 @@ def summarize(run: TaskRun, variant: Variant, ranks: list[dict]) -> dict:
         if r0["pull_bytes_per_step"] is not None
         else None
     )
+    aggs = [r["aggregator"] for r in ranks if r.get("aggregator")]
+    up = [a["uplink_push_bytes_per_step"] for a in aggs if "uplink_push_bytes_per_step" in a]
+    up = sum(up) / len(up) if up else None
     return {
         "task": run.task,
         "variant": variant.name,
@@ -691,6 +788,8 @@ def summarize(run: TaskRun, variant: Variant, ranks: list[dict]) -> dict:
         "hyper": variant.hyper or {"lr": run.lr},
         "variance_freeze_step": variant.variance_freeze_step,
         "stream": variant.stream,
+        "aggregators": variant.aggregators,
+        "flat": variant.flat,
         "baseline": variant.baseline,
         "target": variant.target,
         "evals": r0["evals"],
@@ -706,6 +805,12 @@ def summarize(run: TaskRun, variant: Variant, ranks: list[dict]) -> dict:
         "pull_bytes_per_step": pull,
         "push_ratio": raw_step / push if push else None,
         "pull_ratio": raw_step / pull if pull else None,
+        # the tier: each aggregator's push payload bytes to the nodes per step after warm-up
+        "uplink_bytes_per_step": up,
+        "uplink_ratio": raw_step / up if up else None,
+        "blocks_late": sum(a["blocks_late"] for a in aggs) if aggs else None,
+        "aggregator_errors": sum(a["errors"] for a in aggs) if aggs else None,
+        "weights_sha256": r0["weights_sha256"],
         "buckets": r0["buckets"],
     }
 
@@ -715,18 +820,28 @@ def refresh_targets(rows: list[dict]) -> None:
     for r in rows:
         v = VARIANT_BY_NAME.get(r["variant"])
         if v is not None:
-            r["baseline"], r["target"] = v.baseline, v.target
+            r["baseline"], r["target"], r["flat"] = v.baseline, v.target, v.flat
 
 
 def compare(rows: list[dict]) -> None:
-    """Fill in each row's relative difference against its baseline (same task), and the verdict."""
-    base = {(r["task"], r["variant"]): r["final_eval_loss"] for r in rows}
+    """Fill in each row's relative difference against its baseline (same task), and the verdict; a
+    tier row's against its flat variant too (``flat_diff``), and whether it trained the same bits
+    (``flat_exact``: the same eval curve and, where both have them, the same final weights)."""
+    by = {(r["task"], r["variant"]): r for r in rows}
     for r in rows:
-        b = base.get((r["task"], r.get("baseline", "uncompressed")))
-        r["rel_diff"] = r["final_eval_loss"] / b - 1.0 if b else None
+        b = by.get((r["task"], r.get("baseline", "uncompressed")))
+        r["rel_diff"] = r["final_eval_loss"] / b["final_eval_loss"] - 1.0 if b else None
         # a lower loss passes: the target bounds what compression may cost, not what it may gain
         r["ok"] = (
             None if r["target"] is None or r["rel_diff"] is None else r["rel_diff"] <= r["target"]
+        )
+        f = by.get((r["task"], r["flat"])) if r.get("flat") else None
+        r["flat_diff"] = r["final_eval_loss"] / f["final_eval_loss"] - 1.0 if f else None
+        digests = (r.get("weights_sha256"), f.get("weights_sha256")) if f else (None, None)
+        r["flat_exact"] = (
+            None
+            if f is None
+            else r["evals"] == f["evals"] and (None in digests or digests[0] == digests[1])
         )
 
 
@@ -741,17 +856,26 @@ def fmt(v, spec: str = ".4g") -> str:
     return format(v, spec)
 
 
+def vs_flat(r: dict) -> str | None:
+    """A tier row's difference from its flat variant: ``exact`` when it trained the same bits."""
+    if r.get("flat_exact"):
+        return "exact"
+    return None if r.get("flat_diff") is None else f"{r['flat_diff']:+.2%}"
+
+
 def table(rows: list[dict]) -> str:
     lines = [
-        "| task | variant | final eval loss | vs baseline | target | within | compressed share | push x | pull x |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| task | variant | final eval loss | vs baseline | target | within | vs flat | compressed share "
+        "| push x | pull x | uplink x |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         rel = None if r.get("rel_diff") is None else f"{r['rel_diff']:+.2%}"
         tgt = None if r["target"] is None else f"{r['target']:.0%}"
         lines.append(
             f"| {r['task']} | {r['variant']} | {r['final_eval_loss']:.4f} | {fmt(rel, 's')} | {fmt(tgt, 's')} | {fmt(r.get('ok'))} "
-            f"| {r['compressed_share']:.0%} | {fmt(r['push_ratio'], '.2f')} | {fmt(r['pull_ratio'], '.2f')} |"
+            f"| {fmt(vs_flat(r), 's')} | {r['compressed_share']:.0%} | {fmt(r['push_ratio'], '.2f')} "
+            f"| {fmt(r['pull_ratio'], '.2f')} | {fmt(r.get('uplink_ratio'), '.2f')} |"
         )
     return "\n".join(lines)
 
@@ -802,6 +926,9 @@ def plot(rows: list[dict], path: Path) -> None:
                 color=color,
                 linestyle=dash,
                 linewidth=1.8 if key == "uncompressed" and not frozen else 1.2,
+                marker="o" if r.get("aggregators") else None,  # through the tier
+                markersize=3,
+                markerfacecolor="none",
             )
             steps, losses = zip(*r["evals"])
             top.plot(steps, losses, label=r["variant"], **style)
@@ -827,7 +954,8 @@ def plot(rows: list[dict], path: Path) -> None:
         bottom.grid(alpha=0.3)
     fig.suptitle(
         f"LuWu compression convergence: {WORLD_SIZE} workers x {NUM_NODES} nodes, AdamW on the nodes, bf16 pull unless named\n"
-        "dashed: no error feedback; dotted: SGD momentum; dash-dot: AdamW with its variance frozen after the warm-up",
+        "dashed: no error feedback; dotted: SGD momentum; dash-dot: AdamW with its variance frozen after the warm-up; "
+        "circles: through the switch tier",
         fontsize=10,
     )
     fig.tight_layout()
@@ -837,6 +965,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def report(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) -> str:
     """The markdown report of a study (``runs``: the TaskRun of each task, as dicts)."""
+    made_by = dict.fromkeys(r["command"] for r in rows if r.get("command"))
     plan_txt = "; ".join(
         f"{t}: {r['steps']} steps, peak lr {r['lr']}, buckets {r['bucket_bytes'] // 1024} KiB"
         for t, r in runs.items()
@@ -859,6 +988,16 @@ def report(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) 
         "plain uncompressed AdamW, and `uncompressed freeze5` shows the same optimizer without compression. A target bounds "
         "how much higher the loss may end (a lower loss passes).",
         "",
+        "`tier` rows: the same run through the switch tier, both workers behind one `luwu aggregator` (ranks 0-1; "
+        "the same global batches), which sums their pushes of each (step, bucket) in the nodes' order and sends one "
+        "push up, its uplink under the variant's own `CompressionConfig` (`--compression.FIELD VALUE` for each of "
+        "the workers' settings: told the same link, int8 + error feedback at the aggregator after it decoded and "
+        "summed the int8 pushes in fp32). vs flat = the final eval loss against the same variant without the tier; "
+        "`exact` = the same eval curve and the same final weights (a SHA-256 of rank 0's parameters; streaming "
+        "rows: the eval curve). uplink x = fp32 bytes / the aggregator's push payload bytes to the nodes per step "
+        "after warm-up, where the nodes receive one push a bucket from the aggregator instead of one from each "
+        "worker.",
+        "",
         table(rows),
         *topk_findings(rows),
     ]
@@ -874,6 +1013,14 @@ def report(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) 
             )
             diff = abs(ref["final_eval_loss"] - mine["final_eval_loss"]) if mine else float("nan")
             md.append(f"- {task}: {ref['final_eval_loss']:.6f} (|difference| {diff:.1e})")
+    if made_by:
+        md += ["", "Rows made by:", "", *(f"- `{c}`" for c in made_by)]
+        unnamed = sum(1 for r in rows if not r.get("command"))
+        if unnamed:
+            md.append(
+                f"- the other {unnamed} rows: an earlier run kept by `--merge` (it did not record its "
+                "command; its machine may not be this one), compared with this run's baselines"
+            )
     return "\n".join(md) + "\n"
 
 
@@ -972,10 +1119,12 @@ def save(rows: list[dict], refs: dict, runs: dict[str, dict], *, quick: bool) ->
 
 
 def variants_for(task: str, names: list[str]) -> list[Variant]:
-    """The named variants that apply to ``task``, with the baselines they are compared with, in study order."""
+    """The named variants that apply to ``task``, with the baselines they are compared with (and a
+    tier variant's flat variant), in study order."""
     want = {
         n for n in names if VARIANT_BY_NAME[n].tasks is None or task in VARIANT_BY_NAME[n].tasks
     }
+    want |= {VARIANT_BY_NAME[n].flat for n in want} - {None}
     want |= {VARIANT_BY_NAME[n].baseline for n in want}
     return [v for v in VARIANTS if v.name in want]
 
@@ -1023,6 +1172,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown variants {unknown}; known: {list(VARIANT_BY_NAME)}")
     plans = QUICK if args.quick else STUDY
     rows, refs, runs = [], {}, {}
+    command = shlex.join(
+        ["python3", "benchmarks/convergence.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
         if task not in plans:
             ap.error(f"unknown task {task!r}; known: {sorted(plans)}")
@@ -1035,8 +1187,15 @@ def main(argv: list[str] | None = None) -> int:
         mine = run_variants(run, variants_for(task, names), parallel=2)
         for row in mine:
             row["title"] = title
+            row["command"] = command
+            tier = (
+                f"  vs flat {vs_flat(row)}  uplink x {fmt(row['uplink_ratio'], '.2f')}"
+                f"  late blocks {fmt(row['blocks_late'], '.0f')}"
+                if row["aggregators"]
+                else ""
+            )
             print(
-                f"{task:7s} {row['variant']:18s} final eval loss {row['final_eval_loss']:.4f} ({fmt(row['rel_diff'], '+.2%')})  compressed {row['compressed_share']:.0%}  train {row['wall_s']:.0f} s",
+                f"{task:7s} {row['variant']:18s} final eval loss {row['final_eval_loss']:.4f} ({fmt(row['rel_diff'], '+.2%')})  compressed {row['compressed_share']:.0%}  train {row['wall_s']:.0f} s{tier}",
                 flush=True,
             )
         print(f"{task}: {len(mine)} variants in {time.perf_counter() - t0:.0f} s", flush=True)
