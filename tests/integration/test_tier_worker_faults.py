@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 from harness import TRAIN, start_workers, wait_all
-from integration.test_worker_faults import SPEC, read_until
+from integration.test_worker_faults import SPEC, end_workers, read_until
 
 import luwu
 
@@ -40,11 +40,7 @@ def test_strict_mode_names_the_missing_rank_behind_an_aggregator(sig, tmp_path):
                 assert procs[rank].returncode != 0, out[-2000:]
                 assert "WorkerLostError" in out and f"workers [{STALLED}]" in out, out[-2000:]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGCONT)
-                    p.kill()
-                    p.wait(10)
+            end_workers(procs)
 
 
 @pytest.mark.timeout(240)

@@ -31,6 +31,15 @@ def read_until(proc, text, timeout_s=60):
     raise AssertionError(f"never saw {text!r}: {''.join(lines)[-2000:]}")
 
 
+def end_workers(procs) -> None:
+    """Kill every worker still running, a stopped one included."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.wait(10)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_strict_mode_names_the_missing_rank(sig, tmp_path):
@@ -47,11 +56,7 @@ def test_strict_mode_names_the_missing_rank(sig, tmp_path):
             assert "WorkerLostError" in out and "workers [1]" in out, out[-2000:]
             assert time.monotonic() - t0 < 30
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGCONT)
-                    p.kill()
-                    p.wait(10)
+            end_workers(procs)
 
 
 @pytest.mark.timeout(180)
