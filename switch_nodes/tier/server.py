@@ -265,21 +265,28 @@ class AggregatorServer:
             await asyncio.sleep(min(1.0, wait / 4) if wait else 0.5)
             if sums is None or sums is not self._sums:
                 continue
-            for node, step, pieces, late in sums.overdue(time.monotonic()):
-                if (step, tuple(late)) not in self._late_said:
-                    self._late_said = {k for k in self._late_said if k[0] > step - 4}
-                    self._late_said.add((step, tuple(late)))
-                    log.warning(
-                        "aggregator of ranks %d-%d: step %d waited %.1f s for ranks %s; sent the "
-                        "nodes what the rest pushed",
-                        self.group[0],
-                        self.group[-1],
-                        step,
-                        wait,
-                        late,
-                    )
-                for frames in pieces:
-                    await self._send_up(node, frames)
+            try:
+                await self._send_late(sums)
+            except Exception:  # an aggregator never dies of what its workers pushed
+                log.exception("aggregator: internal error sending late blocks up")
+
+    async def _send_late(self, sums: GroupSums) -> None:
+        wait = sums.late_after_s
+        for node, step, pieces, late in sums.overdue(time.monotonic()):
+            if (step, tuple(late)) not in self._late_said:
+                self._late_said = {k for k in self._late_said if k[0] > step - 4}
+                self._late_said.add((step, tuple(late)))
+                log.warning(
+                    "aggregator of ranks %d-%d: step %d waited %.1f s for ranks %s; sent the "
+                    "nodes what the rest pushed",
+                    self.group[0],
+                    self.group[-1],
+                    step,
+                    wait,
+                    late,
+                )
+            for frames in pieces:
+                await self._send_up(node, frames)
 
     async def _send_up(self, node: int, frames: list) -> None:
         await self._up[node].send_multipart(frames, copy=False)
@@ -365,8 +372,11 @@ class AggregatorServer:
     async def _gone(self, node: int, rank) -> None:
         """Node ``node`` dropped ``rank`` or freed it: the blocks that waited only for it go up."""
         if self._sums is not None and isinstance(rank, int):
-            for frames in self._sums.gone(node, rank):
-                await self._send_up(node, frames)
+            try:
+                for frames in self._sums.gone(node, rank):
+                    await self._send_up(node, frames)
+            except Exception:  # (the up loop goes on: the node's watchdog still names the rank)
+                log.exception("aggregator: internal error sending up the blocks rank %d held", rank)
 
     async def _up_loop(self, node: int) -> None:
         sock = self._up[node]
