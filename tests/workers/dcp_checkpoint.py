@@ -123,6 +123,9 @@ def fsdp_rank(spec: dict, rank: int, world: int) -> dict:
         train_step(opt, model, step, rank)
         step += 1
         out["after"].append(copy.deepcopy(get_state_dict(model, opt, options=full)[0]))
+    # Both ranks arrive before either tears gloo down: a rank that destroys its group while the other
+    # still finishes its last collective can abort it ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
     return out
 
