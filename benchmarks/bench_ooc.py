@@ -36,6 +36,7 @@ interleaved repetitions, as a cross-check of the threads' numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import mmap
@@ -85,6 +86,40 @@ def pick_dir() -> Path:
         if os.path.isdir(base) and fs_type(Path(base)) not in MEMORY_FS:
             return Path(base) / f"luwu-bench-ooc-{os.getpid()}"
     raise SystemExit("no disk-backed /var/tmp or /tmp: pass --dir on a real disk")
+
+
+BLKIO = Path("/sys/fs/cgroup/blkio")
+
+
+def whole_disk(path: Path) -> str:
+    """``major:minor`` of the disk under ``path`` (a partition's own disk: throttles sit on disks)."""
+    dev = os.stat(path).st_dev
+    sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (sysfs / "partition").exists():
+        return (sysfs.resolve().parent / "dev").read_text().strip()
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+@contextlib.contextmanager
+def throttled_disk(folder: Path, mb_s: float):
+    """This process, and every process it starts inside, held to ``mb_s`` MB/s of reads and as much
+    of writes on the disk under ``folder``: a blkio cgroup (v1) of their own, which throttles
+    ``O_DIRECT`` I/O at the block layer. It emulates a disk slower than the node's path, as on a
+    node whose cores outrun its SSDs; the floor measured inside is that disk's."""
+    if not (BLKIO / "blkio.throttle.read_bps_device").exists():
+        raise SystemExit(f"--disk-mb-s needs the cgroup v1 blkio controller at {BLKIO}")
+    group, disk, bps = BLKIO / f"luwu-bench-{os.getpid()}", whole_disk(folder), int(mb_s * 1e6)
+    group.mkdir()
+    try:
+        for kind in ("read", "write"):
+            (group / f"blkio.throttle.{kind}_bps_device").write_text(f"{disk} {bps}")
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        try:
+            yield {"disk": disk, "read_mb_s": mb_s, "write_mb_s": mb_s}
+        finally:
+            (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
+    finally:
+        group.rmdir()
 
 
 def cached_bytes(path: Path) -> int:
