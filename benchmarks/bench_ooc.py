@@ -109,6 +109,11 @@ def throttled_disk(folder: Path, mb_s: float):
     if not (BLKIO / "blkio.throttle.read_bps_device").exists():
         raise SystemExit(f"--disk-mb-s needs the cgroup v1 blkio controller at {BLKIO}")
     group, disk, bps = BLKIO / f"luwu-bench-{os.getpid()}", whole_disk(folder), int(mb_s * 1e6)
+    home = next(  # (the blkio cgroup this process is in now: it goes back there)
+        BLKIO / line.rpartition(":")[2].lstrip("/")
+        for line in Path("/proc/self/cgroup").read_text().splitlines()
+        if ":blkio:" in line
+    )
     group.mkdir()
     try:
         for kind in ("read", "write"):
@@ -117,7 +122,7 @@ def throttled_disk(folder: Path, mb_s: float):
         try:
             yield {"disk": disk, "read_mb_s": mb_s, "write_mb_s": mb_s}
         finally:
-            (BLKIO / "cgroup.procs").write_text(str(os.getpid()))
+            (home / "cgroup.procs").write_text(str(os.getpid()))
     finally:
         group.rmdir()
 
