@@ -517,24 +517,236 @@ def test_systemd_unit_reads_the_keys_from_an_environment_file():
 @needs_yaml
 def test_k8s_pods_take_their_keys_from_a_secret():
     docs = _k8s_docs()
-    for kind, arg in (
-        ("StatefulSet", "/etc/luwu-keys/node.env"),
-        ("Job", "/etc/luwu-keys/worker${RANK}.toml"),
+    for kind, secret, mount, arg in (
+        ("StatefulSet", "luwu-keys", "/etc/luwu-keys", "/etc/luwu-keys/node.env"),
+        (
+            "Job",
+            "luwu-worker-keys",
+            "/etc/luwu-worker-keys",
+            "/etc/luwu-worker-keys/worker${RANK}.toml",
+        ),
     ):
         spec = next(d for (k, _), d in docs.items() if k == kind)["spec"]["template"]["spec"]
         volume = next(v for v in spec["volumes"] if "secret" in v)
-        assert (
-            volume["secret"]["secretName"] == "luwu-keys"
-            and volume["secret"]["defaultMode"] == 0o440
-        )
+        assert volume["secret"]["secretName"] == secret and volume["secret"]["defaultMode"] == 0o440
         container = spec["containers"][0]
         assert any(
-            m["name"] == volume["name"] and m["mountPath"] == "/etc/luwu-keys"
+            m["name"] == volume["name"] and m["mountPath"] == mount
             for m in container["volumeMounts"]
         )
         assert arg in " ".join(container["args"]) and "secret_key" not in " ".join(
             container["args"]
         )
+
+
+# The operator's steps of a manifest's header, run here: `luwu keys` or `python -m luwu.deploy.join`
+# for real, `kubectl` a stand-in with no API server (get configmap prints a ConfigMap of the
+# manifests, create secret generic keeps the files kubectl would put in the Secret, keyed as it keys
+# them; anything else does nothing).
+KUBECTL_SHIM = r"""
+import json, os, re, sys
+from pathlib import Path
+
+state, args = Path(os.environ["K8S_STATE"]), sys.argv[1:]
+if args[:2] == ["get", "configmap"]:
+    path = args[args.index("-o") + 1].removeprefix("jsonpath=")
+    key = re.fullmatch(r"\{\.data\.(.+)\}", path).group(1).replace("\\.", ".")
+    sys.stdout.write(json.loads((state / "configmaps.json").read_text())[args[2]][key])
+elif args[:3] == ["create", "secret", "generic"]:
+    name, files = args[3], {}
+    out = state / "secrets" / name
+    if out.exists():
+        sys.exit(f'error: secrets "{name}" already exists')
+    for arg in args[4:]:
+        if not arg.startswith("--from-file="):
+            sys.exit(f"kubectl stand-in: {arg} not understood")
+        key, eq, src = arg.removeprefix("--from-file=").partition("=")
+        if not eq:
+            key, src = "", key
+        src = Path(src)
+        if src.is_dir():  # every regular file of the folder, keyed by its name
+            files.update({f.name: f.read_bytes() for f in src.iterdir() if f.is_file()})
+        else:
+            files[key or src.name] = src.read_bytes()
+    out.mkdir(parents=True)
+    for key, data in files.items():
+        (out / key).write_bytes(data)
+"""
+
+
+def _header_blocks(path: Path) -> list[list[str]]:
+    """The command blocks of a manifest's comments: each run of lines indented under '#'."""
+    blocks, block = [], []
+    for line in [*path.read_text().splitlines(), ""]:
+        if line.startswith("#   "):
+            block.append(line[4:])
+        elif block:
+            blocks.append(block)
+            block = []
+    return blocks
+
+
+def _operator_steps(tmp_path: Path, docs: dict, manifest: str, variant: str) -> dict[str, Path]:
+    """Runs the steps of ``manifest``'s header for ``variant`` (curve: its `luwu keys` block;
+    join-secret: the steps of that block that fetch the cluster file, then its
+    `luwu.deploy.join` block) in a folder; returns each Secret they made (name: a folder of its
+    files, named by their keys)."""
+    blocks = _header_blocks(DEPLOY / "k8s" / manifest)
+    curve = next((b for b in blocks if any(s.startswith("luwu keys ") for s in b)), None)
+    assert curve, f"{manifest}: no `luwu keys` steps in its header"
+    if variant == "curve":
+        steps = curve
+    else:
+        join = next((b for b in blocks if any("luwu.deploy.join" in s for s in b)), None)
+        assert join, f"{manifest}: no `python -m luwu.deploy.join` steps in its header"
+        steps = [
+            *curve[: next(i for i, s in enumerate(curve) if s.startswith("luwu keys "))],
+            *join,
+        ]
+    work, state, bin_dir = tmp_path / "operator", tmp_path / "k8s-state", tmp_path / "operator-bin"
+    for d in (work, state, bin_dir):
+        d.mkdir()
+    maps = {n: d["data"] for (k, n), d in docs.items() if k == "ConfigMap"}
+    (state / "configmaps.json").write_text(json.dumps(maps))
+    (bin_dir / "kubectl.py").write_text(KUBECTL_SHIM)
+    for name, command in (
+        ("kubectl", f'exec "{sys.executable}" "{bin_dir}/kubectl.py" "$@"'),
+        ("luwu", f'exec "{sys.executable}" -m luwu "$@"'),
+        ("python", f'exec "{sys.executable}" "$@"'),
+    ):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{command}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LUWU_")}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", K8S_STATE=str(state))
+    r = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", "\n".join(steps)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, "\n".join(steps) + "\n" + r.stdout + r.stderr
+    return {d.name: d for d in sorted((state / "secrets").iterdir())}
+
+
+def _secret_views(pod: dict, secrets: dict[str, Path]) -> dict[str, dict[str, dict[str, bytes]]]:
+    """What each container of ``pod`` (init containers too) sees of the Secrets, by mount path:
+    {container: {mountPath: {file name: bytes}}}, as the kubelet projects a Secret volume (every
+    key, or its ``items`` alone, each at its ``path``), a projected volume's Secret sources and a
+    mount's ``subPath``. Every Secret a volume names must be one the steps made."""
+
+    def files(source: dict) -> dict[str, bytes]:
+        name = source.get("secretName", source.get("name"))
+        assert name in secrets, f"Secret {name}: no header's steps make it"
+        have = {f.name: f.read_bytes() for f in secrets[name].iterdir()}
+        if "items" not in source:
+            return have
+        return {item["path"]: have[item["key"]] for item in source["items"]}
+
+    volumes = {}
+    for v in pod.get("volumes", []):
+        if "secret" in v:
+            volumes[v["name"]] = files(v["secret"])
+        elif "projected" in v:
+            shown = {}
+            for s in v["projected"]["sources"]:
+                shown.update(files(s["secret"]) if "secret" in s else {})
+            volumes[v["name"]] = shown
+    views = {}
+    for c in [*pod.get("initContainers", []), *pod["containers"]]:
+        seen = {}
+        for m in c.get("volumeMounts", []):
+            if m["name"] in volumes:
+                shown = volumes[m["name"]]
+                if "subPath" in m:
+                    shown = {Path(m["subPath"]).name: shown[m["subPath"]]}
+                seen[m["mountPath"]] = shown
+        views[c["name"]] = seen
+    return views
+
+
+def _node_keys(node_pod: dict, secrets: dict[str, Path], tmp_path: Path) -> tuple[str, dict, dict]:
+    """The Secret the node pods source node.env from, that file's variables, and what the node
+    container sees of the Secrets (by mount path)."""
+    from luwu.ops.keyset import read_env_file
+
+    container = node_pod["containers"][0]
+    env_path = Path(re.search(r"\. (/\S+/node\.env)", " ".join(container["args"])).group(1))
+    views = _secret_views(node_pod, secrets)[container["name"]]
+    (tmp_path / "node.env").write_bytes(views[str(env_path.parent)]["node.env"])
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(env_path.parent))
+    volume = next(v for v in node_pod["volumes"] if v["name"] == mount["name"])
+    return volume["secret"]["secretName"], read_env_file(tmp_path / "node.env"), views
+
+
+@needs_yaml
+@pytest.mark.parametrize("variant", ["curve", "join-secret"])
+@pytest.mark.parametrize("manifest", ["luwu-nodes.yaml", "luwu-aggregators.yaml"])
+def test_k8s_worker_pods_never_see_the_nodes_keys(tmp_path, manifest, variant):
+    """A node never shares its secret key with the workers. The Secrets made by the steps of the
+    header (the nodes', or the switch tier's), mounted as the train Job mounts them: no Secret
+    volume of the worker pod is the one the nodes source node.env from, no container of it sees a
+    node.env, the nodes' secret key or an aggregator's keys, and each rank finds at its --config
+    its own file: worker<r>.toml with the key pair the nodes let in as rank r, or join.toml with
+    the nodes' join secret. The node pods see node.env alone (no worker's secret key)."""
+    from luwu.ops.keyset import read_env_file
+
+    docs = _k8s_docs()
+    secrets = _operator_steps(tmp_path, docs, manifest, variant)
+    node_pod = docs[("StatefulSet", "luwu-node")]["spec"]["template"]["spec"]
+    job = docs[("Job", "luwu-train")]
+    job_pod = job["spec"]["template"]["spec"]
+
+    node_secret, node_env, node_views = _node_keys(node_pod, secrets, tmp_path)
+
+    # The worker pod: no Secret of the nodes, nothing of theirs or of the aggregators' in any file.
+    forbidden = [v for k, v in node_env.items() if "SECRET_KEY" in k]  # CURVE: the nodes' key
+    aggregator_dir = secrets.get("luwu-tier-keys")
+    for f in aggregator_dir.iterdir() if aggregator_dir else []:
+        if f.name.startswith("aggregator") and f.suffix == ".env":
+            forbidden += [v for k, v in read_env_file(f).items() if "SECRET_KEY" in k]
+    for v in job_pod["volumes"]:
+        sources = [v["secret"]] if "secret" in v else []
+        sources += [s["secret"] for s in v.get("projected", {}).get("sources", []) if "secret" in s]
+        for s in sources:
+            assert s.get("secretName", s.get("name")) != node_secret or (
+                "items" in s and "node.env" not in {i["key"] for i in s["items"]}
+            ), f"volume {v['name']} mounts {node_secret}, the nodes' node.env"
+    views = _secret_views(job_pod, secrets)
+    assert views, "the worker pod has containers"
+    for container, mounts in views.items():
+        for mount, files in mounts.items():
+            for name, data in files.items():
+                assert name != "node.env", f"{container} sees {mount}/node.env"
+                assert not name.startswith("aggregator"), f"{container} sees {mount}/{name}"
+                text = data.decode()
+                assert not [k for k in forbidden if k in text], (
+                    f"{container} sees the nodes' or an aggregator's secret key in {mount}/{name}"
+                )
+
+    assert [sorted(files) for files in node_views.values()] == [["node.env"]], (
+        "the node pods get node.env alone: no worker's or aggregator's secret key, no monitor.toml"
+    )
+    # ... and each rank its own file where its --config points.
+    worker = job_pod["containers"][0]
+    args = " ".join(worker["args"])
+    config = re.search(r'--config "(/\S+)"', args).group(1)
+    shown = views[worker["name"]][str(Path(config).parent)]
+    if variant == "join-secret":  # every rank uses join.toml instead of worker${RANK}.toml
+        (tmp_path / "join.toml").write_bytes(shown["join.toml"])
+        cfg = load_config(str(tmp_path / "join.toml"), env={})
+        assert cfg.transport.join_secret == node_env["LUWU_NODE__JOIN_SECRET"]
+        return
+    ranks = job["spec"]["completions"] * int(re.search(r"--nproc-per-node=(\d+)", args).group(1))
+    authorized = node_env["LUWU_NODE__CURVE_AUTHORIZED_KEYS"].split(",")
+    for rank in range(ranks):
+        name = Path(config.replace("${RANK}", str(rank))).name
+        (tmp_path / name).write_bytes(shown[name])
+        cfg = load_config(str(tmp_path / name), env={})
+        assert cfg.transport.curve_public_key == authorized[rank]
+        assert cfg.transport.curve_server_key == node_env["LUWU_NODE__CURVE_PUBLIC_KEY"]
+        assert cfg.cluster.nodes, "the worker's file holds the cluster file too"
 
 
 # ----------------------------------------------------------------- one join secret per job (deploy/join.py)
@@ -638,32 +850,6 @@ def test_k8s_aggregator_daemonset_finds_each_hosts_group(tmp_path, capsys):
     assert mounts["tier-keys"]["secret"]["secretName"] == "luwu-tier-keys"
 
 
-# The operator's steps of the tier's header: the keys (or the join secret) of the nodes' cluster file
-# with the groups appended; luwu-keys for nodes and workers, luwu-tier-keys for the aggregators.
-def _k8s_tier_secrets(tmp_path: Path, docs: dict, variant: str) -> dict[str, Path]:
-    from luwu.cli import main as luwu_main
-    from luwu.deploy.join import main as join_main
-
-    cluster = tmp_path / "cluster.toml"
-    cluster.write_text(
-        docs[("ConfigMap", "luwu-cluster")]["data"]["cluster.toml"]
-        + docs[("ConfigMap", "luwu-tier")]["data"]["groups.toml"]
-    )
-    keys, tier_keys = tmp_path / "luwu-keys", tmp_path / "luwu-tier-keys"
-    tier_keys.mkdir(mode=0o700)
-    if variant == "curve":
-        assert (
-            luwu_main(["keys", "--out", str(keys), "--workers", "8", "--cluster", str(cluster)])
-            == 0
-        )
-        for f in keys.glob("aggregator*"):
-            f.rename(tier_keys / f.name)
-    else:
-        assert join_main([str(keys), str(cluster)]) == 0
-        shutil.copy(keys / "node.env", tier_keys / "node.env")
-    return {"luwu-keys": keys, "luwu-tier-keys": tier_keys}
-
-
 PYTHON_SHIM = """#!/bin/sh
 # python, except `python -m luwu -v aggregator ...`: its argv and LUWU_* environment to $OUT (JSON).
 if [ "$1 $2 $3 $4" = "-m luwu -v aggregator" ]; then
@@ -733,14 +919,13 @@ def test_k8s_aggregator_pods_get_their_own_keys(tmp_path, variant):
     assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"], (
         "a 0440 Secret is readable by the fsGroup only"
     )
-    secrets = _k8s_tier_secrets(tmp_path, docs, variant)
+    secrets = _operator_steps(tmp_path, docs, "luwu-aggregators.yaml", variant)
     root = tmp_path / "pod"
     _mount(pod, docs, secrets, root)
     cfg = load_config(
         [str(root / "etc/luwu/cluster.toml"), str(root / "etc/luwu-tier/groups.toml")], env={}
     )
-    keys = secrets["luwu-keys"]
-    node_env = read_env_file(keys / "node.env")
+    node_env = read_env_file(secrets["luwu-keys"] / "node.env")
     agg_keys = dict(
         e.split("=", 1)
         for e in node_env.get("LUWU_NODE__CURVE_AGGREGATOR_KEYS", "").split(",")
@@ -767,7 +952,7 @@ def test_k8s_aggregator_pods_get_their_own_keys(tmp_path, variant):
         resolved = load_config(files, env=env)  # what the aggregator runs with
         assert resolved.node.curve_public_key == own and resolved.transport.curve_server_key
         first = int(g["ranks"].split("-")[0])
-        worker = load_config(str(keys / f"worker{first}.toml"), env={})
+        worker = load_config(str(secrets["luwu-worker-keys"] / f"worker{first}.toml"), env={})
         assert aggregator_for(worker, first) == g["aggregator"]
         assert aggregator_key_for(worker, first) == own
     r, started = _run_pod(pod, root, "cpu-host")  # a host with no group runs no aggregator
