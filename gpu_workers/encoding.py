@@ -82,6 +82,28 @@ class GradientEncoder:
             return name, enc, hyper
         return name, codec.encode(x, out, num_summands=self.world_size), hyper
 
+    def takes_pieces(self, b: Bucket, step: int) -> bool:
+        """Whether ``b``'s push at ``step`` can be encoded from its gradients where they are (held as
+        pieces, not copied into the bucket first): a resident bucket whose codec is a blockwise one
+        with error feedback in a bf16 residual (the default), with the kernels."""
+        if self.feedback is None or b.id in self.streamed:
+            return False
+        name, ef = self.codecs.push(b, step)
+        return ef and self.feedback.takes_pieces(get_codec(name))
+
+    def encode_pieces(self, b: Bucket, pieces: list[torch.Tensor], step: int, hyper: dict):
+        """:meth:`encode` of ``b``'s gradient as the concatenation of ``pieces`` (fp32 slices of the
+        parameters' gradients, in segment order), read where they are; None when they cannot be
+        encoded that way (a NaN or an infinity among them, or what :meth:`takes_pieces` rules out):
+        the caller copies them into the bucket and calls :meth:`encode`."""
+        name, ef = self.codecs.push(b, step)
+        codec = get_codec(name)
+        if not ef or self.feedback is None or not self.feedback.takes_pieces(codec):
+            return None
+        out = self._frames(b, codec, name, 0, torch.float32)
+        enc = self.feedback.encode_pieces(b.id, codec, pieces, out, num_summands=self.world_size)
+        return None if enc is None else (name, enc, hyper)
+
     def _frames(self, b: Bucket, codec, name: str, parity: int, dtype: torch.dtype):
         """The frames ``b``'s gradient is encoded into (None: the codec allocates them)."""
         kept = self._out.setdefault(b.id, {})

@@ -22,15 +22,15 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from luwu.gpu_workers import global_round, join
+from luwu.gpu_workers.bucket_fill import BucketBuf
 from luwu.gpu_workers.client import WorkerClient
 from luwu.gpu_workers.encoding import GradientEncoder
 from luwu.gpu_workers.grad_marks import GradMarks
-from luwu.gpu_workers.grad_views import GradViews, bucket_buffers, copy_in
+from luwu.gpu_workers.grad_views import GradViews, bucket_buffers
 from luwu.gpu_workers.landing import WRITTEN, WeightWriter
 from luwu.gpu_workers.layer_waits import LayerWaits
 from luwu.gpu_workers.metrics import StepReport, WorkerMetrics
@@ -43,17 +43,6 @@ from luwu.protocol.messages import PULL_ACK, Op
 log = logging.getLogger(__name__)
 
 PULL_WINDOW_BYTES = 32 << 20  #: initial weights asked for at once (Worker.pull_all)
-
-
-@dataclass(slots=True)
-class _BucketBuf:
-    bucket: Bucket
-    # flat, one per parity in flight (fp32; bf16 for bf16 parameters alone; streamed: borrowed)
-    grads: list[torch.Tensor]
-    filled: set = field(default_factory=set)  # segments whose gradient is in (counted once)
-    pushed_step: int = -1
-    partials: int = 0  # micro-batch pushes this step (no_sync() in streaming mode: node sums)
-    finite: bool | None = True  # its gradients as copied in: all finite (None: not all checked)
 
 
 class Worker:
@@ -104,7 +93,7 @@ class Worker:
         # the others' buffers: slices of one flat buffer per dtype (grad_views)
         held = [b for b in layout.buckets if b.id not in self.streamed | self.delayed]
         self.flat_grads, single = bucket_buffers(held, params)
-        self.bufs = [_BucketBuf(b, self._own_buffers(b, single)) for b in layout.buckets]
+        self.bufs = [BucketBuf(b, self._own_buffers(b, single)) for b in layout.buckets]
         self.writer = WeightWriter(params, layout, client.nodes, self.streamed, pool, self._reclaim)
         self.where: dict[int, list[tuple[int, int]]] = {}  # param -> [(bucket, segment index)]
         for b in layout.buckets:
@@ -182,7 +171,8 @@ class Worker:
         self._pending, self.last_error, self._round = None, None, None
         self.grad_marks.clear()
         for buf in self.bufs:
-            buf.filled, buf.pushed_step, buf.partials, buf.finite = set(), -1, 0, True
+            buf.reset()
+            buf.pushed_step, buf.partials = -1, 0
         for bid in [b.bucket.id for b in self.bufs if b.bucket.id in self.streamed and b.grads]:
             self._give_back(bid)
         if self.streamer is not None:
@@ -276,7 +266,7 @@ class Worker:
         """Gradient hook: copy the parameter's gradient into its buckets; push every bucket it
         completes."""
         flat = grad.detach().reshape(-1)
-        full, partial = [], self.accumulating
+        full, partial, held = [], self.accumulating, False
         with self._lock:
             for bid, si in self.where.get(param, ()):
                 buf = self.bufs[bid]
@@ -291,13 +281,21 @@ class Worker:
                         "torch.utils.checkpoint(use_reentrant=True) gets two in one backward: use "
                         "use_reentrant=False)"
                     )
-                dst = self._grad_buffer(buf, self._parity(bid)).narrow(0, s.offset, s.numel)
-                buf.finite = copy_in(dst, flat.narrow(0, s.param_offset, s.numel), buf.finite)
+                if not buf.filled and not partial and bid not in self.delayed:
+                    buf.pieces = (
+                        {} if self.encoder.takes_pieces(buf.bucket, self.step_num) else None
+                    )
+                src = flat.narrow(0, s.param_offset, s.numel)
+                if buf.hold(si, src):  # (the push encodes it from where it is: see bucket_fill)
+                    held = True
+                else:
+                    dst = self._grad_buffer(buf, self._parity(bid))
+                    buf.copy_in(dst.narrow(0, s.offset, s.numel), src)
                 buf.filled.add(si)
                 if len(buf.filled) == len(buf.bucket.segments):
                     buf.pushed_step = buf.pushed_step if partial else self.step_num
                     full.append(buf)
-        if self.views is not None and not partial:
+        if self.views is not None and not partial and not held:
             self.views.adopt(param)  # the bucket's slice becomes .grad: autograd's is freed now
         if not partial:
             self.grad_marks.note(param, self.params[param].grad)
@@ -305,7 +303,7 @@ class Worker:
             for buf in full:
                 self._push(buf, self._parity(buf.bucket.id), (), partial=partial)
 
-    def _grad_buffer(self, buf: _BucketBuf, parity: int) -> torch.Tensor:
+    def _grad_buffer(self, buf: BucketBuf, parity: int) -> torch.Tensor:
         """The gradient buffer of ``buf`` this step fills (a streamed bucket borrows one)."""
         if not buf.grads:
             buf.grads.append(self.pool.take(buf.bucket.numel, self._reclaim))
@@ -352,7 +350,8 @@ class Worker:
                     todo.append(buf)
         for buf in todo:
             nograd, parity = [], self._parity(buf.bucket.id)
-            g, buf.finite = self._grad_buffer(buf, parity), True  # (every segment written again)
+            g = self._grad_buffer(buf, parity)
+            buf.reset()  # (every segment written again)
             for si, s in enumerate(buf.bucket.segments):
                 grad = self.params[s.param].grad
                 view = g.narrow(0, s.offset, s.numel)
@@ -362,13 +361,13 @@ class Worker:
                         nograd.append(si)
                 else:
                     src = grad.detach().reshape(-1).narrow(0, s.param_offset, s.numel)
-                    buf.finite = copy_in(view, src, buf.finite)
+                    buf.copy_in(view, src)
                     self.grad_marks.note(s.param, grad)
             self._push(buf, parity, tuple(nograd))
 
-    def _push(self, buf: _BucketBuf, parity: int, nograd: tuple, partial: bool = False) -> None:
-        b, step, x, finite = buf.bucket, self.step_num, buf.grads[parity], buf.finite
-        name, enc, hyper = self.encoder.encode(b, x, parity, step, self._hyper_of(b.group), finite)
+    def _push(self, buf: BucketBuf, parity: int, nograd: tuple, partial: bool = False) -> None:
+        b, step, x = buf.bucket, self.step_num, buf.grads[parity]
+        name, enc, hyper = buf.encode(self.encoder, parity, step, self._hyper_of(b.group))
         streamed = b.id in self.streamed
         pull = self.streamer.reply_codec(b, step) if streamed else self.codecs.pull(b, step)
         header = {
@@ -390,7 +389,8 @@ class Worker:
         self.channels[b.id].push(header, frames, priority=self._priority(b))
         if self.views is not None:  # (a zero-copy frame is the buffer: changing it is refused)
             self.views.note_push(b.id, enc.frames[0] is x and not partial)
-        buf.filled, buf.partials, buf.finite = set(), buf.partials + 1 if partial else 0, True
+        buf.reset()
+        buf.partials = buf.partials + 1 if partial else 0
         if streamed:
             self._give_back(b.id) if partial else self._unacked.add(b.id)
             self.streamer.pushed(b)

@@ -170,50 +170,105 @@ static inline uint16_t f32_to_bf16_num(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* One block of luwu_block_encode_bf16res: the `m` floats `xs` (+ the block's bf16 residual `r`) -> its
+ * codes at q's `start`, its scale, and the residual left. `y` and `scratch` hold `block` floats each. */
+static inline void bf16res_block(const float *restrict xs, uint16_t *restrict r, void *q, float *scales,
+                                 int64_t start, int64_t b, int64_t m, int32_t bits, float levels, float floor_,
+                                 float *restrict y, float *scratch) {
+    uint32_t amax = 0; /* block_amax(y, m), found as y is made */
+    for (int64_t i = 0; i < m; i++) {
+        const float v = bf16_to_f32(r[i]) + xs[i];
+        uint32_t u;
+        memcpy(&u, &v, sizeof u);
+        u &= 0x7fffffffu;
+        amax = u > amax ? u : amax;
+        y[i] = v;
+    }
+    if (bits == 8) { /* the common case in one pass after the amax (as int8_block); a non-finite block below */
+        float s;
+        memcpy(&s, &amax, sizeof s);
+        if (finite(s)) {
+            if (s < floor_) s = floor_;
+            const float inv = (1.0f / s) * levels, sc = s / levels;
+            int8_t *restrict o = (int8_t *)q + start;
+            scales[b] = sc;
+            for (int64_t i = 0; i < m; i++) {
+                const float t = __builtin_rintf(y[i] * inv);
+                r[i] = f32_to_bf16_num(y[i] - t * sc); /* finite: y, t and sc are */
+                o[i] = (int8_t)(int32_t)t;
+            }
+            return;
+        }
+    }
+    const float sc = quantize(y, scratch, m, levels, floor_);
+    scales[b] = sc;
+    if (finite(sc))
+        for (int64_t i = 0; i < m; i++) r[i] = f32_to_bf16(y[i] - scratch[i] * sc);
+    else
+        for (int64_t i = 0; i < m; i++) r[i] = f32_to_bf16(y[i]);
+    store_codes(q, start, scratch, m, bits);
+}
+
 /* luwu_block_encode with a bf16 residual (compression.residual_dtype = "bfloat16"), in one pass:
  * the same bits as widening the residual to fp32, encoding with it, and rounding it back, which is
  * what protocol/feedback.py does without the kernels. `scratch` holds 2 * `block` floats. */
 void luwu_block_encode_bf16res(const float *x, uint16_t *residual, void *q, float *scales, int64_t n,
                                int64_t block, int32_t bits, float levels, float floor_, float *scratch) {
-    int8_t *q8 = (int8_t *)q;
-    float *restrict y = scratch + block;
     for (int64_t start = 0, b = 0; start < n; start += block, b++) {
         const int64_t m = n - start < block ? n - start : block;
-        uint16_t *restrict r = residual + start;
-        const float *restrict xs = x + start;
-        uint32_t amax = 0;  /* block_amax(y, m), found as y is made */
-        for (int64_t i = 0; i < m; i++) {
-            const float v = bf16_to_f32(r[i]) + xs[i];
-            uint32_t u;
-            memcpy(&u, &v, sizeof u);
-            u &= 0x7fffffffu;
-            amax = u > amax ? u : amax;
-            y[i] = v;
-        }
-        if (bits == 8) {  /* the common case in one pass after the amax (as int8_block); a non-finite block below */
-            float s;
-            memcpy(&s, &amax, sizeof s);
-            if (finite(s)) {
-                if (s < floor_) s = floor_;
-                const float inv = (1.0f / s) * levels, sc = s / levels;
-                int8_t *restrict o = q8 + start;
-                scales[b] = sc;
-                for (int64_t i = 0; i < m; i++) {
-                    const float t = __builtin_rintf(y[i] * inv);
-                    r[i] = f32_to_bf16_num(y[i] - t * sc);  /* finite: y, t and sc are */
-                    o[i] = (int8_t)(int32_t)t;
-                }
-                continue;
-            }
-        }
-        const float sc = quantize(y, scratch, m, levels, floor_);
-        scales[b] = sc;
-        if (finite(sc))
-            for (int64_t i = 0; i < m; i++) r[i] = f32_to_bf16(y[i] - scratch[i] * sc);
-        else
-            for (int64_t i = 0; i < m; i++) r[i] = f32_to_bf16(y[i]);
-        store_codes(q, start, scratch, m, bits);
+        bf16res_block(x + start, residual + start, q, scales, start, b, m, bits, levels, floor_,
+                      scratch + block, scratch);
     }
+}
+
+/* Whether n floats hold a NaN or an infinity (on the bit patterns, as luwu_copy_nonfinite) */
+static int32_t any_nonfinite(const float *x, int64_t n) {
+    const uint32_t *u = (const uint32_t *)x;
+    uint32_t a = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t m = u[i] & 0x7fffffffu;
+        a = m > a ? m : a;
+    }
+    return a >= 0x7f800000u;
+}
+
+/* luwu_block_encode_bf16res of the concatenation of `npieces` float arrays (pieces[k], lens[k] floats each,
+ * n in all) without copying them together first: a bucket's push encoded straight from its parameters'
+ * gradients (gpu_workers/bucket_fill.py). The same codes, scales and residual, bit for bit; a block that
+ * spans pieces is gathered into scratch. Returns 1, having written nothing, when a piece holds a NaN or an
+ * infinity (checked first: that push goes uncompressed, and its residual stays as it was); else 0.
+ * `scratch` holds 3 * `block` floats. */
+int32_t luwu_block_encode_bf16res_pieces(const float *const *pieces, const int64_t *lens, int32_t npieces,
+                                         uint16_t *residual, void *q, float *scales, int64_t n, int64_t block,
+                                         int32_t bits, float levels, float floor_, float *scratch) {
+    int64_t total = 0;
+    for (int32_t k = 0; k < npieces; k++) {
+        if (any_nonfinite(pieces[k], lens[k])) return 1;
+        total += lens[k];
+    }
+    if (total != n) return 2;
+    float *gather = scratch + 2 * block;
+    int32_t k = 0;
+    int64_t at = 0; /* position in piece k */
+    for (int64_t start = 0, b = 0; start < n; start += block, b++) {
+        const int64_t m = n - start < block ? n - start : block;
+        while (at == lens[k]) k++, at = 0; /* (skips empty pieces) */
+        const float *xs = pieces[k] + at;
+        if (lens[k] - at >= m) {
+            at += m;
+        } else { /* the block spans pieces */
+            for (int64_t got = 0; got < m;) {
+                while (at == lens[k]) k++, at = 0;
+                const int64_t take = lens[k] - at < m - got ? lens[k] - at : m - got;
+                memcpy(gather + got, pieces[k] + at, (size_t)take * sizeof(float));
+                got += take, at += take;
+            }
+            xs = gather;
+        }
+        bf16res_block(xs, residual + start, q, scales, start, b, m, bits, levels, floor_, scratch + block,
+                      scratch);
+    }
+    return 0;
 }
 
 /* out[i] = code_i * (scale_block * alpha), added to out[i] when `add` */

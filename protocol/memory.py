@@ -86,9 +86,23 @@ def trim_heap() -> None:
         _malloc_trim(0)
 
 
-#: madvise(2)'s MADV_HUGEPAGE (Linux), and the smallest storage worth advising (two huge pages)
-MADV_HUGEPAGE, HUGE_ADVICE_MIN_BYTES = 14, 4 << 20
+#: madvise(2)'s MADV_DONTNEED and MADV_HUGEPAGE (Linux), and the smallest storage worth advising
+#: huge pages for (two huge pages)
+MADV_DONTNEED, MADV_HUGEPAGE, HUGE_ADVICE_MIN_BYTES = 4, 14, 4 << 20
 _madvise = None
+
+
+def _madvise_fn():
+    """libc's ``madvise``, or False where there is none."""
+    global _madvise
+    if _madvise is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _madvise = libc.madvise
+            _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _madvise = False
+    return _madvise
 
 
 def advise_huge_pages(storage: torch.UntypedStorage) -> None:
@@ -103,22 +117,33 @@ def advise_huge_pages(storage: torch.UntypedStorage) -> None:
     global _madvise
     if storage.device.type != "cpu" or storage.nbytes() < HUGE_ADVICE_MIN_BYTES:
         return
-    if _madvise is None:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _madvise = libc.madvise
-            _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _madvise = False
-    if _madvise:
+    madvise = _madvise_fn()
+    if madvise:
         page = mmap.PAGESIZE
         lo = storage.data_ptr() // page * page
         hi = -(-(storage.data_ptr() + storage.nbytes()) // page) * page
         if (
-            _madvise(lo, hi - lo, MADV_HUGEPAGE) != 0
+            madvise(lo, hi - lo, MADV_HUGEPAGE) != 0
         ):  # (no THP in this kernel: said once, then not asked again)
             log.info(
                 "madvise(MADV_HUGEPAGE) refused (errno %d): fetched weights are written into 4 KiB pages",
                 ctypes.get_errno(),
             )
             _madvise = False
+
+
+def release_pages(t: torch.Tensor) -> int:
+    """Give the whole 4 KiB pages under contiguous CPU tensor ``t`` back to the system (Linux
+    ``madvise(MADV_DONTNEED)`` on private memory): they read as zeros after and are faulted in
+    afresh when next written; the partial pages at its two ends stay. For a buffer left unused for
+    a while (a bucket whose pushes encode from the gradients where they are). Returns the bytes
+    given back (0 elsewhere, or for a tensor on an accelerator)."""
+    madvise = _madvise_fn()
+    if not madvise or t.device.type != "cpu" or not t.is_contiguous():
+        return 0
+    page = mmap.PAGESIZE
+    lo = -(-t.data_ptr() // page) * page
+    hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if hi <= lo or madvise(lo, hi - lo, MADV_DONTNEED) != 0:
+        return 0
+    return hi - lo

@@ -3,6 +3,8 @@ else a torch path that gives the same bits."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from luwu.protocol import native
@@ -213,6 +215,51 @@ class _BlockCodec(Codec):
 
     def takes_bf16_residual(self, x: torch.Tensor) -> bool:
         return native.kernels() is not None and _flat((x,), ())
+
+    def encode_feedback_pieces_(
+        self,
+        pieces: list[torch.Tensor],
+        residual: torch.Tensor,
+        out: list[torch.Tensor],
+        *,
+        num_summands: int = 1,
+    ) -> Encoded | None:
+        """:meth:`encode_feedback_` of the concatenation of ``pieces`` with a bf16 ``residual``, read
+        where they are (a bucket's gradients in their parameters' own memory, not copied together
+        first): the same frames and residual, bit for bit. None, with nothing written, where a piece
+        holds a NaN or an infinity (that push goes uncompressed and keeps its residual) or the
+        kernels cannot take the tensors: the caller then copies the pieces together and encodes
+        those."""
+        lib = native.kernels()
+        n = sum(t.numel() for t in pieces)
+        if (
+            lib is None
+            or not pieces
+            or residual.dtype != torch.bfloat16
+            or not residual.is_contiguous()
+            or residual.numel() != n
+            or not _flat(tuple(pieces), ())
+            or not _flat((out[1],), (out[0],))
+        ):
+            return None
+        _check_summands(num_summands)
+        self._check_out(out, n)
+        k = len(pieces)
+        bad = lib.luwu_block_encode_bf16res_pieces(
+            (ctypes.c_void_p * k)(*(t.data_ptr() for t in pieces)),
+            (ctypes.c_int64 * k)(*(t.numel() for t in pieces)),
+            k,
+            residual.data_ptr(),
+            out[0].data_ptr(),
+            out[1].data_ptr(),
+            n,
+            self.block,
+            self.bits,
+            float(self.levels),
+            SCALE_FLOOR,
+            self._scratch("native", 3 * self.block).data_ptr(),
+        )
+        return None if bad else Encoded({"block": self.block}, list(out))
 
     # -- decode ------------------------------------------------------------
     def validate(self, numel: int, frames: list[int], meta: dict) -> None:

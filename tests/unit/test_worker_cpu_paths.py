@@ -7,6 +7,9 @@
 - A ``bf16_steps`` reply to a bucket of several parameters steps each parameter's slice where it is
   (``decode_add_segments_``): the same bits as stepping a staging buffer gathered from them, and a
   reply that does not add up is refused before anything is written.
+- A push that compresses with error feedback is encoded from its gradients where they are
+  (``encode_feedback_pieces_``): the bits of copying them together first, and nothing written when
+  one holds a NaN or an infinity.
 """
 
 from __future__ import annotations
@@ -129,3 +132,53 @@ def test_targets_the_kernels_cannot_take_are_left_to_the_staging_buffer(kernels)
     odd = [params[0], torch.zeros(128)[::2]]
     assert STEPS.decode_add_segments_(odd, frames, meta) is False
     assert torch.equal(odd[1], torch.zeros(64))
+
+
+def _pieces(seed: int, sizes: list[int]):
+    g = torch.Generator().manual_seed(seed)
+    pieces = [torch.randn(k, generator=g) * 10.0 ** (i % 3) for i, k in enumerate(sizes)]
+    residual = (torch.randn(sum(sizes), generator=g) * 0.01).to(torch.bfloat16)
+    return pieces, residual
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[1000], [300, 0, 700], [1, 255, 256, 513], [4096, 4096], [7] * 33, [768, 100, 5], [70_001, 3]],
+)
+def test_encoding_held_pieces_gives_the_bits_of_encoding_them_copied_together(kernels, name, sizes):
+    """A bucket's push encoded from its gradients where they are (bucket_fill): the codes, scales
+    and residual of copying them into the bucket first, blocks that span two pieces included."""
+    codec = get_codec(name)
+    pieces, residual = _pieces(len(sizes), sizes)
+    n = sum(sizes)
+    want_r, got_r = residual.clone(), residual.clone()
+    want = codec.encode_feedback_(torch.cat(pieces), want_r, codec.alloc(n))
+    got = codec.encode_feedback_pieces_(pieces, got_r, codec.alloc(n))
+    assert got is not None and got.meta == want.meta
+    for u, v in zip(got.frames, want.frames, strict=True):
+        assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
+    assert torch.equal(got_r.view(torch.int16), want_r.view(torch.int16))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_held_piece_with_a_nan_or_an_infinity_writes_nothing(kernels, bad):
+    """The push then copies the pieces into the bucket and goes uncompressed; the residual stays."""
+    codec = get_codec("int8")
+    pieces, residual = _pieces(9, [500, 600, 40])
+    pieces[2][39] = bad
+    out = [f.fill_(3) for f in codec.alloc(1140)]
+    before = residual.clone()
+    assert codec.encode_feedback_pieces_(pieces, residual, out) is None
+    assert torch.equal(residual.view(torch.int16), before.view(torch.int16))
+    assert all(bool((f == 3).all()) for f in out)
+
+
+def test_pieces_the_kernels_cannot_take_are_left_to_the_copy(kernels):
+    codec = get_codec("int8")
+    ok, residual = _pieces(2, [64])
+    for pieces in ([ok[0], torch.randn(128)[::2]], [ok[0], torch.randn(64).to(torch.bfloat16)]):
+        r = torch.zeros(128, dtype=torch.bfloat16)
+        assert codec.encode_feedback_pieces_(pieces, r, codec.alloc(128)) is None
+        assert not r.any()
+    assert codec.encode_feedback_pieces_(ok, residual.float(), codec.alloc(64)) is None  # fp32

@@ -1,0 +1,105 @@
+"""How a bucket's gradient gathers before its push: copied into the bucket, or held where it is.
+
+A bucket's segments are slices of its parameters' gradients. Copied in (:func:`copy_in`), they
+fill the bucket's buffer, which the push encodes (or sends as it is) and which can then be the
+parameters' ``.grad`` (:mod:`~luwu.gpu_workers.grad_views`). A push that compresses with error
+feedback (int8 or int4 into a bf16 residual, the default once compression starts) reads its input
+once anyway, so there the segments are *held*: the bucket keeps references to the gradients' own
+slices, and the push encodes straight from them (``encode_feedback_pieces_``), without writing the
+gradient into the bucket and reading it back, about a third of those kernels' memory traffic. A
+held parameter keeps its own ``.grad`` (autograd's tensor; the bucket's buffer is not written).
+
+Whether a bucket holds is decided as its first segment arrives, for the whole step: the worker asks
+the encoder (:meth:`~luwu.gpu_workers.encoding.GradientEncoder.takes_pieces`). A segment the
+kernels cannot take (not fp32, not contiguous, on a GPU) is copied in, and the push then copies the
+held ones in too (:meth:`BucketBuf.gather`); so does a push whose pieces hold a NaN or an infinity
+(it goes uncompressed, and the residual stays as it was).
+
+Memory: the gradient lives once, in autograd's tensors, while the bucket's buffer is unused. Its
+pages, written in the steps that copied (the warm-up's bf16 pushes), are given back to the system
+at the first push that holds (:func:`~luwu.protocol.memory.release_pages`), unless a held gradient
+is that very memory (a ``.grad`` still the bucket's view, kept by ``zero_grad(set_to_none=False)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from luwu.gpu_workers.grad_views import copy_in
+from luwu.protocol.layout import Bucket
+from luwu.protocol.memory import release_pages
+
+if TYPE_CHECKING:
+    from luwu.gpu_workers.encoding import GradientEncoder
+
+
+@dataclass(slots=True, eq=False)
+class BucketBuf:
+    bucket: Bucket
+    # flat, one per parity in flight (fp32; bf16 for bf16 parameters alone; streamed: borrowed)
+    grads: list[torch.Tensor]
+    filled: set = field(default_factory=set)  # segments whose gradient is in (counted once)
+    pushed_step: int = -1
+    partials: int = 0  # micro-batch pushes this step (no_sync() in streaming mode: node sums)
+    finite: bool | None = True  # its gradients as copied in: all finite (None: not all checked)
+    pieces: dict[int, torch.Tensor] | None = None  # held segments (this step holds: not None)
+    written: bool = False  # its buffer holds gradients copied in since its pages were given back
+
+    def hold(self, si: int, src: torch.Tensor) -> bool:
+        """Keep segment ``si``'s gradient slice ``src`` for the push instead of copying it in, if this
+        step's push holds and the kernels can read ``src`` where it is; False: copy it in."""
+        if self.pieces is None or not _readable(src):
+            return False
+        self.pieces[si] = src
+        return True
+
+    def held(self) -> list[torch.Tensor] | None:
+        """Every segment's held slice in segment order, when all were held (else None)."""
+        if self.pieces is None or len(self.pieces) != len(self.bucket.segments):
+            return None
+        return [self.pieces[si] for si in range(len(self.bucket.segments))]
+
+    def encode(self, encoder: GradientEncoder, parity: int, step: int, hyper: dict):
+        """(codec name, encoded frames, hyperparameters) of this bucket's push at ``step``: from the
+        held slices where all were held and they can be encoded there, else from the buffer of
+        ``parity`` (the held slices copied into it first)."""
+        pieces = self.held()
+        got = None if pieces is None else encoder.encode_pieces(self.bucket, pieces, step, hyper)
+        if got is None:
+            x = self.grads[parity]
+            self.gather(x)
+            return encoder.encode(self.bucket, x, parity, step, hyper, self.finite)
+        if self.written and not any(_inside(t, self.grads[0]) for t in pieces):
+            release_pages(self.grads[0])  # (not read before a copy writes it again)
+            self.written = False
+        return got
+
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy a segment's gradient ``src`` into its place ``dst`` in the bucket's buffer."""
+        self.finite = copy_in(dst, src, self.finite)
+        self.written = True
+
+    def gather(self, dst: torch.Tensor) -> None:
+        """Copy the held slices into their places in the bucket's buffer ``dst`` (the push then
+        encodes from it, as for a bucket that copies), and hold no more this step."""
+        for si, src in (self.pieces or {}).items():
+            s = self.bucket.segments[si]
+            self.copy_in(dst.narrow(0, s.offset, s.numel), src)
+        self.pieces = None
+
+    def reset(self) -> None:
+        """After a push, or a recovery: empty, and copying until a step decides to hold."""
+        self.filled, self.finite, self.pieces = set(), True, None
+
+
+def _inside(t: torch.Tensor, buf: torch.Tensor) -> bool:
+    """Whether ``t``'s memory overlaps ``buf``'s (a held gradient that is the bucket's view)."""
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
+    return t.data_ptr() < hi and t.data_ptr() + t.numel() * t.element_size() > lo
+
+
+def _readable(src: torch.Tensor) -> bool:
+    return src.dtype == torch.float32 and src.device.type == "cpu" and src.is_contiguous()
