@@ -5,9 +5,12 @@ fill the bucket's buffer, which the push encodes (or sends as it is) and which c
 parameters' ``.grad`` (:mod:`~luwu.gpu_workers.grad_views`). A push that compresses with error
 feedback (int8 or int4 into a bf16 residual, the default once compression starts) reads its input
 once anyway, so there the segments are *held*: the bucket keeps references to the gradients' own
-slices, and the push encodes straight from them (``encode_feedback_pieces_``), without writing the
+slices, and the push encodes straight from them (``encode_pieces_``), without writing the
 gradient into the bucket and reading it back, about a third of those kernels' memory traffic. A
 held parameter keeps its own ``.grad`` (autograd's tensor; the bucket's buffer is not written).
+A streamed bucket's int8 or int4 push (no error feedback) holds too: its codes go where the copy's
+encode would have written them, over the first bytes of the buffer it borrows from the pool at the
+push, which it keeps until the node has the push.
 
 Whether a bucket holds is decided as its first segment arrives, for the whole step: the worker asks
 the encoder (:meth:`~luwu.gpu_workers.encoding.GradientEncoder.takes_pieces`). A segment the
@@ -62,18 +65,24 @@ class BucketBuf:
             return None
         return [self.pieces[si] for si in range(len(self.bucket.segments))]
 
+    def buffer(self, parity: int, lend) -> torch.Tensor:
+        """The gradient buffer of ``parity`` (a streamed bucket borrows one: ``lend(numel)``)."""
+        if not self.grads:
+            self.grads.append(lend(self.bucket.numel))
+        return self.grads[parity]
+
     def encode(self, encoder: GradientEncoder, parity: int, step: int, hyper: dict):
-        """(codec name, encoded frames, hyperparameters) of this bucket's push at ``step``: from the
-        held slices where all were held and they can be encoded there, else from the buffer of
-        ``parity`` (the held slices copied into it first)."""
-        pieces = self.held()
-        got = None if pieces is None else encoder.encode_pieces(self.bucket, pieces, step, hyper)
+        """(codec name, encoded frames, hyperparameters) of this bucket's push at ``step`` (its
+        buffer of ``parity`` in ``grads``): from the held slices where all were held and they can
+        be encoded there (a streamed bucket's codes then go into its borrowed buffer), else from the
+        buffer (the held slices copied into it first)."""
+        pieces, x = self.held(), self.grads[parity]
+        got = None if pieces is None else encoder.encode_pieces(self.bucket, pieces, step, hyper, x)
         if got is None:
-            x = self.grads[parity]
             self.gather(x)
             return encoder.encode(self.bucket, x, parity, step, hyper, self.finite)
-        if self.written and not any(_inside(t, self.grads[0]) for t in pieces):
-            release_pages(self.grads[0])  # (not read before a copy writes it again)
+        if self.written and not any(_inside(t, x) for t in [*pieces, *got[1].frames]):
+            release_pages(x)  # (not read before a copy writes it again)
             self.written = False
         return got
 

@@ -84,24 +84,35 @@ class GradientEncoder:
 
     def takes_pieces(self, b: Bucket, step: int) -> bool:
         """Whether ``b``'s push at ``step`` can be encoded from its gradients where they are (held as
-        pieces, not copied into the bucket first): a resident bucket whose codec is a blockwise one
-        with error feedback in a bf16 residual (the default), with the kernels."""
-        if self.feedback is None or b.id in self.streamed:
-            return False
-        name, ef = self.codecs.push(b, step)
-        return ef and self.feedback.takes_pieces(get_codec(name))
-
-    def encode_pieces(self, b: Bucket, pieces: list[torch.Tensor], step: int, hyper: dict):
-        """:meth:`encode` of ``b``'s gradient as the concatenation of ``pieces`` (fp32 slices of the
-        parameters' gradients, in segment order), read where they are; None when they cannot be
-        encoded that way (a NaN or an infinity among them, or what :meth:`takes_pieces` rules out):
-        the caller copies them into the bucket and calls :meth:`encode`."""
+        pieces, not copied into the bucket first), with the kernels: a resident bucket whose codec
+        is a blockwise one with error feedback in a bf16 residual (the default), or a streamed
+        bucket's blockwise push (no error feedback: its codes go where :meth:`encode` writes them
+        over the borrowed buffer)."""
         name, ef = self.codecs.push(b, step)
         codec = get_codec(name)
-        if not ef or self.feedback is None or not self.feedback.takes_pieces(codec):
+        if b.id in self.streamed:
+            return not ef and codec.takes_pieces()
+        return ef and self.feedback is not None and self.feedback.takes_pieces(codec)
+
+    def encode_pieces(
+        self, b: Bucket, pieces: list[torch.Tensor], step: int, hyper: dict, x: torch.Tensor
+    ):
+        """:meth:`encode` of ``b``'s gradient as the concatenation of ``pieces`` (fp32 slices of the
+        parameters' gradients, in segment order), read where they are (``x``: the bucket's buffer,
+        left unwritten; a streamed bucket's codes go over it); None when they cannot be encoded that
+        way (a NaN or an infinity among them, or what :meth:`takes_pieces` rules out): the caller
+        copies them into ``x`` and calls :meth:`encode`."""
+        if not self.takes_pieces(b, step):
             return None
-        out = self._frames(b, codec, name, 0, torch.float32)
-        enc = self.feedback.encode_pieces(b.id, codec, pieces, out, num_summands=self.world_size)
+        name, _ = self.codecs.push(b, step)
+        codec = get_codec(name)
+        if b.id in self.streamed:
+            (q, qdt), (blocks, _) = codec.alloc_spec(b.numel)
+            out = [x.view(qdt)[:q], torch.empty(blocks, dtype=torch.float32)]
+            enc = codec.encode_pieces_(pieces, out, num_summands=self.world_size)
+        else:
+            out = self._frames(b, codec, name, 0, torch.float32)
+            enc = self.feedback.encode_pieces(b.id, codec, pieces, out, self.world_size)
         return None if enc is None else (name, enc, hyper)
 
     def _frames(self, b: Bucket, codec, name: str, parity: int, dtype: torch.dtype):

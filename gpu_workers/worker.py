@@ -289,7 +289,7 @@ class Worker:
                 if buf.hold(si, src):  # (the push encodes it from where it is: see bucket_fill)
                     held = True
                 else:
-                    dst = self._grad_buffer(buf, self._parity(bid))
+                    dst = buf.buffer(self._parity(bid), self._lend)
                     buf.copy_in(dst.narrow(0, s.offset, s.numel), src)
                 buf.filled.add(si)
                 if len(buf.filled) == len(buf.bucket.segments):
@@ -303,11 +303,9 @@ class Worker:
             for buf in full:
                 self._push(buf, self._parity(buf.bucket.id), (), partial=partial)
 
-    def _grad_buffer(self, buf: BucketBuf, parity: int) -> torch.Tensor:
-        """The gradient buffer of ``buf`` this step fills (a streamed bucket borrows one)."""
-        if not buf.grads:
-            buf.grads.append(self.pool.take(buf.bucket.numel, self._reclaim))
-        return buf.grads[parity]
+    def _lend(self, numel: int) -> torch.Tensor:
+        """A buffer of the pool for a streamed bucket, until the node has its push."""
+        return self.pool.take(numel, self._reclaim)
 
     def _reclaim(self) -> bool:
         """Wait until the node has received one of the streamed pushes still holding a buffer (its
@@ -350,7 +348,7 @@ class Worker:
                     todo.append(buf)
         for buf in todo:
             nograd, parity = [], self._parity(buf.bucket.id)
-            g = self._grad_buffer(buf, parity)
+            g = buf.buffer(parity, self._lend)
             buf.reset()  # (every segment written again)
             for si, s in enumerate(buf.bucket.segments):
                 grad = self.params[s.param].grad
@@ -366,7 +364,7 @@ class Worker:
             self._push(buf, parity, tuple(nograd))
 
     def _push(self, buf: BucketBuf, parity: int, nograd: tuple, partial: bool = False) -> None:
-        b, step, x = buf.bucket, self.step_num, buf.grads[parity]
+        b, step, x = buf.bucket, self.step_num, buf.buffer(parity, self._lend)
         name, enc, hyper = buf.encode(self.encoder, parity, step, self._hyper_of(b.group))
         streamed = b.id in self.streamed
         pull = self.streamer.reply_codec(b, step) if streamed else self.codecs.pull(b, step)

@@ -84,35 +84,40 @@ static inline void int8_block(const float *restrict y, float *restrict r, int8_t
 /* Encode n floats: x (+= into residual first when residual is not NULL) -> codes q (int8, or int4
  * packed two per byte: low nibble first, nibble = code + 8; an odd tail pads with code 0) and one
  * scale per block. `scratch` holds `block` floats. */
+/* One block of luwu_block_encode: the `m` floats `y` (the residual itself, `r`, when there is one:
+ * x already added into it) -> its codes at q's `start`, its scale, and what the residual keeps. */
+static inline void encode_block(const float *y, float *r, void *q, float *scales, int64_t start, int64_t b,
+                                int64_t m, int32_t bits, float levels, float floor_, float *scratch) {
+    if (bits == 8) { /* the common case in one pass after the amax; a non-finite block below */
+        float s = block_amax(y, m);
+        if (finite(s)) {
+            if (s < floor_) s = floor_;
+            const float sc = s / levels;
+            scales[b] = sc;
+            int8_block(y, r, (int8_t *)q + start, m, (1.0f / s) * levels, sc);
+            return;
+        }
+    }
+    const float sc = quantize(y, scratch, m, levels, floor_);
+    scales[b] = sc;
+    if (r && finite(sc))
+        for (int64_t i = 0; i < m; i++) r[i] = r[i] - scratch[i] * sc;
+    store_codes(q, start, scratch, m, bits);
+}
+
 void luwu_block_encode(const float *x, float *residual, void *q, float *scales, int64_t n, int64_t block,
                        int32_t bits, float levels, float floor_, float *scratch) {
-    int8_t *q8 = (int8_t *)q;
     for (int64_t start = 0, b = 0; start < n; start += block, b++) {
         const int64_t m = n - start < block ? n - start : block;
         const float *y = x + start;
-        if (residual) {
-            float *restrict r = residual + start;
+        float *r = residual ? residual + start : NULL;
+        if (r) {
             const float *restrict xs = x + start;
-            for (int64_t i = 0; i < m; i++) r[i] = r[i] + xs[i];
+            float *restrict rr = r;
+            for (int64_t i = 0; i < m; i++) rr[i] = rr[i] + xs[i];
             y = r;
         }
-        if (bits == 8) {  /* the common case in one pass after the amax; a non-finite block below */
-            float s = block_amax(y, m);
-            if (finite(s)) {
-                if (s < floor_) s = floor_;
-                const float sc = s / levels;
-                scales[b] = sc;
-                int8_block(y, residual ? residual + start : NULL, q8 + start, m, (1.0f / s) * levels, sc);
-                continue;
-            }
-        }
-        const float sc = quantize(y, scratch, m, levels, floor_);
-        scales[b] = sc;
-        if (residual && finite(sc)) {
-            float *r = residual + start;
-            for (int64_t i = 0; i < m; i++) r[i] = r[i] - scratch[i] * sc;
-        }
-        store_codes(q, start, scratch, m, bits);
+        encode_block(y, r, q, scales, start, b, m, bits, levels, floor_, scratch);
     }
 }
 
@@ -232,13 +237,14 @@ static int32_t any_nonfinite(const float *x, int64_t n) {
     return a >= 0x7f800000u;
 }
 
-/* luwu_block_encode_bf16res of the concatenation of `npieces` float arrays (pieces[k], lens[k] floats each,
- * n in all) without copying them together first: a bucket's push encoded straight from its parameters'
- * gradients (gpu_workers/bucket_fill.py). The same codes, scales and residual, bit for bit; a block that
- * spans pieces is gathered into scratch. Returns 1, having written nothing, when a piece holds a NaN or an
- * infinity (checked first: that push goes uncompressed, and its residual stays as it was); else 0.
+/* luwu_block_encode_bf16res (residual NULL: luwu_block_encode without one) of the concatenation of
+ * `npieces` float arrays (pieces[k], lens[k] floats each, n in all) without copying them together first:
+ * a bucket's push encoded straight from its parameters' gradients (gpu_workers/bucket_fill.py). The same
+ * codes, scales and residual, bit for bit; a block that spans pieces is gathered into scratch. Returns 1,
+ * having written nothing, when a piece holds a NaN or an infinity (checked first: that push goes
+ * uncompressed, and its residual stays as it was); 2 when the pieces do not add up to n; else 0.
  * `scratch` holds 3 * `block` floats. */
-int32_t luwu_block_encode_bf16res_pieces(const float *const *pieces, const int64_t *lens, int32_t npieces,
+int32_t luwu_block_encode_pieces(const float *const *pieces, const int64_t *lens, int32_t npieces,
                                          uint16_t *residual, void *q, float *scales, int64_t n, int64_t block,
                                          int32_t bits, float levels, float floor_, float *scratch) {
     int64_t total = 0;
@@ -265,8 +271,11 @@ int32_t luwu_block_encode_bf16res_pieces(const float *const *pieces, const int64
             }
             xs = gather;
         }
-        bf16res_block(xs, residual + start, q, scales, start, b, m, bits, levels, floor_, scratch + block,
-                      scratch);
+        if (residual)
+            bf16res_block(xs, residual + start, q, scales, start, b, m, bits, levels, floor_, scratch + block,
+                          scratch);
+        else
+            encode_block(xs, NULL, q, scales, start, b, m, bits, levels, floor_, scratch);
     }
     return 0;
 }

@@ -174,11 +174,7 @@ class ErrorFeedback:
     def takes_pieces(self, codec: Codec) -> bool:
         """Whether :meth:`encode_pieces` may encode for ``codec``: a bf16 residual, a codec that reads
         its input in pieces (int8, int4), and the kernels."""
-        return (
-            self.dtype == torch.bfloat16
-            and hasattr(codec, "encode_feedback_pieces_")
-            and codec.takes_bf16_residual(torch.empty(0))
-        )
+        return self.dtype == torch.bfloat16 and codec.takes_pieces()
 
     def encode_pieces(
         self,
@@ -194,7 +190,7 @@ class ErrorFeedback:
         if not self.takes_pieces(codec):
             return None
         r = self._residual(key, sum(t.numel() for t in pieces))
-        enc = codec.encode_feedback_pieces_(pieces, r, out, num_summands=num_summands)
+        enc = codec.encode_pieces_(pieces, out, residual=r, num_summands=num_summands)
         if enc is not None:
             self._dirty.add(key)
             self._vel.pop(key, None)

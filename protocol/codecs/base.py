@@ -257,6 +257,11 @@ class Codec:
         (else the caller widens it to fp32 around the call)."""
         return False
 
+    def takes_pieces(self) -> bool:
+        """Whether ``encode_pieces_`` encodes (blockwise codecs, with the kernels): input in pieces,
+        read where they are, not copied together first."""
+        return False
+
     def clear_sent_(self, t: torch.Tensor, enc: Encoded) -> None:
         """Zero the elements of ``t`` that ``enc`` (this codec's own encode) carried: sparse codecs only."""
         raise ConfigError(

@@ -216,40 +216,48 @@ class _BlockCodec(Codec):
     def takes_bf16_residual(self, x: torch.Tensor) -> bool:
         return native.kernels() is not None and _flat((x,), ())
 
-    def encode_feedback_pieces_(
+    def takes_pieces(self) -> bool:
+        return native.kernels() is not None
+
+    def encode_pieces_(
         self,
         pieces: list[torch.Tensor],
-        residual: torch.Tensor,
         out: list[torch.Tensor],
         *,
+        residual: torch.Tensor | None = None,
         num_summands: int = 1,
     ) -> Encoded | None:
-        """:meth:`encode_feedback_` of the concatenation of ``pieces`` with a bf16 ``residual``, read
-        where they are (a bucket's gradients in their parameters' own memory, not copied together
-        first): the same frames and residual, bit for bit. None, with nothing written, where a piece
-        holds a NaN or an infinity (that push goes uncompressed and keeps its residual) or the
-        kernels cannot take the tensors: the caller then copies the pieces together and encodes
-        those."""
+        """:meth:`encode` (with a bf16 ``residual``: :meth:`encode_feedback_`) of the concatenation of
+        ``pieces``, read where they are (a bucket's gradients in their parameters' own memory, not
+        copied together first): the same frames and residual, bit for bit. None, with nothing
+        written, where a piece holds a NaN or an infinity (that push goes uncompressed and keeps its
+        residual) or the kernels cannot take the tensors: the caller then copies the pieces together
+        and encodes those."""
         lib = native.kernels()
         n = sum(t.numel() for t in pieces)
         if (
             lib is None
             or not pieces
-            or residual.dtype != torch.bfloat16
-            or not residual.is_contiguous()
-            or residual.numel() != n
             or not _flat(tuple(pieces), ())
             or not _flat((out[1],), (out[0],))
+            or (
+                residual is not None
+                and (
+                    residual.dtype != torch.bfloat16
+                    or not residual.is_contiguous()
+                    or residual.numel() != n
+                )
+            )
         ):
             return None
         _check_summands(num_summands)
         self._check_out(out, n)
         k = len(pieces)
-        bad = lib.luwu_block_encode_bf16res_pieces(
+        bad = lib.luwu_block_encode_pieces(
             (ctypes.c_void_p * k)(*(t.data_ptr() for t in pieces)),
             (ctypes.c_int64 * k)(*(t.numel() for t in pieces)),
             k,
-            residual.data_ptr(),
+            0 if residual is None else residual.data_ptr(),
             out[0].data_ptr(),
             out[1].data_ptr(),
             n,

@@ -3,7 +3,8 @@ through real nodes, int8 with error feedback in a bf16 residual (the defaults on
 starts), buckets that pack several parameters and parameters split over buckets, with blocks that
 span two parameters. Holding the gradients trains bit for bit as copying them into the buckets did:
 the same weights, residuals and ``.grad`` values every step; every push was encoded from the held
-gradients, and each parameter kept autograd's own ``.grad``."""
+gradients, and each parameter kept autograd's own ``.grad``. In streaming mode too (int8 without
+error feedback, the codes in the bucket's borrowed buffer): the same losses and final weights."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def _train(hold: bool, monkeypatch) -> dict:
     encoded = []
     real = GradientEncoder.encode_pieces
 
-    def counted(self, b, pieces, step, hyper):
-        got = real(self, b, pieces, step, hyper)
+    def counted(self, b, pieces, step, hyper, x):
+        got = real(self, b, pieces, step, hyper, x)
         encoded.append((step, b.id, got is not None))
         return got
 
@@ -121,3 +122,61 @@ def test_the_buffer_of_a_bucket_that_holds_is_given_back(cluster1):
             opt.synchronize()
     finally:
         opt.close()
+
+
+def _train_streaming(hold: bool, monkeypatch) -> tuple[list[float], dict, list]:
+    from workers.stream import make_model
+
+    if not hold:
+        monkeypatch.setattr(GradientEncoder, "takes_pieces", lambda self, b, step: False)
+    encoded = []
+    real = GradientEncoder.encode_pieces
+
+    def counted(self, b, pieces, step, hyper, x):
+        got = real(self, b, pieces, step, hyper, x)
+        encoded.append((b.id in self.streamed, got is not None and got[0]))
+        return got
+
+    monkeypatch.setattr(GradientEncoder, "encode_pieces", counted)
+    model = make_model({"seed": 0, "blocks": 3, "width": 32})
+    cfg = CompressionConfig(
+        large_codec="int8", warmup_steps=0, small_numel=16, link_gbps=1.0, pull_codec="none"
+    )
+    losses = []
+    with luwu.local_cluster(1) as cluster:
+        opt = luwu.RemoteOptimizer(
+            model,
+            nodes=cluster.addresses,
+            lr=0.01,
+            compression=cfg,
+            stream_weights=True,
+            bucket_bytes=2048,
+            rank=0,
+            world_size=1,
+        )
+        try:
+            g = torch.Generator().manual_seed(4)
+            for _ in range(STEPS):
+                opt.zero_grad()
+                loss = model(torch.randn(8, 20, generator=g)).square().mean()
+                loss.backward()
+                losses.append(loss.item())
+                opt.step()
+            state = {k: v.clone() for k, v in opt.model_state_dict().items()}
+        finally:
+            opt.close()
+    monkeypatch.undo()
+    return losses, state, encoded
+
+
+@pytest.mark.timeout(120)
+def test_a_streamed_push_from_the_held_gradients_trains_as_the_copy(monkeypatch):
+    (losses, state, encoded), (losses2, state2, encoded2) = (
+        _train_streaming(True, monkeypatch),
+        _train_streaming(False, monkeypatch),
+    )
+    assert "int8" in {name for streamed, name in encoded if streamed}, encoded
+    assert encoded2 == []
+    assert losses == losses2 and losses[0] != losses[-1]
+    assert state.keys() == state2.keys()
+    assert all(torch.equal(state[k], state2[k]) for k in state)
