@@ -31,7 +31,9 @@ def _model() -> torch.nn.Module:
     )
 
 
-def _train(hold: bool, monkeypatch) -> dict:
+def _patch(monkeypatch, hold: bool) -> list:
+    """Copy into the buckets instead of holding (``hold`` False); the list of the encodes from held
+    gradients, (step, bucket, streamed, codec name or None when it could not) each."""
     if not hold:
         monkeypatch.setattr(GradientEncoder, "takes_pieces", lambda self, b, step: False)
     encoded = []
@@ -39,10 +41,15 @@ def _train(hold: bool, monkeypatch) -> dict:
 
     def counted(self, b, pieces, step, hyper, x):
         got = real(self, b, pieces, step, hyper, x)
-        encoded.append((step, b.id, got is not None))
+        encoded.append((step, b.id, b.id in self.streamed, got and got[0]))
         return got
 
     monkeypatch.setattr(GradientEncoder, "encode_pieces", counted)
+    return encoded
+
+
+def _train(hold: bool, monkeypatch) -> dict:
+    encoded = _patch(monkeypatch, hold)
     model = _model()
     cfg = CompressionConfig(
         large_codec="int8", warmup_steps=0, small_numel=16, link_gbps=1.0, pull_codec="none"
@@ -83,7 +90,7 @@ def test_holding_the_gradients_trains_bit_for_bit_as_copying_them(monkeypatch):
     # 6 buckets, the last too small to pay for int8 (fp32): every other push from what it held
     assert held["buckets"] == 6
     assert len(held["encoded"]) == STEPS * 5
-    assert all(ok for _, _, ok in held["encoded"])
+    assert all(name == "int8" for *_, name in held["encoded"])
     assert copied["encoded"] == []
     for name in ("grads", "weights"):
         for a, b in zip(held[name], copied[name], strict=True):
@@ -127,17 +134,7 @@ def test_the_buffer_of_a_bucket_that_holds_is_given_back(cluster1):
 def _train_streaming(hold: bool, monkeypatch) -> tuple[list[float], dict, list]:
     from workers.stream import make_model
 
-    if not hold:
-        monkeypatch.setattr(GradientEncoder, "takes_pieces", lambda self, b, step: False)
-    encoded = []
-    real = GradientEncoder.encode_pieces
-
-    def counted(self, b, pieces, step, hyper, x):
-        got = real(self, b, pieces, step, hyper, x)
-        encoded.append((b.id in self.streamed, got is not None and got[0]))
-        return got
-
-    monkeypatch.setattr(GradientEncoder, "encode_pieces", counted)
+    encoded = _patch(monkeypatch, hold)
     model = make_model({"seed": 0, "blocks": 3, "width": 32})
     cfg = CompressionConfig(
         large_codec="int8", warmup_steps=0, small_numel=16, link_gbps=1.0, pull_codec="none"
@@ -175,7 +172,7 @@ def test_a_streamed_push_from_the_held_gradients_trains_as_the_copy(monkeypatch)
         _train_streaming(True, monkeypatch),
         _train_streaming(False, monkeypatch),
     )
-    assert "int8" in {name for streamed, name in encoded if streamed}, encoded
+    assert "int8" in {name for _, _, streamed, name in encoded if streamed}, encoded
     assert encoded2 == []
     assert losses == losses2 and losses[0] != losses[-1]
     assert state.keys() == state2.keys()
