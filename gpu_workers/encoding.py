@@ -88,11 +88,16 @@ class GradientEncoder:
         is a blockwise one with error feedback in a bf16 residual (the default), or a streamed
         bucket's blockwise push (no error feedback: its codes go where :meth:`encode` writes them
         over the borrowed buffer)."""
+        return self._pieces_codec(b, step) is not None
+
+    def _pieces_codec(self, b: Bucket, step: int) -> str | None:
+        """The codec of ``b``'s push at ``step`` when it can encode held pieces (else None)."""
         name, ef = self.codecs.push(b, step)
         codec = get_codec(name)
         if b.id in self.streamed:
-            return not ef and codec.takes_pieces()
-        return ef and self.feedback is not None and self.feedback.takes_pieces(codec)
+            return name if not ef and codec.takes_pieces() else None
+        ok = ef and self.feedback is not None and self.feedback.takes_pieces(codec)
+        return name if ok else None
 
     def encode_pieces(
         self, b: Bucket, pieces: list[torch.Tensor], step: int, hyper: dict, x: torch.Tensor
@@ -102,9 +107,9 @@ class GradientEncoder:
         left unwritten; a streamed bucket's codes go over it); None when they cannot be encoded that
         way (a NaN or an infinity among them, or what :meth:`takes_pieces` rules out): the caller
         copies them into ``x`` and calls :meth:`encode`."""
-        if not self.takes_pieces(b, step):
+        name = self._pieces_codec(b, step)
+        if name is None:
             return None
-        name, _ = self.codecs.push(b, step)
         codec = get_codec(name)
         if b.id in self.streamed:
             (q, qdt), (blocks, _) = codec.alloc_spec(b.numel)
