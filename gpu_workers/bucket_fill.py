@@ -2,26 +2,26 @@
 
 A bucket's segments are slices of its parameters' gradients. Copied in (:func:`copy_in`), they
 fill the bucket's buffer, which the push encodes (or sends as it is) and which can then be the
-parameters' ``.grad`` (:mod:`~luwu.gpu_workers.grad_views`). A push that compresses with error
-feedback (int8 or int4 into a bf16 residual, the default once compression starts) reads its input
-once anyway, so there the segments are *held*: the bucket keeps references to the gradients' own
-slices, and the push encodes straight from them (``encode_pieces_``), without writing the
-gradient into the bucket and reading it back, about a third of those kernels' memory traffic. A
-held parameter keeps its own ``.grad`` (autograd's tensor; the bucket's buffer is not written).
-A streamed bucket's int8 or int4 push (no error feedback) holds too: its codes go where the copy's
-encode would have written them, over the first bytes of the buffer it borrows from the pool at the
-push, which it keeps until the node has the push.
+parameters' ``.grad`` (:mod:`~luwu.gpu_workers.grad_views`): autograd's tensor is freed as soon as
+it is copied. A resident bucket always copies.
+
+A streamed bucket's int8 or int4 push (no error feedback) *holds* its segments instead: the bucket
+keeps references to the gradients' own slices, and the push encodes straight from them
+(``encode_pieces_``), its codes going where the copy's encode would have written them, over the
+first bytes of the buffer it borrows from the pool at the push (kept until the node has the push).
+That saves writing the gradient into the bucket and reading it back.
+
+Why a resident bucket does not hold: a held gradient stays autograd's tensor until ``zero_grad()``,
+and the next backward's gradients then do not fit the holes the last step's left in the heap (the
+allocator's aligned chunks are larger than the freed ones), so about 2.4 B a parameter of freed
+memory stays resident at the peak (``benchmarks/results/heap_trace_issue36.md``), for a few ms a
+step of saved copying. Copying frees each gradient at once, into a hole the next one reuses.
 
 Whether a bucket holds is decided as its first segment arrives, for the whole step: the worker asks
 the encoder (:meth:`~luwu.gpu_workers.encoding.GradientEncoder.takes_pieces`). A segment the
 kernels cannot take (not fp32, not contiguous, on a GPU) is copied in, and the push then copies the
 held ones in too (:meth:`BucketBuf.gather`); so does a push whose pieces hold a NaN or an infinity
-(it goes uncompressed, and the residual stays as it was).
-
-Memory: the gradient lives once, in autograd's tensors, while the bucket's buffer is unused. Its
-pages, written in the steps that copied (the warm-up's bf16 pushes), are given back to the system
-at the first push that holds (:func:`~luwu.protocol.memory.release_pages`), unless a held gradient
-is that very memory (a ``.grad`` still the bucket's view, kept by ``zero_grad(set_to_none=False)``).
+(it goes uncompressed).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import torch
 
 from luwu.gpu_workers.grad_views import copy_in
 from luwu.protocol.layout import Bucket
-from luwu.protocol.memory import release_pages
 
 if TYPE_CHECKING:
     from luwu.gpu_workers.encoding import GradientEncoder
@@ -49,7 +48,6 @@ class BucketBuf:
     partials: int = 0  # micro-batch pushes this step (no_sync() in streaming mode: node sums)
     finite: bool | None = True  # its gradients as copied in: all finite (None: not all checked)
     pieces: dict[int, torch.Tensor] | None = None  # held segments (this step holds: not None)
-    written: bool = False  # its buffer holds gradients copied in since its pages were given back
 
     def hold(self, si: int, src: torch.Tensor) -> bool:
         """Keep segment ``si``'s gradient slice ``src`` for the push instead of copying it in, if this
@@ -74,22 +72,18 @@ class BucketBuf:
     def encode(self, encoder: GradientEncoder, parity: int, step: int, hyper: dict):
         """(codec name, encoded frames, hyperparameters) of this bucket's push at ``step`` (its
         buffer of ``parity`` in ``grads``): from the held slices where all were held and they can
-        be encoded there (a streamed bucket's codes then go into its borrowed buffer), else from the
+        be encoded there (a streamed bucket's: its codes go into its borrowed buffer), else from the
         buffer (the held slices copied into it first)."""
         pieces, x = self.held(), self.grads[parity]
         got = None if pieces is None else encoder.encode_pieces(self.bucket, pieces, step, hyper, x)
         if got is None:
             self.gather(x)
             return encoder.encode(self.bucket, x, parity, step, hyper, self.finite)
-        if self.written and not any(_inside(t, x) for t in [*pieces, *got[1].frames]):
-            release_pages(x)  # (not read before a copy writes it again)
-            self.written = False
         return got
 
     def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy a segment's gradient ``src`` into its place ``dst`` in the bucket's buffer."""
         self.finite = copy_in(dst, src, self.finite)
-        self.written = True
 
     def gather(self, dst: torch.Tensor) -> None:
         """Copy the held slices into their places in the bucket's buffer ``dst`` (the push then
@@ -102,12 +96,6 @@ class BucketBuf:
     def reset(self) -> None:
         """After a push, or a recovery: empty, and copying until a step decides to hold."""
         self.filled, self.finite, self.pieces = set(), True, None
-
-
-def _inside(t: torch.Tensor, buf: torch.Tensor) -> bool:
-    """Whether ``t``'s memory overlaps ``buf``'s (a held gradient that is the bucket's view)."""
-    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size()
-    return t.data_ptr() < hi and t.data_ptr() + t.numel() * t.element_size() > lo
 
 
 def _readable(src: torch.Tensor) -> bool:

@@ -84,40 +84,33 @@ class GradientEncoder:
 
     def takes_pieces(self, b: Bucket, step: int) -> bool:
         """Whether ``b``'s push at ``step`` can be encoded from its gradients where they are (held as
-        pieces, not copied into the bucket first), with the kernels: a resident bucket whose codec
-        is a blockwise one with error feedback in a bf16 residual (the default), or a streamed
-        bucket's blockwise push (no error feedback: its codes go where :meth:`encode` writes them
-        over the borrowed buffer)."""
+        pieces, not copied into the bucket first), with the kernels: a streamed bucket's blockwise
+        push (no error feedback: its codes go where :meth:`encode` writes them over the borrowed
+        buffer). A resident bucket copies (see :mod:`~luwu.gpu_workers.bucket_fill`)."""
         return self._pieces_codec(b, step) is not None
 
     def _pieces_codec(self, b: Bucket, step: int) -> str | None:
         """The codec of ``b``'s push at ``step`` when it can encode held pieces (else None)."""
+        if b.id not in self.streamed:
+            return None
         name, ef = self.codecs.push(b, step)
-        codec = get_codec(name)
-        if b.id in self.streamed:
-            return name if not ef and codec.takes_pieces() else None
-        ok = ef and self.feedback is not None and self.feedback.takes_pieces(codec)
-        return name if ok else None
+        return name if not ef and get_codec(name).takes_pieces() else None
 
     def encode_pieces(
         self, b: Bucket, pieces: list[torch.Tensor], step: int, hyper: dict, x: torch.Tensor
     ):
-        """:meth:`encode` of ``b``'s gradient as the concatenation of ``pieces`` (fp32 slices of the
-        parameters' gradients, in segment order), read where they are (``x``: the bucket's buffer,
-        left unwritten; a streamed bucket's codes go over it); None when they cannot be encoded that
+        """:meth:`encode` of streamed ``b``'s gradient as the concatenation of ``pieces`` (fp32
+        slices of the parameters' gradients, in segment order), read where they are, its codes
+        written over ``x`` (the bucket's borrowed buffer); None when they cannot be encoded that
         way (a NaN or an infinity among them, or what :meth:`takes_pieces` rules out): the caller
         copies them into ``x`` and calls :meth:`encode`."""
         name = self._pieces_codec(b, step)
         if name is None:
             return None
         codec = get_codec(name)
-        if b.id in self.streamed:
-            (q, qdt), (blocks, _) = codec.alloc_spec(b.numel)
-            out = [x.view(qdt)[:q], torch.empty(blocks, dtype=torch.float32)]
-            enc = codec.encode_pieces_(pieces, out, num_summands=self.world_size)
-        else:
-            out = self._frames(b, codec, name, 0, torch.float32)
-            enc = self.feedback.encode_pieces(b.id, codec, pieces, out, self.world_size)
+        (q, qdt), (blocks, _) = codec.alloc_spec(b.numel)
+        out = [x.view(qdt)[:q], torch.empty(blocks, dtype=torch.float32)]
+        enc = codec.encode_pieces_(pieces, out, num_summands=self.world_size)
         return None if enc is None else (name, enc, hyper)
 
     def _frames(self, b: Bucket, codec, name: str, parity: int, dtype: torch.dtype):

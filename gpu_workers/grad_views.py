@@ -13,9 +13,8 @@ Which parameters: those whose gradient fills one whole segment of a resident, no
 contiguous, of the buffer's dtype and in host memory (a parameter split over buckets, a delayed
 bucket's two buffers, a streamed unit's borrowed buffer, a bf16 parameter against an fp32 buffer or
 a parameter on a GPU keep their own ``p.grad``: a CUDA parameter's gradient stays on its device and
-is copied into the host bucket). So does a parameter whose bucket holds its gradient where it is
-for a push that encodes from there (:mod:`~luwu.gpu_workers.bucket_fill`: int8 with error feedback,
-the default after the warm-up): the gradient still lives once, as autograd's tensor.
+is copied into the host bucket). A streamed bucket's int8 or int4 push encodes its gradients where
+they are (:mod:`~luwu.gpu_workers.bucket_fill`), and those keep autograd's tensor too.
 
 What it asks of a training script: ``p.grad`` after ``backward()`` is the gradient as this worker
 pushed it. An uncompressed push sends the buffer itself (zero copy) while ``step()`` may already

@@ -237,23 +237,22 @@ static int32_t any_nonfinite(const float *x, int64_t n) {
     return a >= 0x7f800000u;
 }
 
-/* luwu_block_encode_bf16res (residual NULL: luwu_block_encode without one) of the concatenation of
- * `npieces` float arrays (pieces[k], lens[k] floats each, n in all) without copying them together first:
- * a bucket's push encoded straight from its parameters' gradients (gpu_workers/bucket_fill.py). The same
- * codes, scales and residual, bit for bit; a block that spans pieces is gathered into scratch. Returns 1,
- * having written nothing, when a piece holds a NaN or an infinity (checked first: that push goes
- * uncompressed, and its residual stays as it was); 2 when the pieces do not add up to n; else 0.
- * `scratch` holds 3 * `block` floats. */
-int32_t luwu_block_encode_pieces(const float *const *pieces, const int64_t *lens, int32_t npieces,
-                                         uint16_t *residual, void *q, float *scales, int64_t n, int64_t block,
-                                         int32_t bits, float levels, float floor_, float *scratch) {
+/* luwu_block_encode of the concatenation of `npieces` float arrays (pieces[k], lens[k] floats each, n in
+ * all) without copying them together first: a streamed bucket's push encoded straight from its parameters'
+ * gradients (gpu_workers/bucket_fill.py). The same codes and scales, bit for bit; a block that spans pieces
+ * is gathered into scratch. Returns 1, having written nothing, when a piece holds a NaN or an infinity
+ * (checked first: that push goes uncompressed); 2 when the pieces do not add up to n; else 0. `scratch`
+ * holds 2 * `block` floats. */
+int32_t luwu_block_encode_pieces(const float *const *pieces, const int64_t *lens, int32_t npieces, void *q,
+                                 float *scales, int64_t n, int64_t block, int32_t bits, float levels,
+                                 float floor_, float *scratch) {
     int64_t total = 0;
     for (int32_t k = 0; k < npieces; k++) {
         if (any_nonfinite(pieces[k], lens[k])) return 1;
         total += lens[k];
     }
     if (total != n) return 2;
-    float *gather = scratch + 2 * block;
+    float *gather = scratch + block;
     int32_t k = 0;
     int64_t at = 0; /* position in piece k */
     for (int64_t start = 0, b = 0; start < n; start += block, b++) {
@@ -271,11 +270,7 @@ int32_t luwu_block_encode_pieces(const float *const *pieces, const int64_t *lens
             }
             xs = gather;
         }
-        if (residual)
-            bf16res_block(xs, residual + start, q, scales, start, b, m, bits, levels, floor_, scratch + block,
-                          scratch);
-        else
-            encode_block(xs, NULL, q, scales, start, b, m, bits, levels, floor_, scratch);
+        encode_block(xs, NULL, q, scales, start, b, m, bits, levels, floor_, scratch);
     }
     return 0;
 }

@@ -171,31 +171,6 @@ class ErrorFeedback:
         )  # momentum factor masking: what was sent carries its momentum with it
         return enc
 
-    def takes_pieces(self, codec: Codec) -> bool:
-        """Whether :meth:`encode_pieces` may encode for ``codec``: a bf16 residual, a codec that reads
-        its input in pieces (int8, int4), and the kernels."""
-        return self.dtype == torch.bfloat16 and codec.takes_pieces()
-
-    def encode_pieces(
-        self,
-        key: Hashable,
-        codec: Codec,
-        pieces: list[torch.Tensor],
-        out: list[torch.Tensor],
-        num_summands: int = 1,
-    ) -> Encoded | None:
-        """:meth:`encode` of the concatenation of ``pieces``, read where they are (without momentum
-        correction): None, with the residual untouched, where a piece is not all finite or the
-        codec cannot take them (the caller copies them together and calls :meth:`encode`)."""
-        if not self.takes_pieces(codec):
-            return None
-        r = self._residual(key, sum(t.numel() for t in pieces))
-        enc = codec.encode_pieces_(pieces, out, residual=r, num_summands=num_summands)
-        if enc is not None:
-            self._dirty.add(key)
-            self._vel.pop(key, None)
-        return enc
-
     def reset(self, key: Hashable | None = None) -> None:
         """Forget residuals (all, or one key): after a rollback, or a layout change."""
         if key is None:

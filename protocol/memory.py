@@ -86,9 +86,9 @@ def trim_heap() -> None:
         _malloc_trim(0)
 
 
-#: madvise(2)'s MADV_DONTNEED and MADV_HUGEPAGE (Linux), and the smallest storage worth advising
-#: huge pages for (two huge pages)
-MADV_DONTNEED, MADV_HUGEPAGE, HUGE_ADVICE_MIN_BYTES = 4, 14, 4 << 20
+#: madvise(2)'s MADV_HUGEPAGE (Linux), and the smallest storage worth advising huge pages for (two
+#: huge pages)
+MADV_HUGEPAGE, HUGE_ADVICE_MIN_BYTES = 14, 4 << 20
 _madvise = None
 
 
@@ -130,20 +130,3 @@ def advise_huge_pages(storage: torch.UntypedStorage) -> None:
                 ctypes.get_errno(),
             )
             _madvise = False
-
-
-def release_pages(t: torch.Tensor) -> int:
-    """Give the whole 4 KiB pages under contiguous CPU tensor ``t`` back to the system (Linux
-    ``madvise(MADV_DONTNEED)`` on private memory): they read as zeros after and are faulted in
-    afresh when next written; the partial pages at its two ends stay. For a buffer left unused for
-    a while (a bucket whose pushes encode from the gradients where they are). Returns the bytes
-    given back (0 elsewhere, or for a tensor on an accelerator)."""
-    madvise = _madvise_fn()
-    if not madvise or t.device.type != "cpu" or not t.is_contiguous():
-        return 0
-    page = mmap.PAGESIZE
-    lo = -(-t.data_ptr() // page) * page
-    hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    if hi <= lo or madvise(lo, hi - lo, MADV_DONTNEED) != 0:
-        return 0
-    return hi - lo

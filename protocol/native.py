@@ -163,7 +163,7 @@ def _load() -> ctypes.CDLL:
         lib.luwu_block_decode_pair,
     ):
         f.restype = None
-    lib.luwu_block_encode_pieces.argtypes = [p, p, i32, p, p, p, i64, i64, i32, f32, f32, p]
+    lib.luwu_block_encode_pieces.argtypes = [p, p, i32, p, p, i64, i64, i32, f32, f32, p]
     lib.luwu_block_encode_pieces.restype = i32
     lib.luwu_copy_nonfinite.argtypes = [p, p, i64]
     lib.luwu_copy_nonfinite.restype = i32

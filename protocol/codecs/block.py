@@ -220,19 +220,13 @@ class _BlockCodec(Codec):
         return native.kernels() is not None
 
     def encode_pieces_(
-        self,
-        pieces: list[torch.Tensor],
-        out: list[torch.Tensor],
-        *,
-        residual: torch.Tensor | None = None,
-        num_summands: int = 1,
+        self, pieces: list[torch.Tensor], out: list[torch.Tensor], *, num_summands: int = 1
     ) -> Encoded | None:
-        """:meth:`encode` (with a bf16 ``residual``: :meth:`encode_feedback_`) of the concatenation of
-        ``pieces``, read where they are (a bucket's gradients in their parameters' own memory, not
-        copied together first): the same frames and residual, bit for bit. None, with nothing
-        written, where a piece holds a NaN or an infinity (that push goes uncompressed and keeps its
-        residual) or the kernels cannot take the tensors: the caller then copies the pieces together
-        and encodes those."""
+        """:meth:`encode` of the concatenation of ``pieces``, read where they are (a streamed
+        bucket's gradients in their parameters' own memory, not copied together first): the same
+        frames, bit for bit. None, with nothing written, where a piece holds a NaN or an infinity
+        (that push goes uncompressed) or the kernels cannot take the tensors: the caller then
+        copies the pieces together and encodes those."""
         lib = native.kernels()
         n = sum(t.numel() for t in pieces)
         if (
@@ -240,14 +234,6 @@ class _BlockCodec(Codec):
             or not pieces
             or not _flat(tuple(pieces), ())
             or not _flat((out[1],), (out[0],))
-            or (
-                residual is not None
-                and (
-                    residual.dtype != torch.bfloat16
-                    or not residual.is_contiguous()
-                    or residual.numel() != n
-                )
-            )
         ):
             return None
         _check_summands(num_summands)
@@ -257,7 +243,6 @@ class _BlockCodec(Codec):
             (ctypes.c_void_p * k)(*(t.data_ptr() for t in pieces)),
             (ctypes.c_int64 * k)(*(t.numel() for t in pieces)),
             k,
-            0 if residual is None else residual.data_ptr(),
             out[0].data_ptr(),
             out[1].data_ptr(),
             n,
@@ -265,7 +250,7 @@ class _BlockCodec(Codec):
             self.bits,
             float(self.levels),
             SCALE_FLOOR,
-            self._scratch("native", 3 * self.block).data_ptr(),
+            self._scratch("native", 2 * self.block).data_ptr(),
         )
         return None if bad else Encoded({"block": self.block}, list(out))
 

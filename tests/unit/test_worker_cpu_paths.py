@@ -7,9 +7,9 @@
 - A ``bf16_steps`` reply to a bucket of several parameters steps each parameter's slice where it is
   (``decode_add_segments_``): the same bits as stepping a staging buffer gathered from them, and a
   reply that does not add up is refused before anything is written.
-- A push that compresses with error feedback is encoded from its gradients where they are
-  (``encode_pieces_``), and so is a streamed push (no residual): the bits of copying them together
-  first, and nothing written when one holds a NaN or an infinity.
+- A streamed bucket's int8 or int4 push is encoded from its gradients where they are
+  (``encode_pieces_``): the bits of copying them together first, and nothing written when one holds
+  a NaN or an infinity.
 """
 
 from __future__ import annotations
@@ -134,59 +134,44 @@ def test_targets_the_kernels_cannot_take_are_left_to_the_staging_buffer(kernels)
     assert torch.equal(odd[1], torch.zeros(64))
 
 
-def _pieces(seed: int, sizes: list[int]):
+def _pieces(seed: int, sizes: list[int]) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    pieces = [torch.randn(k, generator=g) * 10.0 ** (i % 3) for i, k in enumerate(sizes)]
-    residual = (torch.randn(sum(sizes), generator=g) * 0.01).to(torch.bfloat16)
-    return pieces, residual
+    return [torch.randn(k, generator=g) * 10.0 ** (i % 3) for i, k in enumerate(sizes)]
 
 
-@pytest.mark.parametrize("feedback", [True, False])
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize(
     "sizes",
     [[1000], [300, 0, 700], [1, 255, 256, 513], [4096, 4096], [7] * 33, [768, 100, 5], [70_001, 3]],
 )
-def test_encoding_held_pieces_gives_the_bits_of_encoding_them_copied_together(
-    kernels, name, sizes, feedback
-):
-    """A bucket's push encoded from its gradients where they are (bucket_fill): the codes, scales
-    and residual of copying them into the bucket first, blocks that span two pieces included;
-    without a residual (a streamed push), :meth:`encode`'s."""
+def test_encoding_held_pieces_gives_the_bits_of_encoding_them_copied_together(kernels, name, sizes):
+    """A streamed bucket's push encoded from its gradients where they are (bucket_fill): the codes
+    and scales of copying them into the bucket first, blocks that span two pieces included."""
     codec = get_codec(name)
-    pieces, residual = _pieces(len(sizes), sizes)
+    pieces = _pieces(len(sizes), sizes)
     n = sum(sizes)
-    want_r, got_r = residual.clone(), residual.clone()
-    if feedback:
-        want = codec.encode_feedback_(torch.cat(pieces), want_r, codec.alloc(n))
-    else:
-        want = codec.encode(torch.cat(pieces), codec.alloc(n))
-    got = codec.encode_pieces_(pieces, codec.alloc(n), residual=got_r if feedback else None)
+    want = codec.encode(torch.cat(pieces), codec.alloc(n))
+    got = codec.encode_pieces_(pieces, codec.alloc(n))
     assert got is not None and got.meta == want.meta
     for u, v in zip(got.frames, want.frames, strict=True):
         assert torch.equal(u.view(torch.uint8), v.view(torch.uint8))
-    assert torch.equal(got_r.view(torch.int16), want_r.view(torch.int16))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_held_piece_with_a_nan_or_an_infinity_writes_nothing(kernels, bad):
-    """The push then copies the pieces into the bucket and goes uncompressed; the residual stays."""
+    """The push then copies the pieces into the bucket and goes uncompressed."""
     codec = get_codec("int8")
-    pieces, residual = _pieces(9, [500, 600, 40])
+    pieces = _pieces(9, [500, 600, 40])
     pieces[2][39] = bad
     out = [f.fill_(3) for f in codec.alloc(1140)]
-    before = residual.clone()
-    assert codec.encode_pieces_(pieces, out, residual=residual) is None
     assert codec.encode_pieces_(pieces, out) is None
-    assert torch.equal(residual.view(torch.int16), before.view(torch.int16))
     assert all(bool((f == 3).all()) for f in out)
 
 
 def test_pieces_the_kernels_cannot_take_are_left_to_the_copy(kernels):
     codec = get_codec("int8")
-    ok, residual = _pieces(2, [64])
+    ok = _pieces(2, [64])
     for pieces in ([ok[0], torch.randn(128)[::2]], [ok[0], torch.randn(64).to(torch.bfloat16)]):
-        r = torch.zeros(128, dtype=torch.bfloat16)
-        assert codec.encode_pieces_(pieces, codec.alloc(128), residual=r) is None
-        assert not r.any()
-    assert codec.encode_pieces_(ok, codec.alloc(64), residual=residual.float()) is None  # fp32
+        out = [f.fill_(3) for f in codec.alloc(128)]
+        assert codec.encode_pieces_(pieces, out) is None
+        assert all(bool((f == 3).all()) for f in out)
