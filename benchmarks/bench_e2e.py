@@ -96,6 +96,8 @@ def _node_opt_seconds(url: str) -> tuple[float, float]:
 
 def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
     """One training process: ``cfg['warmup'] + cfg['steps']`` steps; reports per-step times on ``q``."""
+    import luwu  # before any tensor, in every competitor: torch's huge pages for all (luwu/__init__)
+
     try:
         torch.set_num_threads(1)
         model = make_model()
@@ -118,8 +120,6 @@ def _train(kind: str, rank: int, world: int, cfg: dict, q) -> None:
             net = model
             opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD, fused=True)
         else:
-            import luwu
-
             net = model
             compression = False  # fp32 both ways unless the kind says hybrid
             if "hybrid" in kind:

@@ -35,7 +35,7 @@ from luwu.gpu_workers.send_order import SendOrder
 from luwu.gpu_workers.wake import Wake
 from luwu.protocol import messages as wire
 from luwu.protocol.errors import LuwuError, ProtocolError, error_for_code
-from luwu.protocol.memory import retain_freed_memory
+from luwu.protocol.memory import check_torch_huge_pages, retain_freed_memory
 from luwu.protocol.messages import Op
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class WorkerClient:
         self.nodes = [f"{a} through aggregator {via}" for a in nodes] if via else list(nodes)
         if cfg.retain_freed_memory:
             retain_freed_memory()
+        check_torch_huge_pages()
         self._out: list[collections.deque] = [collections.deque() for _ in nodes]
         self.order = SendOrder(len(nodes))
         self._cv = threading.Condition()

@@ -9,7 +9,13 @@ does not import torch.
 from __future__ import annotations
 
 import importlib
+import os
 import typing
+
+# Before torch's first allocation, which reads it once: its blocks of 2 MiB and up are then advised
+# for transparent huge pages, so a fresh gradient or activation faults in 512x fewer pages
+# (luwu.protocol.memory.check_torch_huge_pages says so when it came too late). =0 keeps torch's way.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 DISTRIBUTION = "luwu-runtime"
 """The name LuWu is installed under (``luwu`` itself is taken on PyPI)."""

@@ -10,6 +10,7 @@ from luwu.gpu_workers.streaming import patterns_of, pool_budget_bytes
 from luwu.gpu_workers.units import alloc_storage, free_storage, select_units, unit_of_params
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import ParamSpec, build_layout
+from luwu.protocol.memory import vm_flags
 
 
 class Block(torch.nn.Module):
@@ -156,20 +157,6 @@ def test_a_unit_over_the_budget_is_refused_naming_it_and_its_size():
         check_budget(layout, units, 8 * per_unit - 1)
 
 
-def _vm_flags(addr: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds ``addr`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    return []
-
-
 @pytest.mark.skipif(
     not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
     or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
@@ -181,6 +168,6 @@ def test_a_large_unit_storage_comes_back_under_huge_page_advice():
     big = torch.empty(4 << 20)  # 16 MiB
     free_storage(big)
     alloc_storage(big)
-    assert "hg" in _vm_flags(big.data_ptr() + (8 << 20))
+    assert "hg" in vm_flags(big.data_ptr() + (8 << 20))
     big.fill_(1.0)  # (and it is ordinary memory)
     assert float(big.sum()) == big.numel()
