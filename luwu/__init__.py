@@ -12,10 +12,12 @@ import importlib
 import os
 import typing
 
+from luwu.protocol.memory import TORCH_HUGE_PAGES_ENV
+
 # Before torch's first allocation, which reads it once: its blocks of 2 MiB and up are then advised
 # for transparent huge pages, so a fresh gradient or activation faults in 512x fewer pages
 # (luwu.protocol.memory.check_torch_huge_pages says so when it came too late). =0 keeps torch's way.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+os.environ.setdefault(TORCH_HUGE_PAGES_ENV, "1")
 
 DISTRIBUTION = "luwu-runtime"
 """The name LuWu is installed under (``luwu`` itself is taken on PyPI)."""

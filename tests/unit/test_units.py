@@ -1,7 +1,5 @@
 """Streaming units, the per-unit layout, the buffer pool and released parameter storage (no processes)."""
 
-import os
-
 import pytest
 import torch
 
@@ -10,7 +8,7 @@ from luwu.gpu_workers.streaming import patterns_of, pool_budget_bytes
 from luwu.gpu_workers.units import alloc_storage, free_storage, select_units, unit_of_params
 from luwu.protocol.errors import ConfigError
 from luwu.protocol.layout import ParamSpec, build_layout
-from luwu.protocol.memory import vm_flags
+from luwu.protocol.memory import thp_mode, vm_flags
 
 
 class Block(torch.nn.Module):
@@ -158,8 +156,7 @@ def test_a_unit_over_the_budget_is_refused_naming_it_and_its_size():
 
 
 @pytest.mark.skipif(
-    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled")
-    or "[never]" in open("/sys/kernel/mm/transparent_hugepage/enabled").read(),
+    thp_mode() in (None, "never"),
     reason="no transparent huge pages in this kernel",
 )
 def test_a_large_unit_storage_comes_back_under_huge_page_advice():
