@@ -266,7 +266,7 @@ class Worker:
         """Gradient hook: copy the parameter's gradient into its buckets; push every bucket it
         completes."""
         flat = grad.detach().reshape(-1)
-        full, partial, held = [], self.accumulating, False
+        full, partial = [], self.accumulating
         with self._lock:
             for bid, si in self.where.get(param, ()):
                 buf = self.bufs[bid]
@@ -286,16 +286,14 @@ class Worker:
                         {} if self.encoder.takes_pieces(buf.bucket, self.step_num) else None
                     )
                 src = flat.narrow(0, s.param_offset, s.numel)
-                if buf.hold(si, src):  # (the push encodes it from where it is: see bucket_fill)
-                    held = True
-                else:
+                if not buf.hold(si, src):  # (held: a streamed push encodes it where it is)
                     dst = buf.buffer(self._parity(bid), self._lend)
                     buf.copy_in(dst.narrow(0, s.offset, s.numel), src)
                 buf.filled.add(si)
                 if len(buf.filled) == len(buf.bucket.segments):
                     buf.pushed_step = buf.pushed_step if partial else self.step_num
                     full.append(buf)
-        if self.views is not None and not partial and not held:
+        if self.views is not None and not partial:  # (a held gradient's param has no view)
             self.views.adopt(param)  # the bucket's slice becomes .grad: autograd's is freed now
         if not partial:
             self.grad_marks.note(param, self.params[param].grad)
